@@ -1,0 +1,51 @@
+"""The one-way rule: graphs -> nodes -> yatt_graph <- runtime (see docs/ARCHITECTURE.md)."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FORBIDDEN = {
+    "yatt_graph": {"torch", "zmq", "nodes", "graphs", "runtime"},
+    "nodes": {"zmq", "runtime", "graphs"},
+    "graphs": {"runtime", "zmq"},
+    "runtime": {"nodes", "graphs"},
+}
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_no_forbidden_imports(package):
+    bad = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for name in sorted(imports_of(path) & FORBIDDEN[package]):
+            bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "layer rule broken:\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_a_forbidden_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nfrom runtime.local import LocalExecutor\nfrom . import sibling\n")
+    assert imports_of(bad) == {"torch", "runtime"}
+
+
+@pytest.mark.timeout(60)
+def test_importing_the_core_loads_neither_torch_nor_zmq():
+    code = "import sys, yatt_graph, yatt_graph.render, yatt_graph.serialize; print(sorted(m for m in ('torch', 'zmq') if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,60 @@
+import msgspec
+import pytest
+from sample_nodes import Loop, Source, Sum, scale
+
+from yatt_graph import Graph, Node, Plan
+from yatt_graph.serialize import GraphSpec
+
+
+def build() -> Graph:
+    with Graph("round_trip") as g:
+        src = Source(rows=3, cols=4, name="src")()
+        total = Sum(name="sum", placement="reward")(src.x)
+        scaled = scale(total, factor=0.5, name="half")
+        loop = Loop(name="loop")
+        out = loop(scaled)
+        g.connect(out, loop, "back", delay=1)
+        g.output("out", out)
+        g.output("prompt", src.prompt)
+    return g
+
+
+def test_graph_json_round_trip_is_equal():
+    g = build()
+    data = g.to_json()
+    back = Graph.from_json(data)
+    assert back == g
+    assert back.to_json() == data
+    assert back.nodes["half"].params == {"factor": 0.5}
+    assert back.nodes["src"].rows == 3 and back.nodes["sum"].placement == "reward"
+    assert [e.delay for e in back.edges if e.dst_port == "back"] == [1]
+    decoded = msgspec.json.decode(data, type=GraphSpec)
+    assert [n.ref for n in decoded.nodes][:2] == ["sample_nodes:Source", "sample_nodes:Sum"]
+
+
+def test_plan_json_round_trip_is_equal():
+    plan = build().plan(2)
+    back = Plan.from_json(plan.to_json())
+    assert back == plan
+    assert back.assignment == plan.assignment and back.channels == plan.channels
+
+
+def test_graph_differs_when_a_config_differs():
+    a, b = build(), build()
+    b.nodes["src"] = Source(rows=9, cols=4, name="src")
+    assert a != b
+
+
+def test_unwritable_config_is_refused_with_the_node_named():
+    class Holder(Node):
+        outputs = {"x": Source.outputs["x"]}
+
+        def __init__(self, model, name=None):
+            super().__init__(name=name)
+
+    with Graph("g") as g:
+        g.output("x", Holder(object(), name="holder")())
+    with pytest.raises(
+        TypeError, match=r"node 'holder' config\['model'\]: a object cannot be written"
+    ):
+        g.to_json()

@@ -1,0 +1,58 @@
+"""yatt-graph: typed dataflow graphs for multimodal RLHF.
+
+The core package: ports and types, nodes, graphs, validation, plans, pictures and
+serialization. It imports neither torch nor zmq; executors live in ``runtime``.
+"""
+
+from yatt_graph.errors import (
+    CycleError,
+    DuplicateNodeError,
+    GraphError,
+    GraphLookupError,
+    MissingInputError,
+    NodeExecutionError,
+    NodeInputError,
+    NodeOutputError,
+    PortTypeError,
+    ShapeError,
+    UnusedOutputWarning,
+)
+from yatt_graph.graph import Edge, Graph, Handle, Outputs
+from yatt_graph.node import BatchPolicy, FunctionNode, Node, Port, Resources, node
+from yatt_graph.plan import Channel, Plan, Subgraph
+from yatt_graph.types import ANY, AnySpec, PortSpec, StructSpec, Tensor, TensorSpec
+
+__all__ = [
+    "ANY",
+    "AnySpec",
+    "BatchPolicy",
+    "Channel",
+    "CycleError",
+    "DuplicateNodeError",
+    "Edge",
+    "FunctionNode",
+    "Graph",
+    "GraphError",
+    "GraphLookupError",
+    "Handle",
+    "MissingInputError",
+    "Node",
+    "NodeExecutionError",
+    "NodeInputError",
+    "NodeOutputError",
+    "Outputs",
+    "Plan",
+    "Port",
+    "PortSpec",
+    "PortTypeError",
+    "Resources",
+    "ShapeError",
+    "StructSpec",
+    "Subgraph",
+    "Tensor",
+    "TensorSpec",
+    "UnusedOutputWarning",
+    "node",
+]
+
+__version__ = "0.1.0"

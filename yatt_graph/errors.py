@@ -1,0 +1,74 @@
+"""Errors raised while building, checking or running graphs. Each says what, where and how to fix."""
+
+from __future__ import annotations
+
+__all__ = [
+    "GraphError",
+    "GraphLookupError",
+    "PortTypeError",
+    "CycleError",
+    "MissingInputError",
+    "DuplicateNodeError",
+    "ShapeError",
+    "UnusedOutputWarning",
+    "NodeInputError",
+    "NodeOutputError",
+    "NodeExecutionError",
+]
+
+
+class GraphError(Exception):
+    """A graph that cannot run as declared."""
+
+
+class GraphLookupError(GraphError, KeyError):
+    """A node or port named in a connection does not exist."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class PortTypeError(GraphError, TypeError):
+    """Two connected ports have incompatible types."""
+
+
+class CycleError(GraphError):
+    """The graph has a cycle of non-delayed edges."""
+
+    def __init__(self, message: str, cycle: list[str]):
+        super().__init__(message)
+        self.cycle = cycle
+
+
+class MissingInputError(GraphError):
+    """A required input port is connected to nothing."""
+
+
+class DuplicateNodeError(GraphError):
+    """Two different nodes share a name."""
+
+
+class ShapeError(GraphError):
+    """Symbolic dimensions cannot be unified across the graph."""
+
+
+class UnusedOutputWarning(UserWarning):
+    """An output port feeds nothing and is not a graph output."""
+
+
+class NodeInputError(ValueError):
+    """A node was given inputs that do not fit its ports."""
+
+
+class NodeOutputError(ValueError):
+    """A node's forward returned something other than its declared outputs."""
+
+
+class NodeExecutionError(RuntimeError):
+    """A node raised while running; carries the node, its input shapes and the original traceback."""
+
+    def __init__(self, node: str, message: str, remote_traceback: str = "", **context: object):
+        super().__init__(message)
+        self.node = node
+        self.remote_traceback = remote_traceback
+        self.context = context

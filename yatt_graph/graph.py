@@ -1,0 +1,391 @@
+"""Graph: a typed DAG of nodes, declared in Python and checked before anything runs.
+
+::
+
+    with Graph("toy") as g:
+        batch = source()
+        emb = encoder(batch.images)
+        ...
+        g.output("metrics", update(...).metrics)
+
+Calling a node inside the ``with`` block adds it and returns a :class:`Handle` (one
+output) or an :class:`Outputs` (several). Leaving the block validates the graph.
+
+Edges may carry a ``delay`` of one step: the value produced at step k is consumed at
+step k+1 (weight sync from the update back to the rollout is the usual case). Delayed
+edges are drawn but are not part of the DAG, so they do not form cycles, and their
+input must be optional (it is None at step 0).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import networkx as nx
+
+from yatt_graph.errors import (
+    CycleError,
+    DuplicateNodeError,
+    GraphLookupError,
+    MissingInputError,
+    PortTypeError,
+    ShapeError,
+    UnusedOutputWarning,
+)
+from yatt_graph.node import Node
+from yatt_graph.types import PortSpec, TensorSpec, compatible
+
+__all__ = ["Edge", "Graph", "Handle", "Outputs"]
+
+_current: contextvars.ContextVar[tuple[Graph, ...]] = contextvars.ContextVar(
+    "yatt_graph_stack", default=()
+)
+
+
+class Handle(msgspec.Struct, frozen=True):
+    """One output port of one node in a graph: what node calls return and take."""
+
+    node: str
+    port: str
+    spec: PortSpec
+
+    def __repr__(self) -> str:
+        return f"Handle({self.node}.{self.port}: {self.spec})"
+
+
+class Outputs:
+    """The outputs of a node with several: ``out.logprobs``, ``out["logprobs"]``, or unpacking."""
+
+    def __init__(self, handles: dict[str, Handle]):
+        self._handles = handles
+
+    def __getattr__(self, name: str) -> Handle:
+        try:
+            return self._handles[name]
+        except KeyError:
+            raise AttributeError(
+                f"node {next(iter(self._handles.values())).node!r} has no output {name!r}; "
+                f"its outputs are {sorted(self._handles)}"
+            ) from None
+
+    __getitem__ = __getattr__
+
+    def __iter__(self) -> Iterator[Handle]:
+        return iter(self._handles.values())
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def __repr__(self) -> str:
+        return f"Outputs({', '.join(map(repr, self._handles.values()))})"
+
+
+class Edge(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A connection from one node's output port to another node's input port."""
+
+    src: str
+    src_port: str
+    dst: str
+    dst_port: str
+    delay: int = 0
+    """0: same step. 1: the value from step k feeds step k+1."""
+
+
+class Graph:
+    """A typed dataflow graph, backed by a networkx ``MultiDiGraph`` (one edge per port pair)."""
+
+    def __init__(self, name: str = "graph"):
+        self.name = name
+        self.nodes: dict[str, Node] = {}
+        self.dag = nx.MultiDiGraph()
+        self.graph_outputs: dict[str, Handle] = {}
+        self._token: contextvars.Token[tuple[Graph, ...]] | None = None
+
+    # --- declaration ----------------------------------------------------------------
+    @staticmethod
+    def current() -> Graph | None:
+        stack = _current.get()
+        return stack[-1] if stack else None
+
+    def __enter__(self) -> Graph:
+        self._token = _current.set((*_current.get(), self))
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        assert self._token is not None
+        _current.reset(self._token)
+        self._token = None
+        if exc_type is None:
+            self.validate()
+
+    def add(self, node: Node, *args: Any, **kwargs: Any) -> Handle | Outputs:
+        """Add a node and connect the handles given for its inputs (positionally, or by name)."""
+        if not isinstance(node, Node):
+            raise TypeError(f"Graph.add expects a Node, got {type(node).__name__}")
+        existing = self.nodes.get(node.name)
+        if existing is not None:
+            what = "is already in" if existing is node else "has the same name as another node in"
+            raise DuplicateNodeError(
+                f"node {node.name!r} ({type(node).__name__}) {what} graph {self.name!r} "
+                f"(first: {type(existing).__name__}); give it another name, e.g. "
+                f"node.renamed('{node.name}_2') or fn(..., name='{node.name}_2')"
+            )
+        names = list(node.inputs)
+        if len(args) > len(names):
+            raise TypeError(
+                f"node {node.name!r} takes {len(names)} inputs {names}, {len(args)} were given"
+            )
+        bound = dict(zip(names, args))
+        for key, value in kwargs.items():
+            if key not in node.inputs:
+                raise TypeError(f"node {node.name!r} has no input {key!r}; its inputs are {names}")
+            if key in bound:
+                raise TypeError(f"node {node.name!r}: input {key!r} given twice")
+            bound[key] = value
+        self.nodes[node.name] = node
+        self.dag.add_node(node.name)
+        try:
+            for port, handle in bound.items():
+                if handle is not None:
+                    self.connect(handle, node, port)
+        except Exception:
+            self.remove(node.name)
+            raise
+        handles = {p: Handle(node.name, p, port.spec) for p, port in node.outputs.items()}
+        if len(handles) == 1:
+            return next(iter(handles.values()))
+        return Outputs(handles)
+
+    def remove(self, name: str) -> None:
+        self.nodes.pop(name, None)
+        if name in self.dag:
+            self.dag.remove_node(name)
+
+    def connect(self, src: Handle, dst: Node | str, port: str, *, delay: int = 0) -> Edge:
+        """Connect an output handle to ``dst``'s input ``port``; type errors are raised here."""
+        if not isinstance(src, Handle):
+            raise TypeError(
+                f"input {port!r} of node {getattr(dst, 'name', dst)!r} must be a Handle returned by "
+                f"a node call in this graph, got {type(src).__name__}"
+            )
+        dst_name = dst if isinstance(dst, str) else dst.name
+        if src.node not in self.nodes:
+            raise GraphLookupError(f"node {src.node!r} is not in graph {self.name!r}")
+        if dst_name not in self.nodes:
+            raise GraphLookupError(f"node {dst_name!r} is not in graph {self.name!r}; add it first")
+        dst_node = self.nodes[dst_name]
+        if port not in dst_node.inputs:
+            raise GraphLookupError(
+                f"node {dst_name!r} has no input {port!r}; its inputs are {sorted(dst_node.inputs)}"
+            )
+        src_port = self.nodes[src.node].outputs.get(src.port)
+        if src_port is None:
+            raise GraphLookupError(f"node {src.node!r} has no output {src.port!r}")
+        dst_port = dst_node.inputs[port]
+        why = compatible(src_port.spec, dst_port.spec)
+        if why:
+            raise PortTypeError(
+                f"cannot connect {src.node}.{src.port} ({src_port.spec}) to "
+                f"{dst_name}.{port} ({dst_port.spec}): {why}. Fix: make {src.node!r} produce "
+                f"{dst_port.spec}, or convert the value with a node in between"
+            )
+        for _, _, data in self.dag.in_edges(dst_name, data=True):
+            if data["edge"].dst_port == port:
+                other = data["edge"]
+                raise PortTypeError(
+                    f"input {dst_name}.{port} is already fed by {other.src}.{other.src_port}; "
+                    f"an input takes one edge, so {src.node}.{src.port} cannot feed it too"
+                )
+        if delay not in (0, 1):
+            raise ValueError(f"edge delay must be 0 or 1, got {delay}")
+        if delay and dst_port.required:
+            raise MissingInputError(
+                f"delayed edge {src.node}.{src.port} -> {dst_name}.{port}: the input is empty at "
+                f"step 0, so {dst_name}.{port} must be optional (Port(spec, required=False))"
+            )
+        edge = Edge(src.node, src.port, dst_name, port, delay)
+        self.dag.add_edge(src.node, dst_name, key=(src.port, port), edge=edge)
+        return edge
+
+    def output(self, name: str, handle: Handle) -> None:
+        """Mark a handle as a result of the graph (returned by executors, and not 'unused')."""
+        if name in self.graph_outputs:
+            raise ValueError(f"graph {self.name!r} already has an output named {name!r}")
+        self.graph_outputs[name] = handle
+
+    # --- queries ------------------------------------------------------------------------
+    @property
+    def edges(self) -> list[Edge]:
+        return [data["edge"] for _, _, data in self.dag.edges(data=True)]
+
+    def step_dag(self) -> nx.MultiDiGraph:
+        """The graph without delayed edges: what must be acyclic within one step."""
+        view = nx.MultiDiGraph()
+        view.add_nodes_from(self.dag.nodes)
+        view.add_edges_from(
+            (u, v, k, d)
+            for u, v, k, d in self.dag.edges(keys=True, data=True)
+            if not d["edge"].delay
+        )
+        return view
+
+    def topological_order(self) -> list[str]:
+        """Node names in an order where every producer comes before its consumers (stable)."""
+        self._check_acyclic()
+        index = {name: i for i, name in enumerate(self.nodes)}
+        return list(nx.lexicographical_topological_sort(self.step_dag(), key=index.__getitem__))
+
+    def inputs_of(self, name: str) -> list[Edge]:
+        return [d["edge"] for _, _, d in self.dag.in_edges(name, data=True)]
+
+    def outputs_of(self, name: str) -> list[Edge]:
+        return [d["edge"] for _, _, d in self.dag.out_edges(name, data=True)]
+
+    # --- validation -----------------------------------------------------------------------
+    def _check_acyclic(self) -> None:
+        try:
+            cycle = nx.find_cycle(self.step_dag())
+        except nx.NetworkXNoCycle:
+            return
+        names = [u for u, *_ in cycle] + [cycle[0][0]]
+        ports = " -> ".join(
+            f"{e['edge'].src}.{e['edge'].src_port}"
+            for u, v, k in cycle
+            for e in [self.dag.get_edge_data(u, v, k)]
+        )
+        raise CycleError(
+            f"graph {self.name!r} has a cycle: {' -> '.join(names)} (through {ports}). "
+            "Fix: remove one edge, or mark the feedback edge as delayed: "
+            "g.connect(handle, node, port, delay=1)",
+            names,
+        )
+
+    def validate(self) -> list[str]:
+        """Check the whole graph; raise on errors, warn (and return the warnings) on unused outputs."""
+        self._check_acyclic()
+        for name, node in self.nodes.items():
+            fed = {e.dst_port for e in self.inputs_of(name)}
+            for port, spec in node.inputs.items():
+                if spec.required and port not in fed:
+                    raise MissingInputError(
+                        f"node {name!r}: required input {port!r} ({spec.spec}) is not connected. "
+                        f"Fix: pass a handle for it, e.g. {name}({port}=other.out), or make it optional"
+                    )
+        self._unify_shapes()
+        consumed = {(e.src, e.src_port) for e in self.edges}
+        consumed |= {(h.node, h.port) for h in self.graph_outputs.values()}
+        messages = []
+        for name, node in self.nodes.items():
+            for port, spec in node.outputs.items():
+                if (name, port) not in consumed:
+                    msg = (
+                        f"graph {self.name!r}: output {name}.{port} ({spec.spec}) is consumed by nothing; "
+                        f"connect it or mark it with g.output('{port}', handle)"
+                    )
+                    messages.append(msg)
+                    warnings.warn(msg, UnusedOutputWarning, stacklevel=3)
+        return messages
+
+    def _unify_shapes(self) -> None:
+        """Union-find over (node, symbol) with concrete sizes: a symbol may bind one int only."""
+        parent: dict[tuple[str, str], tuple[str, str]] = {}
+        size: dict[tuple[str, str], tuple[int, str]] = {}
+
+        def find(x: tuple[str, str]) -> tuple[str, str]:
+            parent.setdefault(x, x)
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        def bind(sym: tuple[str, str], value: int, where: str) -> None:
+            root = find(sym)
+            if root in size and size[root][0] != value:
+                raise ShapeError(
+                    f"graph {self.name!r}: dimension {sym[1]} of node {sym[0]!r} is {value} at {where} "
+                    f"but {size[root][0]} at {size[root][1]}. Fix: make the shapes agree"
+                )
+            size.setdefault(root, (value, where))
+
+        def union(a: tuple[str, str], b: tuple[str, str], where: str) -> None:
+            ra, rb = find(a), find(b)
+            if ra == rb:
+                return
+            parent[ra] = rb
+            if ra in size:
+                bind(rb, size[ra][0], size[ra][1])
+                if rb in size and size[rb][0] != size[ra][0]:
+                    bind(rb, size[ra][0], where)
+
+        for e in self.edges:
+            s = self.nodes[e.src].outputs[e.src_port].spec
+            d = self.nodes[e.dst].inputs[e.dst_port].spec
+            if not (isinstance(s, TensorSpec) and isinstance(d, TensorSpec)):
+                continue
+            where = f"{e.src}.{e.src_port} -> {e.dst}.{e.dst_port}"
+            for a, b in zip(s.shape, d.shape):
+                if a == "*" or b == "*":
+                    continue
+                if isinstance(a, str) and isinstance(b, str):
+                    union((e.src, a), (e.dst, b), where)
+                elif isinstance(a, str):
+                    bind((e.src, a), b, where)  # type: ignore[arg-type]
+                elif isinstance(b, str):
+                    bind((e.dst, b), a, where)
+
+    # --- planning, pictures, serialization -------------------------------------------------
+    def plan(self, controllers: int = 1, placement: dict[str, int | str] | None = None) -> Any:
+        """Partition the graph into ``controllers`` subgraphs (see :class:`yatt_graph.plan.Plan`)."""
+        from yatt_graph.plan import Plan
+
+        return Plan.build(self, controllers, placement)
+
+    def spec(self) -> Any:
+        from yatt_graph.serialize import graph_spec
+
+        return graph_spec(self)
+
+    def to_json(self) -> bytes:
+        from yatt_graph.serialize import encode
+
+        return encode(self.spec())
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Graph:
+        from yatt_graph.serialize import graph_from_json
+
+        return graph_from_json(data)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Graph) and self.spec() == other.spec()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def to_mermaid(self) -> str:
+        from yatt_graph.render import to_mermaid
+
+        return to_mermaid(self)
+
+    def to_text(self) -> str:
+        from yatt_graph.render import to_text
+
+        return to_text(self)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def __repr__(self) -> str:
+        return f"<Graph {self.name!r}: {len(self.nodes)} nodes, {self.dag.number_of_edges()} edges>"
+
+    def draw(self, path: str | None = None, fmt: str | None = None) -> bytes:
+        """Render to SVG or PNG bytes (and write them to ``path`` if given)."""
+        from yatt_graph.render import draw
+
+        return draw(self, path=path, fmt=fmt)
+
+    def _repr_svg_(self) -> str:
+        return self.draw(fmt="svg").decode()

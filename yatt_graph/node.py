@@ -1,0 +1,407 @@
+"""Nodes: units of work with typed ports, a resource request and a batch policy.
+
+Two ways to declare one:
+
+* a class, for stateful nodes (models, optimizers)::
+
+    class Scale(Node):
+        kind = "function"
+        inputs = {"x": Tensor("float32", "B")}
+        outputs = {"y": Tensor("float32", "B")}
+
+        def __init__(self, factor: float = 2.0, name: str | None = None):
+            super().__init__(name=name)
+            self.factor = factor
+
+        def forward(self, x):
+            return {"y": x * self.factor}
+
+* the :func:`node` decorator on a plain function::
+
+    @node(outputs={"y": Tensor("float32", "B")})
+    def double(x: Tensor("float32", "B")):
+        return {"y": 2 * x}
+
+Either is callable alone with :meth:`Node.run` (no graph, no runtime), which checks
+the inputs against the ports; that is how nodes are unit-tested.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import msgspec
+
+from yatt_graph.errors import NodeInputError, NodeOutputError
+from yatt_graph.types import AnySpec, PortSpec, StructSpec, TensorSpec, spec_of
+
+__all__ = ["BatchPolicy", "Node", "FunctionNode", "Port", "Resources", "node", "check_value"]
+
+
+class BatchPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How the scheduler may batch requests for a node (the knobs of a dynamic batcher)."""
+
+    max_batch_size: int = 0
+    """Most samples in one call; 0 means no limit."""
+    max_tokens: int = 0
+    """Most tokens (by the node's cost function) in one call; 0 means no limit."""
+    max_queue_delay_s: float = 0.0
+    """Longest a request waits for others to fuse with before it runs alone."""
+    splittable: bool = True
+    """Whether a batch may be cut into micro-batches across devices."""
+    timeout_s: float = 0.0
+    """Longest one call may run before it is reported as hung; 0 means no limit."""
+
+    def verify(self) -> BatchPolicy:
+        for field in ("max_batch_size", "max_tokens", "max_queue_delay_s", "timeout_s"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"BatchPolicy.{field} must be >= 0, got {getattr(self, field)}")
+        return self
+
+
+class Resources(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a node asks of the device it runs on."""
+
+    device: str = "cpu"
+    """``"cpu"``, ``"cuda"`` or ``"any"`` (cuda when present, else cpu)."""
+    count: int = 1
+    """How many devices of that kind one replica of the node uses."""
+    memory_gb: float = 0.0
+    """A hint for placement; 0 means unknown."""
+
+    def verify(self) -> Resources:
+        if self.device not in ("cpu", "cuda", "any"):
+            raise ValueError(
+                f"Resources.device must be 'cpu', 'cuda' or 'any', got {self.device!r}"
+            )
+        if self.count < 1:
+            raise ValueError(f"Resources.count must be >= 1, got {self.count}")
+        return self
+
+
+class Port(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A named input or output with a type."""
+
+    spec: PortSpec
+    required: bool = True
+    """An input that must be connected (outputs are always required to be produced)."""
+    doc: str = ""
+
+
+def _as_port(decl: Any) -> Port:
+    return decl if isinstance(decl, Port) else Port(spec_of(decl))
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _value_dtype(value: Any) -> str | None:
+    dtype = getattr(value, "dtype", None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def check_value(spec: PortSpec, value: Any, bindings: dict[str, int] | None = None) -> str | None:
+    """Check a value against a port spec; return None if it fits, else why not.
+
+    ``bindings`` carries symbol sizes across the ports of one call, so that
+    ``rewards: (B, T)`` and ``values: (B, T)`` must agree on B and T.
+    """
+    if isinstance(spec, AnySpec):
+        return None
+    if isinstance(spec, StructSpec):
+        cls = spec.resolve()
+        if cls is not None and not isinstance(value, cls):
+            return f"expected {spec}, got {type(value).__name__}"
+        return None
+    shape = getattr(value, "shape", None)
+    dtype = _value_dtype(value)
+    if shape is None or dtype is None:
+        return f"expected a tensor {spec}, got {type(value).__name__}"
+    if dtype != spec.dtype:
+        return f"expected dtype {spec.dtype}, got {dtype}"
+    shape = tuple(shape)
+    if len(shape) != len(spec.shape):
+        return f"expected {len(spec.shape)} dims {spec}, got shape {shape}"
+    for dim, size in zip(spec.shape, shape):
+        if isinstance(dim, int):
+            if dim != size:
+                return f"expected shape {spec}, got {shape}"
+        elif dim != "*" and bindings is not None:
+            bound = bindings.setdefault(dim, size)
+            if bound != size:
+                return f"dimension {dim}={size} disagrees with {dim}={bound} set by an earlier port"
+    return None
+
+
+class Node:
+    """Base class of every node. Subclasses declare ``inputs``/``outputs`` and ``forward``."""
+
+    kind: ClassVar[str] = "function"
+    """What the node does, for pictures: data, encoder, rollout, reward, reference, critic,
+    advantage, update, sync, function."""
+    inputs: dict[str, Port] = {}  # noqa: RUF012 - class declaration, normalized per instance
+    outputs: dict[str, Port] = {}  # noqa: RUF012
+    batch_policy: BatchPolicy = BatchPolicy()
+    resources: Resources = Resources()
+    placement: str | int | None = None
+    """A controller hint: an int controller index or a group name; None lets the plan decide."""
+    step: int = 0
+    """The step being run, set by the executor before each call (seed per-step randomness from it)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Node:
+        self = super().__new__(cls)
+        # Remember how the node was made, so that a plan can rebuild it in another process.
+        self._init_args = (args, dict(kwargs))
+        self.name = _snake(cls.__name__)
+        self.inputs = {k: _as_port(v) for k, v in type(self).inputs.items()}
+        self.outputs = {k: _as_port(v) for k, v in type(self).outputs.items()}
+        return self
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        placement: str | int | None = None,
+        batch_policy: BatchPolicy | None = None,
+        resources: Resources | None = None,
+    ) -> None:
+        if name is not None:
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"node name {name!r} must be a Python identifier")
+            self.name = name
+        if placement is not None:
+            self.placement = placement
+        if batch_policy is not None:
+            self.batch_policy = batch_policy.verify()
+        if resources is not None:
+            self.resources = resources.verify()
+
+    # --- the work -----------------------------------------------------------------
+    def forward(self, **inputs: Any) -> Mapping[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} must define forward(**inputs)")
+
+    def run(
+        self, inputs: Mapping[str, Any] | None = None, /, *, check: bool = True, **kw: Any
+    ) -> dict[str, Any]:
+        """Run the node alone: check inputs against the ports, call forward, check outputs."""
+        values = {**(inputs or {}), **kw}
+        unknown = sorted(set(values) - set(self.inputs))
+        if unknown:
+            raise NodeInputError(
+                f"node {self.name!r}: unknown input(s) {unknown}; its inputs are {sorted(self.inputs)}"
+            )
+        bindings: dict[str, int] = {}
+        for port_name, port in self.inputs.items():
+            if port_name not in values or values[port_name] is None:
+                if port.required:
+                    raise NodeInputError(
+                        f"node {self.name!r}: required input {port_name!r} ({port.spec}) was not given"
+                    )
+                values[port_name] = None
+                continue
+            if check and (why := check_value(port.spec, values[port_name], bindings)):
+                raise NodeInputError(f"node {self.name!r}: input {port_name!r}: {why}")
+        result = self.forward(**values)
+        return self._check_outputs(result, bindings if check else None)
+
+    def _check_outputs(self, result: Any, bindings: dict[str, int] | None) -> dict[str, Any]:
+        if not isinstance(result, Mapping):
+            if len(self.outputs) == 1:
+                result = {next(iter(self.outputs)): result}
+            else:
+                raise NodeOutputError(
+                    f"node {self.name!r}: forward returned {type(result).__name__}; "
+                    f"return a dict with keys {sorted(self.outputs)}"
+                )
+        missing = sorted(set(self.outputs) - set(result))
+        extra = sorted(set(result) - set(self.outputs))
+        if missing or extra:
+            raise NodeOutputError(
+                f"node {self.name!r}: forward returned keys {sorted(result)}; "
+                f"declared outputs are {sorted(self.outputs)} (missing {missing}, unexpected {extra})"
+            )
+        if bindings is not None:
+            for port_name, port in self.outputs.items():
+                if why := check_value(port.spec, result[port_name], bindings):
+                    raise NodeOutputError(f"node {self.name!r}: output {port_name!r}: {why}")
+        return dict(result)
+
+    def begin_step(self, step: int) -> None:
+        """Called by executors before each call; nodes seed per-step randomness from ``self.step``."""
+        self.step = step
+
+    # --- state, for checkpoints and weight sync ----------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The node's mutable state (weights, optimizer, RNG); empty for stateless nodes."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state:
+            raise NotImplementedError(f"{type(self).__name__} has no state to load")
+
+    # --- declaration in a graph ----------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from yatt_graph.graph import Graph
+
+        graph = Graph.current()
+        if graph is None:
+            raise RuntimeError(
+                f"node {self.name!r} was called outside a graph; declare it inside "
+                "`with Graph('name') as g:`, or run it alone with node.run({...})"
+            )
+        return graph.add(self, *args, **kwargs)
+
+    def renamed(self, name: str) -> Node:
+        """A shallow copy under another name (to use the same node twice in a graph)."""
+        other = copy.copy(self)
+        other.name = name
+        other._init_args = (self._init_args[0], {**self._init_args[1], "name": name})
+        return other
+
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments, by name, that rebuild this node."""
+        args, kwargs = self._init_args
+        try:
+            bound = inspect.signature(type(self)).bind(*args, **kwargs)
+        except TypeError:
+            return dict(kwargs)
+        config = dict(bound.arguments)
+        for key, param in inspect.signature(type(self)).parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD and key in config:
+                config.update(config.pop(key))
+        config["name"] = self.name
+        return config
+
+    @property
+    def ref(self) -> str:
+        return f"{type(self).__module__}:{type(self).__qualname__}"
+
+    @property
+    def label(self) -> str:
+        """What made the node, for listings and pictures: its class, or @function."""
+        return type(self).__name__
+
+    def signature(self) -> str:
+        ins = ", ".join(f"{k}: {p.spec}{'' if p.required else '?'}" for k, p in self.inputs.items())
+        outs = ", ".join(f"{k}: {p.spec}" for k, p in self.outputs.items())
+        return f"({ins}) -> ({outs})"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} {self.kind} {self.signature()}>"
+
+
+class FunctionNode(Node):
+    """A stateless node made from a plain function by :func:`node`."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        outputs: Mapping[str, Any] | None = None,
+        kind: str = "function",
+        name: str | None = None,
+        params: Mapping[str, Any] | None = None,
+        placement: str | int | None = None,
+        batch_policy: BatchPolicy | None = None,
+        resources: Resources | None = None,
+    ) -> None:
+        self.fn = fn
+        self.kind = kind
+        super().__init__(
+            name or fn.__name__, placement=placement, batch_policy=batch_policy, resources=resources
+        )
+        sig = inspect.signature(fn, eval_str=True)
+        self.inputs, self.params = {}, dict(params or {})
+        self._param_names: set[str] = set()
+        for pname, p in sig.parameters.items():
+            ann = p.annotation
+            if isinstance(ann, TensorSpec | StructSpec | AnySpec | Port):
+                port = _as_port(ann)
+                if p.default is not inspect.Parameter.empty:
+                    port = Port(port.spec, required=False, doc=port.doc)
+                self.inputs[pname] = port
+            elif isinstance(ann, type) and issubclass(ann, msgspec.Struct):
+                self.inputs[pname] = Port(
+                    StructSpec.of(ann), required=p.default is inspect.Parameter.empty
+                )
+            elif p.default is not inspect.Parameter.empty or pname in self.params:
+                self._param_names.add(pname)
+            else:
+                raise TypeError(
+                    f"@node {fn.__name__}: parameter {pname!r} has no port type and no default; "
+                    "annotate it with Tensor(...)/a Struct class/ANY, or give it a default to make "
+                    "it a parameter"
+                )
+        unknown = set(self.params) - self._param_names
+        if unknown:
+            raise TypeError(f"@node {fn.__name__}: unknown parameter(s) {sorted(unknown)}")
+        if outputs is None:
+            ret = sig.return_annotation
+            if ret is inspect.Signature.empty:
+                raise TypeError(
+                    f"@node {fn.__name__}: declare outputs=..., or annotate the return with a port type"
+                )
+            outputs = {"out": ret}
+        self.outputs = {k: _as_port(v) for k, v in outputs.items()}
+        self.__doc__ = fn.__doc__
+
+    def forward(self, **inputs: Any) -> Any:
+        return self.fn(**inputs, **self.params)
+
+    def with_params(self, name: str | None = None, **params: Any) -> FunctionNode:
+        """A copy with some parameters set (and optionally another name)."""
+        other = self.renamed(name) if name else copy.copy(self)
+        unknown = set(params) - self._param_names
+        if unknown:
+            raise TypeError(f"node {self.name!r}: unknown parameter(s) {sorted(unknown)}")
+        other.params = {**self.params, **params}
+        other._init_args = (other._init_args[0], {**other._init_args[1], "params": other.params})
+        return other
+
+    def __call__(self, *args: Any, name: str | None = None, **kwargs: Any) -> Any:
+        params = {k: kwargs.pop(k) for k in list(kwargs) if k in self._param_names}
+        target = self.with_params(name, **params) if (params or name) else self
+        return Node.__call__(target, *args, **kwargs)
+
+    def config(self) -> dict[str, Any]:
+        # Rebuilt from the decorated object found at `ref`, so only what differs is kept.
+        return {"name": self.name, "params": dict(self.params)}
+
+    @property
+    def ref(self) -> str:
+        return f"{self.fn.__module__}:{self.fn.__qualname__}"
+
+    @property
+    def label(self) -> str:
+        return f"@{self.fn.__name__}"
+
+
+def node(
+    fn: Callable[..., Any] | None = None,
+    *,
+    outputs: Mapping[str, Any] | None = None,
+    kind: str = "function",
+    name: str | None = None,
+    placement: str | int | None = None,
+    batch_policy: BatchPolicy | None = None,
+    resources: Resources | None = None,
+) -> Any:
+    """Make a :class:`FunctionNode` from a function. Ports come from the annotations."""
+
+    def wrap(f: Callable[..., Any]) -> FunctionNode:
+        return FunctionNode(
+            f,
+            outputs=outputs,
+            kind=kind,
+            name=name,
+            placement=placement,
+            batch_policy=batch_policy,
+            resources=resources,
+        )
+
+    return wrap(fn) if fn is not None else wrap

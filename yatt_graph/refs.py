@@ -1,0 +1,100 @@
+"""Importable references ("module:qualname") to classes, functions and node objects."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["import_ref", "load_graph", "load_module", "ref_of"]
+
+
+def ref_of(obj: Any) -> str:
+    return f"{obj.__module__}:{obj.__qualname__}"
+
+
+def import_ref(ref: str) -> Any:
+    """Import ``"package.module:Attr.sub"``; errors name the reference and what failed."""
+    module_name, sep, qualname = ref.partition(":")
+    if not sep or not module_name or not qualname:
+        raise ValueError(f"reference {ref!r} must look like 'package.module:name'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(
+            f"cannot import module {module_name!r} for reference {ref!r}: {exc}"
+        ) from exc
+    for part in qualname.split("."):
+        if part == "<locals>" or not hasattr(obj, part):
+            raise ImportError(
+                f"reference {ref!r}: {part!r} is not an attribute of {obj!r}; "
+                "nodes must be defined at module level to be rebuilt from a plan"
+            )
+        obj = getattr(obj, part)
+    return obj
+
+
+def load_module(target: str) -> Any:
+    """Import a module by dotted name or a Python file by path; import errors name the file."""
+    path = Path(target)
+    if target.endswith(".py") or path.exists():
+        if not path.is_file():
+            raise FileNotFoundError(f"graph file {target!r} does not exist")
+        # A file inside the project (graphs/toy.py) imports as its dotted module, so that
+        # node references point at importable names rather than at a throwaway module.
+        resolved = path.resolve()
+        for root in map(Path, sys.path or ["."]):
+            try:
+                rel = resolved.relative_to((root or Path(".")).resolve())
+            except ValueError:
+                continue
+            dotted = ".".join(rel.with_suffix("").parts)
+            if all(part.isidentifier() for part in rel.with_suffix("").parts):
+                return _import(dotted, target)
+        name = path.stem
+        spec = importlib.util.spec_from_file_location(name, resolved)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {target!r} as a Python module")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            sys.modules.pop(name, None)
+            raise ImportError(
+                f"importing graph file {target!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        return module
+    return _import(target, target)
+
+
+def _import(dotted: str, shown: str) -> Any:
+    try:
+        return importlib.import_module(dotted)
+    except Exception as exc:
+        raise ImportError(f"importing graph {shown!r} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def load_graph(target: str, **kwargs: Any) -> Any:
+    """The graph a module or file declares: its ``build_graph(**kwargs)``, else its ``graph``."""
+    from yatt_graph.graph import Graph
+
+    module = load_module(target)
+    build = getattr(module, "build_graph", None)
+    if callable(build):
+        graph = build(**kwargs)
+    else:
+        graph = getattr(module, "graph", None)
+        if graph is None:
+            graph = next((v for v in vars(module).values() if isinstance(v, Graph)), None)
+        if kwargs and graph is not None:
+            raise TypeError(
+                f"{target!r} defines a graph object, not build_graph(); it takes no options"
+            )
+    if not isinstance(graph, Graph):
+        raise ValueError(
+            f"{target!r} declares no graph: define build_graph(**options) -> Graph, or a module-level Graph"
+        )
+    return graph
