@@ -1,0 +1,142 @@
+"""The ``yatt-graph`` command: draw, list, run graphs.
+
+yatt-graph viz graphs/toy.py -o toy.svg [--controllers 3]
+yatt-graph show graphs/toy.py [--mermaid]
+yatt-graph run graphs/toy.py --steps 30 --seed 0
+yatt-graph demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from yatt_graph import GraphError
+from yatt_graph.refs import load_graph
+
+__all__ = ["main"]
+
+
+def _options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``--set key=value`` pairs; values are parsed as JSON when they can be."""
+    import json
+
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {pair!r}: expected KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def _load(args: argparse.Namespace) -> Any:
+    return load_graph(args.graph, **_options(args.set))
+
+
+def cmd_viz(args: argparse.Namespace) -> int:
+    graph = _load(args)
+    target = graph.plan(args.controllers) if args.controllers > 1 else graph
+    suffix = Path(args.output).suffix.lstrip(".").lower()
+    if suffix not in ("svg", "png"):
+        raise SystemExit(f"viz: -o must end in .svg or .png, got {args.output!r}")
+    target.draw(args.output)
+    print(f"wrote {args.output} ({len(graph.nodes)} nodes, {len(graph.edges)} edges)")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    graph = _load(args)
+    target = graph.plan(args.controllers) if args.controllers > 1 else graph
+    print(target.to_mermaid() if args.mermaid else target.to_text())
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from runtime.local import LocalExecutor
+
+    options = _options(args.set)
+    if args.seed is not None:
+        options["seed"] = args.seed
+    graph = load_graph(args.graph, **options)
+    executor = LocalExecutor(graph)
+    rewards: list[float] = []
+    with tqdm(
+        total=args.steps, desc=graph.name, unit="step", file=sys.stdout, disable=args.quiet
+    ) as bar:
+        for _ in range(args.steps):
+            result = executor.step()
+            scores = result.outputs.get("scores")
+            if scores is not None:
+                rewards.append(float(scores.float().mean()))
+                bar.set_postfix(reward=f"{rewards[-1]:.3f}")
+            bar.update(1)
+    if rewards:
+        window = max(1, min(5, len(rewards) // 2))
+        first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
+        print(f"mean reward: first {window} steps {first:.3f} -> last {window} steps {last:.3f}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    # The toy graph until the multimodal PPO example exists.
+    args.graph, args.set, args.seed = "graphs.toy", [], 0
+    print("yatt-graph demo: the toy RLHF graph, in-process, on the CPU\n")
+    print(load_graph(args.graph).to_text(), "\n")
+    return cmd_run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="yatt-graph", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def graph_command(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.add_argument("graph", help="a graph module (graphs.toy) or file (graphs/toy.py)")
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="an option for the graph's build_graph(); repeatable",
+        )
+        return p
+
+    p = graph_command("viz", "draw a graph (or its plan) to SVG or PNG")
+    p.add_argument("-o", "--output", required=True, help="out.svg or out.png")
+    p.add_argument("--controllers", type=int, default=1, help="draw the plan for N controllers")
+    p.set_defaults(func=cmd_viz)
+
+    p = graph_command("show", "print a graph (or its plan) as text or Mermaid")
+    p.add_argument("--controllers", type=int, default=1)
+    p.add_argument("--mermaid", action="store_true")
+    p.set_defaults(func=cmd_show)
+
+    p = graph_command("run", "run a graph for some steps in this process")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("demo", help="run the demo graph")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (GraphError, ImportError, FileNotFoundError, ValueError, TypeError) as exc:
+        print(f"yatt-graph {args.command}: error: {exc}", file=sys.stderr)
+        return 2

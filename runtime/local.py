@@ -1,0 +1,106 @@
+"""The in-process executor: runs a plan's nodes in one process, in topological order.
+
+This is the reference semantics: the ZeroMQ runtime must give the same results. It
+runs the plan's subgraphs one after another (their union is the whole graph) and
+keeps the values of delayed edges from one step for the next.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from yatt_graph import Graph, NodeExecutionError, Plan
+
+__all__ = ["LocalExecutor", "StepResult", "describe"]
+
+
+class StepResult(msgspec.Struct):
+    """What one step of a graph produced."""
+
+    step: int
+    outputs: dict[str, Any]
+    """The graph's marked outputs, by name."""
+    node_seconds: dict[str, float]
+    """Wall time of each node's call."""
+
+
+def describe(value: Any) -> str:
+    """A short description of a value for error messages: dtype and shape for tensors."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"{str(dtype).removeprefix('torch.')}[{', '.join(map(str, shape))}]"
+    if isinstance(value, list | tuple):
+        return f"{type(value).__name__}[{len(value)}]"
+    return type(value).__name__
+
+
+def run_node(
+    graph: Graph, name: str, inputs: dict[str, Any], step: int, controller: int = 0
+) -> dict[str, Any]:
+    """Call one node; any failure becomes a NodeExecutionError naming node, step and input shapes."""
+    node = graph.nodes[name]
+    try:
+        node.begin_step(step)
+        return node.run(inputs)
+    except Exception as exc:
+        shapes = ", ".join(f"{k}={describe(v)}" for k, v in inputs.items()) or "no inputs"
+        tb = traceback.format_exc()
+        raise NodeExecutionError(
+            name,
+            f"node {name!r} ({type(node).__name__}) failed at step {step} on controller {controller}: "
+            f"{type(exc).__name__}: {exc}\n  inputs: {shapes}\n--- original traceback ---\n{tb}",
+            tb,
+            step=step,
+            controller=controller,
+        ) from exc
+
+
+class LocalExecutor:
+    """Run a graph or plan in this process. ``step()`` runs the graph once."""
+
+    def __init__(self, plan: Plan | Graph):
+        self.plan = plan if isinstance(plan, Plan) else plan.plan(1)
+        self.graph = self.plan.graph
+        self.graph.validate()
+        # Subgraph by subgraph, each in topological order: a valid order for the whole graph,
+        # because plans only cut along the topological order or follow producers.
+        self.order = self.graph.topological_order()
+        self._delayed: dict[tuple[str, str], Any] = {}
+        self.next_step = 0
+
+    def step(self) -> StepResult:
+        step = self.next_step
+        values: dict[tuple[str, str], Any] = {}
+        seconds: dict[str, float] = {}
+        for name in self.order:
+            inputs = {}
+            for e in self.graph.inputs_of(name):
+                key = (e.src, e.src_port)
+                inputs[e.dst_port] = self._delayed.get(key) if e.delay else values[key]
+            t0 = time.perf_counter()
+            out = run_node(self.graph, name, inputs, step, self.plan.assignment[name])
+            seconds[name] = time.perf_counter() - t0
+            for port, value in out.items():
+                values[(name, port)] = value
+        self._delayed = {
+            (e.src, e.src_port): values[(e.src, e.src_port)] for e in self.graph.edges if e.delay
+        }
+        self.next_step += 1
+        outputs = {k: values[(h.node, h.port)] for k, h in self.graph.graph_outputs.items()}
+        return StepResult(step, outputs, seconds)
+
+    def run(
+        self, steps: int = 1, on_step: Callable[[StepResult], None] | None = None
+    ) -> list[StepResult]:
+        results = []
+        for _ in range(steps):
+            result = self.step()
+            if on_step:
+                on_step(result)
+            results.append(result)
+        return results

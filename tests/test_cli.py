@@ -1,0 +1,53 @@
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from runtime.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_viz_writes_an_svg_with_every_node(tmp_path, capsys):
+    out = tmp_path / "toy.svg"
+    assert main(["viz", "graphs/toy.py", "-o", str(out), "--controllers", "2"]) == 0
+    texts = " ".join(ET.parse(out).getroot().itertext())
+    for name in ("source", "encoder", "rollout", "reward", "advantage", "update", "controller 1"):
+        assert name in texts
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_show_prints_the_listing_and_mermaid(capsys):
+    assert main(["show", "graphs.toy", "--set", "batch_size=4"]) == 0
+    assert capsys.readouterr().out.startswith("graph toy_rlhf (6 nodes, 10 edges)")
+    assert main(["show", "graphs.toy", "--mermaid"]) == 0
+    assert capsys.readouterr().out.startswith("flowchart LR")
+
+
+def test_run_reports_the_reward(capsys):
+    assert main(["run", "graphs/toy.py", "--steps", "12", "--seed", "1", "--quiet"]) == 0
+    assert "mean reward: first 5 steps" in capsys.readouterr().out
+
+
+def test_a_graph_file_that_fails_to_import_names_the_file(tmp_path, capsys):
+    bad = tmp_path / "broken_graph.py"
+    bad.write_text("import not_a_module_anywhere\n")
+    assert main(["show", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "broken_graph.py" in err and "not_a_module_anywhere" in err
+
+
+def test_bad_output_suffix_and_missing_file(capsys):
+    with pytest.raises(SystemExit, match=r"must end in .svg or .png"):
+        main(["viz", "graphs.toy", "-o", "toy.pdf"])
+    assert main(["show", "graphs/missing.py"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_console_script_is_installed():
+    exe = Path(sys.executable).with_name("yatt-graph")
+    out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0 and "viz" in out.stdout and "run" in out.stdout
