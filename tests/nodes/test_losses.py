@@ -1,0 +1,473 @@
+"""Tests for nodes.losses: the formulas on crafted inputs (clipping active and not), float64
+reference loops, padding that never leaks (values nor gradients), and clear errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nodes.losses import (
+    aggregate_token_loss,
+    entropy_from_logits,
+    grpo_loss,
+    kl_loss,
+    logprobs_from_logits,
+    ppo_policy_loss,
+    token_entropy_from_logits,
+    value_loss,
+)
+
+NAN = float("nan")
+INF = float("inf")
+
+
+def ragged_mask(lengths: list[int], T: int) -> torch.Tensor:
+    return (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).float()  # (B, T)
+
+
+def fill_padding(x: torch.Tensor, mask: torch.Tensor, value: float) -> torch.Tensor:
+    return torch.where(mask.bool(), x, torch.full_like(x, value))
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO policy loss
+# ---------------------------------------------------------------------------------------------
+
+
+def test_ppo_policy_loss_not_clipped():
+    # ratio = [1.1, 0.9], inside [0.8, 1.2], A = [1, -1]:
+    #   token 0: max(-1 * 1.1, -1 * 1.1) = -1.1 ; token 1: max(1 * 0.9, 1 * 0.9) = 0.9
+    #   loss = (-1.1 + 0.9) / 2 = -0.1 ; nothing clipped
+    # approx_kl = mean(r - 1 - log r) = ((0.1 - log 1.1) + (-0.1 - log 0.9)) / 2
+    logprobs = torch.log(torch.tensor([[1.1, 0.9]])).requires_grad_()
+    old_logprobs = torch.zeros(1, 2)
+    advantages = torch.tensor([[1.0, -1.0]])
+    loss, stats = ppo_policy_loss(logprobs, old_logprobs, advantages, torch.ones(1, 2))
+    torch.testing.assert_close(loss, torch.tensor(-0.1))
+    assert stats["clip_fraction"].item() == 0.0
+    torch.testing.assert_close(stats["ratio_mean"], torch.tensor(1.0))
+    expected_kl = ((0.1 - math.log(1.1)) + (-0.1 - math.log(0.9))) / 2
+    torch.testing.assert_close(stats["approx_kl"], torch.tensor(expected_kl))
+    # unclipped: d loss / d logprob_t = -A_t * ratio_t / n = [-0.55, 0.45]
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.55, 0.45]]))
+
+
+def test_ppo_policy_loss_clipped():
+    # ratio = [1.5, 0.5, 1.5, 0.5], A = [1, -1, -1, 1], clip to [0.8, 1.2]; 5th token is padding
+    #   t0: max(-1.5, -1.2) = -1.2  clipped branch wins (gradient cut)
+    #   t1: max( 0.5,  0.8) =  0.8  clipped branch wins
+    #   t2: max( 1.5,  1.2) =  1.5  unclipped
+    #   t3: max(-0.5, -0.8) = -0.5  unclipped
+    #   loss = (-1.2 + 0.8 + 1.5 - 0.5) / 4 = 0.15 ; clip_fraction = 2/4 = 0.5
+    # approx_kl = mean(r - 1 - log r) = ((0.5 - log 1.5) + (-0.5 + log 2)) / 2 = 0.1438410
+    logprobs = torch.log(torch.tensor([[1.5, 0.5, 1.5, 0.5, 1.0]])).requires_grad_()
+    old_logprobs = torch.tensor([[0.0, 0.0, 0.0, 0.0, NAN]])
+    advantages = torch.tensor([[1.0, -1.0, -1.0, 1.0, INF]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    loss, stats = ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps=0.2)
+    torch.testing.assert_close(loss, torch.tensor(0.15))
+    assert stats["clip_fraction"].item() == 0.5
+    torch.testing.assert_close(stats["ratio_mean"], torch.tensor(1.0))
+    torch.testing.assert_close(
+        stats["approx_kl"], torch.tensor(((0.5 - math.log(1.5)) + (-0.5 + math.log(2))) / 2)
+    )
+    # clipped tokens get no gradient; unclipped: -A_t * ratio_t / 4 = [1.5/4, -0.5/4]
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 0.0, 0.375, -0.125, 0.0]]))
+
+    # DAPO clip-higher: upper bound 1.6, so t0 (ratio 1.5) is no longer clipped
+    #   loss = (-1.5 + 0.8 + 1.5 - 0.5) / 4 = 0.075 ; clip_fraction = 1/4
+    loss, stats = ppo_policy_loss(
+        logprobs, old_logprobs, advantages, mask, clip_eps=0.2, clip_eps_high=0.6
+    )
+    torch.testing.assert_close(loss, torch.tensor(0.075))
+    assert stats["clip_fraction"].item() == 0.25
+
+
+def ppo_reference(logprobs, old_logprobs, advantages, mask, eps):
+    """Per-token Python loop in float64: mean over real tokens of max(-A r, -A clip(r))."""
+    total, n, clipped = 0.0, 0, 0
+    for b in range(logprobs.shape[0]):
+        for t in range(logprobs.shape[1]):
+            if mask[b, t] == 0:
+                continue
+            r = math.exp(float(logprobs[b, t]) - float(old_logprobs[b, t]))
+            a = float(advantages[b, t])
+            unclipped, clipped_term = -a * r, -a * min(max(r, 1 - eps), 1 + eps)
+            total += max(unclipped, clipped_term)
+            clipped += clipped_term > unclipped
+            n += 1
+    return total / n, clipped / n
+
+
+def test_ppo_policy_loss_matches_float64_reference_and_gradcheck():
+    g = torch.Generator().manual_seed(0)
+    mask = ragged_mask([6, 2, 5, 1], 6)
+    logprobs = -torch.rand(4, 6, generator=g, dtype=torch.float64) * 2
+    old_logprobs = logprobs + 0.3 * torch.randn(4, 6, generator=g, dtype=torch.float64)
+    advantages = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    loss, stats = ppo_policy_loss(logprobs, old_logprobs, advantages, mask)
+    ref_loss, ref_clip_fraction = ppo_reference(logprobs, old_logprobs, advantages, mask, 0.2)
+    assert loss.dtype == torch.float64
+    assert 0 < ref_clip_fraction < 1  # the random case exercises both branches
+    torch.testing.assert_close(loss, torch.tensor(ref_loss, dtype=torch.float64))
+    torch.testing.assert_close(
+        stats["clip_fraction"], torch.tensor(ref_clip_fraction, dtype=torch.float64)
+    )
+    assert torch.autograd.gradcheck(
+        lambda lp: ppo_policy_loss(lp, old_logprobs, advantages, mask)[0],
+        (logprobs.clone().requires_grad_(),),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# value loss
+# ---------------------------------------------------------------------------------------------
+
+
+def test_value_loss_clipped():
+    # old = 0, clip_eps = 0.2, so V_clip = clip(V, -0.2, 0.2); 5th token is padding
+    #   t0: V= 0.5, R= 1: (0.5-1)^2 = 0.25, (0.2-1)^2 = 0.64 -> 0.64 clipped error larger
+    #   t1: V= 0.1, R= 1: 0.81, 0.81 (V inside the range)   -> 0.81
+    #   t2: V=-0.5, R= 0: 0.25, (-0.2)^2 = 0.04             -> 0.25
+    #   t3: V= 0.3, R=-1: 1.69, 1.44                        -> 1.69
+    #   loss = 0.5 * (0.64 + 0.81 + 0.25 + 1.69) / 4 = 0.42375 ; value_clip_fraction = 1/4
+    values = torch.tensor([[0.5, 0.1, -0.5, 0.3, NAN]], requires_grad=True)
+    old_values = torch.tensor([[0.0, 0.0, 0.0, 0.0, INF]])
+    returns = torch.tensor([[1.0, 1.0, 0.0, -1.0, -INF]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    loss, stats = value_loss(values, old_values, returns, mask, clip_eps=0.2)
+    torch.testing.assert_close(loss, torch.tensor(0.42375))
+    assert stats["value_clip_fraction"].item() == 0.25
+    torch.testing.assert_close(stats["value_mean"], torch.tensor(0.1))
+    # gradient 0.5 * 2 * (V - R) / 4 on unclipped tokens, 0 on t0 (clipped) and padding
+    loss.backward()
+    torch.testing.assert_close(values.grad, torch.tensor([[0.0, -0.225, -0.125, 0.325, 0.0]]))
+    # without clipping: 0.5 * (0.25 + 0.81 + 0.25 + 1.69) / 4 = 0.375
+    loss, stats = value_loss(values, old_values, returns, mask, clip_eps=None)
+    torch.testing.assert_close(loss, torch.tensor(0.375))
+    assert stats["value_clip_fraction"].item() == 0.0
+
+
+def test_value_loss_not_clipped():
+    # V within 0.2 of old: 0.5 * ((0.1 - 1)^2 + (-0.1 - 0)^2) / 2 = 0.5 * 0.82 / 2 = 0.205
+    loss, stats = value_loss(
+        torch.tensor([[0.1, -0.1]]), torch.zeros(1, 2), torch.tensor([[1.0, 0.0]]), torch.ones(1, 2)
+    )
+    torch.testing.assert_close(loss, torch.tensor(0.205))
+    assert stats["value_clip_fraction"].item() == 0.0
+
+
+def test_value_loss_matches_float64_reference():
+    g = torch.Generator().manual_seed(1)
+    mask = ragged_mask([5, 3, 1], 5)
+    values, old_values, returns = torch.randn(3, 3, 5, generator=g, dtype=torch.float64)
+    loss, stats = value_loss(values, old_values, returns, mask, clip_eps=0.3)
+    total, n, clipped = 0.0, 0, 0
+    for b, t in mask.nonzero().tolist():
+        v, v_old, r = float(values[b, t]), float(old_values[b, t]), float(returns[b, t])
+        v_clip = v_old + min(max(v - v_old, -0.3), 0.3)
+        total += 0.5 * max((v - r) ** 2, (v_clip - r) ** 2)
+        clipped += (v_clip - r) ** 2 > (v - r) ** 2
+        n += 1
+    assert 0 < clipped < n
+    torch.testing.assert_close(loss, torch.tensor(total / n, dtype=torch.float64))
+    torch.testing.assert_close(
+        stats["value_clip_fraction"], torch.tensor(clipped / n, dtype=torch.float64)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# log-probs, entropy, KL loss, aggregation
+# ---------------------------------------------------------------------------------------------
+
+
+def test_logprobs_from_logits():
+    # probs [0.25, 0.5, 0.25] from logits log([1, 2, 1]): token 1 -> log 0.5, token 0 -> log 0.25
+    logits = torch.log(torch.tensor([[[1.0, 2.0, 1.0], [1.0, 2.0, 1.0]]]))
+    out = logprobs_from_logits(logits, torch.tensor([[1, 0]]))
+    torch.testing.assert_close(out, torch.tensor([[math.log(0.5), math.log(0.25)]]))
+    # equals the gather of log_softmax on random inputs, in float64
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 4, 11, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 11, (3, 4), generator=g)
+    expected = torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)
+    out = logprobs_from_logits(logits, ids)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    # bfloat16 logits are computed in float32
+    assert logprobs_from_logits(logits.bfloat16(), ids).dtype == torch.float32
+
+
+def test_logprobs_from_logits_masked_padding():
+    g = torch.Generator().manual_seed(3)
+    mask = ragged_mask([4, 2], 4)
+    logits = torch.randn(2, 4, 5, generator=g)
+    ids = torch.randint(0, 5, (2, 4), generator=g)
+    clean = logprobs_from_logits(logits, ids, mask)
+    dirty_logits = torch.where(mask.bool()[..., None], logits, NAN).requires_grad_()
+    dirty_ids = torch.where(mask.bool(), ids, -100)  # the usual ignore index
+    out = logprobs_from_logits(dirty_logits, dirty_ids, mask)
+    assert torch.equal(out, clean) and torch.all(out[mask == 0] == 0)
+    out.sum().backward()
+    assert torch.isfinite(dirty_logits.grad).all()
+    assert torch.all(dirty_logits.grad[mask == 0] == 0)
+
+
+def test_entropy_from_logits_hand_computed():
+    # row token 0: uniform over 4 -> log 4 ; token 1: uniform over 2 (others -inf) -> log 2
+    # token 2 is padding (NaN logits). mean over real tokens = (log 4 + log 2) / 2 = 1.5 log 2
+    logits = torch.tensor(
+        [[[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, -INF, -INF], [NAN, NAN, NAN, NAN]]], requires_grad=True
+    )
+    mask = torch.tensor([[1, 1, 0]])
+    entropy = entropy_from_logits(logits, mask)
+    torch.testing.assert_close(entropy, torch.tensor(1.5 * math.log(2)))
+    torch.testing.assert_close(
+        token_entropy_from_logits(logits, mask), torch.tensor([[math.log(4), math.log(2), 0.0]])
+    )
+    entropy.backward()
+    assert torch.isfinite(logits.grad).all() and torch.all(logits.grad[0, 2] == 0)
+
+
+def test_kl_loss_is_the_masked_mean_of_k3():
+    # log_ratio = [0.5, -1.0]; k3 = [exp(-0.5) - 0.5, e - 2]; padding holds NaN
+    logprobs = torch.tensor([[-1.0, -2.0, NAN]])
+    ref_logprobs = torch.tensor([[-1.5, -1.0, NAN]])
+    mask = torch.tensor([[1, 1, 0]])
+    expected = ((math.exp(-0.5) - 0.5) + (math.e - 2)) / 2
+    torch.testing.assert_close(kl_loss(logprobs, ref_logprobs, mask), torch.tensor(expected))
+    torch.testing.assert_close(
+        kl_loss(logprobs, ref_logprobs, mask, kind="k1"), torch.tensor(-0.25)
+    )
+    # k3 >= 0 and is 0 (with zero gradient) when the policy equals the reference
+    same = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss = kl_loss(same, same.detach(), torch.ones(1, 2))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.all(same.grad == 0)
+
+
+def test_aggregation_modes_hand_computed():
+    # token losses [[1, 2, 3], [4, pad, pad], [pad, pad, pad]]
+    #   token-mean          = (1 + 2 + 3 + 4) / 4 = 2.5
+    #   seq-mean-token-mean = (mean(1, 2, 3) + mean(4)) / 2 = (2 + 4) / 2 = 3 (empty row left out)
+    token_loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, NAN, INF], [NAN, NAN, NAN]])
+    mask = ragged_mask([3, 1, 0], 3)
+    assert aggregate_token_loss(token_loss, mask, "token-mean").item() == 2.5
+    assert aggregate_token_loss(token_loss, mask, "seq-mean-token-mean").item() == 3.0
+
+
+# ---------------------------------------------------------------------------------------------
+# GRPO loss
+# ---------------------------------------------------------------------------------------------
+
+
+def test_grpo_loss_hand_computed_single_update():
+    # old_logprobs=None -> ratio 1, nothing clipped; beta=0 -> no KL term.
+    # A = [1, -2] over rows of 2 and 1 real tokens:
+    #   seq-mean-token-mean: loss = -(1 + (-2)) / 2 = 0.5 ; grad = -A_i / (|o_i| * G)
+    #       row 0: -1 / (2 * 2) = -0.25 per token ; row 1: 2 / (1 * 2) = 1.0
+    #   token-mean: loss = -(1 + 1 - 2) / 3 = 0 ; grad = -A_i / 3 = [-1/3, -1/3 | 2/3]
+    mask = torch.tensor([[1, 1], [1, 0]])
+    advantages = torch.tensor([1.0, -2.0])
+    logprobs = torch.tensor([[-1.0, -0.5], [-2.0, NAN]], requires_grad=True)
+    loss, stats = grpo_loss(logprobs, None, None, advantages, mask, beta=0.0)
+    torch.testing.assert_close(loss, torch.tensor(0.5))
+    assert stats["clip_fraction"].item() == 0.0 and stats["ref_kl"].item() == 0.0
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.25, -0.25], [1.0, 0.0]]))
+
+    logprobs.grad = None
+    loss, _ = grpo_loss(logprobs, None, None, advantages, mask, beta=0.0, aggregation="token-mean")
+    torch.testing.assert_close(loss, torch.tensor(0.0))
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-1 / 3, -1 / 3], [2 / 3, 0.0]]))
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_grpo_loss_is_clipped_surrogate_plus_beta_k3(aggregation):
+    g = torch.Generator().manual_seed(4)
+    mask = ragged_mask([5, 3, 4, 1], 5)
+    logprobs = -torch.rand(4, 5, generator=g, dtype=torch.float64)
+    old_logprobs = logprobs + 0.3 * torch.randn(4, 5, generator=g, dtype=torch.float64)
+    ref_logprobs = logprobs + 0.2 * torch.randn(4, 5, generator=g, dtype=torch.float64)
+    advantages = torch.randn(4, generator=g, dtype=torch.float64)
+    loss, stats = grpo_loss(
+        logprobs, old_logprobs, ref_logprobs, advantages, mask, beta=0.1, aggregation=aggregation
+    )
+    # reference: per-row token means (or one global mean) of the per-token objective
+    rows, total, n = [], 0.0, 0
+    for b in range(4):
+        terms = []
+        for t in range(int(mask[b].sum())):
+            r = math.exp(float(logprobs[b, t] - old_logprobs[b, t]))
+            a = float(advantages[b])
+            pg = max(-a * r, -a * min(max(r, 0.8), 1.2))
+            lr = float(logprobs[b, t] - ref_logprobs[b, t])
+            terms.append(pg + 0.1 * (math.exp(-lr) - 1 + lr))
+        rows.append(sum(terms) / len(terms))
+        total, n = total + sum(terms), n + len(terms)
+    expected = total / n if aggregation == "token-mean" else sum(rows) / len(rows)
+    torch.testing.assert_close(loss, torch.tensor(expected, dtype=torch.float64))
+    torch.testing.assert_close(
+        stats["ref_kl"], kl_loss(logprobs, ref_logprobs, mask, aggregation=aggregation)
+    )
+    # (B,) advantages are the same as their (B, T) broadcast
+    loss_bt, _ = grpo_loss(
+        logprobs,
+        old_logprobs,
+        ref_logprobs,
+        advantages[:, None].expand(4, 5),
+        mask,
+        beta=0.1,
+        aggregation=aggregation,
+    )
+    torch.testing.assert_close(loss_bt, loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# padding never leaks, for every loss at once
+# ---------------------------------------------------------------------------------------------
+
+
+def _all_losses(lp, old_lp, ref_lp, adv, values, old_values, returns, logits, mask):
+    return {
+        "ppo": ppo_policy_loss(lp, old_lp, adv, mask)[0],
+        "ppo_seq": ppo_policy_loss(lp, old_lp, adv, mask, aggregation="seq-mean-token-mean")[0],
+        "value": value_loss(values, old_values, returns, mask)[0],
+        "entropy": entropy_from_logits(logits, mask),
+        **{f"kl_{k}": kl_loss(lp, ref_lp, mask, kind=k) for k in ("k1", "k2", "k3", "abs")},
+        "grpo_token": grpo_loss(lp, old_lp, ref_lp, adv, mask, aggregation="token-mean")[0],
+        "grpo_seq": grpo_loss(lp, old_lp, ref_lp, adv, mask)[0],
+    }
+
+
+@pytest.mark.parametrize("junk", [NAN, INF, -INF, 1e30, -1e30])
+def test_padding_never_leaks_into_losses_or_gradients(junk):
+    g = torch.Generator().manual_seed(5)
+    B, T, V = 3, 6, 7
+    mask = ragged_mask([6, 2, 4], T)
+    tensors = {
+        "lp": -torch.rand(B, T, generator=g),
+        "old_lp": -torch.rand(B, T, generator=g),
+        "ref_lp": -torch.rand(B, T, generator=g),
+        "adv": torch.randn(B, T, generator=g),
+        "values": torch.randn(B, T, generator=g),
+        "old_values": torch.randn(B, T, generator=g),
+        "returns": torch.randn(B, T, generator=g),
+    }
+    logits = torch.randn(B, T, V, generator=g)
+    clean = _all_losses(**tensors, logits=logits, mask=mask)
+
+    dirty = {k: fill_padding(x, mask, junk).requires_grad_() for k, x in tensors.items()}
+    dirty_logits = torch.where(mask.bool()[..., None], logits, junk).requires_grad_()
+    losses = _all_losses(**dirty, logits=dirty_logits, mask=mask)
+    for name, loss in losses.items():
+        assert torch.equal(loss, clean[name]), name
+    sum(losses.values()).backward()
+    for name, x in [*dirty.items(), ("logits", dirty_logits)]:
+        assert x.grad is not None, name
+        assert torch.isfinite(x.grad).all(), name
+        assert torch.all(x.grad[mask == 0] == 0), name
+    # the stats ignore padding too
+    _, stats = ppo_policy_loss(dirty["lp"], dirty["old_lp"], dirty["adv"], mask)
+    _, clean_stats = ppo_policy_loss(tensors["lp"], tensors["old_lp"], tensors["adv"], mask)
+    assert all(torch.equal(stats[k], clean_stats[k]) for k in stats)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_ppo_loss_padding_width_does_not_matter(lengths, seed):
+    # appending extra padding columns (holding garbage) never changes the loss
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(lengths), 5
+    mask = ragged_mask(lengths, T)
+    lp, old_lp, adv = torch.randn(3, B, T, generator=g, dtype=torch.float64)
+    loss, stats = ppo_policy_loss(lp, old_lp, adv, mask)
+    pad = torch.full((B, 3), 1e300, dtype=torch.float64)
+    wide = [torch.cat([x, pad], dim=1) for x in (lp, old_lp, adv)]
+    wide_mask = torch.cat([mask, torch.zeros(B, 3)], dim=1)
+    wide_loss, wide_stats = ppo_policy_loss(*wide, wide_mask)
+    torch.testing.assert_close(wide_loss, loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(wide_stats["clip_fraction"], stats["clip_fraction"])
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------------------------
+
+
+def test_losses_bad_input():
+    ok = torch.zeros(4, 7)
+    mask = torch.ones(4, 7)
+    with pytest.raises(ValueError) as info:
+        ppo_policy_loss(ok, ok, torch.zeros(4, 6), mask)
+    assert str(info.value) == (
+        "ppo_policy_loss: logprobs has shape (4, 7) but advantages has shape (4, 6); "
+        "both must be (B, T)"
+    )
+    bad = ok.clone()
+    bad[1, 3] = NAN
+    with pytest.raises(
+        ValueError, match=r"ppo_policy_loss: advantages .*\(nan\) at sample 1, token 3"
+    ):
+        ppo_policy_loss(ok, ok, bad, mask)
+    with pytest.raises(ValueError, match=r"ppo_policy_loss: logprobs is empty \(shape \(0, 7\)\)"):
+        ppo_policy_loss(torch.zeros(0, 7), torch.zeros(0, 7), torch.zeros(0, 7), torch.ones(0, 7))
+    with pytest.raises(ValueError, match=r"ppo_policy_loss: mask has 0 real \(mask=1\) token"):
+        ppo_policy_loss(ok, ok, ok, torch.zeros(4, 7))
+    with pytest.raises(ValueError, match=r"ppo_policy_loss: mask must hold only 0 and 1"):
+        ppo_policy_loss(ok, ok, ok, mask * 0.5)
+    with pytest.raises(ValueError, match=r"ppo_policy_loss: clip_eps is 0"):
+        ppo_policy_loss(ok, ok, ok, mask, clip_eps=0)
+    with pytest.raises(ValueError, match=r"ppo_policy_loss: aggregation is 'sum'"):
+        ppo_policy_loss(ok, ok, ok, mask, aggregation="sum")
+    with pytest.raises(
+        ValueError, match=r"value_loss: values has shape \(4, 7\) but returns has shape \(4, 7, 1\)"
+    ):
+        value_loss(ok, ok, ok[..., None], mask)
+    with pytest.raises(ValueError, match=r"value_loss: returns .*\(inf\) at sample 0, token 0"):
+        value_loss(ok, ok, torch.full((4, 7), INF), mask)
+    with pytest.raises(ValueError, match=r"kl_loss: kind is 'k5'"):
+        kl_loss(ok, ok, mask, kind="k5")
+    with pytest.raises(
+        ValueError, match=r"grpo_loss: logprobs has shape \(4, 7\) but advantages has shape \(3,\)"
+    ):
+        grpo_loss(ok, None, ok, torch.zeros(3), mask)
+    with pytest.raises(ValueError, match=r"grpo_loss: ref_logprobs is None but beta is 0.04"):
+        grpo_loss(ok, None, None, torch.zeros(4), mask)
+    with pytest.raises(ValueError, match=r"grpo_loss: advantages .*\(nan\) at sample 2"):
+        grpo_loss(ok, None, ok, torch.tensor([0.0, 0.0, NAN, 0.0]), mask)
+    with pytest.raises(
+        ValueError,
+        match=r"logprobs_from_logits: logits has shape \(4, 7, 3\) but token_ids has shape \(4, 6\)",
+    ):
+        logprobs_from_logits(torch.zeros(4, 7, 3), torch.zeros(4, 6, dtype=torch.long))
+    with pytest.raises(
+        ValueError,
+        match=r"logprobs_from_logits: token_ids\[1, 2\] is 3, outside the vocabulary \[0, 3\)",
+    ):
+        ids = torch.zeros(4, 7, dtype=torch.long)
+        ids[1, 2] = 3
+        logprobs_from_logits(torch.zeros(4, 7, 3), ids)
+    with pytest.raises(
+        ValueError, match=r"logprobs_from_logits: token_ids has dtype torch.float32"
+    ):
+        logprobs_from_logits(torch.zeros(4, 7, 3), torch.zeros(4, 7))
+    with pytest.raises(
+        ValueError, match=r"entropy_from_logits: logits has shape \(0, 7, 3\); it must be non-empty"
+    ):
+        entropy_from_logits(torch.zeros(0, 7, 3), torch.ones(0, 7))
+    with pytest.raises(
+        ValueError,
+        match=r"entropy_from_logits: logits has shape \(4, 7, 3\) but mask has shape \(4, 6\); they must be \(B, T, V\) and \(B, T\)",
+    ):
+        entropy_from_logits(torch.zeros(4, 7, 3), torch.ones(4, 6))
