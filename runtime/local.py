@@ -1,8 +1,9 @@
 """The in-process executor: runs a plan's nodes in one process, in topological order.
 
 This is the reference semantics: the ZeroMQ runtime must give the same results. It
-runs the plan's subgraphs one after another (their union is the whole graph) and
-keeps the values of delayed edges from one step for the next.
+runs every node of the plan in the graph's topological order (the plan's controller
+assignment only labels errors here) and keeps the values of delayed edges from one
+step for the next.
 """
 
 from __future__ import annotations
@@ -67,8 +68,6 @@ class LocalExecutor:
         self.plan = plan if isinstance(plan, Plan) else plan.plan(1)
         self.graph = self.plan.graph
         self.graph.validate()
-        # Subgraph by subgraph, each in topological order: a valid order for the whole graph,
-        # because plans only cut along the topological order or follow producers.
         self.order = self.graph.topological_order()
         self._delayed: dict[tuple[str, str], Any] = {}
         self.next_step = 0

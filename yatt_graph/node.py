@@ -32,7 +32,7 @@ import copy
 import inspect
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 
@@ -141,11 +141,12 @@ def check_value(spec: PortSpec, value: Any, bindings: dict[str, int] | None = No
 class Node:
     """Base class of every node. Subclasses declare ``inputs``/``outputs`` and ``forward``."""
 
-    kind: ClassVar[str] = "function"
+    kind: str = "function"
     """What the node does, for pictures: data, encoder, rollout, reward, reference, critic,
     advantage, update, sync, function."""
-    inputs: dict[str, Port] = {}  # noqa: RUF012 - class declaration, normalized per instance
-    outputs: dict[str, Port] = {}  # noqa: RUF012
+    # Declared on the class as specs or Ports; normalized to Ports per instance.
+    inputs: dict[str, Port] = {}
+    outputs: dict[str, Port] = {}
     batch_policy: BatchPolicy = BatchPolicy()
     resources: Resources = Resources()
     placement: str | int | None = None

@@ -122,7 +122,7 @@ PortSpec = TensorSpec | StructSpec | AnySpec
 ANY = AnySpec()
 
 
-def Tensor(dtype: str, *shape: Dim) -> TensorSpec:  # noqa: N802 - reads like a type
+def Tensor(dtype: str, *shape: Dim) -> TensorSpec:
     """Shorthand: ``Tensor("float32", "B", "T")``."""
     return TensorSpec(dtype, tuple(shape))
 
