@@ -1,0 +1,345 @@
+"""Reward nodes: rules, bad-score policy, token rewards, a tiny reward model, a tiny CLIP score."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from PIL import Image
+
+from nodes.rewards import (
+    ClipScoreReward,
+    RewardModel,
+    RuleReward,
+    clip_score,
+    contains_answer,
+    exact_match,
+    place_on_last_token,
+    regex_format,
+)
+from yatt_graph import NodeInputError
+
+# --- rule functions used by the tests (module level, so they are importable by reference) ----
+
+
+def length_score(text, meta, *, per_char=1.0):
+    return per_char * len(text)
+
+
+def nan_on_x(text, meta):
+    return float("nan") if text == "x" else 1.0
+
+
+def inf_on_x(text, meta):
+    return math.inf if text == "x" else 2.0
+
+
+def word_on_x(text, meta):
+    return "high" if text == "x" else 3.0
+
+
+def dict_score(text, meta):
+    return {"score": len(text), "token_rewards": [0.5] * len(text), "note": "ignored"}
+
+
+def raises_on_x(text, meta):
+    if text == "x":
+        raise KeyError("missing")
+    return 0.0
+
+
+# --- ready rules ------------------------------------------------------------------------------
+
+
+def test_ready_rules_on_crafted_texts():
+    assert exact_match("  The Answer is 4 ", {"answer": "the answer  is 4"}) == 1.0
+    assert exact_match("4.0", {"answer": "4"}) == 0.0
+    assert exact_match("Four", {"answer": "four"}, normalize=False) == 0.0
+    assert exact_match("b", {"answer": ["a", "b"]}) == 1.0
+    assert contains_answer("so the result is 42.", {"answer": 42}) == 1.0
+    assert contains_answer("so the result is 41.", {"answer": 42}) == 0.0
+    assert contains_answer("CAT", {"answer": "cat"}) == 1.0
+    assert contains_answer("CAT", {"answer": "cat"}, case_sensitive=True) == 0.0
+    fmt = r"<think>.*</think>\s*<answer>.*</answer>"
+    assert regex_format("<think>a\nb</think> <answer>3</answer>", {}, pattern=fmt) == 1.0
+    assert regex_format("<answer>3</answer>", {}, pattern=fmt) == 0.0
+    assert regex_format("x <answer>3</answer>", {}, pattern="<answer>.*</answer>") == 1.0
+    assert (
+        regex_format("x <answer>3</answer>", {}, pattern="<answer>.*</answer>", full_match=True)
+        == 0.0
+    )
+    with pytest.raises(ValueError, match="meta has no 'answer' key"):
+        exact_match("a", {"solution": "a"})
+
+
+def test_rule_reward_node_scores_by_function_and_by_reference():
+    texts = ["4", "five", " 4 "]
+    meta = [{"answer": "4"}] * 3
+    out = RuleReward(exact_match).run(texts=texts, meta=meta)
+    assert out["scores"].dtype == torch.float32
+    assert out["scores"].tolist() == [1.0, 0.0, 1.0]
+    by_ref = RuleReward("nodes.rewards:contains_answer").run(texts=texts, meta=meta)
+    assert by_ref["scores"].tolist() == [1.0, 0.0, 1.0]
+    fmt = RuleReward(regex_format, params={"pattern": r"^\d+$"}).run(texts=["12", "1a"])
+    assert fmt["scores"].tolist() == [1.0, 0.0]
+    scaled = RuleReward(length_score, params={"per_char": 0.5}).run(texts=["ab", ""])
+    assert scaled["scores"].tolist() == [1.0, 0.0]
+
+
+def test_rule_reward_config_rebuilds_the_node():
+    node = RuleReward(regex_format, params={"pattern": "a"}, name="fmt")
+    again = type(node)(**node.config())
+    assert again.name == "fmt" and again.run(texts=["a", "b"])["scores"].tolist() == [1.0, 0.0]
+
+
+def test_rule_reward_refuses_lambdas_and_bad_refs():
+    with pytest.raises(TypeError, match="lambda or a local function"):
+        RuleReward(lambda t, m: 1.0)
+    with pytest.raises(ImportError, match="no_such_rule"):
+        RuleReward("nodes.rewards:no_such_rule")
+
+
+def test_rule_reward_input_errors_name_node_and_port():
+    node = RuleReward(exact_match, name="acc")
+    with pytest.raises(ValueError, match="node 'acc': input 'meta' has 1 items but 'texts' has 2"):
+        node.run(texts=["a", "b"], meta=[{"answer": "a"}])
+    with pytest.raises(ValueError, match=r"node 'acc': texts\[1\] is a int"):
+        node.run(texts=["a", 3])
+    with pytest.raises(NodeInputError, match="required input 'texts'"):
+        node.run(meta=[{}])
+    with pytest.raises(
+        ValueError, match="node 'acc': reward function .*exact_match failed on sample 0"
+    ):
+        node.run(texts=["a"], meta=[{}])
+
+
+# --- bad scores -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fn", "what"),
+    [
+        (nan_on_x, "non-finite score nan"),
+        (inf_on_x, "non-finite score inf"),
+        (word_on_x, "non-numeric"),
+    ],
+)
+def test_bad_scores_are_refused_naming_node_and_sample(fn, what):
+    node = RuleReward(fn, name="judge")
+    with pytest.raises(ValueError, match=f"node 'judge': sample 2 got a {what}") as info:
+        node.run(texts=["a", "b", "x", "c"])
+    assert "on_bad_sample='skip'" in str(info.value)
+
+
+def test_skip_policy_scores_zero_and_counts(caplog):
+    node = RuleReward(nan_on_x, on_bad_sample="skip", emit_bad_mask=True, name="judge")
+    with caplog.at_level(logging.WARNING, logger="nodes.rewards"):
+        out = node.run(texts=["x", "a", "x"])
+    assert out["scores"].tolist() == [0.0, 1.0, 0.0]
+    assert out["bad_samples"].tolist() == [True, False, True]
+    assert node.last_bad_count == 2 and node.total_bad_count == 2
+    assert "judge" in caplog.text and "[0, 2]" in caplog.text
+    node.run(texts=["a"])
+    assert node.last_bad_count == 0 and node.total_bad_count == 2
+    plain = RuleReward(nan_on_x, on_bad_sample="skip")
+    assert set(plain.outputs) == {"scores"}
+    with pytest.raises(ValueError, match="on_bad_sample must be one of"):
+        RuleReward(nan_on_x, on_bad_sample="ignore")
+
+
+def test_exceptions_in_the_rule_are_not_skipped():
+    with pytest.raises(ValueError, match="failed on sample 1: KeyError"):
+        RuleReward(raises_on_x, on_bad_sample="skip").run(texts=["a", "x"])
+
+
+# --- token rewards ----------------------------------------------------------------------------
+
+
+def test_place_on_last_token():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
+    out = place_on_last_token(torch.tensor([1.0, 2.0, 3.0]), mask)
+    expected = torch.tensor([[0, 0, 1, 0], [2, 0, 0, 0], [0, 0, 0, 3]], dtype=torch.float32)
+    assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="row 1 has no real token"):
+        place_on_last_token(torch.ones(2), torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
+
+
+def test_token_level_rule_reward():
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.float32)
+    node = RuleReward(length_score, token_level=True)
+    assert node.inputs["response_mask"].required and "token_rewards" in node.outputs
+    out = node.run(texts=["ab", "c"], response_mask=mask)
+    assert out["token_rewards"].tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, 1.0]]
+    with pytest.raises(NodeInputError, match="required input 'response_mask'"):
+        node.run(texts=["ab", "c"])
+    per_token = RuleReward(dict_score, token_level=True).run(
+        texts=["ab", "xyz"], response_mask=mask
+    )
+    assert per_token["scores"].tolist() == [2.0, 3.0]
+    assert per_token["token_rewards"].tolist() == [[0.5, 0.5, 0.0], [0.5, 0.5, 0.5]]
+    with pytest.raises(ValueError, match="sample 0 returned 3 token rewards but .* 2 real tokens"):
+        RuleReward(dict_score, token_level=True).run(texts=["abc", "xyz"], response_mask=mask)
+
+
+# --- reward model -----------------------------------------------------------------------------
+
+TINY_GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 128}
+
+
+@pytest.fixture(scope="module")
+def reward_model():
+    return RewardModel(config=TINY_GPT2, seed=3, micro_batch_size=2)
+
+
+def test_reward_model_scores_shape_and_determinism(reward_model):
+    prompts = ["Q: 2+2? A:", "Q: sky? A:", "Q: hi", "x"]
+    texts = [" 4", " blue, mostly", " hello there friend", ""]
+    out = reward_model.run(texts=texts, prompts=prompts)
+    scores = out["scores"]
+    assert scores.shape == (4,) and scores.dtype == torch.float32
+    assert torch.isfinite(scores).all()
+    assert len(set(scores.tolist())) == 4  # different inputs, different scores
+    assert torch.equal(reward_model.run(texts=texts, prompts=prompts)["scores"], scores)
+    # micro-batching and padding do not change a sample's score
+    alone = torch.cat(
+        [reward_model.run(texts=[t], prompts=[p])["scores"] for p, t in zip(prompts, texts)]
+    )
+    torch.testing.assert_close(alone, scores, atol=1e-5, rtol=1e-5)
+    # the same config and seed builds the same model (as a rebuilt node in another process would)
+    again = RewardModel(**reward_model.config())
+    torch.testing.assert_close(again.run(texts=texts, prompts=prompts)["scores"], scores)
+    other_seed = RewardModel(config=TINY_GPT2, seed=4)
+    assert not torch.allclose(other_seed.run(texts=texts, prompts=prompts)["scores"], scores)
+
+
+def test_reward_model_loads_from_a_local_path(tmp_path, reward_model):
+    reward_model.model.save_pretrained(tmp_path)
+    reward_model.tokenizer.save_pretrained(tmp_path)
+    loaded = RewardModel(str(tmp_path))
+    texts = ["abc", "a much longer response"]
+    torch.testing.assert_close(
+        loaded.run(texts=texts)["scores"], reward_model.run(texts=texts)["scores"]
+    )
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        RewardModel(str(tmp_path / "missing"))
+
+
+def test_reward_model_argument_errors():
+    with pytest.raises(ValueError, match="exactly one of path="):
+        RewardModel()
+    with pytest.raises(ValueError, match="must contain \\{response\\}"):
+        RewardModel(config=TINY_GPT2, template="{prompt}")
+    with pytest.raises(ValueError, match="needs 'model_type'"):
+        RewardModel(config={"n_layer": 1})
+
+
+def test_reward_model_nan_is_refused_or_skipped():
+    rm = RewardModel(config=TINY_GPT2, name="rm")
+    with torch.no_grad():
+        rm.model.score.weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match="node 'rm': sample 0 got a non-finite score nan"):
+        rm.run(texts=["a", "b"])
+    rm.on_bad_sample = "skip"
+    out = rm.run(texts=["a", "b"])
+    assert out["scores"].tolist() == [0.0, 0.0] and rm.last_bad_count == 2
+
+
+def test_reward_model_token_level(reward_model):
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.float32)
+    rm = RewardModel(model=reward_model.model, tokenizer=reward_model.tokenizer, token_level=True)
+    out = rm.run(texts=["ab", "c"], response_mask=mask)
+    assert out["token_rewards"].shape == (2, 3)
+    assert (
+        out["token_rewards"][0, 1] == out["scores"][0]
+        and out["token_rewards"][1, 0] == out["scores"][1]
+    )
+    assert out["token_rewards"].count_nonzero() <= 2
+
+
+# --- CLIP score -------------------------------------------------------------------------------
+
+TINY_CLIP = {
+    "embed_dim": 16,
+    "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 16, "head_width": 16},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def clip_reward():
+    return ClipScoreReward("ViT-S-32", model_overrides=TINY_CLIP, micro_batch_size=2, name="clip")
+
+
+def _images():
+    return [
+        Image.new("RGB", (40, 30), (255, 0, 0)),
+        Image.new("RGB", (32, 32), (0, 0, 255)),
+        Image.linear_gradient("L").convert("RGB").resize((48, 48)),
+    ]
+
+
+def test_clip_score_function_properties():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
+    torch.testing.assert_close(clip_score(a, b), clip_score(b, a))  # symmetric
+    torch.testing.assert_close(clip_score(a, a), torch.full((6,), 2.5))  # identical -> max
+    torch.testing.assert_close(clip_score(a, 3 * a, scale=1.0), torch.ones(6))  # scale-invariant
+    assert torch.equal(clip_score(a, -a), torch.zeros(6))  # clamped at 0
+    raw = clip_score(a, b, scale=1.0, clamp_negative=False)
+    assert raw.min() >= -1 and raw.max() <= 1 and (raw < 0).any()
+    s = clip_score(a, b)
+    assert (s >= 0).all() and (s <= 2.5).all()
+    assert torch.isnan(clip_score(torch.zeros(1, 8), a[:1])).all()  # caught as a bad score
+
+
+def test_clip_reward_range_batching_and_determinism(clip_reward):
+    texts = ["a red square", "a blue square", "a gradient"]
+    out = clip_reward.run(texts=texts, images=_images())
+    scores = out["scores"]
+    assert scores.shape == (3,) and scores.dtype == torch.float32
+    assert (scores >= 0).all() and (scores <= 2.5).all()
+    one_by_one = torch.cat(
+        [clip_reward.run(texts=[t], images=[im])["scores"] for t, im in zip(texts, _images())]
+    )
+    torch.testing.assert_close(one_by_one, scores, atol=1e-5, rtol=1e-5)
+    raw = ClipScoreReward(**{**clip_reward.config(), "clamp_negative": False, "scale": 1.0})
+    raw_scores = raw.run(texts=texts, images=_images())["scores"]
+    torch.testing.assert_close(raw_scores.clamp(min=0) * 2.5, scores)  # same seed, same model
+
+
+def test_clip_reward_embeddings_of_identical_inputs_give_max_score(clip_reward):
+    image_embeds, text_embeds = clip_reward.embed(_images()[:2], ["same text", "same text"])
+    assert image_embeds.shape == (2, 16) and text_embeds.shape == (2, 16)
+    torch.testing.assert_close(text_embeds[0], text_embeds[1])
+    torch.testing.assert_close(clip_score(image_embeds, image_embeds), torch.full((2,), 2.5))
+
+
+def test_clip_reward_from_a_local_checkpoint_and_prompts(tmp_path, clip_reward):
+    path = tmp_path / "tiny_clip.pt"
+    torch.save(clip_reward.model.state_dict(), path)
+    loaded = ClipScoreReward("ViT-S-32", str(path), model_overrides=TINY_CLIP, seed=99)
+    texts = ["a", "b", "c"]
+    torch.testing.assert_close(
+        loaded.run(texts=texts, images=_images())["scores"],
+        clip_reward.run(texts=texts, images=_images())["scores"],
+    )
+    by_prompt = ClipScoreReward(**{**clip_reward.config(), "text_source": "prompts"})
+    torch.testing.assert_close(
+        by_prompt.run(texts=["x", "y", "z"], prompts=texts, images=_images())["scores"],
+        clip_reward.run(texts=texts, images=_images())["scores"],
+    )
+
+
+def test_clip_reward_errors(clip_reward):
+    with pytest.raises(ValueError, match="not a local file; named tags download"):
+        ClipScoreReward("ViT-S-32", "openai")
+    with pytest.raises(NodeInputError, match="required input 'images'"):
+        clip_reward.run(texts=["a"])
+    with pytest.raises(ValueError, match=r"node 'clip': images\[1\] is a str"):
+        clip_reward.run(texts=["a", "b"], images=[_images()[0], "not an image"])
+    with pytest.raises(
+        ValueError, match="node 'clip': input 'images' has 1 items but 'texts' has 2"
+    ):
+        clip_reward.run(texts=["a", "b"], images=_images()[:1])

@@ -1,0 +1,171 @@
+"""Weight sync: exact state-dict wire round trips, versions, partial updates, loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from nodes.sync import (
+    WeightSync,
+    WeightUpdate,
+    WirePayload,
+    apply_weights,
+    decode_weights,
+    state_dict_from_wire,
+    state_dict_to_wire,
+)
+
+
+class TinyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.norm = nn.BatchNorm1d(8)  # has a 0-d int64 buffer (num_batches_tracked)
+        self.head = nn.Linear(8, 3)
+        self.register_buffer("flags", torch.tensor([True, False, True]))
+
+    def forward(self, ids):
+        return self.head(self.norm(self.embed(ids).mean(1)))
+
+
+def make_net(seed: int) -> TinyNet:
+    torch.manual_seed(seed)
+    net = TinyNet()
+    net.norm.running_mean.uniform_()  # non-default buffers, so that loading them is visible
+    net.norm.num_batches_tracked.fill_(7)
+    return net.eval()
+
+
+def _exact(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.contiguous().reshape(-1).view(torch.uint8),
+            b.contiguous().reshape(-1).view(torch.uint8),
+        )
+    )
+
+
+def test_state_dict_wire_round_trip_is_exact_for_all_dtypes():
+    net = make_net(0)
+    sd = dict(net.state_dict())
+    sd["bf16"] = torch.randn(4, 5).to(torch.bfloat16)
+    sd["f16"] = torch.randn(3).half()
+    sd["nan"] = torch.tensor([float("nan"), float("inf"), -0.0])
+    sd["strided"] = torch.randn(4, 6)[:, ::2]  # not contiguous
+    sd["scalar"] = torch.tensor(3.5)
+    sd["empty"] = torch.zeros(0, 4)
+    header, buffers = state_dict_to_wire(sd, version=5, complete=False)
+    for bufs in (buffers, [bytes(b) for b in buffers], [bytearray(b) for b in buffers]):
+        back = state_dict_from_wire(header, bufs)
+        assert isinstance(back, WeightUpdate) and back.version == 5 and back.complete is False
+        assert list(back) == list(sd)
+        for k in sd:
+            assert _exact(back[k], sd[k]), k
+
+
+def test_loading_the_round_trip_into_a_fresh_model_reproduces_outputs():
+    trained, fresh = make_net(0), make_net(1)
+    ids = torch.randint(0, 11, (4, 6))
+    assert not torch.allclose(trained(ids), fresh(ids))
+    header, buffers = state_dict_to_wire(trained.state_dict())
+    fresh.load_state_dict(state_dict_from_wire(header, [bytes(b) for b in buffers]))
+    assert torch.equal(fresh(ids), trained(ids))
+    assert fresh.norm.num_batches_tracked.item() == 7
+
+
+def test_bf16_model_round_trip_reproduces_outputs():
+    trained, fresh = make_net(0).to(torch.bfloat16), make_net(1).to(torch.bfloat16)
+    ids = torch.randint(0, 11, (2, 3))
+    apply_weights(fresh, WirePayload(*state_dict_to_wire(trained.state_dict()), version=1))
+    assert fresh.head.weight.dtype == torch.bfloat16
+    assert torch.equal(fresh(ids), trained(ids))
+
+
+def test_weight_sync_local_mode_versions_and_snapshot():
+    net = make_net(0)
+    sync = WeightSync(name="sync")
+    first = sync.run(state=net.state_dict())["weights"]
+    assert isinstance(first, WeightUpdate) and first.version == 1 and first.complete
+    before = first["head.weight"].clone()
+    with torch.no_grad():
+        net.head.weight.add_(1.0)  # an optimizer step after publishing
+    assert torch.equal(first["head.weight"], before)  # the published version did not move
+    second = sync.run(state=net.state_dict())["weights"]
+    assert second.version == 2 and torch.equal(second["head.weight"], net.head.weight)
+    consumer = make_net(1)
+    assert apply_weights(consumer, second) == 2
+    assert apply_weights(consumer, first, last_version=2) == 2  # stale: skipped
+    assert torch.equal(consumer.head.weight, net.head.weight)
+    shared = WeightSync(snapshot=False).run(state=net.state_dict())["weights"]
+    assert shared["head.weight"].data_ptr() == net.head.weight.data_ptr()
+
+
+def test_weight_sync_wire_mode_round_trip():
+    net = make_net(0)
+    with pytest.raises(ValueError, match="entry 'optimizer' is a dict; only tensors"):
+        WeightSync("wire").run(state={"optimizer": {}})
+    payload = WeightSync("wire", key="model").run(state={"model": net.state_dict(), "step": 3})
+    wire = payload["weights"]
+    assert isinstance(wire, WirePayload) and wire.version == 1
+    update = decode_weights((wire.header, [bytes(b) for b in wire.buffers]))
+    assert update.version == 1 and update.complete
+    fresh = make_net(1)
+    assert apply_weights(fresh, wire) == 1
+    ids = torch.randint(0, 11, (3, 4))
+    assert torch.equal(fresh(ids), net(ids))
+
+
+def test_weight_sync_include_and_only_changed_send_partial_updates():
+    net = make_net(0)
+    head_only = WeightSync(include=[r"^head\."]).run(state=net)["weights"]
+    assert sorted(head_only) == ["head.bias", "head.weight"] and not head_only.complete
+    sync = WeightSync(only_changed=True)
+    assert sync.run(state=net.state_dict())["weights"].complete
+    with torch.no_grad():
+        net.embed.weight[0, 0] += 1.0
+    delta = sync.run(state=net.state_dict())["weights"]
+    assert list(delta) == ["embed.weight"] and not delta.complete and delta.version == 2
+    consumer = make_net(1)
+    consumer.load_state_dict(net.state_dict())
+    with torch.no_grad():
+        consumer.embed.weight.zero_()
+    apply_weights(consumer, delta)  # partial: loads only its keys
+    assert torch.equal(consumer.embed.weight, net.embed.weight)
+    assert list(sync.run(state=net.state_dict())["weights"]) == []  # nothing changed
+    strided = WeightSync(only_changed=True)
+    w = torch.randn(4, 6)[:, ::2]  # not contiguous
+    assert list(strided.run(state={"w": w})["weights"]) == ["w"]
+    assert list(strided.run(state={"w": w})["weights"]) == []
+
+
+def test_weight_sync_dtype_cast_and_checkpointed_version():
+    net = make_net(0)
+    sync = WeightSync(dtype="bfloat16")
+    update = sync.run(state=net.state_dict())["weights"]
+    assert update["head.weight"].dtype == torch.bfloat16
+    assert update["norm.num_batches_tracked"].dtype == torch.int64  # only floats are cast
+    sync.run(state=net.state_dict())
+    resumed = WeightSync()
+    resumed.load_state_dict(sync.state_dict())
+    assert resumed.run(state=net.state_dict())["weights"].version == 3
+
+
+def test_weight_sync_errors():
+    with pytest.raises(ValueError, match="mode must be 'local' or 'wire'"):
+        WeightSync("ipc")
+    with pytest.raises(ValueError, match="not a floating torch dtype"):
+        WeightSync(dtype="int8")
+    with pytest.raises(ValueError, match="node 'ws': input 'state' has no key 'model'"):
+        WeightSync(key="model", name="ws").run(state={"policy": {}})
+    with pytest.raises(ValueError, match="node 'ws': input 'state' must be a state dict"):
+        WeightSync(name="ws").run(state=[1, 2])
+    with pytest.raises(ValueError, match="lists 1 tensors but 0 buffers"):
+        state_dict_from_wire(state_dict_to_wire({"a": torch.ones(1)})[0], [])
+    with pytest.raises(ValueError, match="unexpected keys \\['extra'\\]"):
+        apply_weights(make_net(0), {**make_net(0).state_dict(), "extra": torch.ones(1)})
+    incomplete = WeightUpdate({"head.bias": torch.zeros(3)}, version=1, complete=True)
+    with pytest.raises(ValueError, match="missing keys"):
+        apply_weights(make_net(0), incomplete)
