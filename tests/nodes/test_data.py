@@ -1,0 +1,41 @@
+import pytest
+from PIL import Image
+
+from nodes.data import COLORS, TASKS, ShapesSource, make_sample
+
+
+def test_samples_are_a_pure_function_of_seed_and_index():
+    a_img, a_prompt, a_meta = make_sample(3, 17, "count")
+    b_img, b_prompt, b_meta = make_sample(3, 17, "count")
+    assert a_img.tobytes() == b_img.tobytes() and a_prompt == b_prompt and a_meta == b_meta
+    assert make_sample(3, 18, "count")[0].tobytes() != a_img.tobytes()
+
+
+def test_the_answer_is_in_the_image_not_the_prompt():
+    for i in range(40):
+        image, prompt, meta = make_sample(0, i, "color")
+        assert prompt == TASKS["color"]
+        assert image.mode == "RGB" and image.size == (32, 32)
+        # The shape's colour is the most common non-background pixel colour.
+        colors = {c: n for n, c in image.getcolors(32 * 32)}
+        assert COLORS[meta["answer"]] in colors
+
+
+def test_source_streams_and_resumes_from_its_position():
+    src = ShapesSource(batch_size=4, seed=1)
+    first = src.run()
+    assert len(first["images"]) == 4 and all(isinstance(im, Image.Image) for im in first["images"])
+    state = src.state_dict()
+    second = src.run()
+    resumed = ShapesSource(batch_size=4, seed=1)
+    resumed.load_state_dict(state)
+    again = resumed.run()
+    assert [m["index"] for m in second["meta"]] == [4, 5, 6, 7]
+    assert again["meta"] == second["meta"]
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="node 'shapes_source': task 'colour' is not one of"):
+        ShapesSource(task="colour")
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        ShapesSource(batch_size=0)
