@@ -97,7 +97,8 @@ def _as_port(decl: Any) -> Port:
 
 
 def _snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+    """``GAEAdvantage`` -> ``gae_advantage``, ``ToySource`` -> ``toy_source``."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
 
 
 def _value_dtype(value: Any) -> str | None:
@@ -207,7 +208,13 @@ class Node:
                 continue
             if check and (why := check_value(port.spec, values[port_name], bindings)):
                 raise NodeInputError(f"node {self.name!r}: input {port_name!r}: {why}")
-        result = self.forward(**values)
+        try:
+            result = self.forward(**values)
+        except ValueError as exc:
+            # A check deep in a helper knows the argument, not the node: add the node.
+            if type(exc) is ValueError and f"node {self.name!r}" not in str(exc):
+                raise ValueError(f"node {self.name!r}: {exc}") from exc
+            raise
         return self._check_outputs(result, bindings if check else None)
 
     def _check_outputs(self, result: Any, bindings: dict[str, int] | None) -> dict[str, Any]:

@@ -65,3 +65,16 @@ def test_policies_verify():
 def test_calling_a_node_outside_a_graph_says_what_to_do():
     with pytest.raises(RuntimeError, match=r"outside a graph.*node.run"):
         Sum()(None)
+
+
+def test_default_names_are_snake_case_and_errors_inside_forward_name_the_node():
+    class GAEThing(Node):
+        inputs = {"x": Tensor("float32", "B")}
+        outputs = {"y": Tensor("float32", "B")}
+
+        def forward(self, x):
+            raise ValueError("helper: x is bad at sample 0")
+
+    assert GAEThing().name == "gae_thing" and Sum().name == "sum"
+    with pytest.raises(ValueError, match=r"^node 'gae_thing': helper: x is bad at sample 0$"):
+        GAEThing().run(x=torch.ones(1))
