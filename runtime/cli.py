@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from runtime.checkpoint import CheckpointError
 from yatt_graph import GraphError
 from yatt_graph.refs import load_graph
 
@@ -59,36 +60,47 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from runtime.local import LocalExecutor
+    from runtime.loop import train
 
     options = _options(args.set)
     if args.seed is not None:
         options["seed"] = args.seed
     graph = load_graph(args.graph, **options)
+    out = Path(args.out) if args.out else None
     executor = LocalExecutor(graph)
-    rewards: list[float] = []
-    with tqdm(
-        total=args.steps, desc=graph.name, unit="step", file=sys.stdout, disable=args.quiet
-    ) as bar:
-        for _ in range(args.steps):
-            result = executor.step()
-            scores = result.outputs.get("scores")
-            if scores is not None:
-                rewards.append(float(scores.float().mean()))
-                bar.set_postfix(reward=f"{rewards[-1]:.3f}")
-            bar.update(1)
+    rows = train(
+        executor,
+        args.steps,
+        out,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        progress=not args.quiet,
+    )
+    rewards = [r["scores/mean"] for r in rows if "scores/mean" in r]
     if rewards:
         window = max(1, min(5, len(rewards) // 2))
         first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
         print(f"mean reward: first {window} steps {first:.3f} -> last {window} steps {last:.3f}")
+    if out is not None:
+        print(
+            f"metrics: {out / 'metrics.jsonl'}  trace: {out / 'trace.json'}  checkpoints: {out / 'checkpoints'}"
+        )
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from runtime.plot import plot_run
+
+    path = plot_run(args.run_dir, args.output)
+    print(f"wrote {path}")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     # The toy graph until the multimodal PPO example exists.
     args.graph, args.set, args.seed = "graphs.toy", [], 0
+    args.out, args.checkpoint_every, args.resume = None, 0, None
     print("yatt-graph demo: the toy RLHF graph, in-process, on the CPU\n")
     print(load_graph(args.graph).to_text(), "\n")
     return cmd_run(args)
@@ -121,10 +133,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_show)
 
     p = graph_command("run", "run a graph for some steps in this process")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--steps", type=int, default=30, help="total steps (a resumed run counts restored ones)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="passed to build_graph(seed=...)")
+    p.add_argument("--out", default=None, help="folder for metrics.jsonl, trace.json, checkpoints")
+    p.add_argument(
+        "--checkpoint-every", type=int, default=0, metavar="K", help="checkpoint every K steps"
+    )
+    p.add_argument(
+        "--resume", default=None, metavar="DIR", help="continue from the newest good checkpoint"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("plot", help="draw a run's reward/KL curves to a PNG")
+    p.add_argument("run_dir", help="the --out folder of a run")
+    p.add_argument("-o", "--output", default=None, help="PNG path (default RUN_DIR/curves.png)")
+    p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("demo", help="run the demo graph")
     p.add_argument("--steps", type=int, default=40)
@@ -137,6 +163,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (GraphError, ImportError, FileNotFoundError, ValueError, TypeError) as exc:
+    except (
+        GraphError,
+        ImportError,
+        FileNotFoundError,
+        ValueError,
+        TypeError,
+        CheckpointError,
+    ) as exc:
         print(f"yatt-graph {args.command}: error: {exc}", file=sys.stderr)
         return 2

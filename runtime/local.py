@@ -8,12 +8,14 @@ step for the next.
 
 from __future__ import annotations
 
+import random
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import torch
 
 from yatt_graph import Graph, NodeExecutionError, Plan
 
@@ -28,6 +30,10 @@ class StepResult(msgspec.Struct):
     """The graph's marked outputs, by name."""
     node_seconds: dict[str, float]
     """Wall time of each node's call."""
+    node_start: dict[str, float] = {}
+    """When each node's call began (``time.time()``, comparable across processes)."""
+    node_controller: dict[str, int] = {}
+    """The controller that ran each node."""
 
 
 def describe(value: Any) -> str:
@@ -76,11 +82,13 @@ class LocalExecutor:
         step = self.next_step
         values: dict[tuple[str, str], Any] = {}
         seconds: dict[str, float] = {}
+        starts: dict[str, float] = {}
         for name in self.order:
             inputs = {}
             for e in self.graph.inputs_of(name):
                 key = (e.src, e.src_port)
                 inputs[e.dst_port] = self._delayed.get(key) if e.delay else values[key]
+            starts[name] = time.time()
             t0 = time.perf_counter()
             out = run_node(self.graph, name, inputs, step, self.plan.assignment[name])
             seconds[name] = time.perf_counter() - t0
@@ -91,7 +99,30 @@ class LocalExecutor:
         }
         self.next_step += 1
         outputs = {k: values[(h.node, h.port)] for k, h in self.graph.graph_outputs.items()}
-        return StepResult(step, outputs, seconds)
+        return StepResult(step, outputs, seconds, starts, dict(self.plan.assignment))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs: node states, carried values, RNG states, the step."""
+        return {
+            "step": self.next_step,
+            "nodes": {name: node.state_dict() for name, node in self.graph.nodes.items()},
+            "delayed": [[src, port, value] for (src, port), value in self._delayed.items()],
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = sorted(set(self.graph.nodes) - set(state["nodes"]))
+        if missing:
+            raise ValueError(
+                f"checkpoint has no state for node(s) {missing}; was it written by this graph?"
+            )
+        for name, node in self.graph.nodes.items():
+            if state["nodes"][name]:
+                node.load_state_dict(state["nodes"][name])
+        self._delayed = {(src, port): value for src, port, value in state["delayed"]}
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        self.next_step = int(state["step"])
 
     def run(
         self, steps: int = 1, on_step: Callable[[StepResult], None] | None = None

@@ -1,0 +1,107 @@
+"""Per-step metrics: one JSON line per step in ``DIR/metrics.jsonl``, TensorBoard when installed.
+
+:func:`summarize` turns a step's graph outputs into flat numbers: a tensor output
+becomes its mean (and std, for per-sample scores), a dict of numbers is flattened
+under its output's name, and each node's wall time becomes ``time/<node>``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsWriter", "read_metrics", "summarize"]
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float):
+        return float(value)
+    if getattr(value, "numel", None) is not None and value.numel() == 1:
+        return float(value)
+    return None
+
+
+def summarize(
+    step: int, outputs: dict[str, Any], node_seconds: dict[str, float], step_seconds: float
+) -> dict[str, Any]:
+    """Flatten one step into ``{"step": k, "reward/mean": ..., "time/rollout": ...}``."""
+    row: dict[str, Any] = {"step": step, "time/step": step_seconds}
+    for name, value in outputs.items():
+        if hasattr(value, "dtype") and hasattr(value, "float") and value.numel() > 0:
+            flat = value.detach().float()
+            row[f"{name}/mean"] = float(flat.mean())
+            if flat.numel() > 1:
+                row[f"{name}/std"] = float(flat.std(unbiased=False))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                number = _number(item)
+                if number is not None:
+                    row[f"{name}/{key}" if name != "metrics" else key] = number
+        elif (number := _number(value)) is not None:
+            row[name] = number
+    for node, seconds in node_seconds.items():
+        row[f"time/{node}"] = seconds
+    return row
+
+
+class MetricsWriter:
+    """Append metric rows to ``metrics.jsonl`` (and TensorBoard, when it is installed)."""
+
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True):
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                pass
+            else:
+                self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+
+    def write(self, row: dict[str, Any]) -> None:
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in row.items()
+        }
+        self._file.write(json.dumps(clean, sort_keys=True) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, int | float):
+                    self._tb.add_scalar(key, value, row["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of ``DIR/metrics.jsonl``; a run resumed from a checkpoint keeps the last row per step."""
+    path = Path(out_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no metrics at {path}: run `yatt-graph run GRAPH --out {out_dir}` first"
+        )
+    rows: dict[int, dict[str, Any]] = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not a JSON line ({exc})") from exc
+        rows[int(row["step"])] = row
+    return [rows[k] for k in sorted(rows)]

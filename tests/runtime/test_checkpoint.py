@@ -1,0 +1,54 @@
+import pytest
+
+from runtime import LocalExecutor
+from runtime.checkpoint import CheckpointError, checkpoints, load_checkpoint, save_checkpoint
+from runtime.loop import train
+from runtime.metrics import read_metrics
+from yatt_graph.refs import load_graph
+
+
+def learning_keys(rows):
+    return [
+        {k: v for k, v in r.items() if not k.startswith("time/") and k != "samples_per_s"}
+        for r in rows
+    ]
+
+
+def test_a_resumed_run_ends_with_the_same_metrics_as_an_uninterrupted_one(tmp_path):
+    whole = train(
+        LocalExecutor(load_graph("graphs.toy", seed=2)), 12, tmp_path / "whole", progress=False
+    )
+    part = tmp_path / "part"
+    train(
+        LocalExecutor(load_graph("graphs.toy", seed=2)), 7, part, checkpoint_every=7, progress=False
+    )
+    resumed = train(
+        LocalExecutor(load_graph("graphs.toy", seed=2)), 12, part, resume=part, progress=False
+    )
+    assert [r["step"] for r in resumed] == [7, 8, 9, 10, 11]
+    assert learning_keys(read_metrics(part)) == learning_keys(whole)
+    assert (part / "trace.json").is_file() and (part / "checkpoints" / "step_000012").is_dir()
+
+
+def test_a_corrupted_checkpoint_is_refused_and_the_previous_good_one_is_used(tmp_path):
+    save_checkpoint(tmp_path, 1, {"step": 1})
+    newest = save_checkpoint(tmp_path, 2, {"step": 2})
+    data = (newest / "state.pt").read_bytes()
+    (newest / "state.pt").write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.warns(RuntimeWarning, match="step_000002: state.pt does not match its checksum"):
+        path, state = load_checkpoint(tmp_path)
+    assert path.name == "step_000001" and state == {"step": 1}
+    (path / "meta.json").write_text("{not json")
+    with pytest.raises(
+        CheckpointError,
+        match=r"step_000002: state.pt does not match.*step_000001: meta.json is not JSON",
+    ):
+        load_checkpoint(tmp_path)
+
+
+def test_only_the_newest_checkpoints_are_kept_and_none_is_a_clear_error(tmp_path):
+    for step in range(5):
+        save_checkpoint(tmp_path, step, {"step": step}, keep=2)
+    assert [p.name for p in checkpoints(tmp_path)] == ["step_000003", "step_000004"]
+    with pytest.raises(CheckpointError, match="no checkpoints in"):
+        load_checkpoint(tmp_path / "empty")

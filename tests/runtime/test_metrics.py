@@ -1,0 +1,56 @@
+import json
+
+import pytest
+import torch
+
+from runtime.cli import main
+from runtime.metrics import MetricsWriter, read_metrics, summarize
+
+
+def test_summarize_flattens_outputs():
+    row = summarize(
+        3,
+        {"scores": torch.tensor([0.0, 1.0]), "metrics": {"loss": 0.5, "note": "x"}},
+        {"a": 0.1},
+        0.2,
+    )
+    assert row == {
+        "step": 3,
+        "time/step": 0.2,
+        "scores/mean": 0.5,
+        "scores/std": 0.5,
+        "loss": 0.5,
+        "time/a": 0.1,
+    }
+
+
+def test_writer_appends_json_lines_and_reader_keeps_the_last_row_per_step(tmp_path):
+    with MetricsWriter(tmp_path, tensorboard=False) as w:
+        w.write({"step": 0, "scores/mean": 0.1})
+        w.write({"step": 1, "scores/mean": float("nan")})
+        w.write({"step": 1, "scores/mean": 0.3})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[1])["scores/mean"] is None  # NaN is written as null, valid JSON
+    assert read_metrics(tmp_path) == [
+        {"step": 0, "scores/mean": 0.1},
+        {"step": 1, "scores/mean": 0.3},
+    ]
+
+
+def test_run_writes_metrics_trace_and_plot(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", "graphs.toy", "--steps", "6", "--out", str(out), "--quiet"]) == 0
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(6)) and "time/rollout" in rows[0]
+    trace = json.loads((out / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 6 * 6 and {e["name"] for e in spans} >= {"rollout", "update"}
+    assert main(["plot", str(out)]) == 0
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_of_a_folder_with_no_run_is_a_clear_error(tmp_path, capsys):
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "no metrics at" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError):
+        read_metrics(tmp_path)
