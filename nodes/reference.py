@@ -1,0 +1,219 @@
+"""Reference logprobs and critic values over the rollout's responses.
+
+* :class:`ReferenceLogprobs` (kind ``"reference"``): a frozen copy of the initial policy; it
+  recomputes ``ref_logprobs`` for the KL term.
+* :class:`Critic` (kind ``"critic"``): ``values`` from a :class:`ValueModel`, a linear value
+  head on a policy trunk's last hidden states; the trunk is either shared with a live policy
+  (``model=``, e.g. the one the update node trains) or a separate model built from a spec.
+
+Both read the rollout's ports (``prompt_ids, prompt_mask, response_ids, response_mask``) plus
+the image input of the policy family: ``image_embeds`` (PrefixVLM) or ``images`` (HF VLMs).
+Those may have one row per prompt (N) while the responses have N * n rows (n samples per
+prompt, grouped as the rollout groups them): rows are then repeated n times to match.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from nodes.policy import Policy, PromptBatch, build_policy
+from yatt_graph import ANY, BatchPolicy, Node, Port, Resources
+from yatt_graph import Tensor as TensorPort
+
+__all__ = ["Critic", "ReferenceLogprobs", "ValueModel"]
+
+_INPUTS = {
+    "prompt_ids": TensorPort("int64", "B", "P"),
+    "prompt_mask": TensorPort("int64", "B", "P"),
+    "response_ids": TensorPort("int64", "B", "R"),
+    "response_mask": TensorPort("float32", "B", "R"),
+    "image_embeds": Port(TensorPort("float32", "N", "D"), required=False, doc="PrefixVLM"),
+    "images": Port(ANY, required=False, doc="list[PIL.Image] (HF VLMs)"),
+}
+
+
+def _prompt_batch(
+    node: Node,
+    policy: Policy,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    image_embeds: Tensor | None,
+    images: Sequence[Any] | None,
+) -> PromptBatch:
+    """The policy's batch for B rows, repeating per-prompt image inputs (N rows) B // N times."""
+    B = prompt_ids.shape[0]
+    for port, value in (("image_embeds", image_embeds), ("images", images)):
+        if value is None:
+            continue
+        N = len(value)
+        if N == 0 or B % N != 0:
+            raise ValueError(
+                f"node {node.name!r}: input {port!r} has {N} rows for {B} responses; give one "
+                "per response or one per prompt (B must be a multiple of it)"
+            )
+    if image_embeds is not None and image_embeds.shape[0] != B:
+        image_embeds = image_embeds.repeat_interleave(B // image_embeds.shape[0], 0)  # (B, D)
+    if images is not None and len(images) != B:
+        images = [im for im in images for _ in range(B // len(images))]
+    try:
+        return policy.prepare(prompt_ids, prompt_mask, images=images, image_embeds=image_embeds)
+    except ValueError as err:
+        raise ValueError(f"node {node.name!r}: {err}") from err
+
+
+class ReferenceLogprobs(Node):
+    """``ref_logprobs: float32[B, R]`` from a frozen copy of the policy (0 at padding).
+
+    Args:
+        policy: a :func:`nodes.policy.build_policy` spec; build it as the rollout's policy was
+            built (same spec, same seed) so that the reference equals the policy at step 0.
+        temperature: the temperature the rollout sampled at (logprobs of ``logits / T``).
+        device: where the model runs; outputs come back on the CPU.
+        model: a live Policy to copy (deep copy: later training of it leaves the reference as is).
+    """
+
+    kind = "reference"
+    inputs = _INPUTS
+    outputs = {"ref_logprobs": TensorPort("float32", "B", "R")}  # noqa: RUF012
+    batch_policy = BatchPolicy(max_batch_size=64)
+
+    def __init__(
+        self,
+        policy: str | Mapping[str, Any] = "tiny-prefix-vlm",
+        temperature: float = 1.0,
+        device: str = "cpu",
+        model: Policy | None = None,
+        name: str | None = None,
+        *,
+        placement: str | int | None = None,
+        batch_policy: BatchPolicy | None = None,
+        resources: Resources | None = None,
+    ) -> None:
+        super().__init__(name, placement=placement, batch_policy=batch_policy, resources=resources)
+        if temperature <= 0:
+            raise ValueError(f"node {self.name!r}: temperature={temperature}; it must be > 0")
+        self.temperature = float(temperature)
+        self.device = torch.device(device)
+        reference = copy.deepcopy(model) if model is not None else build_policy(policy)
+        self.policy = reference.to(self.device).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def forward(
+        self, prompt_ids, prompt_mask, response_ids, response_mask, image_embeds, images
+    ) -> dict[str, Tensor]:
+        batch = _prompt_batch(self, self.policy, prompt_ids, prompt_mask, image_embeds, images)
+        ref = self.policy.response_logprobs(
+            batch, response_ids, response_mask, temperature=self.temperature
+        )  # (B, R)
+        return {"ref_logprobs": ref.float().cpu()}
+
+
+class ValueModel(nn.Module):
+    """``V(s_t)`` per response token: a Linear(H, 1) head on a trunk's last hidden states.
+
+    ``values[:, t]`` reads the hidden state at the position that predicts ``response_ids[:, t]``
+    (the state before token t is emitted), the usual PPO convention. With
+    ``detach_trunk=True`` the value loss trains only the head (useful when the trunk is the
+    policy itself and the policy loss should be its only teacher).
+    """
+
+    def __init__(self, trunk: Policy, detach_trunk: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        self.trunk = trunk
+        self.detach_trunk = bool(detach_trunk)
+        self.head = nn.Linear(trunk.hidden_size, 1)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            nn.init.normal_(self.head.weight, std=1.0 / (trunk.hidden_size + 1) ** 0.5)
+        nn.init.zeros_(self.head.bias)
+        self.head.to(trunk.device)
+
+    def forward(self, batch: PromptBatch, response_ids: Tensor, response_mask: Tensor) -> Tensor:
+        """float32[B, R] values, exactly 0 (and no gradient) at padding."""
+        hidden = self.trunk.response_hidden_states(batch, response_ids, response_mask)  # (B, R, H)
+        if self.detach_trunk:
+            hidden = hidden.detach()
+        values = self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()  # (B, R)
+        real = response_mask.to(values.device) > 0  # (B, R)
+        return torch.where(real, values, 0.0)  # (B, R)
+
+
+class Critic(Node):
+    """``values: float32[B, R]`` from a value head on a policy trunk (0 at padding).
+
+    Args:
+        critic: a :func:`nodes.policy.build_policy` spec for a separate critic trunk (used
+            when ``model`` is None), e.g. ``{"name": "tiny-prefix-vlm", "seed": 1}``.
+        model: a live Policy whose trunk is shared (not copied): the value head reads the
+            hidden states of the very model the update trains.
+        detach_trunk: train only the head through ``value_model`` (see :class:`ValueModel`).
+        head_seed: seeds the value head's initialization.
+        device: where the model runs; outputs come back on the CPU.
+
+    The node's ``forward`` runs without grad (values for advantage estimation); an update
+    node trains ``critic.value_model`` directly, which is differentiable.
+    """
+
+    kind = "critic"
+    inputs = _INPUTS
+    outputs = {"values": TensorPort("float32", "B", "R")}  # noqa: RUF012
+    batch_policy = BatchPolicy(max_batch_size=64)
+
+    def __init__(
+        self,
+        critic: str | Mapping[str, Any] = "tiny-prefix-vlm",
+        model: Policy | None = None,
+        detach_trunk: bool = False,
+        head_seed: int = 0,
+        device: str = "cpu",
+        name: str | None = None,
+        *,
+        placement: str | int | None = None,
+        batch_policy: BatchPolicy | None = None,
+        resources: Resources | None = None,
+    ) -> None:
+        super().__init__(name, placement=placement, batch_policy=batch_policy, resources=resources)
+        self.device = torch.device(device)
+        self.shared = model is not None
+        trunk = model if model is not None else build_policy(critic).to(self.device)
+        self.value_model = ValueModel(trunk, detach_trunk=detach_trunk, seed=head_seed)
+
+    @torch.no_grad()
+    def forward(
+        self, prompt_ids, prompt_mask, response_ids, response_mask, image_embeds, images
+    ) -> dict[str, Tensor]:
+        trunk = self.value_model.trunk
+        batch = _prompt_batch(self, trunk, prompt_ids, prompt_mask, image_embeds, images)
+        was_training = trunk.training
+        trunk.eval()
+        try:
+            values = self.value_model(batch, response_ids, response_mask)  # (B, R)
+        finally:
+            trunk.train(was_training)
+        return {"values": values.cpu()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The value head, plus the trunk when it is this node's own (not shared)."""
+        state: dict[str, Any] = {
+            "head": {k: v.detach().cpu() for k, v in self.value_model.head.state_dict().items()}
+        }
+        if not self.shared:
+            state["trunk"] = {
+                k: v.detach().cpu() for k, v in self.value_model.trunk.state_dict().items()
+            }
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        expected = {"head"} if self.shared else {"head", "trunk"}
+        if set(state) != expected:
+            raise ValueError(
+                f"node {self.name!r}: expected state keys {sorted(expected)}, got {sorted(state)}"
+            )
+        self.value_model.head.load_state_dict(state["head"])
+        if "trunk" in state:
+            self.value_model.trunk.load_state_dict(state["trunk"])

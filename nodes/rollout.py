@@ -1,0 +1,327 @@
+"""The rollout node: sample responses from a policy, with the logprobs an RL update needs.
+
+Backends:
+
+* ``"hf"`` (default): :meth:`nodes.policy.Policy.generate`, i.e. transformers ``generate``
+  with a KV cache, on any device.
+* ``"vllm"``: a vLLM engine on the policy's local checkpoint directory, only when vllm is
+  installed and CUDA is available (constructing it otherwise raises an error saying which is
+  missing). Its logprobs are always recomputed teacher-forced with the HF policy.
+
+Logprobs (``logprobs`` port) are ``log softmax(logits / temperature)`` of each sampled token:
+the temperature-scaled policy *before* top-k/top-p truncation (T = 1 when greedy). Computed
+from the scores of the cached generation pass by default; ``recompute_logprobs=True`` recomputes
+them with a teacher-forced forward (``Policy.response_logprobs``), exactly what an update sees.
+The two agree within float error (about 1e-6 on CPU in float32; see tests/nodes/test_rollout.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nodes.policy import Generation, HFVisionLanguagePolicy, Policy, PrefixVLM, build_policy
+from yatt_graph import ANY, BatchPolicy, Node, Port, Resources
+from yatt_graph import Tensor as TensorPort
+
+__all__ = ["Rollout", "vllm_unavailable_reason"]
+
+_BACKENDS = ("hf", "vllm")
+
+
+def vllm_unavailable_reason() -> str | None:
+    """Why the vllm backend cannot run here, or None when it can."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as err:
+        return f"vllm is not installed ({err}); install the extra: pip install '.[vllm]'"
+    if not torch.cuda.is_available():
+        return "vllm needs a CUDA device and torch.cuda.is_available() is False"
+    return None
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step) % (2**63 - 1)
+
+
+class Rollout(Node):
+    """Prompts (+ images or image embeddings) -> sampled responses and their logprobs.
+
+    With ``n`` samples per prompt, outputs have B = N * n rows, the n samples of a prompt in
+    consecutive rows, and ``group_ids`` label each prompt's group (unique across calls of this
+    node, so batches of different steps never share a label).
+
+    Sampling is deterministic given ``seed`` and the node's step counter (the number of calls
+    so far, saved in ``state_dict``): call k of two nodes with the same seed draws the same
+    samples, and the global torch RNG is left untouched.
+
+    Args:
+        policy: a spec for :func:`nodes.policy.build_policy` (``"tiny-prefix-vlm"``, a local
+            checkpoint directory, ...).
+        backend: ``"hf"`` or ``"vllm"``.
+        n: samples per prompt.
+        temperature: 0 means greedy decoding.
+        top_p, top_k: nucleus and top-k truncation (1.0 / 0 = off).
+        max_new_tokens: the longest response.
+        stop: stop strings; a response ends with the token that completes one (kept).
+        stop_token_ids: token ids that end a response (kept), besides the EOS token.
+        seed: base of the per-step seeds.
+        recompute_logprobs: recompute logprobs teacher-forced after sampling (exact).
+        device: where the policy runs; outputs come back on the CPU.
+        model: a live Policy to use instead of building one from ``policy`` (tests, notebooks).
+    """
+
+    kind = "rollout"
+    inputs = {  # noqa: RUF012
+        "prompts": ANY,
+        "images": Port(ANY, required=False, doc="list[PIL.Image], one per prompt (HF VLMs)"),
+        "image_embeds": Port(TensorPort("float32", "N", "D"), required=False, doc="PrefixVLM"),
+        "weights": Port(ANY, required=False, doc="a state dict loaded before sampling"),
+    }
+    outputs = {  # noqa: RUF012
+        "prompt_ids": TensorPort("int64", "B", "P"),
+        "prompt_mask": TensorPort("int64", "B", "P"),
+        "response_ids": TensorPort("int64", "B", "R"),
+        "response_mask": TensorPort("float32", "B", "R"),
+        "logprobs": TensorPort("float32", "B", "R"),
+        "response_lengths": TensorPort("int64", "B"),
+        "texts": ANY,
+        "group_ids": TensorPort("int64", "B"),
+    }
+    batch_policy = BatchPolicy(max_batch_size=64)
+
+    def __init__(
+        self,
+        policy: str | Mapping[str, Any] = "tiny-prefix-vlm",
+        backend: str = "hf",
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_new_tokens: int = 32,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        seed: int = 0,
+        recompute_logprobs: bool = False,
+        device: str = "cpu",
+        model: Policy | None = None,
+        name: str | None = None,
+        *,
+        placement: str | int | None = None,
+        batch_policy: BatchPolicy | None = None,
+        resources: Resources | None = None,
+    ) -> None:
+        super().__init__(name, placement=placement, batch_policy=batch_policy, resources=resources)
+        where = f"node {self.name!r}"
+        if backend not in _BACKENDS:
+            raise ValueError(f"{where}: backend={backend!r}; choose one of {_BACKENDS}")
+        if n < 1 or max_new_tokens < 1:
+            raise ValueError(f"{where}: n={n}, max_new_tokens={max_new_tokens}; both must be >= 1")
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise ValueError(
+                f"{where}: temperature={temperature}, top_p={top_p}, top_k={top_k}; need "
+                "temperature >= 0, 0 < top_p <= 1, top_k >= 0"
+            )
+        if isinstance(stop, str):
+            raise ValueError(f"{where}: stop must be a list of strings, got the string {stop!r}")
+        if backend == "vllm" and (why := vllm_unavailable_reason()):
+            raise RuntimeError(f"{where}: backend='vllm' is unavailable: {why}; use backend='hf'")
+        self.backend = backend
+        self.n = int(n)
+        self.sampling = {
+            "max_new_tokens": int(max_new_tokens),
+            "temperature": float(temperature),
+            "top_p": float(top_p),
+            "top_k": int(top_k),
+            "stop_token_ids": [int(t) for t in stop_token_ids],
+            "stop_strings": [str(s) for s in stop],
+        }
+        self.seed = int(seed)
+        self.recompute_logprobs = bool(recompute_logprobs) or backend == "vllm"
+        self.device = torch.device(device)
+        self.policy = (model if model is not None else build_policy(policy)).to(self.device)
+        self.policy.eval()
+        self.step = 0
+        self.next_group = 0
+        self.weights_version = 0
+        self._last_weights: Any = None
+        self._vllm = _VLLMEngine(self, policy) if backend == "vllm" else None
+
+    # --- inputs ------------------------------------------------------------------------------
+    def _check(self, prompts: Any, images: Any, image_embeds: Tensor | None) -> int:
+        where = f"node {self.name!r}"
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise ValueError(f"{where}: input 'prompts' must be a non-empty list of str")
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                raise ValueError(f"{where}: prompts[{i}] is a {type(p).__name__}, not a str")
+        N = len(prompts)
+        if images is not None and (not isinstance(images, Sequence) or len(images) != N):
+            got = len(images) if isinstance(images, Sequence) else type(images).__name__
+            raise ValueError(
+                f"{where}: input 'images' must be a list of {N} images (one per prompt), got {got}"
+            )
+        if image_embeds is not None and image_embeds.shape[0] != N:
+            raise ValueError(
+                f"{where}: input 'image_embeds' has {image_embeds.shape[0]} rows for {N} prompts"
+            )
+        if isinstance(self.policy, PrefixVLM) and images is not None:
+            raise ValueError(
+                f"{where}: this PrefixVLM policy reads 'image_embeds' (from a VisionEncoder), "
+                "not 'images'; connect the encoder's output instead"
+            )
+        if isinstance(self.policy, HFVisionLanguagePolicy) and image_embeds is not None:
+            raise ValueError(
+                f"{where}: this HF VLM policy has its own vision tower and reads 'images', "
+                "not 'image_embeds'"
+            )
+        return N
+
+    def _load(self, weights: Any) -> None:
+        """Load a weight-sync payload: a state dict, or what :class:`nodes.sync.WeightSync`
+        publishes (a versioned ``WeightUpdate`` or a ``WirePayload``). A version not newer
+        than the one loaded is skipped; the same object twice is loaded once."""
+        from nodes.sync import decode_weights
+
+        if weights is None or weights is self._last_weights:
+            return
+        who = f"node {self.name!r}: input 'weights'"
+        try:
+            update = decode_weights(weights)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{who}: {err}") from err
+        if update.version and update.version <= self.weights_version:
+            return
+        self.policy.load_weights(update, strict=update.complete, who=who)
+        if self._vllm is not None:
+            self._vllm.load_weights(update)
+        self._last_weights = weights
+        self.weights_version = max(self.weights_version, update.version)
+
+    # --- the work ----------------------------------------------------------------------------
+    def forward(self, prompts, images, image_embeds, weights) -> dict[str, Any]:
+        N = self._check(prompts, images, image_embeds)
+        self._load(weights)
+        n = self.n
+        prompts_b = [p for p in prompts for _ in range(n)]  # B = N * n, grouped
+        images_b = None if images is None else [im for im in images for _ in range(n)]
+        embeds_b = None if image_embeds is None else image_embeds.repeat_interleave(n, 0)  # (B, D)
+        batch = self.policy.encode_prompts(prompts_b, images=images_b, image_embeds=embeds_b)
+        batch = batch.to(self.device)
+        seed = _step_seed(self.seed, self.step)
+        if self._vllm is not None:
+            gen = self._vllm.generate(prompts_b, images_b, seed)
+        else:
+            devices = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                gen = self.policy.generate(batch, **self.sampling)
+        logprobs = gen.logprobs
+        if self.recompute_logprobs:
+            with torch.no_grad():
+                logprobs = self.policy.response_logprobs(
+                    batch,
+                    gen.response_ids,
+                    gen.response_mask,
+                    temperature=self.sampling["temperature"] or 1.0,
+                ).cpu()  # (B, R)
+        group_ids = self.next_group + torch.arange(N).repeat_interleave(n)  # (B,)
+        self.step += 1
+        self.next_group += N
+        return {
+            "prompt_ids": batch.prompt_ids.cpu(),
+            "prompt_mask": batch.prompt_mask.cpu(),
+            "response_ids": gen.response_ids,
+            "response_mask": gen.response_mask,
+            "logprobs": logprobs.float(),
+            "response_lengths": gen.response_lengths,
+            "texts": gen.texts,
+            "group_ids": group_ids,
+        }
+
+    # --- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The step and group counters and the loaded weights' version. Weights are not
+        included: they come from ``policy`` (rebuilt from the config) and the ``weights`` port."""
+        return {
+            "step": self.step,
+            "next_group": self.next_group,
+            "weights_version": self.weights_version,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        keys = {"step", "next_group", "weights_version"}
+        if not {"step", "next_group"} <= set(state) <= keys:
+            raise ValueError(
+                f"node {self.name!r}: expected state keys {sorted(keys)}, got {sorted(state)}"
+            )
+        self.step, self.next_group = int(state["step"]), int(state["next_group"])
+        self.weights_version = int(state.get("weights_version", 0))
+        self._last_weights = None
+
+
+class _VLLMEngine:
+    """vLLM sampling for a policy saved as a local HF checkpoint directory.
+
+    Only reached when vllm imports and CUDA exists; not exercised by the CPU test suite.
+    """
+
+    def __init__(self, node: Rollout, spec: str | Mapping[str, Any]) -> None:
+        from vllm import LLM
+
+        path = spec.get("path") if isinstance(spec, Mapping) else spec
+        if not isinstance(node.policy, HFVisionLanguagePolicy) or path in (None, "tiny-qwen2-vl"):
+            raise ValueError(
+                f"node {node.name!r}: backend='vllm' needs policy= a local HF VLM checkpoint "
+                f"directory (got {type(node.policy).__name__} from {spec!r}); save a policy with "
+                "save_pretrained(dir) and pass the dir. PrefixVLM runs only with backend='hf'"
+            )
+        self.node = node
+        self.llm = LLM(model=str(path), seed=node.seed, enforce_eager=True)
+
+    def generate(self, prompts: list[str], images: list[Any] | None, seed: int) -> Generation:
+        from vllm import SamplingParams
+
+        s, policy = self.node.sampling, self.node.policy
+        requests = []
+        for i, prompt in enumerate(prompts):
+            req: dict[str, Any] = {"prompt": policy._format(prompt, images is not None)}
+            if images is not None:
+                req["multi_modal_data"] = {"image": images[i]}
+            requests.append(req)
+        params = [
+            SamplingParams(
+                temperature=s["temperature"],
+                top_p=s["top_p"],
+                top_k=s["top_k"] or -1,
+                max_tokens=s["max_new_tokens"],
+                stop=s["stop_strings"] or None,
+                stop_token_ids=s["stop_token_ids"] or None,
+                include_stop_str_in_output=True,
+                seed=(seed + i) % (2**31 - 1),
+            )
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        # vLLM's own stop rules decide each row's end; logprobs are recomputed by the caller
+        rows = [list(out.outputs[0].token_ids) or [policy.eos_token_id] for out in outputs]
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)  # (B,)
+        R = int(lengths.max())
+        ids = torch.full((len(rows), R), policy.pad_token_id, dtype=torch.int64)  # (B, R)
+        for b, row in enumerate(rows):
+            ids[b, : len(row)] = torch.tensor(row)
+        real = torch.arange(R)[None, :] < lengths[:, None]  # (B, R)
+        texts = [policy.tokenizer.decode(r, skip_special_tokens=True) for r in rows]
+        return Generation(ids, real.float(), torch.zeros(ids.shape), lengths, texts)
+
+    def load_weights(self, weights: Mapping[str, Tensor]) -> None:
+        items = [(k, v) for k, v in weights.items()]
+        self.llm.collective_rpc(_vllm_worker_load_weights, args=(items,))
+
+
+def _vllm_worker_load_weights(worker: Any, items: list[tuple[str, Tensor]]) -> None:
+    """Runs inside each vLLM worker: load HF-named weights into its model."""
+    worker.model_runner.model.load_weights(weights=items)

@@ -1,0 +1,183 @@
+"""The vision encoder node: an open_clip image tower turning PIL images into ``image_embeds``.
+
+Any open_clip architecture name works (``open_clip.list_models()``); weights come from a local
+file (``pretrained="/path/to/open_clip_model.safetensors"``) or stay random (``pretrained=None``).
+``model_cfg`` overrides fields of the named config (``embed_dim``, ``vision_cfg``,
+``text_cfg``), which is how :func:`tiny_vision_encoder` gets a 2-layer, 64-wide ViT on 32x32
+images that runs in milliseconds on a CPU. Only the image tower is kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from yatt_graph import ANY, BatchPolicy, Node, Resources
+from yatt_graph import Tensor as TensorPort
+
+__all__ = ["TINY_OPEN_CLIP_CFG", "VisionEncoder", "tiny_vision_encoder"]
+
+#: Overrides that shrink an open_clip ViT to a test-sized model (D = 32, 32x32 images, 4x4
+#: patches of 8 pixels, 2 layers of width 64). The text tower is shrunk too: open_clip always
+#: builds one, and it is dropped after construction.
+TINY_OPEN_CLIP_CFG: dict[str, Any] = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "head_width": 32, "patch_size": 8},
+    "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 32, "heads": 2, "layers": 1},
+}
+
+#: PIL modes converted to RGB; every other mode is refused (16-bit and float images would be
+#: silently clipped by PIL's conversion).
+_CONVERTIBLE_MODES = frozenset({"RGB", "RGBA", "RGBX", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1"})
+
+
+class VisionEncoder(Node):
+    """PIL images -> ``image_embeds: float32[B, D]`` with an open_clip image tower.
+
+    Images are preprocessed by the model's own evaluation transforms (resize, center crop,
+    normalize). Modes L/LA/P/PA/RGBA/RGBX/CMYK/YCbCr/1 are converted to RGB (alpha dropped);
+    others (``I;16``, ``I``, ``F``, ...) are refused with an error naming the image's index.
+
+    Args:
+        model_name: an open_clip architecture, e.g. ``"ViT-B-32"``.
+        pretrained: None (random weights) or a local weights file for that architecture.
+        model_cfg: overrides merged into the architecture's config (see TINY_OPEN_CLIP_CFG).
+        trainable: False (default) keeps the tower frozen: eval mode, no grad, no
+            ``requires_grad`` parameters. True leaves it in train mode and differentiable.
+        normalize: L2-normalize the embeddings (as CLIP scores do); off by default.
+        seed: seeds the random initialization (without touching the global RNG), so that a
+            node rebuilt from its config in another process has the same random weights.
+        device: where the tower runs; outputs come back on the CPU.
+    """
+
+    kind = "encoder"
+    inputs = {"images": ANY}  # noqa: RUF012 - list[PIL.Image.Image]
+    outputs = {"image_embeds": TensorPort("float32", "B", "D")}  # noqa: RUF012
+    batch_policy = BatchPolicy(max_batch_size=64)
+
+    def __init__(
+        self,
+        model_name: str = "ViT-B-32",
+        pretrained: str | None = None,
+        model_cfg: Mapping[str, Any] | None = None,
+        trainable: bool = False,
+        normalize: bool = False,
+        seed: int = 0,
+        device: str = "cpu",
+        name: str | None = None,
+        *,
+        placement: str | int | None = None,
+        batch_policy: BatchPolicy | None = None,
+        resources: Resources | None = None,
+    ) -> None:
+        super().__init__(name, placement=placement, batch_policy=batch_policy, resources=resources)
+        import open_clip
+
+        if pretrained is not None and not os.path.isfile(pretrained):
+            raise ValueError(
+                f"node {self.name!r}: pretrained={pretrained!r} is not a local file; pass the "
+                "path of an open_clip weights file (nothing is downloaded), or None"
+            )
+        known = open_clip.list_models()
+        if model_name not in known:
+            raise ValueError(
+                f"node {self.name!r}: unknown open_clip model {model_name!r}; "
+                f"choose one of open_clip.list_models() (e.g. {known[:4]})"
+            )
+        overrides = copy.deepcopy(dict(model_cfg or {}))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model, _, preprocess = open_clip.create_model_and_transforms(
+                model_name, pretrained=pretrained, device=device, **overrides
+            )
+        self.model_name = model_name
+        self.tower = model.visual  # the text tower is not needed
+        del model
+        self.preprocess = preprocess
+        self.embed_dim = int(self.tower.output_dim)
+        self.device = torch.device(device)
+        self.trainable = bool(trainable)
+        self.normalize = bool(normalize)
+        self.tower.train(self.trainable)
+        self.tower.requires_grad_(self.trainable)
+
+    @property
+    def image_size(self) -> tuple[int, int]:
+        size = self.tower.image_size
+        return tuple(size) if isinstance(size, tuple | list) else (size, size)
+
+    # --- the work ----------------------------------------------------------------------------
+    def _to_rgb(self, image: Any, index: int) -> Any:
+        from PIL import Image
+
+        if not isinstance(image, Image.Image):
+            raise ValueError(
+                f"node {self.name!r}: images[{index}] is a {type(image).__name__}, not a "
+                "PIL.Image.Image; load it with PIL.Image.open(path)"
+            )
+        if image.width == 0 or image.height == 0:
+            raise ValueError(
+                f"node {self.name!r}: images[{index}] has size {image.size}; it is empty"
+            )
+        if image.mode not in _CONVERTIBLE_MODES:
+            raise ValueError(
+                f"node {self.name!r}: images[{index}] has mode {image.mode!r}, which cannot be "
+                f"turned into RGB without losing range; convert it yourself first (accepted "
+                f"modes: {sorted(_CONVERTIBLE_MODES)})"
+            )
+        return image if image.mode == "RGB" else image.convert("RGB")
+
+    def pixels(self, images: Sequence[Any]) -> Tensor:
+        """Checked, preprocessed images: float32[B, 3, H, W]."""
+        if isinstance(images, str | bytes) or not isinstance(images, Sequence):
+            raise ValueError(
+                f"node {self.name!r}: images must be a list of PIL images, got {type(images).__name__}"
+            )
+        if len(images) == 0:
+            raise ValueError(
+                f"node {self.name!r}: images is an empty list; give at least one image"
+            )
+        rgb = [self._to_rgb(img, i) for i, img in enumerate(images)]
+        return torch.stack([self.preprocess(img) for img in rgb])  # (B, 3, H, W)
+
+    def encode(self, images: Sequence[Any]) -> Tensor:
+        """float32[B, D] embeddings on the CPU (with grad when trainable)."""
+        pixels = self.pixels(images).to(self.device)  # (B, 3, H, W)
+        with torch.set_grad_enabled(self.trainable and torch.is_grad_enabled()):
+            embeds = self.tower(pixels).float()  # (B, D)
+            if self.normalize:
+                embeds = torch.nn.functional.normalize(embeds, dim=-1)  # (B, D)
+        return embeds.cpu()
+
+    def forward(self, images: Sequence[Any]) -> dict[str, Tensor]:
+        return {"image_embeds": self.encode(images)}
+
+    # --- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"tower": {k: v.detach().cpu() for k, v in self.tower.state_dict().items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if set(state) != {"tower"}:
+            raise ValueError(
+                f"node {self.name!r}: expected a state with key 'tower', got keys {sorted(state)}"
+            )
+        self.tower.load_state_dict(state["tower"])
+
+
+def tiny_vision_encoder(
+    trainable: bool = False, name: str | None = None, **kwargs: Any
+) -> VisionEncoder:
+    """A test-sized encoder (D = 32, 32x32 images; ~0.1M parameters, random weights)."""
+    return VisionEncoder(
+        "ViT-S-32",
+        pretrained=None,
+        model_cfg=TINY_OPEN_CLIP_CFG,
+        trainable=trainable,
+        name=name,
+        **kwargs,
+    )
