@@ -16,7 +16,16 @@ from PIL import Image, ImageDraw
 
 from yatt_graph import ANY, Node
 
-__all__ = ["COLORS", "COUNTS", "SHAPES", "TASKS", "ShapesSource", "make_sample"]
+__all__ = [
+    "COLORS",
+    "COUNTS",
+    "SHAPES",
+    "TASKS",
+    "ShapesSource",
+    "answer_reward",
+    "make_sample",
+    "task_vocabulary",
+]
 
 COLORS = {
     "red": (220, 40, 40),
@@ -70,8 +79,37 @@ def make_sample(
         y0 = cy * cell + rng.randrange(1, max(2, cell - extent))
         _draw_shape(draw, shape, (x0, y0, x0 + extent - 1, y0 + extent - 1), COLORS[color])
     answer = {"color": color, "shape": shape, "count": COUNTS[count - 1]}[task]
-    meta = {"answer": answer, "color": color, "shape": shape, "count": count, "index": index}
+    choices = {"color": sorted(COLORS), "shape": list(SHAPES), "count": list(COUNTS)}[task]
+    meta = {
+        "answer": answer,
+        "choices": choices,
+        "color": color,
+        "shape": shape,
+        "count": count,
+        "index": index,
+    }
     return image, TASKS[task], meta
+
+
+def task_vocabulary() -> list[str]:
+    """Every word the prompts and answers use, in a fixed order (a word tokenizer's vocabulary)."""
+    words = [w for prompt in TASKS.values() for w in prompt.split()]
+    words += sorted(COLORS) + list(SHAPES) + list(COUNTS)
+    return list(dict.fromkeys(words))
+
+
+def answer_reward(text: str, meta: dict[str, Any], format_bonus: float = 0.2) -> float:
+    """1 when the first word of the response is the answer; ``format_bonus`` when it is another
+    valid choice (an answer of the right kind, but wrong); 0 otherwise.
+
+    With the bonus, a policy that always names some colour scores 0.25 + 0.75 * 0.2 = 0.4 on
+    the colour task: that is chance for a policy that ignores the image.
+    """
+    words = text.split()
+    first = words[0].strip(".,!?").lower() if words else ""
+    if first == meta["answer"]:
+        return 1.0
+    return format_bonus if first in meta.get("choices", ()) else 0.0
 
 
 class ShapesSource(Node):

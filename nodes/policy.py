@@ -57,6 +57,7 @@ __all__ = [
     "load_policy",
     "tiny_prefix_vlm",
     "tiny_qwen2_vl",
+    "word_tokenizer",
 ]
 
 _PREFIX_MARKER = "prefix_vlm.json"
@@ -156,6 +157,32 @@ def char_tokenizer(extra_special_tokens: Sequence[str] = ()) -> Any:
     if len(specials) > len(_CHAR_SPECIALS):
         tok.add_special_tokens({"additional_special_tokens": specials[len(_CHAR_SPECIALS) :]})
     return tok
+
+
+def word_tokenizer(words: Sequence[str]) -> Any:
+    """A word-level ``PreTrainedTokenizerFast`` over ``words`` (split on whitespace; no download).
+
+    Vocabulary: ``<pad>`` (0), ``<eos>`` (1), ``<unk>`` (2), then ``words`` in order. Small task
+    vocabularies make one answer one token, which a tiny policy can find by sampling.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(_CHAR_SPECIALS)}
+    for word in words:
+        if not word or any(c.isspace() for c in word):
+            raise ValueError(f"word_tokenizer: {word!r} is not a single word")
+        vocab.setdefault(word, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -636,11 +663,15 @@ def tiny_prefix_vlm(
     n_embd: int = 64,
     n_head: int = 4,
     n_positions: int = 256,
+    words: Sequence[str] | None = None,
 ) -> PrefixVLM:
-    """A random GPT-2 (2 layers, 64 dims) + character tokenizer + projector; same seed, same weights."""
+    """A random GPT-2 (2 layers, 64 dims) + tokenizer + projector; same seed, same weights.
+
+    The tokenizer is character-level, or word-level over ``words`` when they are given.
+    """
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    tokenizer = char_tokenizer()
+    tokenizer = char_tokenizer() if words is None else word_tokenizer(words)
     config = GPT2Config(
         n_layer=n_layer,
         n_embd=n_embd,

@@ -106,9 +106,13 @@ def _check_list(node: str, port: str, values: Any, n: int | None) -> list[Any]:
             f"node {node!r}: input {port!r} must be a list, got {type(values).__name__}"
         )
     if n is not None and len(values) != n:
+        # One item per prompt (N) for B = N * n samples: repeat, as the rollout groups rows.
+        if values and n % len(values) == 0:
+            return [v for v in values for _ in range(n // len(values))]
         raise ValueError(
             f"node {node!r}: input {port!r} has {len(values)} items but 'texts' has {n}; "
-            "every per-sample input needs one item per sample"
+            "give one item per sample, or one per prompt when each prompt has the same number "
+            "of samples"
         )
     return values
 

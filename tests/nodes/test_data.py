@@ -39,3 +39,15 @@ def test_bad_options_are_refused():
         ShapesSource(task="colour")
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         ShapesSource(batch_size=0)
+
+
+def test_answer_reward_and_vocabulary():
+    from nodes.data import answer_reward, task_vocabulary
+
+    _, prompt, meta = make_sample(0, 0, "color")
+    assert answer_reward(f"{meta['answer']} it is", meta) == 1.0
+    wrong = next(c for c in meta["choices"] if c != meta["answer"])
+    assert answer_reward(wrong, meta) == pytest.approx(0.2)
+    assert answer_reward("", meta) == 0.0 and answer_reward("square", meta) == 0.0
+    vocab = task_vocabulary()
+    assert len(vocab) == len(set(vocab)) and set(prompt.split()) <= set(vocab) and "yellow" in vocab

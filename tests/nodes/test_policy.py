@@ -213,3 +213,16 @@ def test_bad_inputs_say_what(prefix, qwen):
         prefix.forward_logits(batch, torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3))
     with pytest.raises(ValueError, match="max_new_tokens is 0"):
         prefix.generate(batch, max_new_tokens=0)
+
+
+def test_word_tokenizer_makes_one_answer_one_token():
+    from nodes.policy import tiny_prefix_vlm, word_tokenizer
+
+    tok = word_tokenizer(["what", "color", "?", "red", "blue"])
+    ids = tok("what color ? red")["input_ids"]
+    assert ids == [3, 4, 5, 6] and tok.decode([6], skip_special_tokens=True) == "red"
+    assert tok("green")["input_ids"] == [tok.unk_token_id]
+    with pytest.raises(ValueError, match="'two words' is not a single word"):
+        word_tokenizer(["two words"])
+    policy = tiny_prefix_vlm(words=["red", "blue"])
+    assert policy.vocab_size == 5

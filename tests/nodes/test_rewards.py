@@ -103,8 +103,11 @@ def test_rule_reward_refuses_lambdas_and_bad_refs():
 
 def test_rule_reward_input_errors_name_node_and_port():
     node = RuleReward(exact_match, name="acc")
-    with pytest.raises(ValueError, match="node 'acc': input 'meta' has 1 items but 'texts' has 2"):
-        node.run(texts=["a", "b"], meta=[{"answer": "a"}])
+    with pytest.raises(ValueError, match="node 'acc': input 'meta' has 2 items but 'texts' has 3"):
+        node.run(texts=["a", "b", "c"], meta=[{"answer": "a"}, {"answer": "b"}])
+    # One meta per prompt, two samples per prompt (rows grouped as the rollout emits them).
+    scores = node.run(texts=["a", "x", "y", "b"], meta=[{"answer": "a"}, {"answer": "b"}])["scores"]
+    assert scores.tolist() == [1.0, 0.0, 0.0, 1.0]
     with pytest.raises(ValueError, match=r"node 'acc': texts\[1\] is a int"):
         node.run(texts=["a", 3])
     with pytest.raises(NodeInputError, match="required input 'texts'"):
@@ -340,6 +343,6 @@ def test_clip_reward_errors(clip_reward):
     with pytest.raises(ValueError, match=r"node 'clip': images\[1\] is a str"):
         clip_reward.run(texts=["a", "b"], images=[_images()[0], "not an image"])
     with pytest.raises(
-        ValueError, match="node 'clip': input 'images' has 1 items but 'texts' has 2"
+        ValueError, match="node 'clip': input 'images' has 2 items but 'texts' has 3"
     ):
-        clip_reward.run(texts=["a", "b"], images=_images()[:1])
+        clip_reward.run(texts=["a", "b", "c"], images=_images()[:2])
