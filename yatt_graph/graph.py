@@ -103,6 +103,7 @@ class Graph:
         self.nodes: dict[str, Node] = {}
         self.dag = nx.MultiDiGraph()
         self.graph_outputs: dict[str, Handle] = {}
+        self.discarded: list[Handle] = []
         self._token: contextvars.Token[tuple[Graph, ...]] | None = None
 
     # --- declaration ----------------------------------------------------------------
@@ -217,6 +218,14 @@ class Graph:
             raise ValueError(f"graph {self.name!r} already has an output named {name!r}")
         self.graph_outputs[name] = handle
 
+    def discard(self, *handles: Handle) -> None:
+        """Mark outputs as deliberately unused, so validation does not warn about them."""
+        for handle in handles:
+            if not isinstance(handle, Handle):
+                raise TypeError(f"Graph.discard takes handles, got {type(handle).__name__}")
+            if handle not in self.discarded:
+                self.discarded.append(handle)
+
     # --- queries ------------------------------------------------------------------------
     @property
     def edges(self) -> list[Edge]:
@@ -278,13 +287,14 @@ class Graph:
         self._unify_shapes()
         consumed = {(e.src, e.src_port) for e in self.edges}
         consumed |= {(h.node, h.port) for h in self.graph_outputs.values()}
+        consumed |= {(h.node, h.port) for h in self.discarded}
         messages = []
         for name, node in self.nodes.items():
             for port, spec in node.outputs.items():
                 if (name, port) not in consumed:
                     msg = (
                         f"graph {self.name!r}: output {name}.{port} ({spec.spec}) is consumed by nothing; "
-                        f"connect it or mark it with g.output('{port}', handle)"
+                        f"connect it, mark it with g.output('{port}', handle), or g.discard(handle)"
                     )
                     messages.append(msg)
                     warnings.warn(msg, UnusedOutputWarning, stacklevel=3)

@@ -37,6 +37,7 @@ class GraphSpec(msgspec.Struct, frozen=True):
     nodes: list[NodeSpec]
     edges: list[Edge]
     outputs: dict[str, Handle] = {}
+    discarded: list[Handle] = []
 
 
 class PlanSpec(msgspec.Struct, frozen=True):
@@ -127,6 +128,7 @@ def graph_spec(graph: Graph) -> GraphSpec:
         nodes=[node_spec(n) for n in graph.nodes.values()],
         edges=graph.edges,
         outputs=dict(graph.graph_outputs),
+        discarded=list(graph.discarded),
     )
 
 
@@ -141,6 +143,7 @@ def graph_from_spec(spec: GraphSpec) -> Graph:
         graph.connect(Handle(e.src, e.src_port, src_spec), e.dst, e.dst_port, delay=e.delay)
     for name, handle in spec.outputs.items():
         graph.output(name, handle)
+    graph.discard(*spec.discarded)
     return graph
 
 

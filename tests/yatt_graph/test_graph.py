@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 from sample_nodes import Five, Fixed, Loop, Source, Sum, TakesPrompt, add, as_int, scale
 
@@ -138,6 +140,16 @@ def test_unused_output_is_a_warning_naming_the_port():
         Graph("g") as g,
     ):
         g.output("t", Sum(name="sum")(Source(name="src")().x))
+
+
+def test_discarded_outputs_do_not_warn_and_survive_json():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnusedOutputWarning)
+        with Graph("quiet") as g:
+            src = Source(name="src")()
+            g.output("t", Sum(name="sum")(src.x))
+            g.discard(src.prompt)
+    assert Graph.from_json(g.to_json()).discarded == [src.prompt]
 
 
 def test_symbolic_dims_unify_across_the_graph():
