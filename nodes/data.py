@@ -58,9 +58,13 @@ def _draw_shape(
 
 
 def make_sample(
-    seed: int, index: int, task: str = "color", size: int = 32
+    seed: int, index: int, task: str = "color", size: int = 32, text_hint: bool = False
 ) -> tuple[Image.Image, str, dict[str, Any]]:
-    """The sample at ``index`` of the stream for ``seed``: (image, prompt, meta)."""
+    """The sample at ``index`` of the stream for ``seed``: (image, prompt, meta).
+
+    With ``text_hint`` the prompt also describes the image in words ("it is one red square ."),
+    which makes a text-only version of the task.
+    """
     if task not in TASKS:
         raise ValueError(f"make_sample: task {task!r} is not one of {sorted(TASKS)}")
     rng = random.Random(seed * 1_000_003 + index)
@@ -88,13 +92,16 @@ def make_sample(
         "count": count,
         "index": index,
     }
-    return image, TASKS[task], meta
+    prompt = TASKS[task]
+    if text_hint:
+        prompt = f"it is {COUNTS[count - 1]} {color} {shape} . {prompt}"
+    return image, prompt, meta
 
 
 def task_vocabulary() -> list[str]:
     """Every word the prompts and answers use, in a fixed order (a word tokenizer's vocabulary)."""
     words = [w for prompt in TASKS.values() for w in prompt.split()]
-    words += sorted(COLORS) + list(SHAPES) + list(COUNTS)
+    words += ["it", "is", "."] + sorted(COLORS) + list(SHAPES) + list(COUNTS)
     return list(dict.fromkeys(words))
 
 
@@ -127,6 +134,7 @@ class ShapesSource(Node):
         task: str = "color",
         seed: int = 0,
         image_size: int = 32,
+        text_hint: bool = False,
         name: str | None = None,
     ):
         super().__init__(name=name)
@@ -135,11 +143,12 @@ class ShapesSource(Node):
         if batch_size < 1:
             raise ValueError(f"node {self.name!r}: batch_size must be >= 1, got {batch_size}")
         self.batch_size, self.task, self.seed, self.image_size = batch_size, task, seed, image_size
+        self.text_hint = text_hint
         self.position = 0
 
     def forward(self) -> dict[str, Any]:
         samples = [
-            make_sample(self.seed, self.position + i, self.task, self.image_size)
+            make_sample(self.seed, self.position + i, self.task, self.image_size, self.text_hint)
             for i in range(self.batch_size)
         ]
         self.position += self.batch_size

@@ -51,3 +51,11 @@ def test_answer_reward_and_vocabulary():
     assert answer_reward("", meta) == 0.0 and answer_reward("square", meta) == 0.0
     vocab = task_vocabulary()
     assert len(vocab) == len(set(vocab)) and set(prompt.split()) <= set(vocab) and "yellow" in vocab
+
+
+def test_text_hint_puts_the_answer_in_words_that_the_vocabulary_covers():
+    from nodes.data import task_vocabulary
+
+    _, prompt, meta = make_sample(2, 5, "shape", text_hint=True)
+    assert meta["shape"] in prompt.split() and prompt.endswith(TASKS["shape"])
+    assert set(prompt.split()) <= set(task_vocabulary())
