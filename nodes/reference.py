@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from nodes.policy import Policy, PromptBatch, build_policy
+from nodes.sync import apply_weights, decode_weights
 from yatt_graph import ANY, BatchPolicy, Node, Port, Resources
 from yatt_graph import Tensor as TensorPort
 
@@ -156,11 +157,20 @@ class Critic(Node):
         device: where the model runs; outputs come back on the CPU.
 
     The node's ``forward`` runs without grad (values for advantage estimation); an update
-    node trains ``critic.value_model`` directly, which is differentiable.
+    node trains ``critic.value_model`` directly, which is differentiable, or trains its own
+    copy (:class:`nodes.update.PPOUpdate`, built from the same ``critic`` spec and
+    ``head_seed``) and sends it to the optional ``weights`` input: a versioned
+    :class:`nodes.sync.WeightUpdate` of the value model's state dict (``trunk.*``, ``head.*``),
+    loaded before the values are computed; versions not newer than the loaded one are skipped.
     """
 
     kind = "critic"
-    inputs = _INPUTS
+    inputs = {  # noqa: RUF012
+        **_INPUTS,
+        "weights": Port(
+            ANY, required=False, doc="value-model weights from an update node, loaded first"
+        ),
+    }
     outputs = {"values": TensorPort("float32", "B", "R")}  # noqa: RUF012
     batch_policy = BatchPolicy(max_batch_size=64)
 
@@ -182,11 +192,39 @@ class Critic(Node):
         self.shared = model is not None
         trunk = model if model is not None else build_policy(critic).to(self.device)
         self.value_model = ValueModel(trunk, detach_trunk=detach_trunk, seed=head_seed)
+        self.weights_version = 0
+        self._last_weights: Any = None
+
+    def _load(self, weights: Any) -> None:
+        """Load a weight-sync payload into the value model (``PPOUpdate``'s ``critic_weights``:
+        a versioned WeightUpdate, a WirePayload or a plain state dict), as the Rollout loads
+        its ``weights``: a version not newer than the one loaded is skipped, and the same
+        object twice is loaded once."""
+        if weights is None or weights is self._last_weights:
+            return
+        who = f"node {self.name!r}: input 'weights'"
+        try:
+            update = decode_weights(weights)
+            if update.version and update.version <= self.weights_version:
+                return
+            apply_weights(self.value_model, update)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"{who}: {err}") from err
+        self._last_weights = weights
+        self.weights_version = max(self.weights_version, update.version)
 
     @torch.no_grad()
     def forward(
-        self, prompt_ids, prompt_mask, response_ids, response_mask, image_embeds, images
+        self,
+        prompt_ids,
+        prompt_mask,
+        response_ids,
+        response_mask,
+        image_embeds,
+        images,
+        weights=None,
     ) -> dict[str, Tensor]:
+        self._load(weights)
         trunk = self.value_model.trunk
         batch = _prompt_batch(self, trunk, prompt_ids, prompt_mask, image_embeds, images)
         was_training = trunk.training
@@ -217,3 +255,5 @@ class Critic(Node):
         self.value_model.head.load_state_dict(state["head"])
         if "trunk" in state:
             self.value_model.trunk.load_state_dict(state["trunk"])
+        # the restored weights replace whatever version was loaded: accept the next one
+        self.weights_version, self._last_weights = 0, None

@@ -156,3 +156,32 @@ def test_qwen2_vl_reference_and_critic_with_images():
     values = Critic(critic="tiny-qwen2-vl").run(_ports(out, images=images))["values"]
     mask = out["response_mask"]
     assert values.shape == mask.shape and (values[mask == 0] == 0).all()
+
+
+def test_critic_weights_input_loads_newer_versions_only(rollout_out, embeds):
+    from nodes.sync import WeightUpdate
+
+    ports = _ports(rollout_out, image_embeds=embeds)
+    source = Critic(critic={"name": "tiny-prefix-vlm", "seed": 1}, head_seed=3)
+    other = Critic(critic={"name": "tiny-prefix-vlm", "seed": 2}, head_seed=4)
+    want, other_values = source.run(ports)["values"], other.run(ports)["values"]
+    critic = Critic()
+    assert not torch.equal(critic.run(ports)["values"], want)
+
+    def payload(node, version):
+        state = {k: v.clone() for k, v in node.value_model.state_dict().items()}
+        return WeightUpdate(state, version)
+
+    assert torch.equal(critic.run(ports, weights=payload(source, 2))["values"], want)
+    assert critic.weights_version == 2
+    # a stale version is skipped; an unversioned state dict (version 0) always loads
+    assert torch.equal(critic.run(ports, weights=payload(other, 1))["values"], want)
+    plain = dict(payload(other, 0))
+    assert torch.equal(critic.run(ports, weights=plain)["values"], other_values)
+    with pytest.raises(ValueError, match=r"node 'critic': input 'weights'.*unexpected keys"):
+        critic.run(ports, weights=WeightUpdate({"head.nope": torch.zeros(1)}, 3))
+    wrong = WeightUpdate({"head.weight": torch.zeros(2, 2)}, 4, complete=False)
+    with pytest.raises(ValueError, match=r"(?s)node 'critic': input 'weights'.*size mismatch"):
+        critic.run(ports, weights=wrong)
+    critic.load_state_dict(source.state_dict())  # a restore accepts the next version again
+    assert critic.weights_version == 0
