@@ -37,8 +37,18 @@ def _options(pairs: Sequence[str]) -> dict[str, Any]:
     return options
 
 
+def _graph_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--set`` pairs plus the named model options, for the graph's ``build_graph``."""
+    options = _options(args.set)
+    for key in ("policy", "vision", "reward", "seed"):
+        value = getattr(args, key, None)
+        if value is not None:
+            options[key] = value
+    return options
+
+
 def _load(args: argparse.Namespace) -> Any:
-    return load_graph(args.graph, **_options(args.set))
+    return load_graph(args.graph, **_graph_options(args))
 
 
 def cmd_viz(args: argparse.Namespace) -> int:
@@ -63,10 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from runtime.local import LocalExecutor
     from runtime.loop import train
 
-    options = _options(args.set)
-    if args.seed is not None:
-        options["seed"] = args.seed
-    graph = load_graph(args.graph, **options)
+    graph = _load(args)
     out = Path(args.out) if args.out else None
     executor = LocalExecutor(graph)
     rows = train(
@@ -120,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="KEY=VALUE",
             help="an option for the graph's build_graph(); repeatable",
         )
+        p.add_argument("--policy", help="'tiny' or a local model directory (graphs that take one)")
+        p.add_argument("--vision", help="'tiny' or open_clip:NAME[:WEIGHTS_FILE]")
+        p.add_argument("--reward", help="a rule reward as module:function, fn(text, meta) -> float")
         return p
 
     p = graph_command("viz", "draw a graph (or its plan) to SVG or PNG")
