@@ -1,0 +1,267 @@
+"""Every message of the ZeroMQ runtime, in one module.
+
+A message on the wire is a list of frames::
+
+    [kind, header, *value_frames]
+
+``kind`` is one byte (a :class:`Kind`), so a socket loop can route a message without
+decoding it; ``header`` is the message Struct below in msgpack (``array_like``, so field
+order is the wire format: append fields at the end, with defaults, and bump
+:data:`PROTOCOL_VERSION` on any other change); ``value_frames`` carry a value encoded by
+:mod:`runtime.serial` (a msgpack tree plus raw tensor buffers) for the kinds that have one
+(DATA, STEP_DONE).
+
+Conversation (driver D, controllers C0..Cn-1)::
+
+    C -> D  HELLO(protocol, controller, pid, host, data_address)     at start-up
+    D -> C  REFUSED(reason)                                         protocol mismatch, then C exits
+    D -> C  SETUP(plan, peers, knobs)                               once all HELLOs are in
+    C -> D  READY(nodes)  |  ERROR(...)                             nodes built (or not)
+    D -> C  RUN(until)                                              steps < until may run
+    C -> C  DATA(step, src, port) + value                           the data plane, never via D
+    C -> C  RELEASE(segment)                                        a shared-memory slot is free again
+    C -> D  STEP_DONE(step, node_seconds) + graph outputs           per controller per step
+    C -> D  ERROR(node, step, message, traceback)                   a node raised
+    C <-> D HEARTBEAT                                               both ways, every interval
+    D -> C  SHUTDOWN(reason);  C -> D GOODBYE                       explicit end
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Data",
+    "Error",
+    "Goodbye",
+    "Heartbeat",
+    "Hello",
+    "Kind",
+    "ProtocolError",
+    "Ready",
+    "Refused",
+    "Release",
+    "Run",
+    "Setup",
+    "Shutdown",
+    "State",
+    "StepDone",
+    "decode_header",
+    "encode_header",
+    "hello_protocol",
+]
+
+PROTOCOL_VERSION = 1
+"""Bumped on any change to the messages below other than an appended field with a default."""
+
+
+class Kind(enum.IntEnum):
+    """The first frame of every message: what the header frame holds."""
+
+    HELLO = 1
+    REFUSED = 2
+    SETUP = 3
+    READY = 4
+    RUN = 5
+    DATA = 6
+    RELEASE = 7
+    STEP_DONE = 8
+    ERROR = 9
+    HEARTBEAT = 10
+    SHUTDOWN = 11
+    GOODBYE = 12
+
+    @property
+    def frame(self) -> bytes:
+        return _KIND_FRAMES[self]
+
+
+_KIND_FRAMES = {k: bytes([k.value]) for k in Kind}
+
+
+class State(enum.IntEnum):
+    """Life of a controller as the driver sees it."""
+
+    STARTING = 0
+    """Process started, no HELLO yet."""
+    CONNECTED = 1
+    """HELLO received, SETUP sent."""
+    READY = 2
+    """Nodes built; steps may run."""
+    STOPPING = 3
+    """SHUTDOWN sent."""
+    STOPPED = 4
+    """GOODBYE received or the process has exited."""
+    FAILED = 5
+    """Died, timed out or reported an error."""
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    pass
+
+
+class Hello(_Msg):
+    """Controller -> driver, first message. ``protocol`` stays the first field in every version."""
+
+    protocol: int
+    controller: int = -1
+    """The index the controller was started for; -1 lets the driver assign one."""
+    pid: int = 0
+    host: str = ""
+    data_address: str = ""
+    """Where the controller's PULL socket listens for peers."""
+
+
+class Refused(_Msg):
+    """Driver -> controller: the handshake failed (protocol mismatch, too many controllers)."""
+
+    reason: str
+
+
+class Setup(_Msg):
+    """Driver -> controller: what to run and with whom."""
+
+    controller: int
+    plan_json: bytes
+    """``Plan.to_json()``; empty when the nodes are rebuilt from ``graph_ref`` instead."""
+    graph_ref: str = ""
+    """A module or file whose ``build_graph(**graph_options)`` rebuilds the graph."""
+    graph_options_json: bytes = b"{}"
+    assignment: dict[str, int] = {}
+    """Node -> controller (needed when rebuilding from ``graph_ref``)."""
+    peers: list[str] = []
+    """Data address of every controller, by index."""
+    max_staleness: int = 0
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 5.0
+    num_threads: int = 1
+    """torch.set_num_threads in the controller; 0 leaves torch's default."""
+    shm_threshold: int = 0
+    """Tensors of at least this many bytes go through shared memory; 0 turns it off."""
+    run_id: str = ""
+    """Prefix of this run's shared-memory segments (the driver removes leftovers)."""
+    order: list[str] = []
+    """Every node of the graph in topological order."""
+    digest: str = ""
+    """A hash of the graph's edges and outputs: a graph rebuilt from ``graph_ref`` must match it."""
+
+
+class Ready(_Msg):
+    controller: int
+    nodes: list[str] = []
+
+
+class Run(_Msg):
+    """Driver -> controller: steps ``< until`` may run (nodes start as their inputs arrive)."""
+
+    until: int
+
+
+class Data(_Msg):
+    """Controller -> controller: output ``port`` of node ``src`` at ``step``; the value follows."""
+
+    step: int
+    src: str
+    port: str
+    sender: int = -1
+
+
+class Release(_Msg):
+    """Receiver -> sender: the shared-memory segment holding a tensor may be reused."""
+
+    segment: str
+
+
+class StepDone(_Msg):
+    """Controller -> driver: all of its nodes finished ``step``; the graph outputs it owns follow."""
+
+    controller: int
+    step: int
+    node_seconds: dict[str, float] = {}
+    node_start: dict[str, float] = {}
+    """``time.time()`` at each node's call start (comparable across processes on one host)."""
+
+
+class Error(_Msg):
+    """Controller -> driver: something failed; the run stops."""
+
+    controller: int
+    message: str
+    node: str = ""
+    step: int = -1
+    traceback: str = ""
+    during: str = "step"
+    """``setup`` (building nodes), ``step`` (a node call), ``send`` (encoding), ``io``."""
+
+
+class Heartbeat(_Msg):
+    controller: int = -1
+    """The sender; -1 for the driver."""
+    step: int = -1
+    """The lowest step the controller has not finished (for 'stuck at step' messages)."""
+
+
+class Shutdown(_Msg):
+    reason: str = ""
+
+
+class Goodbye(_Msg):
+    controller: int
+
+
+_TYPES: dict[Kind, type[_Msg]] = {
+    Kind.HELLO: Hello,
+    Kind.REFUSED: Refused,
+    Kind.SETUP: Setup,
+    Kind.READY: Ready,
+    Kind.RUN: Run,
+    Kind.DATA: Data,
+    Kind.RELEASE: Release,
+    Kind.STEP_DONE: StepDone,
+    Kind.ERROR: Error,
+    Kind.HEARTBEAT: Heartbeat,
+    Kind.SHUTDOWN: Shutdown,
+    Kind.GOODBYE: Goodbye,
+}
+_KIND_OF = {cls: kind for kind, cls in _TYPES.items()}
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in _TYPES.items()}
+
+
+class ProtocolError(ValueError):
+    """A message that does not decode: wrong kind byte, bad header, or a foreign sender."""
+
+
+def encode_header(msg: _Msg) -> list[bytes]:
+    """``[kind frame, header frame]`` for a message."""
+    return [_KIND_OF[type(msg)].frame, _encoder.encode(msg)]
+
+
+def decode_header(kind_frame: Any, header: Any) -> tuple[Kind, Any]:
+    """The kind and message Struct from the first two frames; ProtocolError if they do not decode."""
+    raw = bytes(kind_frame)
+    if len(raw) != 1 or raw[0] not in Kind._value2member_map_:
+        raise ProtocolError(
+            f"unknown message kind frame {raw[:8]!r}; is the sender a yatt-graph peer?"
+        )
+    kind = Kind(raw[0])
+    try:
+        return kind, _decoders[kind].decode(header)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(
+            f"cannot decode a {kind.name} header ({len(memoryview(header))} bytes): {exc}; "
+            f"the peer may run another protocol version (this side speaks {PROTOCOL_VERSION})"
+        ) from exc
+
+
+def hello_protocol(header: Any) -> int:
+    """The protocol version of a HELLO header, readable whatever the rest of the message holds."""
+    try:
+        fields = msgspec.msgpack.decode(header)
+        return int(fields[0])
+    except Exception as exc:
+        raise ProtocolError(f"a HELLO whose protocol version cannot be read: {exc}") from exc

@@ -1,0 +1,98 @@
+"""No controller process and no file outlives a run: success, node error, Ctrl-C, a killed driver.
+
+Each test starts processes, so each has a hard timeout; ~30 s in all on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq_graphs
+from zmq_graphs import assert_gone, controller_processes
+
+from runtime.driver import ZmqExecutor
+from yatt_graph import NodeExecutionError
+from yatt_graph.refs import load_graph
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.timeout(60)
+def test_no_children_after_success():
+    with ZmqExecutor(load_graph("graphs.toy").plan(2)) as ex:
+        assert len(controller_processes()) == 2
+        ex.run(2)
+        pids, run_dir = ex.pids, ex.run_dir
+        assert os.path.isdir(run_dir)
+    assert_gone(pids, run_dir)
+    assert controller_processes() == []
+
+
+@pytest.mark.timeout(60)
+def test_no_children_after_a_node_error():
+    with (
+        pytest.raises(NodeExecutionError),
+        ZmqExecutor(zmq_graphs.build_graph("boom", fail_at=0).plan(2)) as ex,
+    ):
+        pids, run_dir = ex.pids, ex.run_dir
+        ex.run(3)
+    assert_gone(pids, run_dir)
+    assert controller_processes() == []
+
+
+def _start_driver():
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([HERE, os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import zmq_graphs; zmq_graphs.drive()"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    if not line:
+        proc.kill()
+        raise AssertionError(f"the driver did not start: {proc.stderr.read()}")
+    return proc, json.loads(line)
+
+
+@pytest.mark.timeout(60)
+def test_sigint_to_the_driver_stops_everything():
+    proc, info = _start_driver()
+    try:
+        assert len(info["pids"]) == 2 and os.path.isdir(info["run_dir"])
+        time.sleep(0.3)  # mid-run
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=20)
+        assert proc.returncode != 0
+        assert "KeyboardInterrupt" in stderr
+        assert_gone(info["pids"], info["run_dir"], timeout_s=5)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_controllers_exit_on_their_own_when_the_driver_is_killed():
+    proc, info = _start_driver()
+    try:
+        proc.kill()  # SIGKILL: no clean-up runs in the driver
+        proc.wait()
+        t0 = time.monotonic()
+        assert_gone(info["pids"], timeout_s=10)  # they notice the parent is gone
+        assert time.monotonic() - t0 < 5
+    finally:
+        proc.kill()
+        proc.wait()
+        # Nobody was left to remove the run directory; a SIGKILLed driver cannot.
+        shutil.rmtree(info["run_dir"], ignore_errors=True)
