@@ -73,27 +73,56 @@ def cmd_run(args: argparse.Namespace) -> int:
     from runtime.local import LocalExecutor
     from runtime.loop import train
 
-    graph = _load(args)
+    options = _graph_options(args)
+    graph = load_graph(args.graph, **options)
     out = Path(args.out) if args.out else None
-    executor = LocalExecutor(graph)
-    rows = train(
-        executor,
-        args.steps,
-        out,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
-        progress=not args.quiet,
-    )
+    distributed = args.controllers > 1 or args.listen
+    if distributed and (args.checkpoint_every or args.resume):
+        raise SystemExit(
+            "run: checkpoints and --resume work with the in-process executor only for now; "
+            "drop --controllers/--listen, or drop --checkpoint-every/--resume"
+        )
+    if distributed:
+        from runtime.driver import ZmqExecutor
+
+        executor = ZmqExecutor(
+            graph.plan(args.controllers),
+            graph_ref=args.graph,
+            graph_options=options,
+            max_staleness=args.max_staleness,
+            controller_output="inherit",
+            spawn=not args.no_spawn,
+            address=args.listen,
+            allow_tcp=bool(args.listen),
+        )
+    else:
+        executor = LocalExecutor(graph)
+    try:
+        rows = train(
+            executor,
+            args.steps,
+            out,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
+            progress=not args.quiet,
+        )
+    finally:
+        if distributed:
+            executor.close()
     rewards = [r["scores/mean"] for r in rows if "scores/mean" in r]
     if rewards:
-        window = max(1, min(5, len(rewards) // 2))
+        window = max(1, min(args.window, len(rewards) // 2))
         first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
         print(f"mean reward: first {window} steps {first:.3f} -> last {window} steps {last:.3f}")
     if out is not None:
-        print(
-            f"metrics: {out / 'metrics.jsonl'}  trace: {out / 'trace.json'}  checkpoints: {out / 'checkpoints'}"
-        )
+        print(f"metrics: {out / 'metrics.jsonl'}  trace: {out / 'trace.json'}")
     return 0
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    from runtime.controller import main as controller_main
+
+    return controller_main(["--connect", args.connect, "--index", str(args.index)])
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -108,6 +137,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # The toy graph until the multimodal PPO example exists.
     args.graph, args.set, args.seed = "graphs.toy", [], 0
     args.out, args.checkpoint_every, args.resume = None, 0, None
+    args.controllers, args.listen, args.no_spawn, args.max_staleness, args.window = (
+        1,
+        None,
+        False,
+        0,
+        5,
+    )
     print("yatt-graph demo: the toy RLHF graph, in-process, on the CPU\n")
     print(load_graph(args.graph).to_text(), "\n")
     return cmd_run(args)
@@ -154,8 +190,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume", default=None, metavar="DIR", help="continue from the newest good checkpoint"
     )
+    p.add_argument(
+        "--controllers", type=int, default=1, help="run the plan on N controller processes"
+    )
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=0,
+        metavar="K",
+        help="async mode: sources may run K steps ahead of the update (0: on-policy)",
+    )
+    p.add_argument(
+        "--listen",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="bind the driver on tcp so controllers on other hosts can join (opt-in)",
+    )
+    p.add_argument(
+        "--no-spawn",
+        action="store_true",
+        help="start no local controllers; wait for `yatt-graph controller --connect`",
+    )
+    p.add_argument(
+        "--window", type=int, default=5, help="steps averaged in the closing reward line"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser(
+        "controller", help="join a driver started with `run --listen` (another host)"
+    )
+    p.add_argument("--connect", required=True, metavar="tcp://HOST:PORT")
+    p.add_argument("--index", type=int, required=True, help="which controller of the plan this is")
+    p.set_defaults(func=cmd_controller)
 
     p = sub.add_parser("plot", help="draw a run's reward/KL curves to a PNG")
     p.add_argument("run_dir", help="the --out folder of a run")

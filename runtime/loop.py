@@ -93,7 +93,8 @@ def train(
     if (
         out is not None
         and remaining
-        and (checkpoint_every <= 0 or executor.next_step % checkpoint_every)
+        and checkpoint_every > 0
+        and executor.next_step % checkpoint_every
     ):
         save_checkpoint(out, executor.next_step, executor.state_dict())
     return rows

@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -51,3 +52,40 @@ def test_console_script_is_installed():
     exe = Path(sys.executable).with_name("yatt-graph")
     out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0 and "viz" in out.stdout and "run" in out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_run_on_three_controllers_matches_the_in_process_run(tmp_path, capsys):
+    from runtime.metrics import read_metrics
+
+    local, zmq = tmp_path / "local", tmp_path / "zmq"
+    assert main(["run", "graphs.toy", "--steps", "5", "--out", str(local), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "graphs.toy",
+                "--steps",
+                "5",
+                "--controllers",
+                "3",
+                "--out",
+                str(zmq),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    keep = ("scores/mean", "scores/std", "loss")
+    assert [{k: r[k] for k in keep} for r in read_metrics(local)] == [
+        {k: r[k] for k in keep} for r in read_metrics(zmq)
+    ]
+    trace = json.loads((zmq / "trace.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1, 2}
+
+
+def test_checkpoints_with_controllers_are_refused_clearly():
+    with pytest.raises(
+        SystemExit, match="checkpoints and --resume work with the in-process executor only"
+    ):
+        main(["run", "graphs.toy", "--controllers", "2", "--checkpoint-every", "2"])

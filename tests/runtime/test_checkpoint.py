@@ -23,7 +23,12 @@ def test_a_resumed_run_ends_with_the_same_metrics_as_an_uninterrupted_one(tmp_pa
         LocalExecutor(load_graph("graphs.toy", seed=2)), 7, part, checkpoint_every=7, progress=False
     )
     resumed = train(
-        LocalExecutor(load_graph("graphs.toy", seed=2)), 12, part, resume=part, progress=False
+        LocalExecutor(load_graph("graphs.toy", seed=2)),
+        12,
+        part,
+        checkpoint_every=7,
+        resume=part,
+        progress=False,
     )
     assert [r["step"] for r in resumed] == [7, 8, 9, 10, 11]
     assert learning_keys(read_metrics(part)) == learning_keys(whole)
