@@ -1,4 +1,4 @@
-"""Suite-wide settings: no hub access, quiet thread pools, a non-interactive matplotlib."""
+"""Suite-wide settings: no hub access, one torch thread, a non-interactive matplotlib."""
 
 import os
 
@@ -6,3 +6,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+import torch  # noqa: E402
+
+# The test models are tiny: on 2 cores, thread hand-offs cost more than they save, and one
+# thread keeps results identical from run to run.
+torch.set_num_threads(1)
