@@ -72,12 +72,13 @@ class GAEAdvantage(Node):
             else token_rewards + _on_last_token(scores, response_mask)
         )
         stats: dict[str, float] = {}
-        if self.kl_coef > 0:
-            if logprobs is None or ref_logprobs is None:
-                raise ValueError(
-                    f"node {self.name!r}: kl_coef={self.kl_coef} needs the logprobs and ref_logprobs "
-                    "inputs connected (or set kl_coef=0 to leave the KL out of the reward)"
-                )
+        if self.kl_coef > 0 and (logprobs is None or ref_logprobs is None):
+            raise ValueError(
+                f"node {self.name!r}: kl_coef={self.kl_coef} needs the logprobs and ref_logprobs "
+                "inputs connected (or set kl_coef=0 to leave the KL out of the reward)"
+            )
+        if logprobs is not None and ref_logprobs is not None:
+            # Reported whenever it can be, so a run shows its drift from the reference.
             kl = kl_penalty(logprobs, ref_logprobs, response_mask, kind=self.kl_kind)  # (B, R)
             stats["kl"] = float(masked_mean(kl, response_mask))
         else:

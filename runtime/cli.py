@@ -77,10 +77,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     graph = load_graph(args.graph, **options)
     out = Path(args.out) if args.out else None
     distributed = args.controllers > 1 or args.listen
-    if distributed and (args.checkpoint_every or args.resume):
+    if distributed and (args.checkpoint_every or args.resume or args.export):
         raise SystemExit(
-            "run: checkpoints and --resume work with the in-process executor only for now; "
-            "drop --controllers/--listen, or drop --checkpoint-every/--resume"
+            "run: checkpoints, --resume and --export work with the in-process executor only for "
+            "now; drop --controllers/--listen, or drop --checkpoint-every/--resume/--export"
         )
     if distributed:
         from runtime.driver import ZmqExecutor
@@ -109,6 +109,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         if distributed:
             executor.close()
+    if args.export:
+        print(
+            f"exported the policy of node {export_policy(graph, Path(args.export))!r} to {args.export}"
+        )
     rewards = [r["scores/mean"] for r in rows if "scores/mean" in r]
     if rewards:
         window = max(1, min(args.window, len(rewards) // 2))
@@ -133,20 +137,32 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    # The toy graph until the multimodal PPO example exists.
-    args.graph, args.set, args.seed = "graphs.toy", [], 0
-    args.out, args.checkpoint_every, args.resume = None, 0, None
-    args.controllers, args.listen, args.no_spawn, args.max_staleness, args.window = (
-        1,
-        None,
-        False,
-        0,
-        5,
+def export_policy(graph: Any, path: Path) -> str:
+    """Save the trained policy of the graph's update node with ``save_pretrained``."""
+    for name, node in graph.nodes.items():
+        policy = getattr(node, "policy", None)
+        if node.kind == "update" and hasattr(policy, "save_pretrained"):
+            policy.save_pretrained(path)
+            return name
+    raise ValueError(
+        f"graph {graph.name!r} has no update node holding a policy with save_pretrained()"
     )
-    print("yatt-graph demo: the toy RLHF graph, in-process, on the CPU\n")
-    print(load_graph(args.graph).to_text(), "\n")
-    return cmd_run(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    run = ["run", "graphs.mm_ppo", "--steps", str(args.steps), "--seed", "0", "--out", str(out)]
+    run += ["--window", "20", "--export", str(out / "policy")] + (["--quiet"] if args.quiet else [])
+    print("yatt-graph demo: multimodal PPO on the shapes task (tiny models, in-process, CPU)")
+    print("The policy must name the colour of the shape in the image. An image-blind policy")
+    print("that always names some colour scores 0.4; a perfect one scores 1.0.\n")
+    print(load_graph("graphs.mm_ppo").to_text(), "\n", flush=True)
+    code = cmd_run(build_parser().parse_args(run))
+    if code == 0:
+        from runtime.plot import plot_run
+
+        print(f"curves: {plot_run(out)}")
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -214,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--window", type=int, default=5, help="steps averaged in the closing reward line"
     )
+    p.add_argument(
+        "--export",
+        default=None,
+        metavar="DIR",
+        help="save the trained policy there with save_pretrained (in-process runs)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
 
@@ -229,8 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default=None, help="PNG path (default RUN_DIR/curves.png)")
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser("demo", help="run the demo graph")
-    p.add_argument("--steps", type=int, default=40)
+    p = sub.add_parser("demo", help="train the multimodal PPO example on the CPU")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--out", default="runs/demo", help="folder for metrics, curves, trace, policy")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -21,7 +21,7 @@ __all__ = ["train"]
 
 def _progress_fields(row: dict[str, Any], samples_per_s: float) -> dict[str, str]:
     fields = {"samples/s": f"{samples_per_s:.1f}"}
-    for label, keys in (("reward", ("scores/mean",)), ("kl", ("kl", "approx_kl", "stats/kl"))):
+    for label, keys in (("reward", ("scores/mean",)), ("kl", ("advantage/kl", "kl_ref"))):
         key = next((k for k in keys if k in row), None)
         if key is not None:
             fields[label] = f"{row[key]:.3f}"

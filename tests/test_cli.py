@@ -86,6 +86,7 @@ def test_run_on_three_controllers_matches_the_in_process_run(tmp_path, capsys):
 
 def test_checkpoints_with_controllers_are_refused_clearly():
     with pytest.raises(
-        SystemExit, match="checkpoints and --resume work with the in-process executor only"
+        SystemExit,
+        match="checkpoints, --resume and --export work with the in-process executor only",
     ):
         main(["run", "graphs.toy", "--controllers", "2", "--checkpoint-every", "2"])

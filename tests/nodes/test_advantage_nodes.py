@@ -75,3 +75,16 @@ def test_nan_scores_are_refused_naming_the_node_and_the_sample():
         GAEAdvantage().run(
             scores=torch.tensor([1.0, float("nan")]), values=torch.zeros(2, 4), response_mask=MASK
         )
+
+
+def test_gae_node_reports_the_kl_to_reference_even_without_a_penalty():
+    logprobs, ref = torch.full((2, 4), -1.0), torch.full((2, 4), -1.5)
+    out = GAEAdvantage(lam=1.0, whiten=False).run(
+        scores=torch.tensor([1.0, 0.0]),
+        values=torch.zeros(2, 4),
+        response_mask=MASK,
+        logprobs=logprobs,
+        ref_logprobs=ref,
+    )
+    assert out["stats"]["kl"] == pytest.approx(0.5)
+    assert out["returns"][0, 0] == pytest.approx(1.0)  # kl_coef=0: the reward is untouched
