@@ -46,9 +46,13 @@ _BAND_COLORS = [
 
 
 def _edge_label(graph: Graph, src: str, dst: str) -> str:
+    """Port names and types of the edges from ``src`` to ``dst``; a bundle of many is shortened."""
+    edges = [data["edge"] for data in graph.dag.get_edge_data(src, dst).values()]
+    later = " (next step)" if any(e.delay for e in edges) else ""
+    if len(edges) > 2:  # e.g. the four prompt/response tensors: names only, types in the listing
+        return f"{edges[0].src_port}, {edges[1].src_port} +{len(edges) - 2} more{later}"
     lines = []
-    for data in graph.dag.get_edge_data(src, dst).values():
-        e = data["edge"]
+    for e in edges:
         spec = graph.nodes[e.src].outputs[e.src_port].spec
         name = e.src_port if e.src_port == e.dst_port else f"{e.src_port}→{e.dst_port}"
         lines.append(f"{name}: {spec}" + (" (next step)" if e.delay else ""))
