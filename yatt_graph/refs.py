@@ -16,16 +16,24 @@ def ref_of(obj: Any) -> str:
 
 
 def import_ref(ref: str) -> Any:
-    """Import ``"package.module:Attr.sub"``; errors name the reference and what failed."""
-    module_name, sep, qualname = ref.partition(":")
+    """Import ``"package.module:Attr.sub"`` or ``"path/to/file.py:name"``.
+
+    Errors name the reference and what failed.
+    """
+    module_name, sep, qualname = ref.rpartition(":")
     if not sep or not module_name or not qualname:
-        raise ValueError(f"reference {ref!r} must look like 'package.module:name'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(
-            f"cannot import module {module_name!r} for reference {ref!r}: {exc}"
-        ) from exc
+        raise ValueError(
+            f"reference {ref!r} must look like 'package.module:name' or 'path/to/file.py:name'"
+        )
+    if module_name.endswith(".py"):  # a file the user named: imported from that path only
+        obj: Any = load_module(module_name)
+    else:
+        try:
+            obj = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ImportError(
+                f"cannot import module {module_name!r} for reference {ref!r}: {exc}"
+            ) from exc
     for part in qualname.split("."):
         if part == "<locals>" or not hasattr(obj, part):
             raise ImportError(
@@ -41,7 +49,7 @@ def load_module(target: str) -> Any:
     path = Path(target)
     if target.endswith(".py") or path.exists():
         if not path.is_file():
-            raise FileNotFoundError(f"graph file {target!r} does not exist")
+            raise FileNotFoundError(f"Python file {target!r} does not exist")
         # A file inside the project (graphs/toy.py) imports as its dotted module, so that
         # node references point at importable names rather than at a throwaway module.
         resolved = path.resolve()
@@ -63,9 +71,7 @@ def load_module(target: str) -> Any:
             spec.loader.exec_module(module)
         except Exception as exc:
             sys.modules.pop(name, None)
-            raise ImportError(
-                f"importing graph file {target!r} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise ImportError(f"importing {target!r} failed: {type(exc).__name__}: {exc}") from exc
         return module
     return _import(target, target)
 
@@ -74,7 +80,7 @@ def _import(dotted: str, shown: str) -> Any:
     try:
         return importlib.import_module(dotted)
     except Exception as exc:
-        raise ImportError(f"importing graph {shown!r} failed: {type(exc).__name__}: {exc}") from exc
+        raise ImportError(f"importing {shown!r} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def load_graph(target: str, **kwargs: Any) -> Any:
