@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test lint format bench bench-ray clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,7 +28,14 @@ test: lint
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	$(BIN)/python -m bench.dispatch
+	$(BIN)/python -m bench.dispatch --steps 500
+	$(BIN)/python -m bench.transfer --sizes 1 64 256
+	$(BIN)/python -m bench.dataplane --batches 16 64 256 --steps 10
+
+# The same benchmarks with Ray's columns measured (Ray goes to .bench/ray, never into .venv).
+bench-ray: $(STAMP)
+	bash bench/install_ray.sh
+	$(MAKE) bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
+import sys
+import sysconfig
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-__all__ = ["machine", "median_time", "ray_available", "table"]
+__all__ = [
+    "BENCH_RAY",
+    "import_ray",
+    "load_average",
+    "machine",
+    "median_time",
+    "ray_available",
+    "ray_session",
+    "table",
+]
+
+# Where `bash bench/install_ray.sh` puts Ray (bench only: never in .venv, never in `make test`).
+BENCH_RAY = Path(__file__).resolve().parent.parent / ".bench" / "ray"
 
 
 def median_time(fn: Callable[[], Any], repeat: int, warmup: int = 2) -> float:
@@ -24,22 +41,80 @@ def median_time(fn: Callable[[], Any], repeat: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def ray_available() -> bool:
+def import_ray() -> ModuleType | None:
+    """Ray, from ``.bench/ray`` when that folder exists, else from the environment; None if absent.
+
+    ``.bench/ray`` is appended to ``sys.path`` *after* site-packages, so the project's own
+    packages (numpy, msgspec, typing_extensions, ...) win over the copies pip put there as
+    Ray's dependencies.
+    """
+    # Read by Ray at import: no usage reports, and its "no cluster" mode (the default on
+    # macOS/Windows), in which every address it hands out is 127.0.0.1.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if BENCH_RAY.is_dir() and str(BENCH_RAY) not in sys.path:
+        sys.path.append(str(BENCH_RAY))
     try:
-        import ray  # noqa: F401
+        import ray
     except ImportError:
-        return False
-    return True
+        return None
+    return ray
+
+
+def ray_available() -> bool:
+    return import_ray() is not None
+
+
+@contextlib.contextmanager
+def ray_session(object_store_mb: int = 1536) -> Iterator[ModuleType]:
+    """A local Ray instance for one benchmark: 2 CPUs, no dashboard, on loopback only.
+
+    Ray's own processes (GCS, raylet, agents, workers) are started with ``PYTHONPATH`` =
+    site-packages then ``.bench/ray``: they need to import ray, and the project's packages
+    still come first. Raises RuntimeError when Ray is not installed.
+    """
+    ray = import_ray()
+    if ray is None:
+        raise RuntimeError("Ray is not installed: run `bash bench/install_ray.sh` first")
+    old = os.environ.get("PYTHONPATH")
+    paths = [*filter(None, (old or "").split(os.pathsep)), sysconfig.get_paths()["purelib"]]
+    if BENCH_RAY.is_dir():
+        paths.append(str(BENCH_RAY))
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+    try:
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=object_store_mb * 2**20,
+        )
+    finally:
+        # Ray's processes have the environment now; the benchmark's own children don't need it.
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages, for the figures' header."""
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} cores"
 
 
 def machine() -> str:
     import torch
     import zmq
 
+    ray = import_ray()
     return (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}, torch {torch.__version__}, pyzmq {zmq.__version__} "
-        f"(libzmq {zmq.zmq_version()})"
+        f"(libzmq {zmq.zmq_version()}), ray {ray.__version__ if ray else 'not installed'}"
     )
 
 

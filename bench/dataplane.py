@@ -10,6 +10,11 @@ Per step, a source process makes ``batch`` 224x224 RGB PIL images, embeddings
 * routed: the single-controller pattern (one driver process that every batch passes
   through, as in verl): source -> driver (decoded there into Python objects) -> sink,
   with the same codec and sockets.
+* Ray (when installed: ``bash bench/install_ray.sh``): the same two nodes in a source actor
+  and a sink actor (``num_cpus=0``); the driver passes the source's ObjectRef to the sink
+  (``ray.get(sink.consume.remote(source.produce.remote()))``), so the batch goes through
+  the object store and the driver gets the summary. The batch is pickled by Ray as is (PIL
+  images, torch tensors). Ray's own processes (raylet, object store) are not in "driver RSS".
 
 Each configuration runs in a fresh driver process; "driver RSS growth" is the peak
 resident memory during the steps minus the resident memory just before them.
@@ -30,7 +35,7 @@ import time
 import psutil
 import zmq
 
-from bench._util import machine, table
+from bench._util import load_average, machine, ray_available, ray_session, table
 from bench.graphs import ImageBatch, build_graph
 from runtime.serial import decode_value, encode_value
 
@@ -143,11 +148,45 @@ def run_routed(batch: int, steps: int) -> dict[str, float]:
     return {"step_s": statistics.median(times), "growth_mb": (rss.peak - rss.base) / 2**20}
 
 
+def run_ray(batch: int, steps: int) -> dict[str, float]:
+    with ray_session() as ray:
+
+        @ray.remote(num_cpus=0)
+        class Source:
+            def __init__(self, batch: int):
+                self.node = ImageBatch(batch)
+
+            def produce(self) -> dict:
+                return self.node.forward()
+
+        @ray.remote(num_cpus=0)
+        class Sink:
+            def __init__(self):
+                from bench.graphs import Consume
+
+                self.node = Consume()
+
+            def consume(self, batch: dict) -> dict:
+                return self.node.forward(**batch)
+
+        source, sink = Source.remote(batch), Sink.remote()
+        step = lambda: ray.get(sink.consume.remote(source.produce.remote()))  # noqa: E731
+        for _ in range(2):
+            step()
+        times = []
+        with _PeakRss() as rss:
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+    return {"step_s": statistics.median(times), "growth_mb": (rss.peak - rss.base) / 2**20}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--one", choices=["direct", "routed"], help=argparse.SUPPRESS)
+    p.add_argument("--one", choices=["direct", "routed", "ray"], help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=["source", "sink"], help=argparse.SUPPRESS)
     p.add_argument("--pull", help=argparse.SUPPRESS)
     p.add_argument("--push", help=argparse.SUPPRESS)
@@ -155,23 +194,31 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         return _worker(args.worker, args.pull, args.push, args.batches[0])
     if args.one:
-        run = run_direct if args.one == "direct" else run_routed
+        run = {"direct": run_direct, "routed": run_routed, "ray": run_ray}[args.one]
         print(json.dumps(run(args.batches[0], args.steps)))
         return None
+    load_start = load_average()
+    modes = ("routed", "direct", "ray") if ray_available() else ("routed", "direct")
     rows = []
     for batch in args.batches:
         mb = batch * (224 * 224 * 3 + 1024 * 4 + 256 * 8) / 2**20
         row = [str(batch), f"{mb:.1f}"]
-        for mode in ("routed", "direct"):
+        res = {}
+        for mode in modes:
             cmd = [sys.executable, "-m", "bench.dataplane", "--one", mode, "--batches", str(batch)]
             cmd += ["--steps", str(args.steps)]
-            res = json.loads(
+            res[mode] = json.loads(
                 subprocess.check_output(cmd, env={**os.environ, "PYTHONPATH": os.getcwd()})
             )
-            row += [f"{res['step_s'] * 1e3:.1f}", f"{res['growth_mb']:.1f}"]
+            row += [f"{res[mode]['step_s'] * 1e3:.1f}", f"{res[mode]['growth_mb']:.1f}"]
+        if "ray" in res:
+            row.append(f"{res['ray']['step_s'] / res['direct']['step_s']:.2f}")
+        else:
+            row += ["not installed", "-", "-"]
         rows.append(row)
         print(f"batch {batch} done", flush=True)
-    print(f"\nmachine: {machine()}\n")
+    print(f"\nmachine: {machine()}")
+    print(f"load average: {load_start} (start), {load_average()} (end)\n")
     header = [
         "batch",
         "MB/step",
@@ -179,6 +226,9 @@ def main(argv: list[str] | None = None) -> None:
         "routed driver RSS +MB",
         "direct ms/step",
         "direct driver RSS +MB",
+        "Ray ms/step",
+        "Ray driver RSS +MB",
+        "Ray / direct time",
     ]
     print(table(header, rows))
     return None
