@@ -1,0 +1,487 @@
+"""Benchmark: the dynamic batching scheduler against static batching, and placement modes.
+
+    .venv/bin/python -m bench.scheduler            # about 30 s on a 2-core machine
+    .venv/bin/python -m bench.scheduler --quick    # a smaller smoke run
+    .venv/bin/python -m bench.scheduler --json out.json
+
+(a) Long tail. 2048 samples whose costs are drawn from a lognormal (sigma 2, capped at 150
+    units like a max response length), arriving as requests of 4 samples from 2 producers.
+    One unit of cost is ``ITERS_PER_UNIT`` real 128x128 float32 matmuls (no sleeping), with
+    ``torch.set_num_threads(1)`` in each of 2 CPU worker slots.
+    *static*: batches of 8 (two requests), split 4/4 by count, a barrier after each batch.
+    *scheduler*: :class:`runtime.scheduler.Scheduler`, fusing up to 8 per call, splitting by
+    cost with Karmarkar-Karp, no barrier. The lower bound is total work / 2 slots, with the
+    work timed while both slots run (so that sharing the cores is not counted as waste).
+
+(b) Rollout + generative reward. Each step generates responses for 64 prompts with ragged
+    lengths (lognormal, median 96 tokens, capped at 384): a real decode loop, one
+    ``[active, D] @ [D, D]`` matmul per token over the rows still generating. A generative
+    reward then reads each response (a ``[L, D] @ [D, D]`` prefill) and decodes a 48-token
+    critique with its own weights. *colocated*: both roles on both slots, the group
+    switching role together, each switch a measured offload/reload (memcpy) of the role's
+    weights. *partial*: rollout on slot 0, reward on slot 1, samples streamed to the reward
+    as they finish, the rollout of step t+1 overlapping the reward of step t (one step of
+    staleness). Reported: the rollout-phase wall time (first prompt in, last score out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from bench._util import machine
+from runtime.batching import karmarkar_karp, lpt
+from runtime.devices import Device, DevicePool
+from runtime.placement import colocated, partial
+from runtime.scheduler import Scheduler
+from yatt_graph import BatchPolicy
+
+__all__ = ["long_tail", "main", "rollout_reward"]
+
+ITERS_PER_UNIT = 24
+MATMUL = 128
+SLOTS = 2
+
+
+# --- (a) long tail ---------------------------------------------------------------------------
+
+
+def _mm_operands() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(MATMUL, MATMUL, generator=g)  # [M, M]
+    b = torch.randn(MATMUL, MATMUL, generator=g) / MATMUL**0.5  # [M, M]
+    return a, b
+
+
+_local = threading.local()
+
+
+def _spin(iters: int) -> float:
+    """Real work: ``iters`` matmuls; returns a number so that nothing is optimized away."""
+    ops = getattr(_local, "ops", None)
+    if ops is None:
+        ops = _local.ops = _mm_operands()
+    a, b = ops
+    c = a
+    for _ in range(iters):
+        c = torch.mm(a, b)  # [M, M]
+    return float(c[0, 0])
+
+
+def _iters(cost: float) -> int:
+    return max(1, round(cost * ITERS_PER_UNIT))
+
+
+def _calibrate(slots: int, iters: int = 8000) -> tuple[float, float]:
+    """Seconds per matmul alone, and with ``slots`` threads running at once."""
+    torch.set_num_threads(1)
+    _spin(50)
+    t = time.perf_counter()
+    _spin(iters)
+    alone = (time.perf_counter() - t) / iters
+
+    def run() -> float:
+        torch.set_num_threads(1)
+        t0 = time.perf_counter()
+        _spin(iters)
+        return time.perf_counter() - t0
+
+    with ThreadPoolExecutor(slots) as ex:
+        t = time.perf_counter()
+        list(ex.map(lambda _: run(), range(slots)))
+        wall = time.perf_counter() - t
+    return alone, wall / iters  # per matmul, per slot, when all slots are busy
+
+
+def _draw_costs(n: int, sigma: float, cap: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    return [min(cap, rng.lognormvariate(0.0, sigma)) for _ in range(n)]
+
+
+def _static(requests: list[list[float]], per_batch: int) -> dict[str, Any]:
+    """Barrier per batch of ``per_batch`` requests; each batch split by count over the slots."""
+    busy = [0.0] * SLOTS
+
+    def chunk(slot: int, costs: list[float]) -> None:
+        t = time.perf_counter()
+        for c in costs:
+            _spin(_iters(c))
+        busy[slot] += time.perf_counter() - t
+
+    with ThreadPoolExecutor(SLOTS, initializer=torch.set_num_threads, initargs=(1,)) as ex:
+        list(ex.map(lambda _: _spin(10), range(SLOTS)))  # warm the threads
+        t0 = time.perf_counter()
+        for b in range(0, len(requests), per_batch):
+            batch = [c for r in requests[b : b + per_batch] for c in r]
+            size = math.ceil(len(batch) / SLOTS)
+            futures = [ex.submit(chunk, s, batch[s * size : (s + 1) * size]) for s in range(SLOTS)]
+            for f in futures:  # the barrier
+                f.result()
+        makespan = time.perf_counter() - t0
+    return {"makespan_s": makespan, "busy_s": busy}
+
+
+def _dynamic(requests: list[list[float]], max_batch: int, method: str) -> dict[str, Any]:
+    def work(inputs: dict[str, Any], device: Device) -> dict[str, Any]:
+        return {"done": [_spin(_iters(c)) for c in inputs["cost"]]}
+
+    sched = Scheduler(DevicePool.cpu(SLOTS), partition=method, threads_per_worker=1)
+    sched.add(
+        "work",
+        work,
+        policy=BatchPolicy(max_batch_size=max_batch, max_queue_delay_s=0.002),
+        cost=lambda batch: batch["cost"],
+    )
+    with sched:
+        t0 = time.perf_counter()
+        tickets: list[Any] = []
+
+        def producer(k: int) -> None:
+            for r in requests[k::2]:
+                tickets.append(sched.submit("work", {"cost": r}))
+
+        producers = [threading.Thread(target=producer, args=(k,)) for k in range(2)]
+        for p in producers:
+            p.start()
+        for p in producers:
+            p.join()
+        for t in tickets:
+            t.result(timeout=600)
+        makespan = time.perf_counter() - t0
+        summary = sched.summary()
+    return {
+        "makespan_s": makespan,
+        "busy_s": [d["busy_s"] for d in summary["devices"].values()],
+        "calls": summary["nodes"]["work"]["calls"],
+        "queue_wait_s": summary["nodes"]["work"]["mean_queue_wait_s"],
+    }
+
+
+def _partition_quality(requests: list[list[float]], per_batch: int) -> dict[str, float]:
+    """Mean heaviest-part / ideal over the static batches, for three ways to split them."""
+    out = {"count": 0.0, "lpt": 0.0, "kk": 0.0}
+    n = 0
+    for b in range(0, len(requests), per_batch):
+        costs = [c for r in requests[b : b + per_batch] for c in r]
+        ideal = sum(costs) / SLOTS
+        size = math.ceil(len(costs) / SLOTS)
+        halves = [costs[s * size : (s + 1) * size] for s in range(SLOTS)]
+        out["count"] += max(sum(h) for h in halves) / ideal
+        out["lpt"] += max(sum(costs[i] for i in p) for p in lpt(costs, SLOTS)) / ideal
+        out["kk"] += max(sum(costs[i] for i in p) for p in karmarkar_karp(costs, SLOTS)) / ideal
+        n += 1
+    return {k: v / n for k, v in out.items()}
+
+
+def _barrier_bound(requests: list[list[float]], per_batch: int) -> float:
+    """What static batching costs on idle cores, in units: the heavier half of every batch."""
+    total = 0.0
+    for b in range(0, len(requests), per_batch):
+        batch = [c for r in requests[b : b + per_batch] for c in r]
+        size = math.ceil(len(batch) / SLOTS)
+        total += max(sum(batch[s * size : (s + 1) * size]) for s in range(SLOTS))
+    return total
+
+
+def long_tail(
+    samples: int = 2048, sigma: float = 2.0, cap: float = 150.0, rounds: int = 4
+) -> dict[str, Any]:
+    """Static vs scheduler on the same samples, interleaved in ``rounds`` so that both see the
+    same background load (this machine is shared); the lower bound is re-measured each round."""
+    per_request, per_batch = 4, 2  # static batch = 2 requests = 8 samples
+    costs = _draw_costs(samples, sigma, cap, seed=0)
+    requests = [costs[i : i + per_request] for i in range(0, samples, per_request)]
+    chunk = math.ceil(len(requests) / rounds)
+    totals = {"static": [0.0, [0.0] * SLOTS], "scheduler": [0.0, [0.0] * SLOTS]}
+    lower, alone_sum, shared_sum, calls, waits, busy_lb = 0.0, 0.0, 0.0, 0, [], 0.0
+    for k in range(rounds):
+        part = requests[k * chunk : (k + 1) * chunk]
+        alone, shared = _calibrate(SLOTS)
+        alone_sum, shared_sum = alone_sum + alone, shared_sum + shared
+        lower += sum(_iters(c) for r in part for c in r) * shared / SLOTS
+        runs = [("static", lambda p=part: _static(p, per_batch))]
+        runs.append(("scheduler", lambda p=part: _dynamic(p, per_request * per_batch, "kk")))
+        for name, run in runs if k % 2 == 0 else runs[::-1]:
+            r = run()
+            totals[name][0] += r["makespan_s"]
+            totals[name][1] = [a + b for a, b in zip(totals[name][1], r["busy_s"])]
+            if name == "scheduler":
+                busy_lb += sum(r["busy_s"]) / SLOTS
+                calls += r["calls"]
+                waits.append(r["queue_wait_s"])
+
+    def figures(name: str) -> dict[str, Any]:
+        makespan, busy = totals[name]
+        return {
+            "makespan_s": makespan,
+            "over_lower_bound": makespan / lower,
+            "utilization": [b / makespan for b in busy],
+        }
+
+    static, dynamic = figures("static"), figures("scheduler")
+    dynamic.update(calls=calls, mean_queue_wait_s=sum(waits) / len(waits))
+    return {
+        "samples": samples,
+        "cost": f"lognormal(0, {sigma}) capped at {cap}",
+        "total_units": sum(costs),
+        "largest_sample_units": max(costs),
+        "matmuls": sum(_iters(c) for c in costs),
+        "matmul_s_alone": alone_sum / rounds,
+        "matmul_s_both_slots": shared_sum / rounds,
+        "lower_bound_s": lower,
+        "lower_bound_from_scheduler_busy_s": busy_lb,
+        "static": static,
+        "scheduler": dynamic,
+        "speedup": static["makespan_s"] / dynamic["makespan_s"],
+        "static_over_lb_on_idle_cores": _barrier_bound(requests, per_batch) / (sum(costs) / SLOTS),
+        "partition_heaviest_over_ideal": _partition_quality(requests, per_batch),
+    }
+
+
+# --- (b) rollout + generative reward -------------------------------------------------------
+
+
+class _Models:
+    """Per-slot weights for the two roles, plus the offload buffers a switch copies through."""
+
+    def __init__(self, dim: int, role_mb: int, slots: int):
+        g = torch.Generator().manual_seed(1)
+        self.policy = torch.randn(dim, dim, generator=g) / dim**0.5  # [D, D]
+        self.reward = torch.randn(dim, dim, generator=g) / dim**0.5  # [D, D]
+        n = role_mb * 2**20 // 4
+        # What a role keeps resident on a device (weights, KV cache) and its host copy.
+        self.resident = [torch.zeros(n) for _ in range(slots)]  # [n] per slot
+        self.host = {r: torch.ones(n) for r in ("rollout", "reward")}  # [n] per role
+
+    def switch(self, device: Device, old: str, new: str) -> None:
+        slot = self.resident[device.index]
+        self.host[old].copy_(slot)  # offload the old role
+        slot.copy_(self.host[new])  # reload the new one
+
+
+def _generate(models: _Models, lengths: list[int], dim: int) -> Any:
+    """Decode until each row reaches its length; yield rows as they finish (streaming)."""
+    n = len(lengths)
+    h = torch.randn(n, dim, generator=torch.Generator().manual_seed(n)) / dim**0.5  # [n, D]
+    active = list(range(n))
+    for t in range(max(lengths)):
+        idx = torch.tensor(active)  # [a]
+        h[idx] = torch.tanh(h[idx] @ models.policy)  # [a, D]
+        done = [i for i in active if lengths[i] == t + 1]
+        if done:
+            active = [i for i in active if lengths[i] > t + 1]
+            yield done, {"length": [lengths[i] for i in done], "state": h[done].clone()}
+
+
+def _judge(models: _Models, lengths: list[int], state: torch.Tensor, critique: int) -> list[float]:
+    """A generative reward: read each response (prefill), then decode a critique for all rows."""
+    dim = state.shape[1]
+    g = torch.Generator().manual_seed(len(lengths))
+    for length in lengths:
+        x = torch.randn(length, dim, generator=g)  # [L, D]: the response's token states
+        torch.tanh(x @ models.reward)  # [L, D]
+    h = state  # [n, D]
+    for _ in range(critique):
+        h = torch.tanh(h @ models.reward)  # [n, D]
+    return h[:, 0].tolist()
+
+
+def _rollout_run(
+    mode: str, steps: list[list[int]], models: _Models, dim: int, critique: int
+) -> dict[str, Any]:
+    pool = DevicePool.cpu(SLOTS)
+    if mode == "colocated":
+        placement = colocated(["rollout", "reward"], SLOTS, barrier=True)
+    else:
+        placement = partial({"rollout": "rollout", "reward": "reward"}, SLOTS)
+    sched = Scheduler(pool, placement=placement, on_switch=models.switch)
+
+    def rollout(inputs: dict[str, Any], device: Device) -> Any:
+        yield from _generate(models, inputs["length"], dim)
+
+    def reward(inputs: dict[str, Any], device: Device) -> dict[str, Any]:
+        return {"score": _judge(models, inputs["length"], inputs["state"], critique)}
+
+    # Response lengths are unknown before generation: the rollout splits by count (cost 1).
+    sched.add(
+        "rollout", rollout, streaming=True, keep=True, cost=lambda b: [1.0] * len(b["length"])
+    )
+    sched.add(
+        "reward",
+        reward,
+        policy=BatchPolicy(max_batch_size=16, max_queue_delay_s=0.05),
+        cost=lambda b: [float(x) for x in b["length"]],
+    )
+    sched.connect("rollout", "reward")
+    with sched:
+        t0 = time.perf_counter()
+        rollout_done, tickets = [], []
+        for lengths in steps:
+            if mode == "colocated" and tickets:
+                tickets[-1].result("reward", timeout=600)  # synchronous steps
+            if mode == "partial" and len(tickets) >= 2:
+                tickets[-2].result("reward", timeout=600)  # at most one step of staleness
+            if mode == "partial" and tickets:
+                tickets[-1].result("rollout", timeout=600)
+            tickets.append(sched.submit("rollout", {"length": lengths}))
+        for t in tickets:
+            t.result("reward", timeout=600)
+            rollout_done.append(time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        s = sched.summary()
+    return {
+        "wall_s": wall,
+        "utilization": {k: v["utilization"] for k, v in s["devices"].items()},
+        "switch_s": sum(v["switch_s"] for v in s["devices"].values()),
+        "switches": sum(v["switches"] for v in s["devices"].values()),
+        "reward_mean_queue_wait_s": s["nodes"]["reward"]["mean_queue_wait_s"],
+        "reward_mean_batch": s["nodes"]["reward"]["mean_batch_samples"],
+    }
+
+
+def rollout_reward(
+    n_steps: int = 6,
+    prompts: int = 64,
+    dim: int = 1024,
+    median_len: int = 96,
+    max_len: int = 384,
+    critique: int = 48,
+    role_mb: int = 64,
+    reps: int = 3,
+) -> dict[str, Any]:
+    rng = random.Random(1)
+    steps = [
+        [
+            max(1, min(max_len, round(rng.lognormvariate(math.log(median_len), 0.7))))
+            for _ in range(prompts)
+        ]
+        for _ in range(n_steps)
+    ]
+    torch.set_num_threads(1)
+    models = _Models(dim, role_mb, SLOTS)
+    # Interleaved repeats (C P, P C, C P ...) so that both modes see the same background load.
+    runs: dict[str, list[dict[str, Any]]] = {"colocated": [], "partial": []}
+    for k in range(reps):
+        for mode in ("colocated", "partial") if k % 2 == 0 else ("partial", "colocated"):
+            runs[mode].append(_rollout_run(mode, steps, models, dim, critique))
+
+    def total(mode: str) -> dict[str, Any]:
+        rs = runs[mode]
+        wall = sum(r["wall_s"] for r in rs)
+        return {
+            "wall_s": wall,
+            "wall_s_per_repeat": [r["wall_s"] for r in rs],
+            # Busy share of each slot over all repeats (weighted by each repeat's wall time).
+            "utilization": {
+                d: sum(r["utilization"][d] * r["wall_s"] for r in rs) / wall
+                for d in rs[0]["utilization"]
+            },
+            "switch_s": sum(r["switch_s"] for r in rs),
+            "switches": sum(r["switches"] for r in rs),
+            "reward_mean_queue_wait_s": sum(r["reward_mean_queue_wait_s"] for r in rs) / len(rs),
+            "reward_mean_batch": sum(r["reward_mean_batch"] for r in rs) / len(rs),
+        }
+
+    colo, part = total("colocated"), total("partial")
+    savings = [1 - p / c for p, c in zip(part["wall_s_per_repeat"], colo["wall_s_per_repeat"])]
+    return {
+        "repeats": reps,
+        "partial_saving_per_repeat": savings,
+        "steps": n_steps,
+        "prompts_per_step": prompts,
+        "dim": dim,
+        "response_lengths": f"lognormal(median {median_len}, sigma 0.7) capped at {max_len}; "
+        f"mean {sum(map(sum, steps)) / (n_steps * prompts):.0f}, max {max(map(max, steps))}",
+        "critique_tokens": critique,
+        "switch_memcpy_mb": 2 * role_mb,
+        "colocated": colo,
+        "partial": part,
+        "partial_saving": 1 - part["wall_s"] / colo["wall_s"],
+    }
+
+
+# --- report --------------------------------------------------------------------------------
+
+
+def _report(a: dict[str, Any], b: dict[str, Any]) -> str:
+    def utl(xs: list[float] | dict[str, float]) -> str:
+        vals = xs.values() if isinstance(xs, dict) else xs
+        return " / ".join(f"{x:.0%}" for x in vals)
+
+    st, dy = a["static"], a["scheduler"]
+    lines = [
+        f"(a) long tail: {a['samples']} samples, cost {a['cost']}, {a['matmuls']} matmuls "
+        f"{MATMUL}x{MATMUL}; largest sample {a['largest_sample_units']:.0f} of "
+        f"{a['total_units']:.0f} units",
+        f"    matmul {a['matmul_s_alone'] * 1e6:.1f} us alone, "
+        f"{a['matmul_s_both_slots'] * 1e6:.1f} us per slot with both slots busy",
+        f"    lower bound (work / {SLOTS} slots, work timed with both slots busy): "
+        f"{a['lower_bound_s']:.2f} s (the scheduler's own busy time / {SLOTS}: "
+        f"{a['lower_bound_from_scheduler_busy_s']:.2f} s)",
+        f"    static    : {st['makespan_s']:6.2f} s  {st['over_lower_bound']:.2f}x LB  "
+        f"utilization {utl(st['utilization'])}",
+        f"    scheduler : {dy['makespan_s']:6.2f} s  {dy['over_lower_bound']:.2f}x LB  "
+        f"utilization {utl(dy['utilization'])}  ({dy['calls']} calls)",
+        f"    speedup {a['speedup']:.2f}x (static on idle cores would be "
+        f"{a['static_over_lb_on_idle_cores']:.2f}x LB); heaviest part / ideal per static batch: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in a["partition_heaviest_over_ideal"].items()),
+        f"(b) rollout + generative reward: {b['repeats']} x {b['steps']} steps x "
+        f"{b['prompts_per_step']} prompts, "
+        f"D={b['dim']}, lengths {b['response_lengths']}, critique {b['critique_tokens']} tokens",
+    ]
+    for mode in ("colocated", "partial"):
+        r = b[mode]
+        lines.append(
+            f"    {mode:9s} : {r['wall_s']:6.2f} s  utilization {utl(r['utilization'])}  "
+            f"switches {r['switches']} ({r['switch_s']:.2f} s)  reward batch "
+            f"{r['reward_mean_batch']:.1f}, queue wait {r['reward_mean_queue_wait_s'] * 1e3:.0f} ms"
+        )
+    lines.append(
+        f"    partial saves {b['partial_saving']:.0%} of the colocated rollout-phase wall time "
+        f"(per repeat: {', '.join(f'{x:.0%}' for x in b['partial_saving_per_repeat'])})"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller run (smoke test)")
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
+    if args.quick:
+        a = long_tail(samples=256)
+        b = rollout_reward(n_steps=2, prompts=32, reps=2)
+    else:
+        a = long_tail()
+        b = rollout_reward()
+    result = {
+        "machine": machine(),
+        "load_average_before_after": [load0, os.getloadavg()[0]],
+        "long_tail": a,
+        "rollout_reward": b,
+        "bench_wall_s": time.perf_counter() - t0,
+    }
+    print(_report(a, b))
+    print(
+        f"machine: {result['machine']}; 1-min load average {load0:.2f} -> {os.getloadavg()[0]:.2f}; "
+        f"bench took {result['bench_wall_s']:.0f} s"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

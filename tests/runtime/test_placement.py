@@ -1,0 +1,125 @@
+"""Placement (runtime.placement) and the device pool (runtime.devices). ~1 s."""
+
+import threading
+
+import pytest
+import torch
+
+from runtime.devices import Device, DevicePool, cpu_slot_count
+from runtime.placement import Placement, colocated, partial, place
+from runtime.scheduler import Scheduler
+from yatt_graph import BatchPolicy
+from yatt_graph.refs import load_graph
+
+TOY_KINDS = {
+    "source": "data",
+    "encoder": "encoder",
+    "rollout": "rollout",
+    "reward": "reward",
+    "advantage": "function",
+    "update": "update",
+}
+
+
+def test_colocated_puts_every_node_on_every_device():
+    p = colocated(["rollout", "reward"], 4, switch_cost_s=0.5)
+    assert p.devices_of("rollout") == p.devices_of("reward") == [0, 1, 2, 3]
+    assert p.mode == "colocated" and p.switch_cost_s == 0.5 and p.barrier
+    assert "all: devices [0, 1, 2, 3] <- reward, rollout" in p.to_text()
+
+
+def test_partial_splits_rollout_side_from_train_side():
+    p = partial(TOY_KINDS, 4)
+    assert p.groups == {"rollout": [0, 1], "train": [2, 3]}
+    assert {n for n, g in p.nodes.items() if g == "rollout"} == {"source", "encoder", "rollout"}
+    assert p.devices_of("update") == [2, 3]
+    q = partial(TOY_KINDS, 3, rollout_devices=1)
+    assert q.devices_of("rollout") == [0] and q.devices_of("reward") == [1, 2]
+
+
+def test_place_reads_node_kinds_from_a_graph():
+    g = load_graph("graphs.toy")
+    p = place(g, 2, "partial")
+    assert p.group_of("rollout") == "rollout" and p.group_of("reward") == "train"
+    assert set(p.nodes) == set(g.nodes)
+    q = place(g, 2, "colocated", nodes=["rollout", "reward"], switch_cost_s=0.1)
+    assert set(q.nodes) == {"rollout", "reward"} and q.switch_cost_s == 0.1
+
+
+def test_placement_errors_say_what_to_do():
+    with pytest.raises(ValueError, match="partial placement needs at least 2 devices"):
+        partial(TOY_KINDS, 1)
+    with pytest.raises(ValueError, match="rollout_devices must be between 1 and 1"):
+        partial(TOY_KINDS, 2, rollout_devices=2)
+    with pytest.raises(ValueError, match="puts every node in one group"):
+        partial({"reward": "reward", "update": "update"}, 2)
+    with pytest.raises(ValueError, match="mode must be 'colocated' or 'partial'"):
+        place(TOY_KINDS, 2, "disaggregated")
+    with pytest.raises(ValueError, match=r"group 'all' names devices \[0, 5\] but the pool has 2"):
+        Placement("colocated", {"all": [0, 5]}, {"a": "all"}).verify(2)
+    with pytest.raises(ValueError, match="not one of"):
+        Placement("partial", {"g": [0]}, {"a": "h"}).verify()
+    with pytest.raises(KeyError, match="no group for node 'critic'"):
+        colocated(["rollout"], 2).devices_of("critic")
+    with pytest.raises(ValueError, match=r"nodes \['nope'\] are not in the graph"):
+        place(TOY_KINDS, 2, nodes=["nope"])
+
+
+def test_pool_detects_cuda_or_cpu_slots(monkeypatch):
+    pool = DevicePool.detect(cpu_slots=3, kind="cpu")
+    assert [d.name for d in pool] == ["cpu:0", "cpu:1", "cpu:2"]
+    assert pool[1].torch_device == "cpu"
+    monkeypatch.setenv("YATT_CPU_SLOTS", "5")
+    assert cpu_slot_count() == 5 and len(DevicePool.detect(kind="cpu")) == 5
+    monkeypatch.setenv("YATT_CPU_SLOTS", "many")
+    with pytest.raises(ValueError, match=r"\$YATT_CPU_SLOTS must be an integer"):
+        cpu_slot_count()
+    monkeypatch.delenv("YATT_CPU_SLOTS")
+    auto = DevicePool.detect()
+    if torch.cuda.is_available():
+        assert [d.kind for d in auto] == ["cuda"] * torch.cuda.device_count()
+        assert auto[0].torch_device == "cuda:0"
+    else:
+        assert all(d.kind == "cpu" for d in auto) and len(auto) >= 1
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            DevicePool.detect(kind="cuda")
+
+
+def test_pool_refuses_two_calls_at_once_on_one_device():
+    pool = DevicePool([Device("cpu", 0)])
+    with (
+        pool.busy(pool[0], "a"),
+        pytest.raises(RuntimeError, match="one worker per device"),
+        pool.busy(pool[0], "b"),
+    ):
+        pass
+    with pytest.raises(ValueError, match="duplicate devices"):
+        DevicePool([Device("cpu", 0), Device("cpu", 0)])
+
+
+@pytest.mark.timeout(60)
+def test_scheduler_serves_each_node_only_on_its_placement_group():
+    where, lock = {}, threading.Lock()
+    pair = threading.Barrier(2, timeout=20)  # reward calls pass only two at a time
+
+    def record(name):
+        def fn(inputs, dev):
+            with lock:
+                where.setdefault(name, set()).add(dev.name)
+            if name == "reward":
+                pair.wait()
+            return {"x": inputs["x"]}
+
+        return fn
+
+    pool = DevicePool.cpu(3)
+    p = partial({"rollout": "rollout", "reward": "reward"}, 3, rollout_devices=1)
+    sched = Scheduler(pool, placement=p)
+    sched.add("rollout", record("rollout"), policy=BatchPolicy(max_batch_size=1))
+    sched.add("reward", record("reward"), policy=BatchPolicy(max_batch_size=1))
+    sched.connect("rollout", "reward")
+    with sched:
+        out = sched.submit("rollout", {"x": torch.arange(8)}).result(timeout=30)
+    assert out["x"].tolist() == list(range(8))
+    assert where["rollout"] == {"cpu:0"}
+    assert where["reward"] == {"cpu:1", "cpu:2"}
