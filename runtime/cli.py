@@ -3,20 +3,23 @@
 yatt-graph viz graphs/toy.py -o toy.svg [--controllers 3]
 yatt-graph show graphs/toy.py [--mermaid]
 yatt-graph run graphs/toy.py --steps 30 --seed 0
+yatt-graph run graphs/toy.py --controllers 3 --out runs/x --checkpoint-every 10 --restart on-failure
+yatt-graph keys DIR
 yatt-graph demo
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from runtime.checkpoint import CheckpointError
-from yatt_graph import GraphError
-from yatt_graph.refs import load_graph
+from yatt_graph import GraphError, NodeExecutionError
+from yatt_graph.refs import load_graph, load_module
 
 __all__ = ["main"]
 
@@ -69,46 +72,92 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _on_bad_sample(args: argparse.Namespace, options: dict[str, Any]) -> None:
+    """Pass ``--on-bad-sample`` to a graph whose ``build_graph`` takes ``on_bad_sample``."""
+    if args.on_bad_sample is None:
+        return
+    build = getattr(load_module(args.graph), "build_graph", None)
+    takes = callable(build) and "on_bad_sample" in inspect.signature(build).parameters
+    if takes:
+        options["on_bad_sample"] = args.on_bad_sample
+    elif args.on_bad_sample == "skip":
+        raise SystemExit(
+            f"run: --on-bad-sample skip: the build_graph() of {args.graph!r} takes no "
+            "on_bad_sample option, so its reward nodes decide (a bad score raises by default); "
+            "add the option to the graph, or set it on the reward node (on_bad_sample='skip')"
+        )
+
+
+def _check_run_flags(args: argparse.Namespace, distributed: bool) -> None:
+    if args.restart == "on-failure":
+        if not distributed:
+            raise SystemExit(
+                "run: --restart on-failure restarts controller processes; it needs --controllers N "
+                "(N > 1) or --listen"
+            )
+        if not args.out:
+            raise SystemExit(
+                "run: --restart on-failure needs --out DIR, where checkpoints are kept"
+            )
+        if not args.checkpoint_every:
+            print(
+                "yatt-graph run: --restart on-failure without --checkpoint-every: a restart runs "
+                "again from the first step",
+                file=sys.stderr,
+            )
+    if not distributed and (args.keys or args.allow_remote or args.node_timeout):
+        raise SystemExit(
+            "run: --keys, --allow-remote and --node-timeout apply to controller processes; add "
+            "--controllers N (N > 1) or --listen"
+        )
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    from runtime.faults import Accounting, train_with_restarts
     from runtime.local import LocalExecutor
-    from runtime.loop import train
 
     options = _graph_options(args)
+    _on_bad_sample(args, options)
     graph = load_graph(args.graph, **options)
     out = Path(args.out) if args.out else None
-    distributed = args.controllers > 1 or args.listen
-    if distributed and (args.checkpoint_every or args.resume or args.export):
-        raise SystemExit(
-            "run: checkpoints, --resume and --export work with the in-process executor only for "
-            "now; drop --controllers/--listen, or drop --checkpoint-every/--resume/--export"
-        )
-    if distributed:
+    distributed = args.controllers > 1 or bool(args.listen)
+    _check_run_flags(args, distributed)
+
+    def make_executor() -> Any:
+        if not distributed:
+            return Accounting(LocalExecutor(graph))
         from runtime.driver import ZmqExecutor
 
-        executor = ZmqExecutor(
-            graph.plan(args.controllers),
-            graph_ref=args.graph,
-            graph_options=options,
-            max_staleness=args.max_staleness,
-            controller_output="inherit",
-            spawn=not args.no_spawn,
-            address=args.listen,
-            allow_tcp=bool(args.listen),
+        return Accounting(
+            ZmqExecutor(
+                graph.plan(args.controllers),
+                graph_ref=args.graph,
+                graph_options=options,
+                max_staleness=args.max_staleness,
+                controller_output="inherit",
+                spawn=not args.no_spawn,
+                address=args.listen,
+                allow_tcp=bool(args.listen),
+                allow_remote=args.allow_remote,
+                keys=args.keys,
+                node_timeout_s=args.node_timeout,
+                max_message_bytes=int(args.max_message_mb * (1 << 20)),
+            )
         )
-    else:
-        executor = LocalExecutor(graph)
-    try:
-        rows = train(
-            executor,
-            args.steps,
-            out,
-            checkpoint_every=args.checkpoint_every,
-            resume=args.resume,
-            progress=not args.quiet,
-        )
-    finally:
-        if distributed:
-            executor.close()
+
+    rows, restarts = train_with_restarts(
+        make_executor,
+        args.steps,
+        out,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        progress=not args.quiet,
+        restart=args.restart,
+        max_restarts=args.max_restarts,
+        on_done=(lambda ex: _pull_node_states(ex, graph)) if args.export and distributed else None,
+    )
+    if restarts:
+        print(f"the run completed after {restarts} restart(s); see {out / 'events.jsonl'}")
     if args.export:
         print(
             f"exported the policy of node {export_policy(graph, Path(args.export))!r} to {args.export}"
@@ -118,15 +167,44 @@ def cmd_run(args: argparse.Namespace) -> int:
         window = max(1, min(args.window, len(rewards) // 2))
         first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
         print(f"mean reward: first {window} steps {first:.3f} -> last {window} steps {last:.3f}")
+    skipped = rows[-1].get("skipped_samples_total") if rows else None
+    if skipped:
+        print(f"skipped samples: {int(skipped)} of {int(rows[-1]['samples_total'])} (bad scores)")
     if out is not None:
         print(f"metrics: {out / 'metrics.jsonl'}  trace: {out / 'trace.json'}")
     return 0
 
 
+def _pull_node_states(executor: Any, graph: Any) -> None:
+    """Copy the trained node states of a finished ZeroMQ run into this process's graph."""
+    state = executor.state_dict()
+    for name, node in graph.nodes.items():
+        if state["nodes"].get(name):
+            node.load_state_dict(state["nodes"][name])
+
+
 def cmd_controller(args: argparse.Namespace) -> int:
     from runtime.controller import main as controller_main
 
-    return controller_main(["--connect", args.connect, "--index", str(args.index)])
+    argv = ["--connect", args.connect, "--index", str(args.index)]
+    argv += ["--keys", args.keys] if args.keys else []
+    argv += ["--allow-remote"] if args.allow_remote else []
+    return controller_main(argv)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from runtime.keys import generate_keys
+
+    root = generate_keys(args.directory, force=args.force)
+    print(f"wrote CURVE keys to {root}:")
+    print(f"  {root}/driver.key_secret      the driver's key pair: keep it on the driver's host")
+    print(f"  {root}/controller.key_secret  the controllers' key pair: every controller host")
+    print(f"  {root}/driver.key, controller.key, authorized/   public keys: every host")
+    print(f"use: yatt-graph run GRAPH --listen tcp://HOST:PORT --allow-remote --keys {root}")
+    print(
+        f"     yatt-graph controller --connect tcp://HOST:PORT --index I --allow-remote --keys {root}"
+    )
+    return 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -234,9 +312,51 @@ def build_parser() -> argparse.ArgumentParser:
         "--export",
         default=None,
         metavar="DIR",
-        help="save the trained policy there with save_pretrained (in-process runs)",
+        help="save the trained policy there with save_pretrained",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    faults = p.add_argument_group("faults and bad input (docs/RELIABILITY.md)")
+    faults.add_argument(
+        "--restart",
+        choices=["never", "on-failure"],
+        default="never",
+        help="on-failure: when a controller dies, restart the controllers and resume from the "
+        "newest good checkpoint (needs --out; default never: stop with the error)",
+    )
+    faults.add_argument(
+        "--max-restarts", type=int, default=3, metavar="N", help="give up after N restarts"
+    )
+    faults.add_argument(
+        "--node-timeout",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="stop the run when one node call runs longer than S seconds (nodes whose "
+        "BatchPolicy.timeout_s is 0; 0: no limit)",
+    )
+    faults.add_argument(
+        "--on-bad-sample",
+        choices=["error", "skip"],
+        default=None,
+        help="passed to a graph whose build_graph takes on_bad_sample: a NaN/inf/non-number "
+        "reward stops the run (error) or scores 0 and is counted (skip)",
+    )
+    faults.add_argument(
+        "--max-message-mb",
+        type=float,
+        default=4096.0,
+        metavar="MB",
+        help="largest frame a runtime socket accepts; larger ones are dropped (0: no limit)",
+    )
+    security = p.add_argument_group("security (docs/RELIABILITY.md)")
+    security.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow --listen on a non-loopback address (other hosts can connect: use --keys)",
+    )
+    security.add_argument(
+        "--keys", default=None, metavar="DIR", help="CURVE keys from `yatt-graph keys DIR`"
+    )
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser(
@@ -244,7 +364,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--connect", required=True, metavar="tcp://HOST:PORT")
     p.add_argument("--index", type=int, required=True, help="which controller of the plan this is")
+    p.add_argument("--keys", default=None, metavar="DIR", help="the run's CURVE keys folder")
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="let the data socket listen on a non-loopback interface (a driver on another host)",
+    )
     p.set_defaults(func=cmd_controller)
+
+    p = sub.add_parser("keys", help="create CURVE keys for runs across hosts")
+    p.add_argument("directory", help="an empty folder for the keys")
+    p.add_argument("--force", action="store_true", help="replace keys already there")
+    p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("plot", help="draw a run's reward/KL curves to a PNG")
     p.add_argument("run_dir", help="the --out folder of a run")
@@ -261,12 +392,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from runtime.driver import ControllerError
+
     try:
         return args.func(args)
+    except (NodeExecutionError, ControllerError) as exc:
+        # The run stopped cleanly (every controller is gone); say what failed, where, once.
+        print(f"yatt-graph {args.command}: the run stopped: {exc}", file=sys.stderr)
+        return 1
     except (
         GraphError,
         ImportError,
         FileNotFoundError,
+        FileExistsError,
         ValueError,
         TypeError,
         CheckpointError,

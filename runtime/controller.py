@@ -17,6 +17,13 @@ Two threads:
   k-1, and all of its inputs for step k are in (a delayed edge's input is the producer's
   value from step k-1-max_staleness, None before that). Among ready nodes the lowest step
   goes first. Outputs go to local consumers directly and to each remote controller once.
+
+Faults: the IO thread watches the node call in progress and reports one that runs past its
+``BatchPolicy.timeout_s`` (or the run's ``node_timeout_s``) with the stack it is stuck in;
+between steps the compute thread sends its nodes' state to the driver (STATE_REQUEST) or
+restores it (STATE_LOAD). A message that does not decode, is over ``max_message_bytes``,
+names an edge no node here reads, or a step outside the window being run is dropped and
+logged; the run goes on.
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import logging
 import os
 import queue
+import random
 import signal
 import socket
 import sys
@@ -41,8 +50,18 @@ import msgspec
 import zmq
 
 from runtime import messages as m
+from runtime.keys import is_loopback, load_keys, start_authenticator
 from runtime.serial import DecodeError, UnsupportedValueError, decode_value, encode_value
-from runtime.transport import ShmPool, ShmReader, make_socket, recv, send
+from runtime.transport import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Drops,
+    ShmPool,
+    ShmReader,
+    largest_frame,
+    make_socket,
+    recv,
+    send,
+)
 
 __all__ = ["Controller", "graph_digest", "main"]
 
@@ -71,18 +90,35 @@ class Controller:
         bind: str | None = None,
         parent_pid: int | None = None,
         startup_timeout_s: float = 120.0,
+        *,
+        keys: str | None = None,
+        allow_remote: bool = False,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ):
         self.connect, self.requested, self.parent_pid = connect, index, parent_pid
         self.startup_timeout_s = startup_timeout_s
+        self.max_message_bytes = max_message_bytes
+        self.keys = load_keys(keys, "controller") if keys else None
+        host = ""
+        if not bind and connect.startswith("tcp://"):
+            host = _advertised_host(connect)
+            if not is_loopback(f"tcp://{host}:0") and not allow_remote:
+                raise ValueError(
+                    f"controller: the driver at {connect} is on another host, so this controller's "
+                    f"data socket would listen on {host}, where other hosts can reach it; pass "
+                    "--allow-remote to accept that (and --keys DIR so that only the run's peers get in)"
+                )
         self.ctx = zmq.Context()
-        self.driver = make_socket(self.ctx, zmq.DEALER, connect)
-        self.inbox = make_socket(self.ctx, zmq.PULL)
+        self.auth = start_authenticator(self.ctx, self.keys) if self.keys is not None else None
+        self.driver = self._driver_socket()
+        self.inbox = make_socket(
+            self.ctx, zmq.PULL, max_message_bytes=max_message_bytes, curve=self.keys
+        )
         if bind:
             self.inbox.bind(bind)
             self.data_address = bind
-        elif connect.startswith("tcp://"):
-            host = _advertised_host(connect)
-            port = self.inbox.bind_to_random_port("tcp://*")
+        elif host:
+            port = self.inbox.bind_to_random_port(f"tcp://{host}")
             self.data_address = f"tcp://{host}:{port}"
         else:
             path = os.path.join(
@@ -93,10 +129,28 @@ class Controller:
         self.events: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.index = -1
         self.reported = 0
+        self.epoch = 0
+        self.current: tuple[str, int, float, float] | None = None
+        """(node, step, monotonic start, limit_s) of the call in progress, read by the IO thread."""
         self._releases: list[tuple[int, str]] = []
         self.pool: ShmPool | None = None
         self.reader: ShmReader | None = None
         self._stopped = threading.Event()
+        self.drops = Drops("controller")
+        self.driver_lost = False
+
+    def _driver_socket(self, identity: bytes | None = None, linger_ms: int = 0) -> zmq.Socket:
+        keys = self.keys
+        return make_socket(
+            self.ctx,
+            zmq.DEALER,
+            self.connect,
+            identity=identity,
+            linger_ms=linger_ms,
+            max_message_bytes=self.max_message_bytes,
+            curve=keys,
+            curve_server_key=keys.driver_public if keys is not None else None,
+        )
 
     # --- start-up ---------------------------------------------------------------------------
     def _handshake(self) -> m.Setup | None:
@@ -110,7 +164,11 @@ class Controller:
                 return None
             if not self.driver.poll(200):
                 continue
-            _, kind, msg, _ = recv(self.driver)
+            try:
+                _, kind, msg, _ = recv(self.driver, limit=self.max_message_bytes)
+            except m.ProtocolError as exc:
+                self.drops.drop("the driver link", exc)
+                continue
             if kind is m.Kind.REFUSED:
                 print(
                     f"yatt-graph controller: the driver refused this controller: {msg.reason}",
@@ -121,9 +179,16 @@ class Controller:
                 return msg
             if kind is m.Kind.SHUTDOWN:
                 return None
+        hint = (
+            " (it uses CURVE keys: do the driver and this controller use the same --keys folder?)"
+            if self.keys is not None
+            else "; if it was started with --keys, pass --keys DIR here too"
+            if self.connect.startswith("tcp://")
+            else ""
+        )
         print(
             f"yatt-graph controller: no SETUP from the driver at {self.connect} within "
-            f"{self.startup_timeout_s:.0f}s; is the driver running?",
+            f"{self.startup_timeout_s:.0f}s; is the driver running?{hint}",
             file=sys.stderr,
         )
         return None
@@ -134,6 +199,10 @@ class Controller:
         self.run_node = run_node
         self.index = setup.controller
         self.lag = 1 + setup.max_staleness
+        self.pipeline_depth = max(1, setup.pipeline_depth)
+        if setup.max_message_bytes:
+            self.max_message_bytes = setup.max_message_bytes
+            self.inbox.setsockopt(zmq.MAXMSGSIZE, setup.max_message_bytes)  # peers connect later
         self.heartbeat_interval_s = setup.heartbeat_interval_s
         self.heartbeat_timeout_s = setup.heartbeat_timeout_s
         if setup.num_threads > 0:
@@ -145,15 +214,33 @@ class Controller:
             self.reader = ShmReader(setup.run_id, self._queue_release)
         self.nodes, self.edges, self.outputs = self._build(setup)
         self.order = [n for n in setup.order if n in self.nodes]
+        self.limits = {
+            name: node.batch_policy.timeout_s or setup.node_timeout_s
+            for name, node in self.nodes.items()
+        }
         # The compute thread sends on sockets of its own (no hop through the IO thread); the IO
         # thread keeps the control DEALER, the data PULL and a PUSH per peer for RELEASE.
         self.peers: dict[int, zmq.Socket] = {}
         self.out_peers: dict[int, zmq.Socket] = {}
+        keys = self.keys
+        peer_key = keys.controller_public if keys is not None else None
         for c, address in enumerate(setup.peers):
             if c != self.index:
-                self.peers[c] = make_socket(self.ctx, zmq.PUSH, address)
-                self.out_peers[c] = make_socket(self.ctx, zmq.PUSH, address, linger_ms=2000)
-        self.out_driver = make_socket(self.ctx, zmq.DEALER, self.connect, linger_ms=2000)
+                self.peers[c] = make_socket(
+                    self.ctx, zmq.PUSH, address, curve=keys, curve_server_key=peer_key
+                )
+                self.out_peers[c] = make_socket(
+                    self.ctx,
+                    zmq.PUSH,
+                    address,
+                    linger_ms=2000,
+                    curve=keys,
+                    curve_server_key=peer_key,
+                )
+        # A second DEALER for results; its identity is announced in READY (the driver ignores
+        # strangers). Random, so that no other peer can claim it.
+        self.results_identity = b"r" + os.urandom(15)
+        self.out_driver = self._driver_socket(self.results_identity, linger_ms=2000)
         self.in_edges: dict[str, list[Any]] = {n: [] for n in self.nodes}
         self.local_out: dict[tuple[str, str], list[Any]] = defaultdict(list)
         self.remote_out: dict[tuple[str, str], list[int]] = defaultdict(list)
@@ -173,6 +260,7 @@ class Controller:
         self.graph_outputs = {
             k: (h.node, h.port) for k, h in self.outputs.items() if h.node in self.nodes
         }
+        self.delayed_in = [e for e in self.edges if e.delay and e.dst in self.nodes]
 
     def _build(self, setup: m.Setup) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
         from yatt_graph.serialize import PlanSpec, build_node
@@ -215,16 +303,23 @@ class Controller:
         exit_by: float | None = (
             None  # after SHUTDOWN or a lost driver: the compute thread's deadline
         )
+        timed_out: Any = None
         try:
             while not self._stopped.is_set():
                 now = time.monotonic()
                 if exit_by is not None and now > exit_by:
                     self._close_resources(destroy=False)
                     os._exit(0)  # the compute thread is stuck in a node; nobody waits for it
+                current = self.current
+                if current is not None and current is not timed_out and exit_by is None:
+                    name, step, t0, limit = current
+                    if limit > 0 and now - t0 > limit:
+                        timed_out = current
+                        self._report_timeout(name, step, now - t0, limit)
                 if now >= next_beat:
                     next_beat = now + self.heartbeat_interval_s
                     if exit_by is None:
-                        send(self.driver, m.Heartbeat(self.index, self.reported))
+                        send(self.driver, self._heartbeat(now))
                         why = None
                         if now - last_driver > self.heartbeat_timeout_s:
                             why = f"the driver has been silent for {now - last_driver:.1f}s"
@@ -235,22 +330,71 @@ class Controller:
                                 f"yatt-graph controller {self.index}: {why}; exiting",
                                 file=sys.stderr,
                             )
+                            self.driver_lost = True  # nobody to say GOODBYE to: no linger
                             self.events.put(("shutdown", why))
                             exit_by = now + _EXIT_GRACE_S
                 for sock, _ in poller.poll(max(1, min(100, int((next_beat - now) * 1000)))):
                     if sock is self.driver:
                         last_driver = time.monotonic()
-                        _, kind, msg, _ = recv(sock)
-                        if kind is m.Kind.SHUTDOWN:
-                            self.events.put(("shutdown", msg.reason))
+                        if self._receive_control(sock):
                             exit_by = time.monotonic() + _EXIT_GRACE_S
-                        elif kind is m.Kind.RUN:
-                            self.events.put(("run", msg.until))
                     else:
                         self._receive_data(sock)
                 self._send_releases()
         except Exception:
             self.events.put(("io_error", traceback.format_exc()))
+
+    def _heartbeat(self, now: float) -> m.Heartbeat:
+        current = self.current
+        if current is None:
+            return m.Heartbeat(self.index, self.reported)
+        name, step, t0, _ = current
+        return m.Heartbeat(self.index, self.reported, name, now - t0, step)
+
+    def _report_timeout(self, name: str, step: int, seconds: float, limit: float) -> None:
+        """Tell the driver a node call ran past its limit, with the stack it is stuck in."""
+        frame = sys._current_frames().get(self._compute_ident)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+        own = self.nodes[name].batch_policy.timeout_s
+        source = "its BatchPolicy.timeout_s" if own else "the run's node_timeout_s"
+        message = (
+            f"node {name!r} ({type(self.nodes[name]).__name__}) on controller {self.index} has run "
+            f"step {step} for {seconds:.1f}s, over {source} of {limit:g}s; the run was stopped. "
+            "It is hung (a deadlock, a stuck collective, an endless generate) or needs more time: "
+            "raise BatchPolicy(timeout_s=...) on the node, or --node-timeout / node_timeout_s"
+        )
+        if stack:
+            message += f"\n--- where node {name!r} was, on controller {self.index} ---\n{stack}"
+        send(
+            self.driver, m.Error(self.index, message, name, step, stack, "timeout", seconds, limit)
+        )
+
+    def _receive_control(self, sock: zmq.Socket) -> bool:
+        """One message from the driver; True for SHUTDOWN."""
+        try:
+            _, kind, msg, value = recv(sock, limit=self.max_message_bytes)
+        except m.ProtocolError as exc:
+            self.drops.drop("the driver link", exc)
+            return False
+        if kind is m.Kind.SHUTDOWN:
+            self.events.put(("shutdown", msg.reason))
+            return True
+        if kind is m.Kind.RUN:
+            self.events.put(("run", msg.until))
+        elif kind is m.Kind.STATE_REQUEST:
+            self.events.put(("state_request", msg.step))
+        elif kind is m.Kind.STATE_LOAD:
+            try:
+                state = decode_value(value, where=f"the state sent to controller {self.index}")
+            except DecodeError as exc:
+                self.events.put(("bad_state", str(exc)))
+            else:
+                self.events.put(("state_load", msg, state))
+        elif kind is not m.Kind.HEARTBEAT:
+            self.drops.drop(
+                "the driver link", f"a {kind.name} message, which the driver does not send"
+            )
+        return False
 
     def _send_releases(self) -> None:
         while self._releases:
@@ -261,20 +405,35 @@ class Controller:
                 send(self.peers[owner], m.Release(name))
 
     def _receive_data(self, sock: zmq.Socket) -> None:
-        _, kind, msg, value = recv(sock)
+        where = f"controller {self.index}'s data socket"
+        try:
+            _, kind, msg, value = recv(sock, limit=self.max_message_bytes)
+        except m.ProtocolError as exc:
+            self.drops.drop(where, exc)
+            return
         if kind is m.Kind.RELEASE:
             if self.pool is not None:
                 self.pool.release(msg.segment)
             return
         if kind is not m.Kind.DATA:
-            raise m.ProtocolError(f"a {kind.name} message on the data socket")
-        where = f"data {msg.src}.{msg.port} of step {msg.step} from controller {msg.sender}"
+            self.drops.drop(where, f"a {kind.name} message, which peers do not send")
+            return
+        if (msg.src, msg.port) not in self.remote_in:
+            self.drops.drop(where, f"data for {msg.src}.{msg.port}, which no node here reads")
+            return
+        if msg.epoch != self.epoch:
+            if msg.epoch > self.epoch:
+                self.drops.drop(
+                    where, f"data of epoch {msg.epoch}; this controller is at {self.epoch}"
+                )
+            return  # sent before the last restore: stale by design, dropped quietly
+        what = f"data {msg.src}.{msg.port} of step {msg.step} from controller {msg.sender}"
         try:
-            decoded = decode_value(value, where=where, shm=self.reader)
+            decoded = decode_value(value, where=what, shm=self.reader)
         except DecodeError as exc:
             self.events.put(("bad_data", msg, str(exc)))
             return
-        self.events.put(("data", msg.step, msg.src, msg.port, decoded))
+        self.events.put(("data", msg.step, msg.src, msg.port, decoded, msg.epoch))
 
     def _parent_gone(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid
@@ -310,7 +469,11 @@ class Controller:
             inputs.setdefault(e.dst_port, None)
         self.starts[step][best] = time.time()
         t0 = time.perf_counter()
-        out = self.run_node(self.shim, best, inputs, step, self.index)
+        self.current = (best, step, time.monotonic(), self.limits[best])
+        try:
+            out = self.run_node(self.shim, best, inputs, step, self.index)
+        finally:
+            self.current = None
         self.seconds[step][best] = time.perf_counter() - t0
         self.next_step[best] = step + 1
         for port, value in out.items():
@@ -335,9 +498,21 @@ class Controller:
             frames = encode_value(value, where=where, shm=self.pool)
         except UnsupportedValueError as exc:
             raise _SendError(src, step, str(exc)) from None
-        header = m.Data(step, src, port, self.index)
+        self._check_size(frames, where, src, step)
+        header = m.Data(step, src, port, self.index, self.epoch)
         for c in dests:
             self._send(str(c).encode(), header, frames)
+
+    def _check_size(self, frames: list[Any], where: str, node: str, step: int) -> None:
+        limit = self.max_message_bytes
+        if limit and (size := largest_frame(frames)) > limit:
+            raise _SendError(
+                node,
+                step,
+                f"{where}: a frame of {size} bytes is over max_message_bytes={limit}, so the "
+                "receiver would drop it; raise the limit (ZmqExecutor(max_message_bytes=...), "
+                "yatt-graph run --max-message-mb) or send less",
+            )
 
     def _report_done_steps(self) -> None:
         while self.reported < self.until and all(
@@ -351,6 +526,7 @@ class Controller:
             except UnsupportedValueError as exc:
                 node = next(iter(self.graph_outputs.values()), ("", ""))[0]
                 raise _SendError(node, step, str(exc)) from None
+            self._check_size(frames, where, next(iter(self.graph_outputs.values()), ("",))[0], step)
             self._send(
                 _DRIVER,
                 m.StepDone(self.index, step, self.seconds.pop(step, {}), self.starts.pop(step, {})),
@@ -367,6 +543,8 @@ class Controller:
         self.step_outputs: dict[int, dict[str, Any]] = defaultdict(dict)
         self.until = 0
         self._failed = False
+        self._state_wanted: int | None = None
+        self._compute_ident = threading.get_ident()
         while True:
             ran = False
             if not self._failed:
@@ -386,6 +564,8 @@ class Controller:
             if not self._failed:
                 try:
                     self._report_done_steps()
+                    if self._state_wanted is not None:
+                        self._send_state()
                 except Exception as exc:
                     self._fail(exc)
 
@@ -404,7 +584,7 @@ class Controller:
             )
         elif isinstance(exc, _SendError):
             error = m.Error(
-                self.index, exc.message, exc.node, exc.step, traceback.format_exc(), "send"
+                self.index, exc.message, exc.node, exc.step, traceback.format_exc(), exc.during
             )
         else:
             error = m.Error(
@@ -418,17 +598,40 @@ class Controller:
     def _handle(self, event: tuple[Any, ...]) -> None:
         kind = event[0]
         if kind == "data":
-            _, step, src, port, value = event
+            _, step, src, port, value, epoch = event
+            if epoch != self.epoch:
+                return  # queued before the last restore
             for e in self.remote_in.get((src, port), ()):
                 target = step + (self.lag if e.delay else 0)
-                self.pending.setdefault((target, e.dst), {})[e.dst_port] = value
+                horizon = self.until + self.lag + 2 * self.pipeline_depth
+                slot = self.pending.setdefault((target, e.dst), {})
+                if not self.next_step[e.dst] <= target < horizon or e.dst_port in slot:
+                    why = "a second copy" if e.dst_port in slot else "outside the steps being run"
+                    self.drops.drop(
+                        f"controller {self.index}'s data socket",
+                        f"data {src}.{port} of step {step} for {e.dst}.{e.dst_port}: {why}",
+                    )
+                    if not slot:
+                        del self.pending[(target, e.dst)]
+                    continue
+                slot[e.dst_port] = value
         elif kind == "run":
             self.until = max(self.until, event[1])
         elif kind == "shutdown":
             raise _Stop
-        elif kind == "bad_data":
-            _, msg, text = event
-            self._send(_DRIVER, m.Error(self.index, text, msg.src, msg.step, during="io"))
+        elif kind == "state_request":
+            self._state_wanted = event[1]
+        elif kind == "state_load":
+            if not self._failed:
+                try:
+                    self._load_state(event[1], event[2])
+                except Exception as exc:
+                    self._fail(exc)
+        elif kind in ("bad_data", "bad_state"):
+            msg = event[1] if kind == "bad_data" else None
+            text = event[-1]
+            node, step = (msg.src, msg.step) if msg is not None else ("", -1)
+            self._send(_DRIVER, m.Error(self.index, text, node, step, during="io"))
             self._failed = True
         elif kind == "io_error":
             # The IO thread is gone, so nothing reaches the driver: its heartbeat check reports us.
@@ -437,6 +640,89 @@ class Controller:
                 file=sys.stderr,
             )
             raise _Stop
+
+    # --- state: checkpoints and restore -----------------------------------------------------
+    def _delayed_slots(self, step: int) -> list[tuple[Any, int]]:
+        """(delayed in-edge, producing step) pairs whose values the steps from ``step`` on read."""
+        return [
+            (e, p) for e in self.delayed_in for p in range(max(0, step - self.lag), step)
+        ]  # fmt: skip
+
+    def _send_state(self) -> None:
+        """Answer a STATE_REQUEST once every delayed value the next steps read has arrived."""
+        step = self._state_wanted
+        assert step is not None
+        if any(s != step for s in self.next_step.values()) or self.reported != step:
+            if all(s <= step for s in self.next_step.values()):
+                return  # still finishing the step before
+            raise RuntimeError(
+                f"state of step {step} requested, but nodes are at steps {self.next_step}"
+            )
+        values: dict[tuple[str, str, int], Any] = {}
+        for e, p in self._delayed_slots(step):
+            slot = self.pending.get((p + self.lag, e.dst), {})
+            if e.dst_port not in slot:
+                return  # a peer's delayed value is still on its way
+            values.setdefault((e.src, e.src_port, p), slot[e.dst_port])
+        self._state_wanted = None
+        nodes = {}
+        for name in self.order:
+            try:
+                nodes[name] = self.nodes[name].state_dict()
+            except Exception as exc:
+                raise _SendError(
+                    name, step, f"node {name!r}: state_dict() failed: {type(exc).__name__}: {exc}",
+                    "state",
+                ) from exc  # fmt: skip
+        payload = {
+            "nodes": nodes,
+            "delayed": [[s, p, k, v] for (s, p, k), v in values.items()],
+            "rng": _rng_state(),
+        }
+        where = f"the state of controller {self.index}"
+        try:
+            frames = encode_value(payload, where=where, any_keys=True)
+        except UnsupportedValueError as exc:
+            bad = next((n for n in nodes if f"['nodes'][{n!r}]" in str(exc)), "")
+            raise _SendError(
+                bad, step, f"{exc}; a checkpoint of a ZeroMQ run needs node state that the wire "
+                "carries (tensors, numbers, strings, lists, tuples, dicts)", "state",
+            ) from None  # fmt: skip
+        self._send(_DRIVER, m.StateReply(self.index, step), frames)
+
+    def _load_state(self, msg: m.StateLoad, state: dict[str, Any]) -> None:
+        """Restore nodes, delayed values and RNG; the next step to run is ``msg.step``."""
+        step = msg.step
+        for name in self.order:
+            node_state = state["nodes"].get(name)
+            if node_state:
+                try:
+                    self.nodes[name].load_state_dict(node_state)
+                except Exception as exc:
+                    raise _SendError(
+                        name, step, f"node {name!r}: load_state_dict() failed: "
+                        f"{type(exc).__name__}: {exc}", "state",
+                    ) from exc  # fmt: skip
+        self.epoch = msg.epoch
+        self.next_step = dict.fromkeys(self.order, step)
+        self.reported = self.until = step
+        self.pending = {}
+        self.seconds.clear()
+        self.starts.clear()
+        self.step_outputs.clear()
+        given = {(s, p, int(k)): v for s, p, k, v in state["delayed"]}
+        for e, p in self._delayed_slots(step):
+            # A value the checkpoint lacks reads None, as in LocalExecutor.
+            value = given.get((e.src, e.src_port, p))
+            self.pending.setdefault((p + self.lag, e.dst), {})[e.dst_port] = value
+        rng = state.get("rng") or {}
+        if "torch" in rng:
+            import torch
+
+            torch.set_rng_state(rng["torch"])
+        if "python" in rng:
+            random.setstate(rng["python"])
+        self._send(_DRIVER, m.StateLoaded(self.index, step))
 
     # --- the whole life ---------------------------------------------------------------------
     def serve(self) -> int:
@@ -457,12 +743,13 @@ class Controller:
                 )
                 self._wait_for_shutdown()
                 return 1
-            send(self.driver, m.Ready(self.index, list(self.order)))
+            send(self.driver, m.Ready(self.index, list(self.order), self.results_identity))
             io = threading.Thread(target=self._io_loop, name="yatt-io", daemon=True)
             io.start()
             self._compute_loop()
             self._stopped.set()
-            self._send(_DRIVER, m.Goodbye(self.index))
+            if not self.driver_lost:
+                self._send(_DRIVER, m.Goodbye(self.index))
             io.join(timeout=1.0)
             return 0
         finally:
@@ -473,7 +760,11 @@ class Controller:
         deadline = time.monotonic() + 60.0
         while time.monotonic() < deadline and not self._parent_gone():
             if self.driver.poll(200):
-                _, kind, _, _ = recv(self.driver)
+                try:
+                    _, kind, _, _ = recv(self.driver, limit=self.max_message_bytes)
+                except m.ProtocolError as exc:
+                    self.drops.drop("the driver link", exc)
+                    continue
                 if kind is m.Kind.SHUTDOWN:
                     return
 
@@ -482,15 +773,24 @@ class Controller:
             self.pool.close()
         if self.reader is not None:
             self.reader.close()
+        if destroy and self.auth is not None:
+            with contextlib.suppress(Exception):
+                self.auth.stop()
         if destroy:  # each socket's own linger: GOODBYE and errors still go out
             with contextlib.suppress(Exception):
-                self.ctx.destroy()
+                self.ctx.destroy(linger=0 if self.driver_lost else None)
 
 
 class _SendError(Exception):
-    def __init__(self, node: str, step: int, message: str):
+    def __init__(self, node: str, step: int, message: str, during: str = "send"):
         super().__init__(message)
-        self.node, self.step, self.message = node, step, message
+        self.node, self.step, self.message, self.during = node, step, message, during
+
+
+def _rng_state() -> dict[str, Any]:
+    import torch
+
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
 
 
 def _advertised_host(connect: str) -> str:
@@ -527,6 +827,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="started by a local driver: ignore Ctrl-C (the driver stops us)",
     )
     p.add_argument("--startup-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--keys", default=None, metavar="DIR", help="CURVE keys from `yatt-graph keys DIR`"
+    )
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="let the data socket listen on a non-loopback interface (a driver on another host)",
+    )
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="largest frame accepted (the driver's limit applies once it is known)",
+    )
     return p
 
 
@@ -535,9 +849,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.spawned:
         # Ctrl-C in a terminal reaches the whole process group; the driver shuts us down.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    controller = Controller(
-        args.connect, args.index, args.bind, args.parent_pid, args.startup_timeout
+    logging.basicConfig(
+        level=logging.WARNING, format=f"yatt-graph controller (pid {os.getpid()}): %(message)s"
     )
+    try:
+        controller = Controller(
+            args.connect,
+            args.index,
+            args.bind,
+            args.parent_pid,
+            args.startup_timeout,
+            keys=args.keys,
+            allow_remote=args.allow_remote,
+            max_message_bytes=args.max_message_bytes,
+        )
+    except ValueError as exc:  # refused address or keys: say why, no traceback
+        print(f"yatt-graph controller: error: {exc}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(2)
     try:
         code = controller.serve()
     except KeyboardInterrupt:

@@ -29,7 +29,20 @@ How controllers rebuild their nodes (``rebuild``):
   and a ``graph_ref`` was given.
 
 Either way node state lives in the controllers: a node object in the driver is not
-shipped (load checkpoints through ``state_dict`` instead).
+shipped. :meth:`ZmqExecutor.state_dict` asks every controller, between steps, for its
+nodes' ``state_dict()``, the delayed-edge values it holds and its RNG states, in the
+format of ``LocalExecutor.state_dict()`` (so ``runtime.loop.train`` checkpoints and resumes
+either executor, and a checkpoint of one loads into the other); :meth:`load_state_dict`
+restores such a state into the controllers.
+
+Faults (docs/RELIABILITY.md): a controller that exits is noticed within 50 ms, one that
+goes silent within ``heartbeat_timeout_s``, both as a :class:`ControllerError` naming it and
+its nodes; a node call that runs past its ``BatchPolicy.timeout_s`` (or the run's
+``node_timeout_s``) is a :class:`NodeTimeoutError` naming the node, controller and step,
+with the stack it was stuck in. Messages that do not decode, exceed
+``max_message_bytes`` or come from a stranger are dropped and logged
+(``dropped_messages``); the run goes on. ``keys=DIR`` turns on CURVE
+(:mod:`runtime.keys`).
 
 Pipelining: up to ``pipeline_depth`` steps are allowed at once in :meth:`run`, so a
 controller starts step k+1's data source while another still scores step k.
@@ -53,6 +66,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -62,12 +76,20 @@ import zmq
 
 from runtime import messages as m
 from runtime.controller import graph_digest
+from runtime.keys import check_address, load_keys, start_authenticator
 from runtime.local import StepResult
-from runtime.serial import DecodeError, decode_value
-from runtime.transport import make_socket, remove_run_segments, send
+from runtime.serial import DecodeError, UnsupportedValueError, decode_value, encode_value
+from runtime.transport import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Drops,
+    largest_frame,
+    make_socket,
+    remove_run_segments,
+    send,
+)
 from yatt_graph import Graph, NodeExecutionError, Plan
 
-__all__ = ["ControllerError", "HandshakeError", "ZmqExecutor"]
+__all__ = ["ControllerError", "HandshakeError", "NodeTimeoutError", "ZmqExecutor"]
 
 
 class ControllerError(RuntimeError):
@@ -82,6 +104,10 @@ class HandshakeError(ControllerError):
     """A controller that could not join: protocol mismatch, timeout, or exit during start-up."""
 
 
+class NodeTimeoutError(NodeExecutionError):
+    """A node call ran past its timeout; ``context`` has step, controller, seconds and limit_s."""
+
+
 class _Controller:
     def __init__(self, index: int, nodes: list[str]):
         self.index, self.nodes = index, nodes
@@ -91,6 +117,17 @@ class _Controller:
         self.data_address = ""
         self.pid = 0
         self.state = m.State.STARTING
+        self.last_beat: m.Heartbeat | None = None
+
+    def doing(self) -> str:
+        """What its last heartbeat said it was running, for error messages."""
+        beat = self.last_beat
+        if beat is None or not beat.running:
+            return ""
+        return (
+            f"; its last heartbeat said it was running node {beat.running!r} at step "
+            f"{beat.running_step} (for {beat.running_s:.1f}s)"
+        )
 
     def log_tail(self, chars: int = 3000) -> str:
         if not self.log_path:
@@ -112,6 +149,7 @@ class _Resources:
         self.run_dir, self.run_id = run_dir, run_id
         self.procs: list[subprocess.Popen[bytes]] = []
         self.ctx: zmq.Context | None = None
+        self.auth: Any = None
         self.io_stop = threading.Event()
         self.io_thread: threading.Thread | None = None
         self.done = False
@@ -136,6 +174,9 @@ class _Resources:
         self.io_stop.set()
         if self.io_thread is not None and self.io_thread is not threading.current_thread():
             self.io_thread.join(timeout=2.0)
+        if self.auth is not None:
+            with contextlib.suppress(Exception):
+                self.auth.stop()
         if self.ctx is not None:
             self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -159,6 +200,18 @@ def _sigint_deferred():
         old(signal.SIGINT, None)
 
 
+_FROM_CONTROLLERS = frozenset(
+    {
+        m.Kind.READY,
+        m.Kind.STEP_DONE,
+        m.Kind.ERROR,
+        m.Kind.GOODBYE,
+        m.Kind.STATE_REPLY,
+        m.Kind.STATE_LOADED,
+    }
+)
+
+
 class ZmqExecutor:
     """Run a plan on ``plan.controllers`` controller processes. ``step()`` runs the graph once.
 
@@ -172,7 +225,15 @@ class ZmqExecutor:
         spawn: start the controllers here; False waits for ``yatt-graph controller
             --connect ADDRESS`` processes (``address`` must then be given).
         address: the driver's address; default ``ipc://`` in a fresh temporary directory.
-            ``tcp://`` needs ``allow_tcp=True`` (no authentication yet: trusted networks only).
+            ``tcp://`` needs ``allow_tcp=True``; a non-loopback tcp address also needs
+            ``allow_remote=True``. ``tcp://127.0.0.1:*`` picks a free port (see ``address``).
+        keys: a ``yatt-graph keys`` folder: CURVE on every socket (:mod:`runtime.keys`).
+        node_timeout_s: the longest one node call may run, for nodes whose
+            ``BatchPolicy.timeout_s`` is 0; 0 = no limit.
+        max_message_bytes: the largest frame a runtime socket accepts (and a controller
+            sends: a larger output is an error naming it); libzmq disconnects a peer that
+            sends a larger one (0: no limit). Default 4 GiB.
+        state_timeout_s: how long :meth:`state_dict` / :meth:`load_state_dict` wait.
         num_threads: ``torch.set_num_threads`` in each controller (0: torch's default).
         shm_threshold: tensors of at least this many bytes go controller to controller
             through shared memory (one host); 0 sends everything as zmq frames.
@@ -193,6 +254,11 @@ class ZmqExecutor:
         spawn: bool = True,
         address: str | None = None,
         allow_tcp: bool = False,
+        allow_remote: bool = False,
+        keys: str | os.PathLike[str] | None = None,
+        node_timeout_s: float = 0.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        state_timeout_s: float = 600.0,
         heartbeat_interval_s: float = 0.5,
         heartbeat_timeout_s: float = 5.0,
         startup_timeout_s: float = 120.0,
@@ -217,10 +283,20 @@ class ZmqExecutor:
             raise ValueError("ZmqExecutor: controller_output must be 'capture' or 'inherit'")
         if not spawn and address is None:
             raise ValueError("ZmqExecutor(spawn=False) needs the address controllers connect to")
-        if address and address.startswith("tcp://") and not allow_tcp:
-            raise ValueError(
-                f"ZmqExecutor: {address} is a tcp address; pass allow_tcp=True to accept controllers over "
-                "the network (unauthenticated: use on trusted networks only)"
+        if address:
+            check_address(
+                address, allow_tcp=allow_tcp, allow_remote=allow_remote, who="ZmqExecutor"
+            )
+        if node_timeout_s < 0 or max_message_bytes < 0:
+            raise ValueError("ZmqExecutor: node_timeout_s and max_message_bytes must be >= 0")
+        self.keys = load_keys(keys, "driver") if keys is not None else None
+        self.keys_dir = os.fspath(keys) if keys is not None else None
+        if address and address.startswith("tcp://") and allow_remote and self.keys is None:
+            warnings.warn(
+                f"ZmqExecutor: {address} accepts controllers from other hosts without "
+                "authentication; create keys with `yatt-graph keys DIR` and pass keys=DIR",
+                RuntimeWarning,
+                stacklevel=2,
             )
         self.plan, self.graph = plan, plan.graph
         self.graph.validate()
@@ -230,7 +306,13 @@ class ZmqExecutor:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
+        self.state_timeout_s = state_timeout_s
+        self.max_message_bytes = max_message_bytes
         self.next_step = 0
+        self._epoch = 0
+        self._started = False
+        self._spawned = spawn
+        self._drops = Drops("driver")
         self._until = 0
         self._partial: dict[int, dict[int, tuple[m.StepDone, dict[str, Any]]]] = {}
         self._closed = False
@@ -242,6 +324,9 @@ class ZmqExecutor:
             heartbeat_timeout_s=heartbeat_timeout_s,
             num_threads=num_threads,
             shm_threshold=shm_threshold,
+            node_timeout_s=node_timeout_s,
+            max_message_bytes=max_message_bytes,
+            pipeline_depth=self.pipeline_depth,
         )
 
         run_dir = tempfile.mkdtemp(prefix="yatt-")
@@ -261,6 +346,7 @@ class ZmqExecutor:
             if spawn:
                 self._spawn(controller_output, num_threads)
             self._handshake()
+            self._started = True
         except BaseException:
             self._shutdown("start-up failed")
             raise
@@ -293,7 +379,18 @@ class ZmqExecutor:
 
     def _start_io(self) -> None:
         ctx = self._res.ctx = zmq.Context()
-        self._router = make_socket(ctx, zmq.ROUTER, self.address, bind=True)
+        if self.keys is not None:
+            self._res.auth = start_authenticator(ctx, self.keys)
+        self._router = make_socket(
+            ctx,
+            zmq.ROUTER,
+            self.address,
+            bind=True,
+            max_message_bytes=self.max_message_bytes,
+            curve=self.keys,
+        )
+        if self.address.endswith(":*") or self.address.endswith(":0"):
+            self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         # The calling thread uses the socket itself (no hop through an IO thread: dispatch
         # latency); a lock lets the heartbeat thread share it while the caller is elsewhere.
         self._lock = threading.Lock()
@@ -320,6 +417,8 @@ class ZmqExecutor:
                     "--index", str(c.index), "--bind", f"ipc://{self.run_dir}/c{c.index}",
                     "--parent-pid", str(os.getpid()), "--spawned",
                     "--startup-timeout", str(self.startup_timeout_s),
+                    "--max-message-bytes", str(self.max_message_bytes),
+                    *(["--keys", self.keys_dir] if self.keys_dir else []),
                 ]  # fmt: skip
                 out: Any = None
                 if output == "capture":
@@ -364,7 +463,10 @@ class ZmqExecutor:
                 continue
             identity, kind, msg, _ = event
             if kind is m.Kind.READY:
-                self._by_identity[identity].state = m.State.READY
+                c = self._by_identity[identity]
+                c.state = m.State.READY
+                if msg.results_identity:
+                    self._by_identity[msg.results_identity] = c
             elif kind is m.Kind.ERROR:
                 self._raise_error(msg)
 
@@ -387,6 +489,7 @@ class ZmqExecutor:
         c.identity, c.pid, c.state = identity, hello.pid, m.State.CONNECTED
         c.data_address = hello.data_address
         self._by_identity[identity] = c
+        self._last_seen[identity] = time.monotonic()
 
     # --- the socket: heartbeats and receiving -----------------------------------------------
     def _heartbeat_loop(self, interval: float) -> None:
@@ -396,9 +499,10 @@ class ZmqExecutor:
             with self._lock:
                 if stop.is_set():
                     return
-                for identity in list(self._by_identity):
-                    with contextlib.suppress(zmq.ZMQError):  # gone: the liveness check says so
-                        self._router.send_multipart([identity, *beat])
+                for c in self.controllers:
+                    if c.identity is not None:
+                        with contextlib.suppress(zmq.ZMQError):  # gone: the liveness check says
+                            self._router.send_multipart([c.identity, *beat])
                 self._pump(0)  # keep last-seen times fresh while the caller is away
 
     def _pump(self, timeout_ms: int) -> None:
@@ -410,42 +514,84 @@ class ZmqExecutor:
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            identity = frames[0].bytes
-            self._last_seen[identity] = time.monotonic()
-            self._dispatch(identity, frames[1:])
+            self._dispatch(frames[0].bytes, frames[1:])
 
     def _dispatch(self, identity: bytes, frames: list[Any]) -> None:
-        if len(frames) >= 2 and frames[0].bytes == m.Kind.HELLO.frame:
-            try:
-                version = m.hello_protocol(frames[1])
-            except m.ProtocolError as exc:
-                self._events.append(("refused", identity, str(exc)))
-                return
-            if version != m.PROTOCOL_VERSION:
-                reason = (
-                    f"this controller speaks protocol {version}, the driver speaks {m.PROTOCOL_VERSION}; "
-                    "run the same yatt-graph version on the driver and every controller"
-                )
-                self._router.send_multipart([identity, *m.encode_header(m.Refused(reason))])
-                self._events.append(("refused", identity, reason))
-                return
-        try:
-            kind, msg = m.decode_header(frames[0], frames[1]) if len(frames) >= 2 else (None, None)
-        except m.ProtocolError as exc:
-            self._events.append(("bad", identity, str(exc)))
+        """Route one message (the caller holds the lock); drop and log what is not for us.
+
+        Nothing a stranger sends can stop the run: only the controllers that joined are
+        heard after start-up, and anything that does not decode is dropped.
+        """
+        c = self._by_identity.get(identity)
+        who = f"the driver socket (from controller {c.index})" if c else "the driver socket"
+        if len(frames) < 2:
+            self._drops.drop(who, f"a message of {len(frames)} frames")
             return
-        if kind is None:
-            self._events.append(("bad", identity, f"a message of {len(frames)} frames"))
-        elif kind is not m.Kind.HEARTBEAT:
+        if self.max_message_bytes and (size := largest_frame(frames)) > self.max_message_bytes:
+            self._drops.drop(
+                who, f"a frame of {size} bytes, over max_message_bytes={self.max_message_bytes}"
+            )
+            return
+        if c is None:
+            if len(frames[0]) == 1 and frames[0].bytes == m.Kind.HELLO.frame:
+                self._hello(identity, frames[1])
+            else:
+                self._drops.drop(who, "a message from a peer that has not joined the run")
+            return
+        try:
+            kind, msg = m.decode_header(frames[0], frames[1])
+        except m.ProtocolError as exc:
+            self._drops.drop(who, exc)
+            return
+        self._last_seen[c.identity or identity] = time.monotonic()
+        if kind is m.Kind.HEARTBEAT:
+            c.last_beat = msg
+        elif kind in _FROM_CONTROLLERS:
             self._events.append((identity, kind, msg, frames[2:]))
+        else:
+            self._drops.drop(who, f"a {kind.name} message, which controllers do not send")
 
-    def _send_raw(self, identity: bytes, msg: Any) -> None:
+    def _hello(self, identity: bytes, header: Any) -> None:
+        """A HELLO from a new peer: admitted during start-up, refused (and logged) otherwise."""
+        try:
+            version = m.hello_protocol(header)
+            reason = (
+                f"this controller speaks protocol {version}, the driver speaks {m.PROTOCOL_VERSION}; "
+                "run the same yatt-graph version on the driver and every controller"
+            )
+            hello = (
+                m.decode_header(m.Kind.HELLO.frame, header)[1]
+                if version == m.PROTOCOL_VERSION
+                else None
+            )
+        except m.ProtocolError as exc:
+            self._drops.drop("the driver socket", exc)
+            return
+        if hello is not None and not self._started:
+            self._events.append((identity, m.Kind.HELLO, hello, []))
+            return
+        if hello is not None:
+            reason = f"the run has started; all {len(self.controllers)} controllers have joined"
+        with contextlib.suppress(zmq.ZMQError):
+            self._router.send_multipart([identity, *m.encode_header(m.Refused(reason))])
+        if not self._started and not self._spawned:
+            # Waiting for controllers started by hand: a mismatched one is the user's to fix.
+            self._events.append(("refused", identity, reason))
+        else:
+            self._drops.drop("the driver socket", f"refused a HELLO: {reason}")
+
+    def _send_raw(self, identity: bytes, msg: Any, value: list[Any] | None = None) -> None:
         with self._lock, contextlib.suppress(zmq.ZMQError):  # a gone peer: liveness reports it
-            send(self._router, msg, prefix=[identity])
+            send(self._router, msg, value, prefix=[identity])
 
-    def _send(self, c: _Controller, msg: Any) -> None:
+    def _send(self, c: _Controller, msg: Any, value: list[Any] | None = None) -> None:
         if c.identity is not None:
-            self._send_raw(c.identity, msg)
+            self._send_raw(c.identity, msg, value)
+
+    @property
+    def dropped_messages(self) -> int:
+        """How many messages the driver's socket dropped (garbage, oversized, strangers')."""
+        return self._drops.count
 
     # --- waiting, liveness ------------------------------------------------------------------
     def _next_event(self, deadline: float | None, waiting_for: str) -> tuple[Any, ...] | None:
@@ -453,12 +599,9 @@ class ZmqExecutor:
             with self._lock:
                 self._pump(20)
         event = self._events.popleft() if self._events else None
-        if event is not None and event[0] in ("refused", "bad"):
-            c = self._by_identity.get(event[1])
+        if event is not None and event[0] == "refused":
             raise HandshakeError(
-                f"a controller{f' ({c.index})' if c else ''} could not join the driver at {self.address}: {event[2]}",
-                c.index if c else -1,
-                c.nodes if c else [],
+                f"a controller could not join the driver at {self.address}: {event[2]}"
             )
         self._check_alive()
         if deadline is not None and time.monotonic() > deadline and event is None:
@@ -482,9 +625,10 @@ class ZmqExecutor:
             if rc is not None and c.state is not m.State.STOPPED:
                 c.state = m.State.FAILED
                 cls = HandshakeError if self._until == 0 else ControllerError
+                how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
                 raise cls(
-                    f"controller {c.index} (pid {c.pid}) exited with code {rc} {self._when()}; it owned "
-                    f"nodes {c.nodes}" + c.log_tail(),
+                    f"controller {c.index} (pid {c.pid}) {how} {self._when()}; it owned "
+                    f"nodes {c.nodes}{c.doing()}" + c.log_tail(),
                     c.index,
                     c.nodes,
                 )
@@ -498,7 +642,8 @@ class ZmqExecutor:
                 raise ControllerError(
                     f"controller {c.index} (pid {c.pid}) has sent nothing for {now - seen:.1f}s "
                     f"(heartbeat_timeout_s={self.heartbeat_timeout_s}) {self._when()}; it owned nodes "
-                    f"{c.nodes}; it is dead, hung outside Python, or its host is unreachable",
+                    f"{c.nodes}{c.doing()}; it is dead, hung outside Python, or its host is "
+                    "unreachable",
                     c.index,
                     c.nodes,
                 )
@@ -518,9 +663,20 @@ class ZmqExecutor:
             if 0 <= err.controller < len(self.controllers)
             else None
         )
-        if err.node and err.during in ("step", "setup", "send"):
+        if err.during == "timeout":
+            raise NodeTimeoutError(
+                err.node,
+                err.message,
+                err.traceback,
+                step=err.step,
+                controller=err.controller,
+                during="timeout",
+                seconds=err.seconds,
+                limit_s=err.limit_s,
+            )
+        if err.node and err.during in ("step", "setup", "send", "state"):
             message = err.message
-            if err.during == "send" or err.during == "setup":
+            if err.during in ("send", "setup", "state"):
                 message += (
                     f"\n--- traceback on controller {err.controller} ---\n{err.traceback}"
                     if err.traceback
@@ -579,20 +735,26 @@ class ZmqExecutor:
                 continue
             identity, kind, msg, value = event
             if kind is m.Kind.STEP_DONE:
-                where = f"graph outputs of step {msg.step} from controller {msg.controller}"
+                index = self._by_identity[identity].index
+                if not self.next_step <= msg.step < self._until or msg.controller != index:
+                    self._drops.drop(
+                        f"the driver socket (from controller {index})",
+                        f"STEP_DONE for step {msg.step} of controller {msg.controller}, while "
+                        f"steps {self.next_step}..{self._until - 1} of controller {index} run",
+                    )
+                    continue
+                where = f"graph outputs of step {msg.step} from controller {index}"
                 try:
                     outputs = decode_value(value, where=where)
                 except DecodeError as exc:
-                    raise ControllerError(str(exc), msg.controller) from None
-                self._partial.setdefault(msg.step, {})[msg.controller] = (msg, outputs)
+                    raise ControllerError(str(exc), index) from None
+                self._partial.setdefault(msg.step, {})[index] = (msg, outputs)
             elif kind is m.Kind.ERROR:
                 self._raise_error(msg)
             elif kind is m.Kind.GOODBYE:
-                c = self._by_identity[identity]
-                c.state = m.State.STOPPED
-                raise ControllerError(
-                    f"controller {c.index} left the run {self._when()}", c.index, c.nodes
-                )
+                self._left(identity)
+            else:
+                self._drops.drop("the driver socket", f"an unexpected {kind.name} during a step")
         parts = self._partial.pop(step)
         seconds: dict[str, float] = {}
         starts: dict[str, float] = {}
@@ -608,6 +770,145 @@ class ZmqExecutor:
             {n: starts[n] for n in self.order if n in starts},
             dict(self.plan.assignment),
         )
+
+    def _left(self, identity: bytes) -> None:
+        c = self._by_identity[identity]
+        c.state = m.State.STOPPED
+        raise ControllerError(f"controller {c.index} left the run {self._when()}", c.index, c.nodes)
+
+    # --- state: checkpoints and restore ------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every node's state, the delayed-edge values, RNG states and the step, from the controllers.
+
+        The format of ``LocalExecutor.state_dict()``: ``{"step", "nodes", "delayed", "rng"}``;
+        ``rng`` holds controller 0's states (what a LocalExecutor restores) and
+        ``rng["controllers"]`` each controller's. With ``max_staleness > 0``,
+        ``delayed_history`` adds the older values the next steps still read. Tensors arrive
+        on the CPU. Call it between steps (after ``step()`` or ``run()`` returned).
+        """
+        step = self.next_step
+        replies = self._exchange({c.index: (m.StateRequest(step), None) for c in self.controllers},
+                                 m.Kind.STATE_REPLY, step, "send the state of their nodes")  # fmt: skip
+        nodes: dict[str, Any] = {}
+        history: dict[tuple[str, str, int], Any] = {}
+        rngs: list[dict[str, Any]] = []
+        for index in range(len(self.controllers)):
+            where = f"the state of controller {index}'s nodes"
+            try:
+                value = decode_value(replies[index], where=where)
+                nodes.update(value["nodes"])
+                for src, port, produced, v in value["delayed"]:
+                    history.setdefault((src, port, produced), v)
+                rngs.append(value["rng"])
+            except (DecodeError, KeyError, TypeError, ValueError) as exc:
+                self._shutdown("a bad state reply")
+                raise ControllerError(f"{where} does not decode: {exc}", index) from None
+        state: dict[str, Any] = {
+            "step": step,
+            "nodes": {n: nodes.get(n, {}) for n in self.order},
+            "delayed": [[s, p, v] for (s, p, k), v in history.items() if k == step - 1],
+            "rng": {**rngs[0], "controllers": rngs},
+            "executor": {
+                "kind": "zmq",
+                "controllers": len(self.controllers),
+                "max_staleness": self.max_staleness,
+            },
+        }
+        if self.max_staleness:
+            state["delayed_history"] = [[s, p, k, v] for (s, p, k), v in sorted(
+                history.items(), key=lambda kv: kv[0])]  # fmt: skip
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a ``state_dict()`` (of this executor or of a LocalExecutor) into the controllers.
+
+        The next step run is ``state["step"]``. Data still in flight from before is dropped
+        (each restore starts a new epoch). Call it between steps.
+        """
+        missing = sorted(set(self.graph.nodes) - set(state.get("nodes", {})))
+        if missing:
+            raise ValueError(
+                f"checkpoint has no state for node(s) {missing}; was it written by this graph?"
+            )
+        step = int(state["step"])
+        lag = 1 + self.max_staleness
+        if "delayed_history" in state:
+            entries = [(s, p, int(k), v) for s, p, k, v in state["delayed_history"]]
+        else:
+            entries = [(s, p, step - 1, v) for s, p, v in state.get("delayed", [])]
+            if lag > 1 and step > 1 and entries:
+                warnings.warn(
+                    f"ZmqExecutor(max_staleness={self.max_staleness}): the checkpoint holds only the "
+                    f"delayed values of step {step - 1} (it is from an on-policy run); the next "
+                    f"{lag - 1} step(s) read None on their delayed inputs",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        entries = [e for e in entries if step - lag <= e[2] < step]
+        rng = dict(state.get("rng") or {})
+        per_controller = rng.pop("controllers", None)
+        if not per_controller or len(per_controller) != len(self.controllers):
+            per_controller = [rng] * len(self.controllers)
+        self._epoch += 1
+        messages = {}
+        for c in self.controllers:
+            here = {(e.src, e.src_port) for e in self.graph.edges if e.delay and e.dst in c.nodes}
+            payload = {
+                "nodes": {n: state["nodes"][n] for n in c.nodes},
+                "delayed": [[s, p, k, v] for s, p, k, v in entries if (s, p) in here],
+                "rng": per_controller[c.index],
+            }
+            where = f"the checkpoint's state for controller {c.index}"
+            try:
+                frames = encode_value(payload, where=where, any_keys=True)
+            except UnsupportedValueError as exc:
+                raise ValueError(str(exc)) from None
+            messages[c.index] = (m.StateLoad(step, self._epoch), frames)
+        self._exchange(messages, m.Kind.STATE_LOADED, step, "restore the state of their nodes")
+        self.next_step = self._until = step
+
+    def _exchange(
+        self, messages: dict[int, tuple[Any, list[Any] | None]], reply: m.Kind, step: int, what: str
+    ) -> dict[int, list[Any]]:
+        """Send each controller its message; wait for every one's ``reply`` (value frames)."""
+        if self._closed:
+            raise RuntimeError(
+                "ZmqExecutor: this executor is closed (after close(), an error or Ctrl-C)"
+            )
+        if self._until != self.next_step:
+            raise RuntimeError("ZmqExecutor: state can move only between steps, not during run()")
+        got: dict[int, list[Any]] = {}
+        deadline = time.monotonic() + self.state_timeout_s
+        try:
+            for c in self.controllers:
+                msg, value = messages[c.index]
+                self._send(c, msg, value)
+            while len(got) < len(self.controllers):
+                event = self._next_event(None, "")
+                if event is None:
+                    if time.monotonic() > deadline:
+                        late = sorted(set(range(len(self.controllers))) - set(got))
+                        raise ControllerError(
+                            f"controllers {late} did not {what} within {self.state_timeout_s:.0f}s "
+                            "(state_timeout_s)",
+                            late[0],
+                            self.controllers[late[0]].nodes,
+                        )
+                    continue
+                identity, kind, msg, value = event
+                index = self._by_identity[identity].index
+                if kind is reply and msg.step == step:
+                    got[index] = value
+                elif kind is m.Kind.ERROR:
+                    self._raise_error(msg)
+                elif kind is m.Kind.GOODBYE:
+                    self._left(identity)
+                else:
+                    self._drops.drop("the driver socket", f"an unexpected {kind.name}")
+        except BaseException as exc:
+            self._shutdown(f"{type(exc).__name__} in the driver")
+            raise
+        return got
 
     # --- the end ----------------------------------------------------------------------------
     @property

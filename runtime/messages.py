@@ -21,9 +21,14 @@ Conversation (driver D, controllers C0..Cn-1)::
     C -> C  DATA(step, src, port) + value                           the data plane, never via D
     C -> C  RELEASE(segment)                                        a shared-memory slot is free again
     C -> D  STEP_DONE(step, node_seconds) + graph outputs           per controller per step
-    C -> D  ERROR(node, step, message, traceback)                   a node raised
+    C -> D  ERROR(node, step, message, traceback)                   a node raised or timed out
     C <-> D HEARTBEAT                                               both ways, every interval
+    D -> C  STATE_REQUEST(step); C -> D STATE_REPLY + state         between steps: checkpoint
+    D -> C  STATE_LOAD(step, epoch) + state; C -> D STATE_LOADED    between steps: restore
     D -> C  SHUTDOWN(reason);  C -> D GOODBYE                       explicit end
+
+A receiver drops (and logs) what does not decode, what exceeds ``max_message_bytes`` and
+what comes from a stranger; see docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -49,14 +54,23 @@ __all__ = [
     "Setup",
     "Shutdown",
     "State",
+    "StateLoad",
+    "StateLoaded",
+    "StateReply",
+    "StateRequest",
     "StepDone",
+    "MAX_HEADER_BYTES",
     "decode_header",
     "encode_header",
     "hello_protocol",
 ]
 
-PROTOCOL_VERSION = 1
-"""Bumped on any change to the messages below other than an appended field with a default."""
+PROTOCOL_VERSION = 2
+"""Bumped on any change to the messages below other than an appended field with a default.
+2: STATE_* messages (checkpoints of a ZeroMQ run), Data.epoch, node timeouts."""
+
+MAX_HEADER_BYTES = 16 << 20
+"""A header frame (the Struct, not the value frames) larger than this is refused undecoded."""
 
 
 class Kind(enum.IntEnum):
@@ -74,6 +88,10 @@ class Kind(enum.IntEnum):
     HEARTBEAT = 10
     SHUTDOWN = 11
     GOODBYE = 12
+    STATE_REQUEST = 13
+    STATE_REPLY = 14
+    STATE_LOAD = 15
+    STATE_LOADED = 16
 
     @property
     def frame(self) -> bytes:
@@ -148,11 +166,19 @@ class Setup(_Msg):
     """Every node of the graph in topological order."""
     digest: str = ""
     """A hash of the graph's edges and outputs: a graph rebuilt from ``graph_ref`` must match it."""
+    node_timeout_s: float = 0.0
+    """Run-level limit on one node call; a node's ``BatchPolicy.timeout_s`` (> 0) wins; 0: none."""
+    max_message_bytes: int = 0
+    """Largest message a controller accepts or sends; 0: no limit."""
+    pipeline_depth: int = 2
+    """Most steps the driver allows at once (bounds how far ahead peers' data may be)."""
 
 
 class Ready(_Msg):
     controller: int
     nodes: list[str] = []
+    results_identity: bytes = b""
+    """The identity of the controller's second DEALER (step results, errors, state)."""
 
 
 class Run(_Msg):
@@ -168,6 +194,8 @@ class Data(_Msg):
     src: str
     port: str
     sender: int = -1
+    epoch: int = 0
+    """Bumped by every STATE_LOAD: data sent before a restore is dropped, not mixed in."""
 
 
 class Release(_Msg):
@@ -195,7 +223,12 @@ class Error(_Msg):
     step: int = -1
     traceback: str = ""
     during: str = "step"
-    """``setup`` (building nodes), ``step`` (a node call), ``send`` (encoding), ``io``."""
+    """``setup`` (building nodes), ``step`` (a node call), ``send`` (encoding), ``io``,
+    ``timeout`` (a node call ran past its limit), ``state`` (state_dict/load_state_dict)."""
+    seconds: float = 0.0
+    """With ``timeout``: how long the call had been running."""
+    limit_s: float = 0.0
+    """With ``timeout``: the limit it ran past."""
 
 
 class Heartbeat(_Msg):
@@ -203,6 +236,37 @@ class Heartbeat(_Msg):
     """The sender; -1 for the driver."""
     step: int = -1
     """The lowest step the controller has not finished (for 'stuck at step' messages)."""
+    running: str = ""
+    """The node being called when the beat left ("" when idle)."""
+    running_s: float = 0.0
+    """How long that call had been running."""
+    running_step: int = -1
+    """The step of that call."""
+
+
+class StateRequest(_Msg):
+    """Driver -> controller, between steps: send the state of your nodes after ``step`` steps."""
+
+    step: int
+
+
+class StateReply(_Msg):
+    """Controller -> driver: its nodes' state, delayed-edge values and RNG states follow."""
+
+    controller: int
+    step: int
+
+
+class StateLoad(_Msg):
+    """Driver -> controller: restore the state that follows; the next step to run is ``step``."""
+
+    step: int
+    epoch: int
+
+
+class StateLoaded(_Msg):
+    controller: int
+    step: int
 
 
 class Shutdown(_Msg):
@@ -226,6 +290,10 @@ _TYPES: dict[Kind, type[_Msg]] = {
     Kind.HEARTBEAT: Heartbeat,
     Kind.SHUTDOWN: Shutdown,
     Kind.GOODBYE: Goodbye,
+    Kind.STATE_REQUEST: StateRequest,
+    Kind.STATE_REPLY: StateReply,
+    Kind.STATE_LOAD: StateLoad,
+    Kind.STATE_LOADED: StateLoaded,
 }
 _KIND_OF = {cls: kind for kind, cls in _TYPES.items()}
 _encoder = msgspec.msgpack.Encoder()
@@ -241,19 +309,34 @@ def encode_header(msg: _Msg) -> list[bytes]:
     return [_KIND_OF[type(msg)].frame, _encoder.encode(msg)]
 
 
+def _nbytes(frame: Any) -> int:
+    try:
+        return memoryview(frame).nbytes
+    except TypeError as exc:
+        raise ProtocolError(f"a frame that is not bytes ({type(frame).__name__})") from exc
+
+
 def decode_header(kind_frame: Any, header: Any) -> tuple[Kind, Any]:
-    """The kind and message Struct from the first two frames; ProtocolError if they do not decode."""
-    raw = bytes(kind_frame)
-    if len(raw) != 1 or raw[0] not in Kind._value2member_map_:
+    """The kind and message Struct from the first two frames; ProtocolError if they do not decode.
+
+    Never raises anything else, whatever the frames hold (tests/runtime/test_fuzz.py).
+    """
+    if _nbytes(kind_frame) != 1 or bytes(kind_frame)[0] not in Kind._value2member_map_:
+        head = bytes(memoryview(kind_frame)[:8]) if _nbytes(kind_frame) else b""
         raise ProtocolError(
-            f"unknown message kind frame {raw[:8]!r}; is the sender a yatt-graph peer?"
+            f"unknown message kind frame {head!r}; is the sender a yatt-graph peer?"
         )
-    kind = Kind(raw[0])
+    kind = Kind(bytes(kind_frame)[0])
+    size = _nbytes(header)
+    if size > MAX_HEADER_BYTES:
+        raise ProtocolError(
+            f"a {kind.name} header of {size} bytes is over the {MAX_HEADER_BYTES}-byte limit"
+        )
     try:
         return kind, _decoders[kind].decode(header)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, TypeError, ValueError) as exc:
         raise ProtocolError(
-            f"cannot decode a {kind.name} header ({len(memoryview(header))} bytes): {exc}; "
+            f"cannot decode a {kind.name} header ({size} bytes): {exc}; "
             f"the peer may run another protocol version (this side speaks {PROTOCOL_VERSION})"
         ) from exc
 
@@ -261,6 +344,8 @@ def decode_header(kind_frame: Any, header: Any) -> tuple[Kind, Any]:
 def hello_protocol(header: Any) -> int:
     """The protocol version of a HELLO header, readable whatever the rest of the message holds."""
     try:
+        if _nbytes(header) > MAX_HEADER_BYTES:
+            raise ValueError(f"header over {MAX_HEADER_BYTES} bytes")
         fields = msgspec.msgpack.decode(header)
         return int(fields[0])
     except Exception as exc:

@@ -18,6 +18,11 @@ else raises :class:`UnsupportedValueError` naming where in the value it sits.
 
 Subclasses of list/dict/tuple/int/float/str arrive as the base type (an OrderedDict as a
 dict, a namedtuple as a tuple, an IntEnum as an int).
+
+Dicts with keys other than str (an optimizer's ``state_dict()`` has int keys) travel only
+with ``encode_value(..., any_keys=True)``: the runtime uses it for node state (checkpoints
+of a ZeroMQ run), not for data between nodes. Keys may then be None, bool, int, float, str,
+bytes or tuples of those. The decoder accepts such dicts always: decoding never runs code.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ INLINE_BYTES = 1024
 _BYTES_FRAME = 64 * 1024
 """bytes values of at least this size get a frame of their own."""
 
-_TENSOR, _NDARRAY, _STRUCT, _TUPLE, _IMAGE, _BYTES = 1, 2, 3, 4, 5, 6
+_TENSOR, _NDARRAY, _STRUCT, _TUPLE, _IMAGE, _BYTES, _MAP = 1, 2, 3, 4, 5, 6, 7
 _MAX_DIMS = 64
 
 _TORCH_DTYPES = [
@@ -139,9 +144,9 @@ def _where(path: list[str]) -> str:
 
 # --- encoding ------------------------------------------------------------------------------
 class _Packer:
-    def __init__(self, inline: int, shm: ShmWriter | None):
+    def __init__(self, inline: int, shm: ShmWriter | None, any_keys: bool = False):
         self.buffers: list[Any] = []
-        self.inline, self.shm = inline, shm
+        self.inline, self.shm, self.any_keys = inline, shm, any_keys
         self.torch = sys.modules.get("torch")
         self.np = sys.modules.get("numpy")
         pil = sys.modules.get("PIL.Image")
@@ -196,7 +201,9 @@ class _Packer:
             exc.path.append(f"[{index}]")
             raise
 
-    def _dict(self, v: dict[Any, Any]) -> dict[str, Any]:
+    def _dict(self, v: dict[Any, Any]) -> Any:
+        if self.any_keys and not all(type(k) is str for k in v):
+            return self._map(v)
         out = {}
         for k, x in v.items():
             if type(k) is not str:
@@ -207,6 +214,21 @@ class _Packer:
                 exc.path.append(f"[{k!r}]")
                 raise
         return out
+
+    def _map(self, v: dict[Any, Any]) -> Any:
+        pairs = []
+        for k, x in v.items():
+            if not _plain_key(k):
+                raise _Unsupported(
+                    f"dict key {k!r:.40} is a {type(k).__name__}; keys must be None, bool, int, "
+                    "float, str, bytes or tuples of those"
+                )
+            try:
+                pairs.append([self.pack(k), self.pack(x)])
+            except _Unsupported as exc:
+                exc.path.append(f"[{k!r}]")
+                raise
+        return msgspec.msgpack.Ext(_MAP, _encoder.encode(pairs))
 
     def _bytes(self, v: bytes) -> Any:
         if len(v) < _BYTES_FRAME:
@@ -288,15 +310,27 @@ class _Packer:
         return msgspec.msgpack.Ext(_IMAGE, _encoder.encode([v.mode, list(v.size), where, palette]))
 
 
+def _plain_key(k: Any) -> bool:
+    if k is None or type(k) in (bool, int, float, str, bytes):
+        return True
+    return type(k) is tuple and all(_plain_key(x) for x in k)
+
+
 def encode_value(
-    value: Any, *, where: str = "value", inline: int = INLINE_BYTES, shm: ShmWriter | None = None
+    value: Any,
+    *,
+    where: str = "value",
+    inline: int = INLINE_BYTES,
+    shm: ShmWriter | None = None,
+    any_keys: bool = False,
 ) -> list[Any]:
     """``[header, *buffers]`` for a value; buffers share memory with the value's tensors.
 
     Raises UnsupportedValueError naming ``where`` and the path inside the value
     (``node 'update' output 'metrics'['opt'][2]: a set cannot be sent ...``).
+    ``any_keys=True`` also carries dicts with non-str keys (node state; see the module doc).
     """
-    packer = _Packer(inline, shm)
+    packer = _Packer(inline, shm, any_keys)
     try:
         tree = packer.pack(value)
     except _Unsupported as exc:
@@ -369,6 +403,12 @@ class _Unpacker:
             return self.image(*_fields(fields, 4, "image"))
         if code == _BYTES:
             return bytes(self.frame(fields))
+        if code == _MAP:
+            if not isinstance(fields, list) or not all(
+                isinstance(p, list) and len(p) == 2 and _plain_key(p[0]) for p in fields
+            ):
+                raise DecodeError("bad map")
+            return {k: x for k, x in fields}
         raise DecodeError(f"unknown extension type {code}")
 
     def tensor(self, name: Any, shape: Any, device: Any, where: Any) -> Any:

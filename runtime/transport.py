@@ -1,7 +1,8 @@
 """Sockets and shared memory for the ZeroMQ runtime.
 
-* :func:`make_socket` is the one place sockets are made (linger, high-water marks, bind or
-  connect), :func:`send` / :func:`recv` put messages of :mod:`runtime.messages` on them.
+* :func:`make_socket` is the one place sockets are made (linger, high-water marks, the
+  message size limit, CURVE keys, bind or connect), :func:`send` / :func:`recv` put messages
+  of :mod:`runtime.messages` on them; :class:`Drops` counts and logs what a receiver drops.
 * :class:`ShmPool` (sender side) and :class:`ShmReader` (receiver side) move large tensors
   between controllers on one host through reusable shared-memory segments in ``/dev/shm``:
   the sender copies the tensor into a free segment it owns (mapped once with
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import mmap
 import os
 import threading
@@ -28,9 +30,28 @@ import zmq
 
 from runtime.messages import Kind, ProtocolError, decode_header, encode_header
 
-__all__ = ["ShmPool", "ShmReader", "make_socket", "recv", "remove_run_segments", "send"]
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "Drops",
+    "ShmPool",
+    "ShmReader",
+    "largest_frame",
+    "make_socket",
+    "recv",
+    "remove_run_segments",
+    "send",
+    "split",
+]
 
 SHM_DIR = "/dev/shm"
+
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 30
+"""Largest frame a runtime socket accepts by default: 4 GiB. A message is a header frame plus
+one frame per large tensor; tensors above the shared-memory threshold travel as a small handle
+on one host, so only a tensor sent between hosts comes near it. ``max_message_bytes`` sets it
+(0: no limit)."""
+
+log = logging.getLogger("yatt_graph.runtime")
 
 
 def make_socket(
@@ -41,17 +62,31 @@ def make_socket(
     bind: bool = False,
     identity: bytes | None = None,
     linger_ms: int = 0,
+    max_message_bytes: int = 0,
+    curve: Any = None,
+    curve_server_key: bytes | None = None,
 ) -> zmq.Socket:
     """A socket with this runtime's options; bound or connected to ``address`` when given.
 
     Linger is 0 by default: at shutdown undelivered messages are dropped rather than
     keeping the process alive. High-water marks are unlimited, because the driver bounds
     how many steps are in flight (a full PUSH would otherwise block the sender silently).
+    ``max_message_bytes`` > 0 sets ZMQ_MAXMSGSIZE: libzmq disconnects a peer that announces a
+    larger frame, before any of it is buffered. ``curve`` (:class:`runtime.keys.CurveKeys`) turns on
+    CURVE: a server socket when ``curve_server_key`` is None, else a client of that server.
     """
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, linger_ms)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if max_message_bytes > 0:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    if curve is not None:
+        sock.curve_secretkey, sock.curve_publickey = curve.secret, curve.public
+        if curve_server_key is None:
+            sock.curve_server = True
+        else:
+            sock.curve_serverkey = curve_server_key
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     if kind == zmq.ROUTER:
@@ -72,13 +107,58 @@ def send(
     sock.send_multipart(frames, copy=False)
 
 
-def recv(sock: zmq.Socket, *, prefix: int = 0) -> tuple[list[Any], Kind, Any, list[Any]]:
-    """``(prefix frames, kind, message, value frames)`` of the next message on ``sock``."""
-    frames = sock.recv_multipart(copy=False)
+def largest_frame(frames: list[Any]) -> int:
+    """Size of the largest of a message's frames (zmq Frames or buffers)."""
+    return max((f.nbytes if isinstance(f, memoryview) else len(f) for f in frames), default=0)
+
+
+def recv(
+    sock: zmq.Socket, *, prefix: int = 0, limit: int = 0, flags: int = 0
+) -> tuple[list[Any], Kind, Any, list[Any]]:
+    """``(prefix frames, kind, message, value frames)`` of the next message on ``sock``.
+
+    ProtocolError (the message is consumed) when it is too short, has a frame over ``limit``
+    bytes (0: no limit), or its kind/header do not decode.
+    """
+    frames = sock.recv_multipart(flags, copy=False)
+    return split(frames, prefix=prefix, limit=limit)
+
+
+def split(
+    frames: list[Any], *, prefix: int = 0, limit: int = 0
+) -> tuple[list[Any], Kind, Any, list[Any]]:
+    """:func:`recv` on frames already received."""
     if len(frames) < prefix + 2:
         raise ProtocolError(f"a message of {len(frames)} frames; expected at least {prefix + 2}")
+    if limit > 0 and (size := largest_frame(frames)) > limit:
+        raise ProtocolError(
+            f"a frame of {size} bytes is over the limit of {limit} (max_message_bytes)"
+        )
     kind, msg = decode_header(frames[prefix], frames[prefix + 1])
     return frames[:prefix], kind, msg, frames[prefix + 2 :]
+
+
+class Drops:
+    """Counts messages a receiver drops and logs them: the first few, then one in a hundred.
+
+    A stranger flooding a socket cannot flood the log, and nothing it sends stops the run.
+    """
+
+    def __init__(self, owner: str, first: int = 10, every: int = 100):
+        self.owner, self.first, self.every = owner, first, every
+        self.count = 0
+        self.last = ""
+        self._lock = threading.Lock()
+
+    def drop(self, where: str, why: Any) -> None:
+        with self._lock:
+            self.count += 1
+            count = self.count
+            self.last = f"{where}: {why}"
+        if count <= self.first or count % self.every == 0:
+            log.warning(
+                "%s dropped a message on %s: %s (%d dropped so far)", self.owner, where, why, count
+            )
 
 
 # --- shared memory ----------------------------------------------------------------------------

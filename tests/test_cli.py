@@ -84,9 +84,14 @@ def test_run_on_three_controllers_matches_the_in_process_run(tmp_path, capsys):
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1, 2}
 
 
-def test_checkpoints_with_controllers_are_refused_clearly():
-    with pytest.raises(
-        SystemExit,
-        match="checkpoints, --resume and --export work with the in-process executor only",
-    ):
-        main(["run", "graphs.toy", "--controllers", "2", "--checkpoint-every", "2"])
+def test_fault_flags_that_cannot_apply_are_refused_clearly():
+    # Checkpoints and --resume work with --controllers (tests/runtime/test_faults.py); a
+    # restart needs controllers to restart and a folder for the checkpoints.
+    with pytest.raises(SystemExit, match="--restart on-failure restarts controller processes"):
+        main(["run", "graphs.toy", "--restart", "on-failure", "--out", "x"])
+    with pytest.raises(SystemExit, match="needs --out DIR"):
+        main(["run", "graphs.toy", "--controllers", "2", "--restart", "on-failure"])
+    with pytest.raises(SystemExit, match="apply to controller processes"):
+        main(["run", "graphs.toy", "--node-timeout", "5"])
+    with pytest.raises(SystemExit, match="takes no on_bad_sample option"):
+        main(["run", "graphs.toy", "--on-bad-sample", "skip"])

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from yatt_graph import ANY, Graph, Node, Port, Tensor
+from yatt_graph import ANY, BatchPolicy, Graph, Node, Port, Tensor
 
 __all__ = ["Sample", "build_graph"]
 
@@ -73,6 +73,9 @@ class Boom(Node):
                 os._exit(7)
             if self.mode == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            if self.mode == "hang":  # a Python-level hang: the timeout report shows this frame
+                while True:
+                    time.sleep(0.05)
         return {"y": x * 2}  # (B,)
 
 
@@ -198,9 +201,106 @@ class Accumulate(Node):
         return {"total": total, "seen": {"total": total, "prev_was_none": prev is None}}
 
 
-def build_graph(kind: str = "rich", **options: Any) -> Graph:
+class KillOnce(Node):
+    """Passes its input on; at ``at_step`` SIGKILLs its own process, once (a marker file says so)."""
+
+    inputs = {"x": ANY}
+    outputs = {"x": ANY}
+
+    def __init__(self, marker: str = "", at_step: int = -1, name: str | None = None, **kw: Any):
+        super().__init__(name=name, **kw)
+        self.marker, self.at_step = marker, at_step
+
+    def forward(self, x: Any) -> dict[str, Any]:
+        if self.step == self.at_step and self.marker and not os.path.exists(self.marker):
+            with open(self.marker, "w") as f:
+                f.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"x": x}
+
+
+class Texts(Node):
+    """Four texts per step; sample 1 of odd steps is the one the flaky reward cannot score."""
+
+    kind = "data"
+    outputs = {"texts": ANY}
+
+    def forward(self) -> dict[str, Any]:
+        return {
+            "texts": [
+                f"t{self.step}-{i}" + ("!" if i == 1 and self.step % 2 else "") for i in range(4)
+            ]
+        }
+
+
+def flaky_reward(text: str, meta: Any) -> float:
+    """0.5 per sample, NaN for a text ending in '!' (a reward model that blew up)."""
+    return float("nan") if text.endswith("!") else 0.5
+
+
+def _toy_with_chaos(controllers: int, marker: str, at_step: int, seed: int) -> Graph:
+    """graphs/toy.py plus a KillOnce on the scores (it changes no value), nodes spread out."""
+    from nodes.toy import FakeEncoder, MatchReward, ToyRollout, ToySource, ToyUpdate, normalize
+
+    with Graph("toy_rlhf") as g:
+        batch = ToySource(batch_size=16, classes=4, seed=seed, name="source")()
+        emb = FakeEncoder(seed=seed, name="encoder")(batch.images)
+        rollout = ToyRollout(vocab=8, seed=seed, name="rollout")
+        sample = rollout(emb)
+        scores = MatchReward(vocab=8, name="reward")(sample.tokens, batch.labels)
+        chaos = KillOnce(marker, at_step, placement=min(1, controllers - 1), name="chaos")(scores)
+        adv = normalize(chaos, name="advantage")
+        update = ToyUpdate(vocab=8, seed=seed, name="update")(
+            emb, sample.tokens, sample.logprobs, adv
+        )
+        g.connect(update.weights, rollout, "weights", delay=1)
+        g.output("scores", scores)
+        g.output("metrics", update.metrics)
+    where = {"source": 0, "encoder": 0, "rollout": 1, "reward": 1, "advantage": 2, "update": 2}
+    for name, c in where.items():
+        g.nodes[name].placement = min(c, controllers - 1)
+    return g
+
+
+def build_graph(kind: str = "rich", on_bad_sample: str = "error", **options: Any) -> Graph:
+    if kind == "toy_chaos":
+        return _toy_with_chaos(
+            options.get("controllers", 3),
+            options.get("marker", ""),
+            options.get("at_step", -1),
+            options.get("seed", 0),
+        )
     with Graph(f"zmq_{kind}") as g:
-        if kind == "boom":
+        if kind == "bad_reward":
+            from nodes.rewards import RuleReward
+
+            skip = on_bad_sample == "skip"
+            reward = RuleReward(
+                "zmq_graphs:flaky_reward",
+                on_bad_sample="skip" if skip else "raise",
+                emit_bad_mask=skip,
+                name="reward",
+            )
+            out = reward(texts=Texts(name="texts")())
+            g.output("scores", out.scores if skip else out)
+            if skip:
+                g.output("bad_samples", out.bad_samples)
+        elif kind == "hang":
+            x = TinySource(placement=0, name="source")()
+            policy = BatchPolicy(timeout_s=options.get("timeout_s", 0.0))
+            boom = Boom(
+                options.get("fail_at", 1), "hang", placement=1, batch_policy=policy, name="stuck"
+            )
+            g.output("y", boom(x))
+        elif kind == "chain":
+            # source (c0) -> middle (c1) -> sink (c2), and the sink's total back to the middle.
+            x = TinySource(size=8, placement=0, name="source")()
+            acc = Accumulate(placement=1, name="acc")
+            out = acc(x)
+            mirror = Echo(placement=2, name="mirror")(out.seen)
+            g.connect(mirror, acc, "prev", delay=1)
+            g.output("total", out.total)
+        elif kind == "boom":
             x = TinySource(placement=0, name="source")()
             y = Boom(
                 options.get("fail_at", 1), options.get("mode", "raise"), placement=1, name="boom"

@@ -1,0 +1,176 @@
+"""Who may talk to a run: loopback by default, CURVE between hosts, no pickle on the wire.
+
+The CURVE test runs on 127.0.0.1 only. ~8 s (one executor start).
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import os
+import stat
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+import zmq
+from zmq_graphs import assert_gone
+
+from runtime import messages as m
+from runtime.cli import main
+from runtime.controller import Controller
+from runtime.driver import ZmqExecutor
+from runtime.keys import KeysError, generate_keys, is_loopback, load_keys
+from runtime.local import LocalExecutor
+from runtime.serial import DecodeError, UnsupportedValueError, decode_value, encode_value
+from yatt_graph.refs import load_graph
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# --- addresses ----------------------------------------------------------------------------
+def test_loopback_addresses():
+    for address in (
+        "tcp://127.0.0.1:5555",
+        "tcp://127.3.2.1:1",
+        "tcp://[::1]:5555",
+        "tcp://localhost:9",
+    ):
+        assert is_loopback(address), address
+    for address in (
+        "tcp://0.0.0.0:5555",
+        "tcp://*:5555",
+        "tcp://10.0.0.7:1",
+        "tcp://eth0:5555",
+        "tcp://[::]:1",
+    ):
+        assert not is_loopback(address), address  # fmt: skip
+
+
+def test_binding_a_non_loopback_address_needs_allow_remote(capsys):
+    plan = load_graph("graphs.toy").plan(2)
+    for address in ("tcp://0.0.0.0:5999", "tcp://*:5999", "tcp://192.168.7.7:5999"):
+        with pytest.raises(ValueError, match="not a loopback address.*allow_remote=True"):
+            ZmqExecutor(plan, address=address, allow_tcp=True)
+    with pytest.raises(ValueError, match="allow_tcp"):  # tcp at all is an opt-in
+        ZmqExecutor(plan, address="tcp://127.0.0.1:5999")
+    code = main(["run", "graphs.toy", "--controllers", "2", "--listen", "tcp://0.0.0.0:5999", "--quiet"])  # fmt: skip
+    assert code == 2 and "--allow-remote" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--allow-remote"):  # a controller joining another host
+        Controller("tcp://10.255.255.1:5999", 0)
+
+
+# --- keys -----------------------------------------------------------------------------------
+def test_keys_command_writes_private_secret_files_and_refuses_to_overwrite(tmp_path, capsys):
+    keys = tmp_path / "keys"
+    assert main(["keys", str(keys)]) == 0
+    assert "driver.key_secret" in capsys.readouterr().out
+    for name in ("driver.key_secret", "controller.key_secret"):
+        assert stat.S_IMODE((keys / name).stat().st_mode) == 0o600
+    assert (keys / "authorized" / "controller.key").is_file()
+    driver, controller = load_keys(keys, "driver"), load_keys(keys, "controller")
+    assert driver.driver_public == controller.driver_public == driver.public
+    assert controller.controller_public == controller.public != driver.public
+    assert main(["keys", str(keys)]) == 2
+    assert "already holds keys" in capsys.readouterr().err
+    (keys / "controller.key_secret").unlink()
+    with pytest.raises(KeysError, match="controller.key_secret is missing; create keys"):
+        load_keys(keys, "controller")
+
+
+def _client(ctx, address, server_key, keypair=None):
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if server_key is not None:
+        public, secret = keypair or zmq.curve_keypair()
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = (
+            public,
+            secret,
+            server_key,
+        )
+    sock.connect(address)
+    sock.send_multipart(m.encode_header(m.Hello(m.PROTOCOL_VERSION, -1, 1, "x", "ipc://x")))
+    return sock
+
+
+@pytest.mark.timeout(60)
+def test_with_curve_only_peers_holding_the_keys_get_in(tmp_path, caplog):
+    keys = generate_keys(tmp_path / "keys")
+    reference = LocalExecutor(load_graph("graphs.toy", seed=1).plan(1)).run(4)
+    ex = ZmqExecutor(
+        load_graph("graphs.toy", seed=1).plan(2),
+        address="tcp://127.0.0.1:*",
+        allow_tcp=True,
+        keys=keys,
+    )
+    ctx = zmq.Context()
+    try:
+        assert ex.address.startswith("tcp://127.0.0.1:") and not ex.address.endswith("*")
+        results = ex.run(2)  # the spawned controllers hold the controller keys: they got in
+        server = ex.keys.driver_public
+        with caplog.at_level(logging.WARNING, logger="yatt_graph.runtime"):
+            plain = _client(ctx, ex.address, None)  # no CURVE at all
+            stranger = _client(ctx, ex.address, server)  # CURVE, a key of its own
+            trusted = load_keys(keys, "controller")
+            member = _client(ctx, ex.address, server, (trusted.public, trusted.secret))
+            results += ex.run(2)
+            assert member.poll(5000), "a peer with the controller key reaches the driver"
+            kind, header = member.recv_multipart()
+            reply = m.decode_header(kind, header)
+            assert reply[0] is m.Kind.REFUSED and "the run has started" in reply[1].reason
+            assert not plain.poll(300) and not stranger.poll(300)  # never heard, never answered
+        assert ex._res.auth.denied >= 1
+        assert "refused a CURVE client" in caplog.text
+    finally:
+        ex.close()
+        ctx.destroy(linger=0)
+    for ref, got in zip(reference, results, strict=True):
+        assert torch.equal(ref.outputs["scores"], got.outputs["scores"])
+    assert_gone(ex.pids, ex.run_dir)
+
+
+# --- no pickle ------------------------------------------------------------------------------
+class Opaque:
+    def __reduce__(self):  # what pickle would call to rebuild it elsewhere
+        return (os.system, ("echo pwned",))
+
+
+def test_the_codec_refuses_arbitrary_objects_and_never_unpickles(monkeypatch):
+    for value in (Opaque(), {"x": [Opaque()]}, {1, 2}, print):
+        with pytest.raises(UnsupportedValueError, match="pickle is off|cannot be sent"):
+            encode_value(value, where="node 'n' output 'o'")
+    import pickle
+
+    def no_pickle(*args, **kwargs):
+        raise AssertionError("the decoder must never unpickle")
+
+    monkeypatch.setattr(pickle, "loads", no_pickle)
+    monkeypatch.setattr(pickle, "Unpickler", no_pickle)
+    payload = pickle.dumps(Opaque.__reduce__(Opaque()))
+    for code in range(0, 10):
+        frames = [msgspec.msgpack.encode(msgspec.msgpack.Ext(code, payload))]
+        with pytest.raises(DecodeError):
+            decode_value(frames)
+    # A Struct named by the sender is looked up among modules already imported, never imported.
+    sneaky = [msgspec.msgpack.encode(msgspec.msgpack.Ext(3, msgspec.msgpack.encode(["antigravity:X", {}])))]  # fmt: skip
+    with pytest.raises(DecodeError, match="neither registered nor imported"):
+        decode_value(sneaky)
+    assert "antigravity" not in sys.modules
+
+
+def test_no_wire_module_imports_pickle_or_loads_torch_files():
+    banned = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
+    for name in ("serial", "messages", "transport", "driver", "controller", "keys"):
+        tree = ast.parse((ROOT / "runtime" / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found = {a.name.split(".")[0] for a in node.names} & banned
+            elif isinstance(node, ast.ImportFrom):
+                found = {(node.module or "").split(".")[0]} & banned
+            elif isinstance(node, ast.Attribute) and node.attr == "load":
+                found = {"torch.load"} if getattr(node.value, "id", "") == "torch" else set()
+            else:
+                continue
+            assert not found, f"runtime/{name}.py uses {found} (line {node.lineno})"
