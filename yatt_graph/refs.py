@@ -58,9 +58,11 @@ def load_module(target: str) -> Any:
                 rel = resolved.relative_to((root or Path(".")).resolve())
             except ValueError:
                 continue
-            dotted = ".".join(rel.with_suffix("").parts)
-            if all(part.isidentifier() for part in rel.with_suffix("").parts):
-                return _import(dotted, target)
+            parts = rel.with_suffix("").parts
+            if parts and all(part.isidentifier() for part in parts):
+                dotted = ".".join(parts)
+                if _origin(dotted) == resolved:  # the name must lead back to this very file
+                    return _import(dotted, target)
         name = path.stem
         spec = importlib.util.spec_from_file_location(name, resolved)
         if spec is None or spec.loader is None:
@@ -74,6 +76,15 @@ def load_module(target: str) -> Any:
             raise ImportError(f"importing {target!r} failed: {type(exc).__name__}: {exc}") from exc
         return module
     return _import(target, target)
+
+
+def _origin(dotted: str) -> Path | None:
+    """The file a dotted module name would import, or None if it names no module here."""
+    try:
+        spec = importlib.util.find_spec(dotted)
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin).resolve() if spec is not None and spec.origin else None
 
 
 def _import(dotted: str, shown: str) -> Any:

@@ -58,3 +58,19 @@ def test_unwritable_config_is_refused_with_the_node_named():
         TypeError, match=r"node 'holder' config\['model'\]: a object cannot be written"
     ):
         g.to_json()
+
+
+def test_a_file_loads_under_the_name_that_leads_back_to_it(tmp_path, monkeypatch):
+    from yatt_graph.refs import load_module
+
+    # tmp/pkg_like/mod.py with tmp on sys.path but no package: "pkg_like.mod" is a
+    # namespace import that works; a sibling sys.path root that is not its parent must not win.
+    (tmp_path / "pkg_like").mkdir()
+    (tmp_path / "pkg_like" / "mod.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = load_module(str(tmp_path / "pkg_like" / "mod.py"))
+    assert module.VALUE == 7 and module.__name__ == "pkg_like.mod"
+    shadow = tmp_path / "runtime"  # same name as the project's package: never used for the file
+    shadow.mkdir()
+    (shadow / "fake_graph.py").write_text("VALUE = 9\n")
+    assert load_module(str(shadow / "fake_graph.py")).VALUE == 9
