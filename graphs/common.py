@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from nodes.data import task_vocabulary
+from nodes.rewards import RuleReward
 from nodes.vision import TINY_OPEN_CLIP_CFG, VisionEncoder
 
-__all__ = ["is_prefix_policy", "policy_spec", "vision_encoder"]
+__all__ = ["is_prefix_policy", "policy_spec", "reward_node", "vision_encoder"]
 
 
 def policy_spec(policy: str | dict[str, Any], seed: int, image_dim: int | None) -> dict[str, Any]:
@@ -56,3 +57,13 @@ def vision_encoder(vision: str, seed: int) -> VisionEncoder:
         raise ValueError(f"vision {vision!r}: use 'tiny' or 'open_clip:NAME[:WEIGHTS_FILE]'")
     name, _, weights = rest.partition(":")
     return VisionEncoder(name, pretrained=weights or None, seed=seed, name="vision")
+
+
+def reward_node(reward: str, on_bad_sample: str = "error") -> RuleReward:
+    """The rule reward; ``on_bad_sample``: ``"error"`` (a NaN/inf score stops the run, naming the
+    sample) or ``"skip"`` (the sample scores 0, and a ``bad_samples`` output counts it)."""
+    if on_bad_sample not in ("error", "skip"):
+        raise ValueError(f"on_bad_sample must be 'error' or 'skip', got {on_bad_sample!r}")
+    if on_bad_sample == "skip":
+        return RuleReward(reward, on_bad_sample="skip", emit_bad_mask=True, name="reward")
+    return RuleReward(reward, on_bad_sample="raise", name="reward")

@@ -9,11 +9,10 @@ images -> vision encoder -> policy rollout -> reward -> reference logprobs + cri
 
 from __future__ import annotations
 
-from graphs.common import is_prefix_policy, policy_spec, vision_encoder
+from graphs.common import is_prefix_policy, policy_spec, reward_node, vision_encoder
 from nodes.advantage_nodes import GAEAdvantage
 from nodes.data import ShapesSource
 from nodes.reference import Critic, ReferenceLogprobs
-from nodes.rewards import RuleReward
 from nodes.rollout import Rollout
 from nodes.sync import WeightSync
 from nodes.update import PPOUpdate
@@ -29,6 +28,7 @@ def build_graph(
     policy: str = "tiny",
     vision: str = "tiny",
     reward: str = "nodes.data:answer_reward",
+    on_bad_sample: str = "error",
     lr: float = 1e-3,
     critic_lr: float = 1e-3,
     max_new_tokens: int = 2,
@@ -57,7 +57,10 @@ def build_graph(
             name="rollout",
         )
         sample = rollout(prompts=data.prompts, **image_port)
-        scores = RuleReward(reward, name="reward")(texts=sample.texts, meta=data.meta)
+        scores = reward_node(reward, on_bad_sample)(texts=sample.texts, meta=data.meta)
+        if on_bad_sample == "skip":  # the reward has a second output: which samples it skipped
+            scores, skipped = scores
+            g.output("bad_samples", skipped)
         tensors = {
             "prompt_ids": sample.prompt_ids,
             "prompt_mask": sample.prompt_mask,

@@ -40,3 +40,18 @@ def test_bad_model_options_are_refused_clearly(tmp_path):
         load_graph("graphs.mm_ppo", policy=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="use 'tiny' or 'open_clip:NAME"):
         load_graph("graphs.mm_ppo", vision="clip-ish")
+
+
+def test_on_bad_sample_skip_scores_bad_samples_zero_and_counts_them(tmp_path):
+    rewards = tmp_path / "flaky.py"
+    rewards.write_text(
+        "def nan_for_odd(text, meta):\n    return float('nan') if meta['index'] % 2 else 1.0\n"
+    )
+    ref = f"{rewards}:nan_for_odd"
+    result = LocalExecutor(
+        load_graph("graphs.text_ppo", batch_size=4, reward=ref, on_bad_sample="skip")
+    ).step()
+    assert result.outputs["scores"].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert result.outputs["bad_samples"].tolist() == [False, True, False, True]
+    with pytest.raises(Exception, match=r"node 'reward': sample 1 got a non-finite score nan"):
+        LocalExecutor(load_graph("graphs.text_ppo", batch_size=4, reward=ref)).step()
