@@ -105,6 +105,11 @@ def _check_run_flags(args: argparse.Namespace, distributed: bool) -> None:
                 "again from the first step",
                 file=sys.stderr,
             )
+    if args.placement == "partial" and args.controllers < 2:
+        raise SystemExit(
+            "run: --placement partial puts the rollout side and the training side on separate "
+            "controllers; it needs --controllers 2 or more"
+        )
     if not distributed and (args.keys or args.allow_remote or args.node_timeout):
         raise SystemExit(
             "run: --keys, --allow-remote and --node-timeout apply to controller processes; add "
@@ -127,10 +132,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not distributed:
             return Accounting(LocalExecutor(graph))
         from runtime.driver import ZmqExecutor
+        from runtime.placement import controller_assignment
 
+        hints = controller_assignment(graph, args.controllers, args.placement)
         return Accounting(
             ZmqExecutor(
-                graph.plan(args.controllers),
+                graph.plan(args.controllers, placement=hints),
                 graph_ref=args.graph,
                 graph_options=options,
                 max_staleness=args.max_staleness,
@@ -167,6 +174,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         window = max(1, min(args.window, len(rewards) // 2))
         first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
         print(f"mean reward: first {window} steps {first:.3f} -> last {window} steps {last:.3f}")
+    util_keys = sorted({k for r in rows for k in r if k.startswith("util/")})
+    if util_keys:
+        shares = [
+            f"{k.removeprefix('util/').replace('_', ' ')} {100 * sum(r.get(k, 0.0) for r in rows) / len(rows):.0f}%"
+            for k in util_keys
+        ]
+        print("utilization (busy share of each step): " + ", ".join(shares))
     skipped = rows[-1].get("skipped_samples_total") if rows else None
     if skipped:
         print(f"skipped samples: {int(skipped)} of {int(rows[-1]['samples_total'])} (bad scores)")
@@ -286,6 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--controllers", type=int, default=1, help="run the plan on N controller processes"
+    )
+    p.add_argument(
+        "--placement",
+        choices=("colocated", "partial"),
+        default="colocated",
+        help="colocated: roles share the controllers; partial: rollout side and training side "
+        "on separate controllers (needs --controllers >= 2)",
     )
     p.add_argument(
         "--max-staleness",

@@ -16,7 +16,7 @@ from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.metrics import MetricsWriter, summarize
 from runtime.trace import Tracer
 
-__all__ = ["train"]
+__all__ = ["train", "utilization"]
 
 
 def _progress_fields(row: dict[str, Any], samples_per_s: float) -> dict[str, str]:
@@ -26,6 +26,17 @@ def _progress_fields(row: dict[str, Any], samples_per_s: float) -> dict[str, str
         if key is not None:
             fields[label] = f"{row[key]:.3f}"
     return fields
+
+
+def utilization(result: Any, step_seconds: float) -> dict[str, float]:
+    """Per controller, the share of the step's wall time its nodes were running."""
+    busy: dict[int, float] = {}
+    for node, seconds in result.node_seconds.items():
+        controller = result.node_controller.get(node, 0)
+        busy[controller] = busy.get(controller, 0.0) + seconds
+    if step_seconds <= 0:
+        return {}
+    return {f"util/controller_{c}": min(1.0, b / step_seconds) for c, b in sorted(busy.items())}
 
 
 def train(
@@ -70,6 +81,7 @@ def train(
             scores = result.outputs.get("scores")
             samples = len(scores) if scores is not None and hasattr(scores, "__len__") else 0
             row["samples_per_s"] = samples / seconds if seconds > 0 else 0.0
+            row.update(utilization(result, seconds))
             rows.append(row)
             for node, start in result.node_start.items():
                 controller = result.node_controller.get(node, 0)

@@ -155,3 +155,27 @@ def place(
     if mode == "partial":
         return partial(kinds, n_devices, **options)
     raise ValueError(f"place: mode must be 'colocated' or 'partial', got {mode!r}")
+
+
+def controller_assignment(
+    graph: Any, controllers: int, mode: str = "colocated"
+) -> dict[str, int] | None:
+    """Placement hints for a plan (``graph.plan(controllers, placement=...)``), per mode.
+
+    * ``colocated``: None, the plan's default split, where the roles share the controllers
+      one after another within a step.
+    * ``partial``: the rollout-side nodes (:data:`ROLLOUT_KINDS`) on the first half of the
+      controllers and the rest (reward, reference, critic, advantage, update) on the others,
+      each side cut into contiguous runs of its topological order. With ``--max-staleness``
+      >= 1 the rollout side may run ahead of the update.
+    """
+    if mode == "colocated":
+        return None
+    groups = place(graph, controllers, "partial")
+    order = graph.topological_order()
+    assignment: dict[str, int] = {}
+    for group, members in groups.groups.items():
+        names = [n for n in order if groups.nodes[n] == group]
+        for i, name in enumerate(names):
+            assignment[name] = members[i * len(members) // len(names)]
+    return assignment

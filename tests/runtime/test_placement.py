@@ -123,3 +123,26 @@ def test_scheduler_serves_each_node_only_on_its_placement_group():
     assert out["x"].tolist() == list(range(8))
     assert where["rollout"] == {"cpu:0"}
     assert where["reward"] == {"cpu:1", "cpu:2"}
+
+
+def test_partial_controller_assignment_separates_the_rollout_side():
+    from runtime.placement import controller_assignment
+    from yatt_graph.refs import load_graph
+
+    graph = load_graph("graphs.mm_ppo", batch_size=2)
+    assert controller_assignment(graph, 2, "colocated") is None
+    hints = controller_assignment(graph, 3, "partial")
+    rollout_side = {
+        n for n, node in graph.nodes.items() if node.kind in ("data", "encoder", "rollout")
+    }
+    assert {hints[n] for n in rollout_side} <= {0, 1}
+    assert {hints[n] for n in set(graph.nodes) - rollout_side} == {2}
+    plan = graph.plan(3, placement=hints)
+    assert all(plan.assignment[n] == hints[n] for n in graph.nodes)
+
+
+def test_partial_placement_on_one_controller_is_refused():
+    from runtime.cli import main
+
+    with pytest.raises(SystemExit, match="--placement partial .* needs --controllers 2 or more"):
+        main(["run", "graphs.toy", "--placement", "partial"])
