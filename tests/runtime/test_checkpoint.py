@@ -9,7 +9,11 @@ from yatt_graph.refs import load_graph
 
 def learning_keys(rows):
     return [
-        {k: v for k, v in r.items() if not k.startswith("time/") and k != "samples_per_s"}
+        {
+            k: v
+            for k, v in r.items()
+            if not k.startswith(("time/", "util/")) and k != "samples_per_s"
+        }
         for r in rows
     ]
 
