@@ -15,13 +15,23 @@ synthetic shapes task; real models come from local paths:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from nodes.data import task_vocabulary
+from nodes.data import ShapesSource, task_vocabulary
+from nodes.reference import ReferenceLogprobs
 from nodes.rewards import RuleReward
+from nodes.rollout import Rollout
 from nodes.vision import TINY_OPEN_CLIP_CFG, VisionEncoder
+from yatt_graph import Graph, Handle, Node
 
-__all__ = ["is_prefix_policy", "policy_spec", "reward_node", "vision_encoder"]
+__all__ = [
+    "Sampled",
+    "is_prefix_policy",
+    "policy_spec",
+    "reward_node",
+    "sample_and_score",
+    "vision_encoder",
+]
 
 
 def policy_spec(policy: str | dict[str, Any], seed: int, image_dim: int | None) -> dict[str, Any]:
@@ -67,3 +77,71 @@ def reward_node(reward: str, on_bad_sample: str = "error") -> RuleReward:
     if on_bad_sample == "skip":
         return RuleReward(reward, on_bad_sample="skip", emit_bad_mask=True, name="reward")
     return RuleReward(reward, on_bad_sample="raise", name="reward")
+
+
+class Sampled(NamedTuple):
+    """The front half every ready graph shares: data, rollout, reward and reference."""
+
+    spec: dict[str, Any]
+    """The policy spec, for every node that holds a copy of the policy."""
+    rollout: Node
+    sample: Any
+    """The rollout's outputs (``sample.texts``, ``sample.logprobs``, ...)."""
+    scores: Handle
+    tensors: dict[str, Handle]
+    """prompt_ids, prompt_mask, response_ids, response_mask: what model nodes read."""
+    image_port: dict[str, Handle]
+    """``image_embeds`` (prefix-VLM), ``images`` (HF VLM) or nothing (text only)."""
+    ref_logprobs: Handle
+
+
+def sample_and_score(
+    g: Graph,
+    *,
+    batch_size: int,
+    task: str,
+    seed: int,
+    policy: str,
+    reward: str,
+    on_bad_sample: str,
+    max_new_tokens: int,
+    temperature: float,
+    vision: str = "tiny",
+    n: int = 1,
+    text_only: bool = False,
+) -> Sampled:
+    """Declare data -> (vision) -> rollout -> reward, and the reference logprobs, in ``g``."""
+    data = ShapesSource(
+        batch_size=batch_size, task=task, seed=seed, text_hint=text_only, name="data"
+    )()
+    if text_only:
+        g.discard(data.images)
+        spec, image_port = policy_spec(policy, seed, None), {}
+    else:
+        encoder = vision_encoder(vision, seed)
+        spec = policy_spec(policy, seed, encoder.embed_dim)
+        prefix = is_prefix_policy(spec)
+        image_port = {"image_embeds": encoder(data.images)} if prefix else {"images": data.images}
+    rollout = Rollout(
+        policy=spec,
+        n=n,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        name="rollout",
+    )
+    sample = rollout(prompts=data.prompts, **image_port)
+    scores = reward_node(reward, on_bad_sample)(texts=sample.texts, meta=data.meta)
+    if on_bad_sample == "skip":  # the reward has a second output: which samples it skipped
+        scores, skipped = scores
+        g.output("bad_samples", skipped)
+    tensors = {
+        "prompt_ids": sample.prompt_ids,
+        "prompt_mask": sample.prompt_mask,
+        "response_ids": sample.response_ids,
+        "response_mask": sample.response_mask,
+    }
+    reference = ReferenceLogprobs(policy=spec, temperature=temperature, name="reference")
+    ref = reference(**tensors, **image_port)
+    g.output("response_lengths", sample.response_lengths)
+    return Sampled(spec, rollout, sample, scores, tensors, image_port, ref)

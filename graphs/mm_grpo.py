@@ -8,11 +8,8 @@ images -> vision encoder -> policy rollout (n per prompt) -> reward -> reference
 
 from __future__ import annotations
 
-from graphs.common import is_prefix_policy, policy_spec, reward_node, vision_encoder
+from graphs.common import sample_and_score
 from nodes.advantage_nodes import GroupAdvantage
-from nodes.data import ShapesSource
-from nodes.reference import ReferenceLogprobs
-from nodes.rollout import Rollout
 from nodes.sync import WeightSync
 from nodes.update import GRPOUpdate
 from yatt_graph import Graph
@@ -39,41 +36,24 @@ def build_graph(
 ) -> Graph:
     """``batch_size`` prompts per step, ``group_size`` samples each; ``estimator``: grpo or rloo."""
     with Graph("mm_grpo") as g:
-        data = ShapesSource(batch_size=batch_size, task=task, seed=seed, name="data")()
-        encoder = vision_encoder(vision, seed)
-        spec = policy_spec(policy, seed, encoder.embed_dim)
-        image_port = (
-            {"image_embeds": encoder(data.images)}
-            if is_prefix_policy(spec)
-            else {"images": data.images}
-        )
-        rollout = Rollout(
-            policy=spec,
-            n=group_size,
+        s = sample_and_score(
+            g,
+            batch_size=batch_size,
+            task=task,
+            seed=seed,
+            policy=policy,
+            vision=vision,
+            reward=reward,
+            on_bad_sample=on_bad_sample,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
-            seed=seed,
-            name="rollout",
-        )
-        sample = rollout(prompts=data.prompts, **image_port)
-        scores = reward_node(reward, on_bad_sample)(texts=sample.texts, meta=data.meta)
-        if on_bad_sample == "skip":  # the reward has a second output: which samples it skipped
-            scores, skipped = scores
-            g.output("bad_samples", skipped)
-        tensors = {
-            "prompt_ids": sample.prompt_ids,
-            "prompt_mask": sample.prompt_mask,
-            "response_ids": sample.response_ids,
-            "response_mask": sample.response_mask,
-        }
-        ref = ReferenceLogprobs(policy=spec, temperature=temperature, name="reference")(
-            **tensors, **image_port
+            n=group_size,
         )
         adv = GroupAdvantage(estimator, name="group_advantage")(
-            scores=scores, group_ids=sample.group_ids, response_mask=sample.response_mask
+            scores=s.scores, group_ids=s.sample.group_ids, response_mask=s.sample.response_mask
         )
         update = GRPOUpdate(
-            policy=spec,
+            policy=s.spec,
             lr=lr,
             kl_coef=kl_coef,
             entropy_coef=entropy_coef,
@@ -82,15 +62,14 @@ def build_graph(
             seed=seed,
             name="grpo",
         )(
-            **tensors,
-            logprobs=sample.logprobs,
+            **s.tensors,
+            logprobs=s.sample.logprobs,
             advantages=adv.advantages,
-            ref_logprobs=ref,
-            **image_port,
+            ref_logprobs=s.ref_logprobs,
+            **s.image_port,
         )
-        g.connect(WeightSync(name="sync")(update.weights), rollout, "weights", delay=1)
-        g.output("scores", scores)
+        g.connect(WeightSync(name="sync")(update.weights), s.rollout, "weights", delay=1)
+        g.output("scores", s.scores)
         g.output("metrics", update.metrics)
         g.output("advantage", adv.stats)
-        g.output("response_lengths", sample.response_lengths)
     return g
