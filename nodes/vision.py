@@ -130,7 +130,14 @@ class VisionEncoder(Node):
                 f"turned into RGB without losing range; convert it yourself first (accepted "
                 f"modes: {sorted(_CONVERTIBLE_MODES)})"
             )
-        return image if image.mode == "RGB" else image.convert("RGB")
+        try:
+            image.load()  # a lazily opened file is read here, so damage shows up here
+            return image if image.mode == "RGB" else image.convert("RGB")
+        except (OSError, SyntaxError) as exc:  # PIL's errors for truncated or corrupt data
+            raise ValueError(
+                f"node {self.name!r}: images[{index}] cannot be read ({exc}); the file is "
+                "truncated or corrupt: replace it, or drop the sample before this node"
+            ) from exc
 
     def pixels(self, images: Sequence[Any]) -> Tensor:
         """Checked, preprocessed images: float32[B, 3, H, W]."""

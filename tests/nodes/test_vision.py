@@ -133,3 +133,20 @@ def test_state_roundtrip_and_batch_policy(encoder):
     )
     with pytest.raises(ValueError, match="expected a state with key 'tower'"):
         other.load_state_dict({"weights": {}})
+
+
+def test_a_truncated_image_file_is_named_by_index():
+    import io
+
+    from PIL import Image
+
+    from nodes.vision import tiny_vision_encoder
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(buf, "PNG")
+    truncated = Image.open(io.BytesIO(buf.getvalue()[:60]))
+    good = Image.new("RGB", (32, 32))
+    with pytest.raises(
+        ValueError, match=r"node 'vision': images\[1\] cannot be read .*truncated or corrupt"
+    ):
+        tiny_vision_encoder(name="vision").run(images=[good, truncated])
