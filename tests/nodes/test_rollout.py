@@ -263,3 +263,10 @@ def test_vllm_backend_samples_and_logprobs_match(tmp_path):
     out = node.run(prompts=PROMPTS[:1], images=images)
     _check_layout(node, out)
     assert (out["logprobs"].cuda() - _recompute(node, out, images=images)).abs().max() <= 1e-3
+
+
+def test_an_empty_prompt_is_answered_from_the_image_prefix_alone():
+    rollout = Rollout(max_new_tokens=3, seed=0, name="rollout")
+    out = rollout.run(prompts=["", "what color ?"], image_embeds=torch.randn(2, 32))
+    assert len(out["texts"]) == 2
+    assert out["response_lengths"].tolist()[0] >= 1 and out["prompt_mask"][0].sum() == 0
