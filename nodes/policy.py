@@ -280,6 +280,18 @@ class Policy(nn.Module):
         """
         raise NotImplementedError
 
+    def _response_outputs(self, out: Any, R: int, logits: bool, hidden: bool) -> ResponseForward:
+        """The response positions of a forward run with ``logits_to_keep=R + 1``.
+
+        Position L-1+t predicts response token t: the last R+1 positions minus the very last.
+        """
+        return ResponseForward(
+            _suppress(out.logits[:, :-1], self.suppressed_token_ids)
+            if logits
+            else None,  # (B, R, V)
+            out.hidden_states[-1][:, -(R + 1) : -1] if hidden else None,  # (B, R, H)
+        )
+
     def _generate_raw(self, batch: PromptBatch, gen_config: Any, **kwargs: Any) -> Tensor:
         """Run ``generate``; return only the new tokens, int64[B, R]."""
         raise NotImplementedError
@@ -588,13 +600,7 @@ class PrefixVLM(Policy):
             logits_to_keep=R + 1,
             use_cache=False,
         )
-        # position L-1+t predicts response token t: the last R+1 positions minus the very last
-        return ResponseForward(
-            _suppress(out.logits[:, :-1], self.suppressed_token_ids)
-            if logits
-            else None,  # (B, R, V)
-            out.hidden_states[-1][:, -(R + 1) : -1] if hidden else None,  # (B, R, H)
-        )
+        return self._response_outputs(out, R, logits, hidden)
 
     def _generate_raw(self, batch, gen_config, **kwargs) -> Tensor:
         embeds, mask = self._prompt_embeds(batch)  # (B, L, H), (B, L)
@@ -832,12 +838,7 @@ class HFVisionLanguagePolicy(Policy):
             logits_to_keep=R + 1,
             use_cache=False,
         )
-        return ResponseForward(
-            _suppress(out.logits[:, :-1], self.suppressed_token_ids)
-            if logits
-            else None,  # (B, R, V)
-            out.hidden_states[-1][:, -(R + 1) : -1] if hidden else None,  # (B, R, H)
-        )
+        return self._response_outputs(out, R, logits, hidden)
 
     def _generate_raw(self, batch, gen_config, **kwargs) -> Tensor:
         P = batch.prompt_ids.shape[1]
