@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from masked_helpers import fill_padding, ragged_mask
 
 from nodes.advantages import (
     apply_kl_to_rewards,
@@ -24,15 +25,6 @@ from nodes.masked import masked_mean, masked_sum, masked_var, masked_whiten
 
 NAN = float("nan")
 INF = float("inf")
-
-
-def ragged_mask(lengths: list[int], T: int) -> torch.Tensor:
-    """(B, T) right-padded 0/1 float mask with the given number of real tokens per row."""
-    return (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).float()  # (B, T)
-
-
-def fill_padding(x: torch.Tensor, mask: torch.Tensor, value: float) -> torch.Tensor:
-    return torch.where(mask.bool(), x, torch.full_like(x, value))
 
 
 # ---------------------------------------------------------------------------------------------

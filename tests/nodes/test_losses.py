@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from masked_helpers import fill_padding, ragged_mask
 
 from nodes.losses import (
     aggregate_token_loss,
@@ -23,14 +24,6 @@ from nodes.losses import (
 
 NAN = float("nan")
 INF = float("inf")
-
-
-def ragged_mask(lengths: list[int], T: int) -> torch.Tensor:
-    return (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).float()  # (B, T)
-
-
-def fill_padding(x: torch.Tensor, mask: torch.Tensor, value: float) -> torch.Tensor:
-    return torch.where(mask.bool(), x, torch.full_like(x, value))
 
 
 # ---------------------------------------------------------------------------------------------
