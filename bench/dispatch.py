@@ -1,6 +1,6 @@
 """Per-node dispatch overhead across processes, against a raw pyzmq REQ/REP round trip.
 
-    .venv/bin/python -m bench.dispatch [--steps 500]
+    .venv/bin/python -m bench.dispatch [--steps 500] [--rounds 10]
 
 * raw: a REQ/REP round trip (1-byte messages) between this process and a child over
   ``ipc://``: the floor any driver -> process -> driver exchange pays.
@@ -13,24 +13,29 @@
   an actor with ``num_cpus=0``: ``ray.get(actor.tick.remote())``, a method that does what
   the Tick node does (no input, returns ``torch.tensor([step])``); ``ray.get(actor.f.remote(x))``
   with ``f`` returning its argument, for x = a 1-element int64 tensor and x = the int 1
-  (Ray's cheapest call); and ``ray.get(task.remote(1))`` for a remote function. Medians over
-  ``--steps`` calls after 100 warm-up calls; a local Ray instance with 2 CPUs, no dashboard,
-  on loopback only.
+  (Ray's cheapest call); and ``ray.get(task.remote(1))`` for a remote function. A local Ray
+  instance with 2 CPUs, no dashboard, on loopback only.
 
-The two "x Ray" columns are each figure divided by Ray's ``f() -> tensor`` call (the same
-work as the node) and by its ``f(1) -> 1`` call: below 1 is faster than Ray; the target
-(dispatch at least 5x lower than Ray's actor call) is at most 0.2.
+Interleaved: a shared VM's speed drifts by 2x over minutes, so each measure runs in
+``--rounds`` blocks, each block right after a block of raw round trips; a figure is the
+median over all its calls (after warm-up), and its "x raw" the median over blocks of
+(block median / the raw block median just before it). The Ray rows are measured the same
+way, after the runtime's processes are gone. The two "x Ray" columns divide each figure by
+Ray's ``f() -> tensor`` call (the same work as the node) and by its ``f(1) -> 1`` call:
+below 1 is faster than Ray; the target (dispatch at least 5x lower than Ray's actor call) is
+at most 0.2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import zmq
@@ -49,68 +54,94 @@ while True:
 """
 
 
-def raw_round_trip(n: int) -> float:
+@contextlib.contextmanager
+def echo() -> Iterator[Callable[[], None]]:
+    """A raw REQ/REP round trip to a child process: yields the call."""
     with tempfile.TemporaryDirectory(prefix="yatt-bench-") as d:
         address = f"ipc://{d}/echo"
         proc = subprocess.Popen([sys.executable, "-c", _ECHO, address])
         ctx = zmq.Context()
+        sock = ctx.socket(zmq.REQ)
+        sock.connect(address)
+
+        def call() -> None:
+            sock.send(b"x")
+            sock.recv()
+
         try:
-            sock = ctx.socket(zmq.REQ)
-            sock.connect(address)
-            for _ in range(200):
-                sock.send(b"x")
-                sock.recv()
-            times = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                sock.send(b"x")
-                sock.recv()
-                times.append(time.perf_counter() - t0)
+            yield call
             sock.send(b"q")
             sock.recv()
-            return statistics.median(times)
         finally:
             proc.wait(timeout=10)
             ctx.destroy(linger=0)
 
 
-def executor_steps(graph_kind: str, controllers: int, n: int, **options) -> float:
-    with ZmqExecutor(
-        build_graph(graph_kind, controllers=controllers, **options).plan(controllers)
-    ) as ex:
-        ex.run(20)
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            ex.step()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-
-def executor_run(n: int) -> float:
-    with ZmqExecutor(build_graph("tick").plan(1)) as ex:
-        ex.run(20)
-        t0 = time.perf_counter()
-        ex.run(n)
-        return (time.perf_counter() - t0) / n
-
-
-def _median_call(fn: Callable[[], object], n: int, warmup: int = 100) -> float:
-    for _ in range(warmup):
-        fn()
+def _times(fn: Callable[[], object], n: int) -> list[float]:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
-def ray_round_trips(n: int) -> dict[str, float] | None:
-    """Seconds per Ray call (median): actor returning a tensor, echoing a tensor / an int; a task."""
+def interleaved(
+    measures: dict[str, tuple[Callable[[], object], float]],
+    raw: Callable[[], None],
+    calls: int,
+    rounds: int,
+    warmup: int = 100,
+) -> dict[str, tuple[float, float]]:
+    """``{name: (seconds per call, x raw)}``; each measure is ``(fn, divisor)`` (calls it stands for).
+
+    Every block of ``calls // rounds`` calls of a measure follows a block of raw round trips
+    (several times as many, as they are cheaper); see the module docstring.
+    """
+    for fn, _ in measures.values():
+        _times(fn, warmup)
+    _times(raw, warmup * 4)
+    block = max(1, calls // rounds)
+    all_times: dict[str, list[float]] = {k: [] for k in measures}
+    ratios: dict[str, list[float]] = {k: [] for k in measures}
+    raw_times: list[float] = []
+    for _ in range(rounds):
+        for name, (fn, divisor) in measures.items():
+            floor = statistics.median(_times(raw, block * 4))
+            got = [t / divisor for t in _times(fn, block)]
+            raw_times.append(floor)
+            all_times[name] += got
+            ratios[name].append(statistics.median(got) / floor)
+    out = {k: (statistics.median(v), statistics.median(ratios[k])) for k, v in all_times.items()}
+    out["raw"] = (statistics.median(raw_times), 1.0)
+    return out
+
+
+def runtime_measures(calls: int, rounds: int) -> dict[str, tuple[float, float]]:
+    with (
+        echo() as raw,
+        ZmqExecutor(build_graph("tick").plan(1)) as one,
+        ZmqExecutor(build_graph("chain", controllers=2, length=8).plan(2)) as chain,
+        ZmqExecutor(build_graph("tick").plan(1)) as piped,
+    ):
+        burst = 20  # run() calls of this many steps, timed per step
+        return interleaved(
+            {
+                "step": (one.step, 1),
+                "chain": (chain.step, 8),
+                "run": (lambda: piped.run(burst), burst),
+            },
+            raw,
+            calls,
+            rounds,
+        )
+
+
+def ray_measures(calls: int, rounds: int) -> dict[str, tuple[float, float]] | None:
+    """Seconds per Ray call (and x raw): actor returning a tensor, echoing a tensor / an int; a task."""
     if not ray_available():
         return None
-    with ray_session() as ray:
+    with ray_session() as ray, echo() as raw:
 
         @ray.remote(num_cpus=0)
         class Empty:
@@ -130,41 +161,45 @@ def ray_round_trips(n: int) -> dict[str, float] | None:
 
         actor = Empty.remote()
         tiny = torch.tensor([1])  # (1,)
-        return {
-            "actor_tick": _median_call(lambda: ray.get(actor.tick.remote()), n),
-            "actor_tensor": _median_call(lambda: ray.get(actor.f.remote(tiny)), n),
-            "actor_int": _median_call(lambda: ray.get(actor.f.remote(1)), n),
-            "task": _median_call(lambda: ray.get(empty.remote(1)), n),
-        }
+        return interleaved(
+            {
+                "actor_tick": (lambda: ray.get(actor.tick.remote()), 1),
+                "actor_tensor": (lambda: ray.get(actor.f.remote(tiny)), 1),
+                "actor_int": (lambda: ray.get(actor.f.remote(1)), 1),
+                "task": (lambda: ray.get(empty.remote(1)), 1),
+            },
+            raw,
+            calls,
+            rounds,
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--steps", type=int, default=500, help="timed calls per measure")
+    p.add_argument("--rounds", type=int, default=10, help="blocks per measure (interleaved)")
     args = p.parse_args(argv)
     load_start = load_average()
-    raw = raw_round_trip(args.steps * 4)
-    one = executor_steps("tick", 1, args.steps)
-    chain = executor_steps("chain", 2, args.steps // 2, length=8) / 8
-    piped = executor_run(args.steps)
+    ours = runtime_measures(args.steps, args.rounds)
     load_before = load_average()
-    ray = ray_round_trips(args.steps)
+    ray = ray_measures(args.steps, args.rounds)
     us = lambda s: f"{s * 1e6:.0f} us"  # noqa: E731
-    vs = lambda s, key: f"{s / ray[key]:.2f}" if ray else "-"  # noqa: E731
-    row = lambda label, s: [  # noqa: E731
+    vs = lambda s, key: f"{s / ray[key][0]:.2f}" if ray else "-"  # noqa: E731
+    row = lambda label, got: [  # noqa: E731
         label,
-        us(s),
-        f"{s / raw:.1f}",
-        vs(s, "actor_tick"),
-        vs(s, "actor_int"),
+        us(got[0]),
+        f"{got[1]:.1f}",
+        vs(got[0], "actor_tick"),
+        vs(got[0], "actor_int"),
     ]
     rows = [
-        row("raw pyzmq REQ/REP round trip (ipc)", raw),
-        row("ZmqExecutor.step(), 1 empty node", one),
-        row("chain of 8 over 2 controllers, per node", chain),
-        row("ZmqExecutor.run(), per step (pipelined)", piped),
+        row("raw pyzmq REQ/REP round trip (ipc)", ours["raw"]),
+        row("ZmqExecutor.step(), 1 empty node", ours["step"]),
+        row("chain of 8 over 2 controllers, per node", ours["chain"]),
+        row("ZmqExecutor.run(), per step (pipelined)", ours["run"]),
     ]
     ray_rows = [
+        ("raw", "raw round trip (during the Ray part)"),
         ("actor_tick", "Ray actor call, f() -> tensor([step])"),
         ("actor_tensor", "Ray actor call, f(x) -> x, x = tensor([1])"),
         ("actor_int", "Ray actor call, f(x) -> x, x = 1"),

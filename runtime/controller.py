@@ -5,18 +5,21 @@
 
 Two threads:
 
-* the **IO thread** owns the receiving side: the control DEALER to the driver (RUN,
-  SHUTDOWN, heartbeats both ways), the PULL that peers push data into, and a PUSH per
-  peer for shared-memory RELEASEs. It decodes incoming data while the compute thread runs
-  nodes, and ends the process if the driver goes silent or the parent process dies (a
-  node stuck past SHUTDOWN gets 2 s, then the process exits anyway).
-* the compute thread sends on sockets of its own (a results DEALER to the driver, a
-  data PUSH per peer), so outputs leave without a hop through another thread.
-* the **compute thread** (the main thread) keeps, per step, the inputs that have arrived,
-  and runs a node for step k once the driver allowed step k, the node has finished step
-  k-1, and all of its inputs for step k are in (a delayed edge's input is the producer's
-  value from step k-1-max_staleness, None before that). Among ready nodes the lowest step
-  goes first. Outputs go to local consumers directly and to each remote controller once.
+* the **IO thread** owns the control DEALER to the driver: heartbeats both ways and
+  SHUTDOWN. It watches the node call in progress, and ends the process if the driver goes
+  silent or the parent process dies (a node stuck past SHUTDOWN gets 2 s, then the process
+  exits anyway). What it hears for the compute thread it queues and signals on an
+  ``inproc://`` pair.
+* the **compute thread** (the main thread) owns the work DEALER to the driver (RUN and
+  STATE_* in; READY, STEP_DONE, errors and state out), the PULL that peers push data into
+  and a PUSH per peer (DATA and shared-memory RELEASEs out). It waits on those sockets
+  itself, so a RUN or a peer's DATA wakes the thread that acts on it with no hand-off
+  between Python threads (libzmq's own IO thread moves the bytes while a node runs;
+  decoding is zero-copy). It keeps, per step, the inputs that have arrived, and runs a node
+  for step k once the driver allowed step k, the node has finished step k-1, and all of its
+  inputs for step k are in (a delayed edge's input is the producer's value from step
+  k-1-max_staleness, None before that). Among ready nodes the lowest step goes first.
+  Outputs go to local consumers directly and to each remote controller once.
 
 Faults: the IO thread watches the node call in progress and reports one that runs past its
 ``BatchPolicy.timeout_s`` (or the run's ``node_timeout_s``) with the stack it is stuck in;
@@ -29,11 +32,11 @@ logged; the run goes on.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import hashlib
 import logging
 import os
-import queue
 import random
 import signal
 import socket
@@ -111,6 +114,10 @@ class Controller:
         self.ctx = zmq.Context()
         self.auth = start_authenticator(self.ctx, self.keys) if self.keys is not None else None
         self.driver = self._driver_socket()
+        # The work link: the compute thread's own DEALER to the driver (messages.py). Its
+        # identity is random, so that no other peer can claim it, and announced in HELLO.
+        self.work_identity = b"w" + os.urandom(15)
+        self.work = self._driver_socket(self.work_identity, linger_ms=2000)
         self.inbox = make_socket(
             self.ctx, zmq.PULL, max_message_bytes=max_message_bytes, curve=self.keys
         )
@@ -126,7 +133,14 @@ class Controller:
             )
             self.data_address = f"ipc://{path}"
             self.inbox.bind(self.data_address)
-        self.events: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self.events: collections.deque[tuple[Any, ...]] = collections.deque()
+        """What the compute thread has still to handle (the IO thread appends and wakes it)."""
+        self._wake_address = f"inproc://wake-{id(self)}"
+        self._wake_rx = self.ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(self._wake_address)
+        self._wake_tx = self.ctx.socket(zmq.PAIR)
+        self._wake_tx.setsockopt(zmq.LINGER, 0)
+        self._wake_tx.connect(self._wake_address)
         self.index = -1
         self.reported = 0
         self.epoch = 0
@@ -155,7 +169,12 @@ class Controller:
     # --- start-up ---------------------------------------------------------------------------
     def _handshake(self) -> m.Setup | None:
         hello = m.Hello(
-            m.PROTOCOL_VERSION, self.requested, os.getpid(), socket.gethostname(), self.data_address
+            m.PROTOCOL_VERSION,
+            self.requested,
+            os.getpid(),
+            socket.gethostname(),
+            self.data_address,
+            self.work_identity,
         )
         send(self.driver, hello)
         deadline = time.monotonic() + self.startup_timeout_s
@@ -218,17 +237,12 @@ class Controller:
             name: node.batch_policy.timeout_s or setup.node_timeout_s
             for name, node in self.nodes.items()
         }
-        # The compute thread sends on sockets of its own (no hop through the IO thread); the IO
-        # thread keeps the control DEALER, the data PULL and a PUSH per peer for RELEASE.
-        self.peers: dict[int, zmq.Socket] = {}
+        # One PUSH per peer, the compute thread's: DATA and shared-memory RELEASEs.
         self.out_peers: dict[int, zmq.Socket] = {}
         keys = self.keys
         peer_key = keys.controller_public if keys is not None else None
         for c, address in enumerate(setup.peers):
             if c != self.index:
-                self.peers[c] = make_socket(
-                    self.ctx, zmq.PUSH, address, curve=keys, curve_server_key=peer_key
-                )
                 self.out_peers[c] = make_socket(
                     self.ctx,
                     zmq.PUSH,
@@ -237,10 +251,6 @@ class Controller:
                     curve=keys,
                     curve_server_key=peer_key,
                 )
-        # A second DEALER for results; its identity is announced in READY (the driver ignores
-        # strangers). Random, so that no other peer can claim it.
-        self.results_identity = b"r" + os.urandom(15)
-        self.out_driver = self._driver_socket(self.results_identity, linger_ms=2000)
         self.in_edges: dict[str, list[Any]] = {n: [] for n in self.nodes}
         self.local_out: dict[tuple[str, str], list[Any]] = defaultdict(list)
         self.remote_out: dict[tuple[str, str], list[int]] = defaultdict(list)
@@ -294,10 +304,15 @@ class Controller:
     def _queue_release(self, owner: int, name: str) -> None:
         self._releases.append((owner, name))
 
+    def _post(self, event: tuple[Any, ...]) -> None:
+        """From the IO thread: queue an event for the compute thread and wake it."""
+        self.events.append(event)
+        with contextlib.suppress(zmq.ZMQError):  # a full pipe: it is awake already
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+
     def _io_loop(self) -> None:
         poller = zmq.Poller()
-        for sock in (self.driver, self.inbox):
-            poller.register(sock, zmq.POLLIN)
+        poller.register(self.driver, zmq.POLLIN)
         next_beat = 0.0
         last_driver = time.monotonic()
         exit_by: float | None = (
@@ -331,18 +346,14 @@ class Controller:
                                 file=sys.stderr,
                             )
                             self.driver_lost = True  # nobody to say GOODBYE to: no linger
-                            self.events.put(("shutdown", why))
+                            self._post(("shutdown", why))
                             exit_by = now + _EXIT_GRACE_S
-                for sock, _ in poller.poll(max(1, min(100, int((next_beat - now) * 1000)))):
-                    if sock is self.driver:
-                        last_driver = time.monotonic()
-                        if self._receive_control(sock):
-                            exit_by = time.monotonic() + _EXIT_GRACE_S
-                    else:
-                        self._receive_data(sock)
-                self._send_releases()
+                if poller.poll(max(1, min(100, int((next_beat - now) * 1000)))):
+                    last_driver = time.monotonic()
+                    if self._receive_control(self.driver, self._post):
+                        exit_by = time.monotonic() + _EXIT_GRACE_S
         except Exception:
-            self.events.put(("io_error", traceback.format_exc()))
+            self._post(("io_error", traceback.format_exc()))
 
     def _heartbeat(self, now: float) -> m.Heartbeat:
         current = self.current
@@ -369,27 +380,27 @@ class Controller:
             self.driver, m.Error(self.index, message, name, step, stack, "timeout", seconds, limit)
         )
 
-    def _receive_control(self, sock: zmq.Socket) -> bool:
-        """One message from the driver; True for SHUTDOWN."""
+    def _receive_control(self, sock: zmq.Socket, post: Any) -> bool:
+        """One message from the driver (on either link) handed to ``post``; True for SHUTDOWN."""
         try:
             _, kind, msg, value = recv(sock, limit=self.max_message_bytes)
         except m.ProtocolError as exc:
             self.drops.drop("the driver link", exc)
             return False
         if kind is m.Kind.SHUTDOWN:
-            self.events.put(("shutdown", msg.reason))
+            post(("shutdown", msg.reason))
             return True
         if kind is m.Kind.RUN:
-            self.events.put(("run", msg.until))
+            post(("run", msg.until))
         elif kind is m.Kind.STATE_REQUEST:
-            self.events.put(("state_request", msg.step))
+            post(("state_request", msg.step))
         elif kind is m.Kind.STATE_LOAD:
             try:
                 state = decode_value(value, where=f"the state sent to controller {self.index}")
             except DecodeError as exc:
-                self.events.put(("bad_state", str(exc)))
+                post(("bad_state", str(exc)))
             else:
-                self.events.put(("state_load", msg, state))
+                post(("state_load", msg, state))
         elif kind is not m.Kind.HEARTBEAT:
             self.drops.drop(
                 "the driver link", f"a {kind.name} message, which the driver does not send"
@@ -401,10 +412,11 @@ class Controller:
             owner, name = self._releases.pop()
             if owner == self.index and self.pool is not None:
                 self.pool.release(name)
-            elif owner in self.peers:
-                send(self.peers[owner], m.Release(name))
+            elif owner in self.out_peers:
+                send(self.out_peers[owner], m.Release(name))
 
     def _receive_data(self, sock: zmq.Socket) -> None:
+        """One message from a peer."""
         where = f"controller {self.index}'s data socket"
         try:
             _, kind, msg, value = recv(sock, limit=self.max_message_bytes)
@@ -431,16 +443,16 @@ class Controller:
         try:
             decoded = decode_value(value, where=what, shm=self.reader)
         except DecodeError as exc:
-            self.events.put(("bad_data", msg, str(exc)))
+            self.events.append(("bad_data", msg, str(exc)))
             return
-        self.events.put(("data", msg.step, msg.src, msg.port, decoded, msg.epoch))
+        self.events.append(("data", msg.step, msg.src, msg.port, decoded, msg.epoch))
 
     def _parent_gone(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid
 
     # --- the compute thread -----------------------------------------------------------------
     def _send(self, dest: bytes, msg: Any, value: list[Any] | None = None) -> None:
-        send(self.out_driver if dest == _DRIVER else self.out_peers[int(dest)], msg, value)
+        send(self.work if dest == _DRIVER else self.out_peers[int(dest)], msg, value)
 
     def _ready(self, name: str) -> bool:
         step = self.next_step[name]
@@ -515,9 +527,7 @@ class Controller:
             )
 
     def _report_done_steps(self) -> None:
-        while self.reported < self.until and all(
-            s > self.reported for s in self.next_step.values()
-        ):
+        while self.reported < self.until and min(self.next_step.values()) > self.reported:
             step = self.reported
             outputs = self.step_outputs.pop(step, {})
             where = f"graph outputs {sorted(outputs)} of controller {self.index}"
@@ -545,6 +555,9 @@ class Controller:
         self._failed = False
         self._state_wanted: int | None = None
         self._compute_ident = threading.get_ident()
+        poller = zmq.Poller()
+        for sock in (self.work, self.inbox, self._wake_rx):
+            poller.register(sock, zmq.POLLIN)
         while True:
             ran = False
             if not self._failed:
@@ -553,14 +566,14 @@ class Controller:
                     self._report_done_steps()
                 except Exception as exc:
                     self._fail(exc)
-            try:
-                event = self.events.get_nowait() if ran else self.events.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            try:
-                self._handle(event)
-            except _Stop:
-                return
+            self._send_releases()
+            if not self.events:
+                self._receive(poller, 0 if ran else 500)
+            while self.events:
+                try:
+                    self._handle(self.events.popleft())
+                except _Stop:
+                    return
             if not self._failed:
                 try:
                     self._report_done_steps()
@@ -568,6 +581,18 @@ class Controller:
                         self._send_state()
                 except Exception as exc:
                     self._fail(exc)
+
+    def _receive(self, poller: zmq.Poller, timeout_ms: int) -> None:
+        """Wait up to ``timeout_ms`` for the work link, peers' data or the IO thread; take all in."""
+        # One message per ready socket, then back to running what became ready (the next
+        # poll(0) takes the rest): cheaper than reading on until zmq.Again.
+        for sock, _ in poller.poll(timeout_ms):
+            if sock is self.inbox:
+                self._receive_data(sock)
+            elif sock is self.work:
+                self._receive_control(sock, self.events.append)
+            else:
+                sock.recv()
 
     def _fail(self, exc: BaseException) -> None:
         """Tell the driver, then wait for SHUTDOWN (the driver stops the whole run)."""
@@ -743,7 +768,8 @@ class Controller:
                 )
                 self._wait_for_shutdown()
                 return 1
-            send(self.driver, m.Ready(self.index, list(self.order), self.results_identity))
+            # READY on the work link: once the driver has it, its ROUTER can route RUN there.
+            self._send(_DRIVER, m.Ready(self.index, list(self.order)))
             io = threading.Thread(target=self._io_loop, name="yatt-io", daemon=True)
             io.start()
             self._compute_loop()

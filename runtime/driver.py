@@ -84,6 +84,7 @@ from runtime.transport import (
     Drops,
     largest_frame,
     make_socket,
+    recv_frames,
     remove_run_segments,
     send,
 )
@@ -114,6 +115,9 @@ class _Controller:
         self.popen: subprocess.Popen[bytes] | None = None
         self.log_path = ""
         self.identity: bytes | None = None
+        """The control link's identity (SETUP, heartbeats, SHUTDOWN)."""
+        self.work: bytes | None = None
+        """The work link's identity (RUN, STATE_*), announced in HELLO."""
         self.data_address = ""
         self.pid = 0
         self.state = m.State.STARTING
@@ -389,6 +393,8 @@ class ZmqExecutor:
             max_message_bytes=self.max_message_bytes,
             curve=self.keys,
         )
+        self._poller = zmq.Poller()  # one, not one per wait (Socket.poll makes a new one)
+        self._poller.register(self._router, zmq.POLLIN)
         if self.address.endswith(":*") or self.address.endswith(":0"):
             self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         # The calling thread uses the socket itself (no hop through an IO thread: dispatch
@@ -463,10 +469,7 @@ class ZmqExecutor:
                 continue
             identity, kind, msg, _ = event
             if kind is m.Kind.READY:
-                c = self._by_identity[identity]
-                c.state = m.State.READY
-                if msg.results_identity:
-                    self._by_identity[msg.results_identity] = c
+                self._by_identity[identity].state = m.State.READY
             elif kind is m.Kind.ERROR:
                 self._raise_error(msg)
 
@@ -486,9 +489,12 @@ class ZmqExecutor:
                 identity, m.Refused(f"controller {c.index} was started as pid {c.popen.pid}")
             )
             return
+        if not hello.work_identity or hello.work_identity in self._by_identity:
+            self._send_raw(identity, m.Refused("the HELLO has no usable work_identity"))
+            return
         c.identity, c.pid, c.state = identity, hello.pid, m.State.CONNECTED
-        c.data_address = hello.data_address
-        self._by_identity[identity] = c
+        c.data_address, c.work = hello.data_address, hello.work_identity
+        self._by_identity[identity] = self._by_identity[c.work] = c
         self._last_seen[identity] = time.monotonic()
 
     # --- the socket: heartbeats and receiving -----------------------------------------------
@@ -507,14 +513,11 @@ class ZmqExecutor:
 
     def _pump(self, timeout_ms: int) -> None:
         """Receive everything waiting (the caller holds the lock) into the event deque."""
-        if not self._router.poll(timeout_ms):
-            return
-        while True:
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        poll = self._poller.poll
+        while poll(timeout_ms):
+            frames = recv_frames(self._router, zmq.NOBLOCK)
             self._dispatch(frames[0].bytes, frames[1:])
+            timeout_ms = 0
 
     def _dispatch(self, identity: bytes, frames: list[Any]) -> None:
         """Route one message (the caller holds the lock); drop and log what is not for us.
@@ -585,8 +588,14 @@ class ZmqExecutor:
             send(self._router, msg, value, prefix=[identity])
 
     def _send(self, c: _Controller, msg: Any, value: list[Any] | None = None) -> None:
+        """To the controller's control link (its IO thread)."""
         if c.identity is not None:
             self._send_raw(c.identity, msg, value)
+
+    def _send_work(self, c: _Controller, msg: Any, value: list[Any] | None = None) -> None:
+        """To the controller's work link (its compute thread): RUN and STATE_*."""
+        if c.work is not None:
+            self._send_raw(c.work, msg, value)
 
     @property
     def dropped_messages(self) -> int:
@@ -717,7 +726,7 @@ class ZmqExecutor:
                 if want > self._until:
                     self._until = want
                     for c in self.controllers:
-                        self._send(c, m.Run(want))
+                        self._send_work(c, m.Run(want))
                 result = self._collect(self.next_step)
                 self.next_step += 1
                 results.append(result)
@@ -882,7 +891,7 @@ class ZmqExecutor:
         try:
             for c in self.controllers:
                 msg, value = messages[c.index]
-                self._send(c, msg, value)
+                self._send_work(c, msg, value)
             while len(got) < len(self.controllers):
                 event = self._next_event(None, "")
                 if event is None:

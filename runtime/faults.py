@@ -43,7 +43,19 @@ class Accounting:
         return getattr(self.executor, name)
 
     def step(self) -> Any:
-        result = self.executor.step()
+        return self._account(self.executor.step())
+
+    def run(self, steps: int = 1, on_step: Callable[[Any], None] | None = None) -> list[Any]:
+        """The executor's ``run`` (pipelined where it is), each result counted as it arrives."""
+
+        def counted(result: Any) -> None:
+            self._account(result)
+            if on_step is not None:
+                on_step(result)
+
+        return self.executor.run(steps, on_step=counted)
+
+    def _account(self, result: Any) -> Any:
         outputs = result.outputs
         scores = outputs.get("scores")
         samples = len(scores) if scores is not None and hasattr(scores, "__len__") else 0

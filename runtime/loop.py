@@ -1,6 +1,7 @@
 """The training loop shared by ``yatt-graph run``, notebooks and tests.
 
-It steps an executor, writes a metrics row per step, checkpoints every K steps (and at
+It runs an executor (``run()``, so that a ZeroMQ run keeps steps in flight between
+checkpoints), writes a metrics row per step, checkpoints every K steps (and at
 the end), records node spans for a Chrome trace, and shows a progress bar with steps,
 samples/s, reward and KL.
 """
@@ -72,30 +73,39 @@ def train(
         file=sys.stderr,
         dynamic_ncols=True,
     )
+    last = [time.perf_counter()]
+
+    def record(result: Any) -> None:
+        now = time.perf_counter()
+        seconds, last[0] = now - last[0], now  # since the step before it came in
+        row = summarize(result.step, result.outputs, result.node_seconds, seconds)
+        scores = result.outputs.get("scores")
+        samples = len(scores) if scores is not None and hasattr(scores, "__len__") else 0
+        row["samples_per_s"] = samples / seconds if seconds > 0 else 0.0
+        row.update(utilization(result, seconds))
+        rows.append(row)
+        for node, start in result.node_start.items():
+            controller = result.node_controller.get(node, 0)
+            tracer.span(node, start, result.node_seconds[node], controller, step=result.step)
+        if writer is not None:
+            writer.write(row)
+        bar.set_postfix(_progress_fields(row, row["samples_per_s"]), refresh=False)
+        bar.update(1)
+
+    saving = out is not None and checkpoint_every > 0
     try:
-        for _ in range(remaining):
-            t0 = time.perf_counter()
-            result = executor.step()
-            seconds = time.perf_counter() - t0
-            row = summarize(result.step, result.outputs, result.node_seconds, seconds)
-            scores = result.outputs.get("scores")
-            samples = len(scores) if scores is not None and hasattr(scores, "__len__") else 0
-            row["samples_per_s"] = samples / seconds if seconds > 0 else 0.0
-            row.update(utilization(result, seconds))
-            rows.append(row)
-            for node, start in result.node_start.items():
-                controller = result.node_controller.get(node, 0)
-                tracer.span(node, start, result.node_seconds[node], controller, step=result.step)
-            if writer is not None:
-                writer.write(row)
-            if (
-                out is not None
-                and checkpoint_every > 0
-                and executor.next_step % checkpoint_every == 0
-            ):
+        left = remaining
+        while left > 0:
+            # Whole stretches between checkpoints go to run(), which keeps steps in flight
+            # (ZmqExecutor pipelines them); a checkpoint needs the executor between steps.
+            n = left
+            if saving:
+                n = min(n, checkpoint_every - executor.next_step % checkpoint_every)
+            executor.run(n, on_step=record)
+            left -= n
+            if saving and executor.next_step % checkpoint_every == 0:
                 save_checkpoint(out, executor.next_step, executor.state_dict())
-            bar.set_postfix(_progress_fields(row, row["samples_per_s"]), refresh=False)
-            bar.update(1)
+                last[0] = time.perf_counter()
     finally:
         bar.close()
         if writer is not None:

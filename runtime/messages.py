@@ -13,10 +13,10 @@ order is the wire format: append fields at the end, with defaults, and bump
 
 Conversation (driver D, controllers C0..Cn-1)::
 
-    C -> D  HELLO(protocol, controller, pid, host, data_address)     at start-up
+    C -> D  HELLO(protocol, controller, pid, host, data_address, work_identity)   at start-up
     D -> C  REFUSED(reason)                                         protocol mismatch, then C exits
     D -> C  SETUP(plan, peers, knobs)                               once all HELLOs are in
-    C -> D  READY(nodes)  |  ERROR(...)                             nodes built (or not)
+    C -> D  READY(nodes) (work link)  |  ERROR(...)                 nodes built (or not)
     D -> C  RUN(until)                                              steps < until may run
     C -> C  DATA(step, src, port) + value                           the data plane, never via D
     C -> C  RELEASE(segment)                                        a shared-memory slot is free again
@@ -26,6 +26,13 @@ Conversation (driver D, controllers C0..Cn-1)::
     D -> C  STATE_REQUEST(step); C -> D STATE_REPLY + state         between steps: checkpoint
     D -> C  STATE_LOAD(step, epoch) + state; C -> D STATE_LOADED    between steps: restore
     D -> C  SHUTDOWN(reason);  C -> D GOODBYE                       explicit end
+
+Each controller has two DEALERs to the driver's ROUTER. The **control link** (HELLO, SETUP,
+heartbeats both ways, SHUTDOWN, timeout errors) belongs to its IO thread; the **work link**
+(``work_identity``, announced in HELLO: RUN and STATE_* in, READY, STEP_DONE, node errors,
+STATE_* replies and GOODBYE out) belongs to its compute thread, which also reads its data
+PULL itself: a RUN or a peer's DATA reaches the thread that acts on it with no hand-off
+between threads.
 
 A receiver drops (and logs) what does not decode, what exceeds ``max_message_bytes`` and
 what comes from a stranger; see docs/RELIABILITY.md.
@@ -65,9 +72,11 @@ __all__ = [
     "hello_protocol",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on any change to the messages below other than an appended field with a default.
-2: STATE_* messages (checkpoints of a ZeroMQ run), Data.epoch, node timeouts."""
+2: STATE_* messages (checkpoints of a ZeroMQ run), Data.epoch, node timeouts.
+3: the work link: HELLO announces a second DEALER (``work_identity``) that receives RUN and
+STATE_* and sends READY, STEP_DONE, STATE_* replies and GOODBYE; READY lost ``results_identity``."""
 
 MAX_HEADER_BYTES = 16 << 20
 """A header frame (the Struct, not the value frames) larger than this is refused undecoded."""
@@ -132,6 +141,8 @@ class Hello(_Msg):
     host: str = ""
     data_address: str = ""
     """Where the controller's PULL socket listens for peers."""
+    work_identity: bytes = b""
+    """The identity of the controller's work-link DEALER (random: no other peer can claim it)."""
 
 
 class Refused(_Msg):
@@ -177,8 +188,6 @@ class Setup(_Msg):
 class Ready(_Msg):
     controller: int
     nodes: list[str] = []
-    results_identity: bytes = b""
-    """The identity of the controller's second DEALER (step results, errors, state)."""
 
 
 class Run(_Msg):

@@ -77,6 +77,9 @@ _TORCH_DTYPES = [
 ]
 _NUMPY_KINDS = "biufc"
 
+_NUMPY_TORCH: dict[Any, str] = {}
+"""torch dtype -> name, for the dtypes ``Tensor.numpy()`` takes (filled on first use)."""
+
 _structs: dict[str, type] = {}
 _local = threading.local()
 _encoder = msgspec.msgpack.Encoder()
@@ -148,6 +151,11 @@ class _Packer:
         self.buffers: list[Any] = []
         self.inline, self.shm, self.any_keys = inline, shm, any_keys
         self.torch = sys.modules.get("torch")
+        if self.torch is not None and not _NUMPY_TORCH:
+            for n in ("float16", "float32", "float64", "complex64", "complex128", "int8",
+                      "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"):  # fmt: skip
+                if isinstance(dtype := getattr(self.torch, n, None), self.torch.dtype):
+                    _NUMPY_TORCH[dtype] = n
         self.np = sys.modules.get("numpy")
         pil = sys.modules.get("PIL.Image")
         self.image_cls = getattr(pil, "Image", None)
@@ -247,6 +255,17 @@ class _Packer:
 
     def _tensor(self, v: Any) -> Any:
         torch = self.torch
+        if v.layout == torch.strided and v.is_cpu and v.nbytes <= self.inline:
+            # The dispatch path: a small CPU tensor goes inline in a few calls (numpy's
+            # tobytes() is C order for any strides); the general path below costs several times more.
+            name = _NUMPY_TORCH.get(v.dtype)
+            if name is not None:
+                t = v.detach() if v.requires_grad else v
+                if t.is_conj() or t.is_neg():
+                    t = t.resolve_conj().resolve_neg()
+                return msgspec.msgpack.Ext(
+                    _TENSOR, _encoder.encode([name, list(t.shape), "cpu", t.numpy().tobytes()])
+                )
         if v.layout != torch.strided:
             raise _Unsupported(f"a {v.layout} tensor cannot be sent; call .to_dense() first")
         name = str(v.dtype).removeprefix("torch.")
@@ -419,6 +438,12 @@ class _Unpacker:
         nbytes = math.prod(dims) * dtype.itemsize
         if nbytes == 0:
             t = torch.empty(dims, dtype=dtype)
+        elif isinstance(where, bytes):  # inline: one copy into a fresh (aligned) buffer
+            if len(where) != nbytes:
+                raise DecodeError(f"buffer holds {len(where)} bytes, the header says {nbytes}")
+            t = torch.frombuffer(bytearray(where), dtype=dtype)
+            if len(dims) != 1:
+                t = t.reshape(dims)
         else:
             if (
                 isinstance(where, list)

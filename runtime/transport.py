@@ -38,6 +38,7 @@ __all__ = [
     "largest_frame",
     "make_socket",
     "recv",
+    "recv_frames",
     "remove_run_segments",
     "send",
     "split",
@@ -52,6 +53,7 @@ on one host, so only a tensor sent between hosts comes near it. ``max_message_by
 (0: no limit)."""
 
 log = logging.getLogger("yatt_graph.runtime")
+_MORE = zmq.SNDMORE
 
 
 def make_socket(
@@ -102,14 +104,26 @@ def make_socket(
 def send(
     sock: zmq.Socket, msg: Any, value: list[Any] | None = None, *, prefix: list[Any] | None = None
 ) -> None:
-    """Send ``[*prefix, kind, header, *value]``; buffers go zero-copy (pyzmq copies small ones)."""
+    """Send ``[*prefix, kind, header, *value]``; buffers go zero-copy (pyzmq copies small ones).
+
+    One ``send`` per frame rather than ``send_multipart``: its per-message checks cost more
+    than the message on the dispatch path (docs/PERFORMANCE.md).
+    """
     frames = [*(prefix or ()), *encode_header(msg), *(value or ())]
-    sock.send_multipart(frames, copy=False)
+    last = frames.pop()
+    for frame in frames:
+        sock.send(frame, _MORE, copy=False)
+    sock.send(last, 0, copy=False)
 
 
 def largest_frame(frames: list[Any]) -> int:
     """Size of the largest of a message's frames (zmq Frames or buffers)."""
-    return max((f.nbytes if isinstance(f, memoryview) else len(f) for f in frames), default=0)
+    size = 0
+    for f in frames:
+        n = f.nbytes if type(f) is memoryview else len(f)
+        if n > size:
+            size = n
+    return size
 
 
 def recv(
@@ -120,8 +134,21 @@ def recv(
     ProtocolError (the message is consumed) when it is too short, has a frame over ``limit``
     bytes (0: no limit), or its kind/header do not decode.
     """
-    frames = sock.recv_multipart(flags, copy=False)
-    return split(frames, prefix=prefix, limit=limit)
+    return split(recv_frames(sock, flags), prefix=prefix, limit=limit)
+
+
+def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
+    """All frames of the next message (zero-copy Frames), like ``recv_multipart(copy=False)``.
+
+    Reads ``Frame.more`` instead of a ``getsockopt(RCVMORE)`` per frame, which costs more
+    than receiving a small frame.
+    """
+    frame = sock.recv(flags, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(copy=False)
+        frames.append(frame)
+    return frames
 
 
 def split(

@@ -101,9 +101,17 @@ def _snake(name: str) -> str:
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
 
 
+_dtype_names: dict[Any, str] = {}
+
+
 def _value_dtype(value: Any) -> str | None:
     dtype = getattr(value, "dtype", None)
-    return None if dtype is None else str(dtype).removeprefix("torch.")
+    if dtype is None:
+        return None
+    name = _dtype_names.get(dtype)
+    if name is None:  # str(dtype) is slow next to a dict lookup; there are few dtypes
+        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def check_value(spec: PortSpec, value: Any, bindings: dict[str, int] | None = None) -> str | None:
@@ -192,8 +200,9 @@ class Node:
     ) -> dict[str, Any]:
         """Run the node alone: check inputs against the ports, call forward, check outputs."""
         values = {**(inputs or {}), **kw}
-        unknown = sorted(set(values) - set(self.inputs))
-        if unknown:
+        if not values.keys() <= self.inputs.keys() and (
+            unknown := sorted(set(values) - set(self.inputs))
+        ):
             raise NodeInputError(
                 f"node {self.name!r}: unknown input(s) {unknown}; its inputs are {sorted(self.inputs)}"
             )
@@ -226,9 +235,9 @@ class Node:
                     f"node {self.name!r}: forward returned {type(result).__name__}; "
                     f"return a dict with keys {sorted(self.outputs)}"
                 )
-        missing = sorted(set(self.outputs) - set(result))
-        extra = sorted(set(result) - set(self.outputs))
-        if missing or extra:
+        if result.keys() != self.outputs.keys():
+            missing = sorted(set(self.outputs) - set(result))
+            extra = sorted(set(result) - set(self.outputs))
             raise NodeOutputError(
                 f"node {self.name!r}: forward returned keys {sorted(result)}; "
                 f"declared outputs are {sorted(self.outputs)} (missing {missing}, unexpected {extra})"

@@ -16,10 +16,10 @@ from runtime.transport import split
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 _SAMPLES = [
-    m.Hello(m.PROTOCOL_VERSION, 1, 42, "host", "ipc:///tmp/x"),
+    m.Hello(m.PROTOCOL_VERSION, 1, 42, "host", "ipc:///tmp/x", b"w" * 16),
     m.Refused("no"),
     m.Setup(0, b"{}", peers=["ipc://a", "ipc://b"], order=["a", "b"], node_timeout_s=2.0),
-    m.Ready(1, ["a"], b"r" * 16),
+    m.Ready(1, ["a"]),
     m.Run(7),
     m.Data(3, "src", "port", 1, 2),
     m.Release("yatt-x-c0-1"),

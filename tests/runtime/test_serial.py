@@ -86,6 +86,11 @@ def test_noncontiguous_conj_and_grad_tensors():
     assert torch.equal(roundtrip(t.expand(2, 6, 5)), t.expand(2, 6, 5))
     c = torch.randn(3, dtype=torch.complex64)
     assert torch.equal(roundtrip(c.conj()), c.conj().resolve_conj())
+    neg = c.conj().imag  # a real view with the negative bit set
+    assert neg.is_neg() and torch.equal(roundtrip(neg), neg.resolve_neg())
+    small = roundtrip(t[:2, :2].t())  # inline (small), non-contiguous: a writable copy
+    small[0, 0] = 7.0
+    assert torch.equal(small[1:], t[:2, :2].t()[1:]) and t[0, 0] != 7.0
     w = torch.randn(4, requires_grad=True)
     out = roundtrip(w * 2)
     assert not out.requires_grad and torch.equal(out, (w * 2).detach())
