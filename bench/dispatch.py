@@ -72,8 +72,11 @@ def echo() -> Iterator[Callable[[], None]]:
             yield call
             sock.send(b"q")
             sock.recv()
-        finally:
             proc.wait(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
             ctx.destroy(linger=0)
 
 

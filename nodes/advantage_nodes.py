@@ -21,7 +21,7 @@ from nodes.advantages import (
     rloo_advantages,
 )
 from nodes.masked import masked_mean, masked_whiten
-from yatt_graph import ANY, Node, Port, Tensor
+from yatt_graph import ANY, BatchPolicy, Node, Port, Tensor
 
 __all__ = ["GAEAdvantage", "GroupAdvantage"]
 
@@ -32,6 +32,7 @@ class GAEAdvantage(Node):
     """Token-level GAE over the response, with an optional KL-in-reward penalty."""
 
     kind = "advantage"
+    batch_policy = BatchPolicy(splittable=False)  # whitening uses the whole batch
     inputs = {
         "scores": Tensor("float32", "B"),
         "values": _TOKENS,
@@ -103,6 +104,7 @@ class GroupAdvantage(Node):
     """GRPO (group mean/std) or RLOO (leave-one-out mean) advantages, over response tokens."""
 
     kind = "advantage"
+    batch_policy = BatchPolicy(splittable=False)  # a group's baseline needs the whole group
     inputs = {
         "scores": Tensor("float32", "B"),
         "group_ids": Tensor("int64", "B"),

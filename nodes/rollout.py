@@ -91,7 +91,9 @@ class Rollout(Node):
         "texts": ANY,
         "group_ids": TensorPort("int64", "B"),
     }
-    batch_policy = BatchPolicy(max_batch_size=64)
+    batch_policy = BatchPolicy(max_batch_size=64, splittable=False)
+    """Not splittable: a call draws from one random stream seeded by the call count, so two
+    halves of a batch would not sample what the whole batch samples."""
 
     def __init__(
         self,

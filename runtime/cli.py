@@ -117,6 +117,18 @@ def _check_run_flags(args: argparse.Namespace, distributed: bool) -> None:
         )
 
 
+def _devices(value: str | None) -> int | str | None:
+    if value is None or value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 1:
+        raise SystemExit(f"run: --devices takes a CPU slot count >= 1 or 'auto', got {value!r}")
+    return n
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from runtime.faults import Accounting, train_with_restarts
     from runtime.local import LocalExecutor
@@ -128,9 +140,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     distributed = args.controllers > 1 or bool(args.listen)
     _check_run_flags(args, distributed)
 
+    devices = _devices(args.devices)
+
     def make_executor() -> Any:
         if not distributed:
-            return Accounting(LocalExecutor(graph))
+            return Accounting(LocalExecutor(graph, devices=devices))
         from runtime.driver import ZmqExecutor
         from runtime.placement import controller_assignment
 
@@ -149,8 +163,24 @@ def cmd_run(args: argparse.Namespace) -> int:
                 keys=args.keys,
                 node_timeout_s=args.node_timeout,
                 max_message_bytes=int(args.max_message_mb * (1 << 20)),
+                devices=devices,
             )
         )
+
+    device_lines: list[str] = []
+
+    def on_done(ex: Any) -> None:
+        if args.export and distributed:
+            _pull_node_states(ex, graph)
+        splitter = getattr(ex, "splitter", None)
+        summary = splitter.summary() if splitter is not None else {}
+        if summary:
+            shares = ", ".join(
+                f"{name} {100 * d['utilization']:.0f}%" for name, d in summary["devices"].items()
+            )
+            device_lines.append(
+                f"devices (nodes {', '.join(splitter.split_nodes)} split across them): {shares} busy"
+            )
 
     rows, restarts = train_with_restarts(
         make_executor,
@@ -161,7 +191,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         restart=args.restart,
         max_restarts=args.max_restarts,
-        on_done=(lambda ex: _pull_node_states(ex, graph)) if args.export and distributed else None,
+        on_done=on_done,
     )
     if restarts:
         print(f"the run completed after {restarts} restart(s); see {out / 'events.jsonl'}")
@@ -181,6 +211,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             for k in util_keys
         ]
         print("utilization (busy share of each step): " + ", ".join(shares))
+    for line in device_lines:
+        print(line)
     skipped = rows[-1].get("skipped_samples_total") if rows else None
     if skipped:
         print(f"skipped samples: {int(skipped)} of {int(rows[-1]['samples_total'])} (bad scores)")
@@ -307,6 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="colocated",
         help="colocated: roles share the controllers; partial: rollout side and training side "
         "on separate controllers (needs --controllers >= 2)",
+    )
+    p.add_argument(
+        "--devices",
+        default=None,
+        metavar="N|auto",
+        help="cut the calls of splittable nodes (vision, reference, critic) into micro-batches "
+        "across N CPU slots per process (auto: $YATT_CPU_SLOTS or the cores); default: none",
     )
     p.add_argument(
         "--max-staleness",

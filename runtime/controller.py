@@ -232,6 +232,10 @@ class Controller:
             self.pool = ShmPool(setup.run_id, self.index, setup.shm_threshold)
             self.reader = ShmReader(setup.run_id, self._queue_release)
         self.nodes, self.edges, self.outputs = self._build(setup)
+        from runtime.splitting import NodeSplitter, device_pool
+
+        pool = device_pool({0: None, -1: "auto"}.get(setup.devices, setup.devices))
+        self.splitter = NodeSplitter(self.nodes, pool) if pool is not None else None
         self.order = [n for n in setup.order if n in self.nodes]
         self.limits = {
             name: node.batch_policy.timeout_s or setup.node_timeout_s
@@ -483,7 +487,7 @@ class Controller:
         t0 = time.perf_counter()
         self.current = (best, step, time.monotonic(), self.limits[best])
         try:
-            out = self.run_node(self.shim, best, inputs, step, self.index)
+            out = self.run_node(self.shim, best, inputs, step, self.index, self.splitter)
         finally:
             self.current = None
         self.seconds[step][best] = time.perf_counter() - t0
@@ -795,6 +799,8 @@ class Controller:
                     return
 
     def _close_resources(self, destroy: bool = True) -> None:
+        if getattr(self, "splitter", None) is not None:
+            self.splitter.close()
         if self.pool is not None:
             self.pool.close()
         if self.reader is not None:

@@ -243,6 +243,9 @@ class ZmqExecutor:
             through shared memory (one host); 0 sends everything as zmq frames.
         controller_output: ``"capture"`` (to a log file per controller, whose tail errors
             include) or ``"inherit"`` (this process's stdout/stderr).
+        devices: CPU slots per controller that splittable nodes' calls are cut across
+            (:mod:`runtime.splitting`); None/0: none; ``"auto"``: ``$YATT_CPU_SLOTS`` or the
+            usable cores of each controller's host.
     """
 
     def __init__(
@@ -270,6 +273,7 @@ class ZmqExecutor:
         num_threads: int = 1,
         shm_threshold: int = 1 << 20,
         controller_output: str = "capture",
+        devices: int | str | None = None,
     ):
         if isinstance(plan, Graph):
             plan = plan.plan(controllers or 1)
@@ -290,6 +294,12 @@ class ZmqExecutor:
         if address:
             check_address(
                 address, allow_tcp=allow_tcp, allow_remote=allow_remote, who="ZmqExecutor"
+            )
+        if devices not in (None, "auto") and not (
+            isinstance(devices, int) and not isinstance(devices, bool) and devices >= 0
+        ):
+            raise ValueError(
+                f"ZmqExecutor: devices must be None, a CPU slot count >= 0 or 'auto', got {devices!r}"
             )
         if node_timeout_s < 0 or max_message_bytes < 0:
             raise ValueError("ZmqExecutor: node_timeout_s and max_message_bytes must be >= 0")
@@ -331,6 +341,7 @@ class ZmqExecutor:
             node_timeout_s=node_timeout_s,
             max_message_bytes=max_message_bytes,
             pipeline_depth=self.pipeline_depth,
+            devices=-1 if devices == "auto" else int(devices or 0),
         )
 
         run_dir = tempfile.mkdtemp(prefix="yatt-")

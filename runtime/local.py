@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import torch
 
+from runtime.splitting import NodeSplitter, device_pool
 from yatt_graph import Graph, NodeExecutionError, Plan
 
 __all__ = ["LocalExecutor", "StepResult", "describe"]
@@ -47,13 +48,22 @@ def describe(value: Any) -> str:
 
 
 def run_node(
-    graph: Graph, name: str, inputs: dict[str, Any], step: int, controller: int = 0
+    graph: Graph,
+    name: str,
+    inputs: dict[str, Any],
+    step: int,
+    controller: int = 0,
+    splitter: NodeSplitter | None = None,
 ) -> dict[str, Any]:
-    """Call one node; any failure becomes a NodeExecutionError naming node, step and input shapes."""
+    """Call one node; any failure becomes a NodeExecutionError naming node, step and input shapes.
+
+    With a ``splitter`` the call may be cut into micro-batches across its devices
+    (:mod:`runtime.splitting`).
+    """
     node = graph.nodes[name]
     try:
         node.begin_step(step)
-        return node.run(inputs)
+        return splitter.call(name, inputs) if splitter is not None else node.run(inputs)
     except Exception as exc:
         shapes = ", ".join(f"{k}={describe(v)}" for k, v in inputs.items()) or "no inputs"
         tb = traceback.format_exc()
@@ -68,13 +78,20 @@ def run_node(
 
 
 class LocalExecutor:
-    """Run a graph or plan in this process. ``step()`` runs the graph once."""
+    """Run a graph or plan in this process. ``step()`` runs the graph once.
 
-    def __init__(self, plan: Plan | Graph):
+    ``devices`` (None, a CPU slot count, ``"auto"`` or a DevicePool) splits the calls of
+    splittable nodes across that many devices (:mod:`runtime.splitting`); ``close()`` (or
+    ``with``) stops their worker threads.
+    """
+
+    def __init__(self, plan: Plan | Graph, *, devices: Any = None):
         self.plan = plan if isinstance(plan, Plan) else plan.plan(1)
         self.graph = self.plan.graph
         self.graph.validate()
         self.order = self.graph.topological_order()
+        pool = device_pool(devices)
+        self.splitter = NodeSplitter(self.graph.nodes, pool) if pool is not None else None
         self._delayed: dict[tuple[str, str], Any] = {}
         self.next_step = 0
 
@@ -90,7 +107,9 @@ class LocalExecutor:
                 inputs[e.dst_port] = self._delayed.get(key) if e.delay else values[key]
             starts[name] = time.time()
             t0 = time.perf_counter()
-            out = run_node(self.graph, name, inputs, step, self.plan.assignment[name])
+            out = run_node(
+                self.graph, name, inputs, step, self.plan.assignment[name], self.splitter
+            )
             seconds[name] = time.perf_counter() - t0
             for port, value in out.items():
                 values[(name, port)] = value
@@ -134,3 +153,15 @@ class LocalExecutor:
                 on_step(result)
             results.append(result)
         return results
+
+    def close(self) -> None:
+        """Stop the device workers of ``devices=`` (nothing else holds resources)."""
+        if self.splitter is not None:
+            self.splitter.close()
+            self.splitter = None
+
+    def __enter__(self) -> LocalExecutor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

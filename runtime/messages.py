@@ -183,6 +183,9 @@ class Setup(_Msg):
     """Largest message a controller accepts or sends; 0: no limit."""
     pipeline_depth: int = 2
     """Most steps the driver allows at once (bounds how far ahead peers' data may be)."""
+    devices: int = 0
+    """CPU slots that splittable nodes' calls are cut across (runtime.splitting); 0: none,
+    -1: ``$YATT_CPU_SLOTS`` or the usable cores."""
 
 
 class Ready(_Msg):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import msgspec
+import torch
 
-from yatt_graph import ANY, Node, Port, Tensor, node
+from yatt_graph import ANY, BatchPolicy, Node, Port, Tensor, node
 
 
 class Prompt(msgspec.Struct):
@@ -88,3 +89,51 @@ def add(a: Tensor("float32", "B"), b: Tensor("float32", "B")):
 @node(outputs={"y": Tensor("float32", "B")})
 def boom(x: Tensor("float32", "B")):
     raise RuntimeError("exploded on purpose")
+
+
+class Rows(Node):
+    """A data source: ``n`` rows of ``width`` random floats per step, with ragged lengths."""
+
+    kind = "data"
+    outputs = {"x": Tensor("float32", "B", "W"), "mask": Tensor("float32", "B", "W")}  # noqa: RUF012
+
+    def __init__(self, n: int = 12, width: int = 16, name: str | None = None, **kw):
+        super().__init__(name=name, **kw)
+        self.n, self.width = n, width
+
+    def forward(self):
+        g = torch.Generator().manual_seed(self.step)
+        x = torch.randn(self.n, self.width, generator=g)  # (B, W)
+        lengths = torch.randint(1, self.width + 1, (self.n,), generator=g)  # (B,)
+        mask = (torch.arange(self.width) < lengths[:, None]).float()  # (B, W)
+        return {"x": x, "mask": mask}
+
+
+class RowWork(Node):
+    """Per-row real work (a matmul per row); may be split (it declares a per-call budget).
+
+    ``seen`` records each call's batch size, so a test can tell the call was cut; ``fail_at``
+    raises on a row whose first value is above it.
+    """
+
+    inputs = {"x": Tensor("float32", "B", "W"), "mask": Tensor("float32", "B", "W")}  # noqa: RUF012
+    outputs = {"y": Tensor("float32", "B", "W"), "n": Tensor("int64", "B")}  # noqa: RUF012
+    batch_policy = BatchPolicy(max_batch_size=8)
+
+    def __init__(self, fail_at: float = 0.0, name: str | None = None, **kw):
+        super().__init__(name=name, **kw)
+        self.fail_at = fail_at
+        self.weight = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))  # (W, W)
+        self.seen: list[int] = []
+
+    def forward(self, x, mask):
+        self.seen.append(len(x))
+        if self.fail_at and bool((x[:, 0] > self.fail_at).any()):
+            raise ValueError(f"a row above {self.fail_at}")
+        y = torch.tanh(x @ self.weight) * mask  # (B, W)
+        return {"y": y, "n": mask.sum(1).long()}
+
+
+@node(outputs={"s": Tensor("float32", "B")})
+def row_sum(y: Tensor("float32", "B", "W")):
+    return {"s": y.sum(1)}
