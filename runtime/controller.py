@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import gc
 import hashlib
 import logging
 import os
@@ -217,6 +218,7 @@ class Controller:
 
         self.run_node = run_node
         self.index = setup.controller
+        self._data_where = f"controller {self.index}'s data socket"
         self.lag = 1 + setup.max_staleness
         self.pipeline_depth = max(1, setup.pipeline_depth)
         if setup.max_message_bytes:
@@ -421,7 +423,7 @@ class Controller:
 
     def _receive_data(self, sock: zmq.Socket) -> None:
         """One message from a peer."""
-        where = f"controller {self.index}'s data socket"
+        where = self._data_where
         try:
             _, kind, msg, value = recv(sock, limit=self.max_message_bytes)
         except m.ProtocolError as exc:
@@ -443,11 +445,11 @@ class Controller:
                     where, f"data of epoch {msg.epoch}; this controller is at {self.epoch}"
                 )
             return  # sent before the last restore: stale by design, dropped quietly
-        what = f"data {msg.src}.{msg.port} of step {msg.step} from controller {msg.sender}"
         try:
-            decoded = decode_value(value, where=what, shm=self.reader)
+            decoded = decode_value(value, where="", shm=self.reader)
         except DecodeError as exc:
-            self.events.append(("bad_data", msg, str(exc)))
+            what = f"data {msg.src}.{msg.port} of step {msg.step} from controller {msg.sender}"
+            self.events.append(("bad_data", msg, f"{what}{exc}"))
             return
         self.events.append(("data", msg.step, msg.src, msg.port, decoded, msg.epoch))
 
@@ -505,27 +507,29 @@ class Controller:
         return True
 
     def _send_data(self, step: int, src: str, port: str, value: Any, dests: list[int]) -> None:
-        where = (
-            f"node {src!r} output {port!r} (to controller{'s' if len(dests) > 1 else ''} {dests})"
-        )
+        def where() -> str:  # only for errors: hot path
+            many = "s" if len(dests) > 1 else ""
+            return f"node {src!r} output {port!r} (to controller{many} {dests})"
+
         if self.pool is not None:
             self.pool.refs = len(dests)
         try:
-            frames = encode_value(value, where=where, shm=self.pool)
+            frames = encode_value(value, where="", shm=self.pool)
         except UnsupportedValueError as exc:
-            raise _SendError(src, step, str(exc)) from None
+            raise _SendError(src, step, f"{where()}{exc}") from None
         self._check_size(frames, where, src, step)
         header = m.Data(step, src, port, self.index, self.epoch)
         for c in dests:
             self._send(str(c).encode(), header, frames)
 
-    def _check_size(self, frames: list[Any], where: str, node: str, step: int) -> None:
+    def _check_size(self, frames: list[Any], where: Any, node: str, step: int) -> None:
+        """``where()`` names the value, for the error."""
         limit = self.max_message_bytes
         if limit and (size := largest_frame(frames)) > limit:
             raise _SendError(
                 node,
                 step,
-                f"{where}: a frame of {size} bytes is over max_message_bytes={limit}, so the "
+                f"{where()}: a frame of {size} bytes is over max_message_bytes={limit}, so the "
                 "receiver would drop it; raise the limit (ZmqExecutor(max_message_bytes=...), "
                 "yatt-graph run --max-message-mb) or send less",
             )
@@ -534,13 +538,16 @@ class Controller:
         while self.reported < self.until and min(self.next_step.values()) > self.reported:
             step = self.reported
             outputs = self.step_outputs.pop(step, {})
-            where = f"graph outputs {sorted(outputs)} of controller {self.index}"
+
+            def where(outputs: dict[str, Any] = outputs) -> str:  # only for errors: hot path
+                return f"graph outputs {sorted(outputs)} of controller {self.index}"
+
+            node = next(iter(self.graph_outputs.values()), ("", ""))[0]
             try:
-                frames = encode_value(outputs, where=where)
+                frames = encode_value(outputs, where="")
             except UnsupportedValueError as exc:
-                node = next(iter(self.graph_outputs.values()), ("", ""))[0]
-                raise _SendError(node, step, str(exc)) from None
-            self._check_size(frames, where, next(iter(self.graph_outputs.values()), ("",))[0], step)
+                raise _SendError(node, step, f"{where()}{exc}") from None
+            self._check_size(frames, where, node, step)
             self._send(
                 _DRIVER,
                 m.StepDone(self.index, step, self.seconds.pop(step, {}), self.starts.pop(step, {})),
@@ -772,6 +779,10 @@ class Controller:
                 )
                 self._wait_for_shutdown()
                 return 1
+            # Everything built so far (torch, the models) lives as long as the process: keep
+            # it out of the cyclic collector's generations, so a collection scans only what
+            # the steps allocate.
+            gc.freeze()
             # READY on the work link: once the driver has it, its ROUTER can route RUN there.
             self._send(_DRIVER, m.Ready(self.index, list(self.order)))
             io = threading.Thread(target=self._io_loop, name="yatt-io", daemon=True)

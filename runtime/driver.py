@@ -146,6 +146,17 @@ class _Controller:
         return f"\n--- last lines of controller {self.index}'s output ---\n{text}" if text else ""
 
 
+class _Who:
+    """Where a dropped message came from, formatted only when it is logged (hot path)."""
+
+    def __init__(self, c: _Controller | None):
+        self.c = c
+
+    def __str__(self) -> str:
+        c = self.c
+        return f"the driver socket (from controller {c.index})" if c else "the driver socket"
+
+
 class _Resources:
     """Everything that must go at close, even when the executor object is lost (weakref.finalize)."""
 
@@ -537,7 +548,7 @@ class ZmqExecutor:
         heard after start-up, and anything that does not decode is dropped.
         """
         c = self._by_identity.get(identity)
-        who = f"the driver socket (from controller {c.index})" if c else "the driver socket"
+        who = _Who(c)
         if len(frames) < 2:
             self._drops.drop(who, f"a message of {len(frames)} frames")
             return
@@ -595,8 +606,11 @@ class ZmqExecutor:
             self._drops.drop("the driver socket", f"refused a HELLO: {reason}")
 
     def _send_raw(self, identity: bytes, msg: Any, value: list[Any] | None = None) -> None:
-        with self._lock, contextlib.suppress(zmq.ZMQError):  # a gone peer: liveness reports it
-            send(self._router, msg, value, prefix=[identity])
+        with self._lock:
+            try:
+                send(self._router, msg, value, prefix=[identity])
+            except zmq.ZMQError:  # a gone peer: the liveness check reports it
+                return  # (try/except: contextlib.suppress costs more on the dispatch path)
 
     def _send(self, c: _Controller, msg: Any, value: list[Any] | None = None) -> None:
         """To the controller's control link (its IO thread)."""
@@ -763,11 +777,11 @@ class ZmqExecutor:
                         f"steps {self.next_step}..{self._until - 1} of controller {index} run",
                     )
                     continue
-                where = f"graph outputs of step {msg.step} from controller {index}"
                 try:
-                    outputs = decode_value(value, where=where)
+                    outputs = decode_value(value, where="")
                 except DecodeError as exc:
-                    raise ControllerError(str(exc), index) from None
+                    where = f"graph outputs of step {msg.step} from controller {index}"
+                    raise ControllerError(f"{where}{exc}", index) from None
                 self._partial.setdefault(msg.step, {})[index] = (msg, outputs)
             elif kind is m.Kind.ERROR:
                 self._raise_error(msg)

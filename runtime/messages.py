@@ -108,6 +108,7 @@ class Kind(enum.IntEnum):
 
 
 _KIND_FRAMES = {k: bytes([k.value]) for k in Kind}
+_KIND_OF_FRAME = {f: k for k, f in _KIND_FRAMES.items()}
 
 
 class State(enum.IntEnum):
@@ -333,12 +334,12 @@ def decode_header(kind_frame: Any, header: Any) -> tuple[Kind, Any]:
 
     Never raises anything else, whatever the frames hold (tests/runtime/test_fuzz.py).
     """
-    if _nbytes(kind_frame) != 1 or bytes(kind_frame)[0] not in Kind._value2member_map_:
+    kind = _KIND_OF_FRAME.get(bytes(kind_frame)) if _nbytes(kind_frame) == 1 else None
+    if kind is None:
         head = bytes(memoryview(kind_frame)[:8]) if _nbytes(kind_frame) else b""
         raise ProtocolError(
             f"unknown message kind frame {head!r}; is the sender a yatt-graph peer?"
         )
-    kind = Kind(bytes(kind_frame)[0])
     size = _nbytes(header)
     if size > MAX_HEADER_BYTES:
         raise ProtocolError(

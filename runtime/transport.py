@@ -177,7 +177,7 @@ class Drops:
         self.last = ""
         self._lock = threading.Lock()
 
-    def drop(self, where: str, why: Any) -> None:
+    def drop(self, where: Any, why: Any) -> None:
         with self._lock:
             self.count += 1
             count = self.count

@@ -137,3 +137,13 @@ class RowWork(Node):
 @node(outputs={"s": Tensor("float32", "B")})
 def row_sum(y: Tensor("float32", "B", "W")):
     return {"s": y.sum(1)}
+
+
+@node(outputs={"v": ANY}, kind="data")
+def make_set():
+    return {"v": {1, 2}}  # a set: the data plane refuses it (no pickle)
+
+
+@node(outputs={"n": ANY})
+def count(v: ANY):
+    return {"n": len(v)}

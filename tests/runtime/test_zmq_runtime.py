@@ -238,3 +238,22 @@ def test_bad_arguments_fail_before_any_process_starts():
         ZmqExecutor(plan, controllers=3)
     with pytest.raises(ValueError, match="needs the address"):
         ZmqExecutor(plan, spawn=False)
+
+
+@pytest.mark.timeout(60)
+def test_a_value_the_data_plane_cannot_carry_names_the_node_output_and_controller():
+    from sample_nodes import count, make_set
+
+    from yatt_graph import Graph
+
+    with Graph("sets") as g:
+        g.output("n", count(make_set()))
+    ex = ZmqExecutor(g.plan(2, placement={"make_set": 0, "count": 1}))
+    try:
+        with pytest.raises(NodeExecutionError) as info:
+            ex.step()
+    finally:
+        ex.close()
+    text = str(info.value)
+    assert "node 'make_set' output 'v' (to controller [1])" in text and "set" in text, text
+    assert info.value.node == "make_set"
