@@ -533,12 +533,16 @@ class ZmqExecutor:
                             self._router.send_multipart([c.identity, *beat])
                 self._pump(0)  # keep last-seen times fresh while the caller is away
 
-    def _pump(self, timeout_ms: int) -> None:
-        """Receive everything waiting (the caller holds the lock) into the event deque."""
+    def _pump(self, timeout_ms: int, drain: bool = True) -> None:
+        """Receive what is waiting (the caller holds the lock) into the event deque: every
+        message, or with ``drain=False`` the first one (the caller comes back for more;
+        one poll(0) fewer on the dispatch path)."""
         poll = self._poller.poll
         while poll(timeout_ms):
             frames = recv_frames(self._router, zmq.NOBLOCK)
             self._dispatch(frames[0].bytes, frames[1:])
+            if not drain:
+                return
             timeout_ms = 0
 
     def _dispatch(self, identity: bytes, frames: list[Any]) -> None:
@@ -549,7 +553,7 @@ class ZmqExecutor:
         """
         c = self._by_identity.get(identity)
         who = _Who(c)
-        if len(frames) < 2:
+        if not frames:
             self._drops.drop(who, f"a message of {len(frames)} frames")
             return
         if self.max_message_bytes and (size := largest_frame(frames)) > self.max_message_bytes:
@@ -558,13 +562,16 @@ class ZmqExecutor:
             )
             return
         if c is None:
-            if len(frames[0]) == 1 and frames[0].bytes == m.Kind.HELLO.frame:
-                self._hello(identity, frames[1])
+            head = frames[0].bytes[:1]
+            if head == m.Kind.HELLO.frame and len(frames[0]) == 1 and len(frames) == 2:
+                self._hello(identity, frames[1], legacy=True)  # protocol 2: kind, header
+            elif head == m.Kind.HELLO.frame:
+                self._hello(identity, frames[0].bytes[1:])
             else:
                 self._drops.drop(who, "a message from a peer that has not joined the run")
             return
         try:
-            kind, msg = m.decode_header(frames[0], frames[1])
+            kind, msg = m.decode_header(frames[0])
         except m.ProtocolError as exc:
             self._drops.drop(who, exc)
             return
@@ -572,12 +579,16 @@ class ZmqExecutor:
         if kind is m.Kind.HEARTBEAT:
             c.last_beat = msg
         elif kind in _FROM_CONTROLLERS:
-            self._events.append((identity, kind, msg, frames[2:]))
+            self._events.append((identity, kind, msg, frames[1:]))
         else:
             self._drops.drop(who, f"a {kind.name} message, which controllers do not send")
 
-    def _hello(self, identity: bytes, header: Any) -> None:
-        """A HELLO from a new peer: admitted during start-up, refused (and logged) otherwise."""
+    def _hello(self, identity: bytes, header: Any, legacy: bool = False) -> None:
+        """A HELLO from a new peer: admitted during start-up, refused (and logged) otherwise.
+
+        ``header`` is the HELLO without its kind byte; ``legacy``: it came as protocol 2 sent
+        it (kind and header in two frames), and the refusal goes back in that form.
+        """
         try:
             version = m.hello_protocol(header)
             reason = (
@@ -585,8 +596,8 @@ class ZmqExecutor:
                 "run the same yatt-graph version on the driver and every controller"
             )
             hello = (
-                m.decode_header(m.Kind.HELLO.frame, header)[1]
-                if version == m.PROTOCOL_VERSION
+                m.decode_header(m.Kind.HELLO.frame + bytes(header))[1]
+                if version == m.PROTOCOL_VERSION and not legacy
                 else None
             )
         except m.ProtocolError as exc:
@@ -597,8 +608,11 @@ class ZmqExecutor:
             return
         if hello is not None:
             reason = f"the run has started; all {len(self.controllers)} controllers have joined"
+        refused = m.encode_header(m.Refused(reason))
+        if legacy:
+            refused = [refused[0][:1], refused[0][1:]]
         with contextlib.suppress(zmq.ZMQError):
-            self._router.send_multipart([identity, *m.encode_header(m.Refused(reason))])
+            self._router.send_multipart([identity, *refused])
         if not self._started and not self._spawned:
             # Waiting for controllers started by hand: a mismatched one is the user's to fix.
             self._events.append(("refused", identity, reason))
@@ -631,7 +645,7 @@ class ZmqExecutor:
     def _next_event(self, deadline: float | None, waiting_for: str) -> tuple[Any, ...] | None:
         if not self._events:
             with self._lock:
-                self._pump(20)
+                self._pump(20, drain=False)
         event = self._events.popleft() if self._events else None
         if event is not None and event[0] == "refused":
             raise HandshakeError(

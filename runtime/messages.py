@@ -2,12 +2,13 @@
 
 A message on the wire is a list of frames::
 
-    [kind, header, *value_frames]
+    [head, *value_frames]
 
-``kind`` is one byte (a :class:`Kind`), so a socket loop can route a message without
-decoding it; ``header`` is the message Struct below in msgpack (``array_like``, so field
+``head`` is one kind byte (a :class:`Kind`, so a socket loop can route a message from its
+first byte) followed by the message Struct below in msgpack (``array_like``, so field
 order is the wire format: append fields at the end, with defaults, and bump
-:data:`PROTOCOL_VERSION` on any other change); ``value_frames`` carry a value encoded by
+:data:`PROTOCOL_VERSION` on any other change); one frame, because each frame costs more
+than its bytes on the dispatch path; ``value_frames`` carry a value encoded by
 :mod:`runtime.serial` (a msgpack tree plus raw tensor buffers) for the kinds that have one
 (DATA, STEP_DONE).
 
@@ -76,7 +77,9 @@ PROTOCOL_VERSION = 3
 """Bumped on any change to the messages below other than an appended field with a default.
 2: STATE_* messages (checkpoints of a ZeroMQ run), Data.epoch, node timeouts.
 3: the work link: HELLO announces a second DEALER (``work_identity``) that receives RUN and
-STATE_* and sends READY, STEP_DONE, STATE_* replies and GOODBYE; READY lost ``results_identity``."""
+STATE_* and sends READY, STEP_DONE, STATE_* replies and GOODBYE; READY lost ``results_identity``;
+the kind byte and the header share one frame (``head``). A protocol-2 HELLO (kind and header
+in two frames) is still read, so that such a peer is refused with the reason."""
 
 MAX_HEADER_BYTES = 16 << 20
 """A header frame (the Struct, not the value frames) larger than this is refused undecoded."""
@@ -108,7 +111,7 @@ class Kind(enum.IntEnum):
 
 
 _KIND_FRAMES = {k: bytes([k.value]) for k in Kind}
-_KIND_OF_FRAME = {f: k for k, f in _KIND_FRAMES.items()}
+_KIND_BY_BYTE = {k.value: k for k in Kind}
 
 
 class State(enum.IntEnum):
@@ -318,8 +321,8 @@ class ProtocolError(ValueError):
 
 
 def encode_header(msg: _Msg) -> list[bytes]:
-    """``[kind frame, header frame]`` for a message."""
-    return [_KIND_OF[type(msg)].frame, _encoder.encode(msg)]
+    """``[head]``: the kind byte and the header of a message, in one frame."""
+    return [_KIND_OF[type(msg)].frame + _encoder.encode(msg)]
 
 
 def _nbytes(frame: Any) -> int:
@@ -329,33 +332,35 @@ def _nbytes(frame: Any) -> int:
         raise ProtocolError(f"a frame that is not bytes ({type(frame).__name__})") from exc
 
 
-def decode_header(kind_frame: Any, header: Any) -> tuple[Kind, Any]:
-    """The kind and message Struct from the first two frames; ProtocolError if they do not decode.
+def decode_header(head: Any) -> tuple[Kind, Any]:
+    """The kind and message Struct from a message's head frame; ProtocolError if it does not decode.
 
-    Never raises anything else, whatever the frames hold (tests/runtime/test_fuzz.py).
+    Never raises anything else, whatever the frame holds (tests/runtime/test_fuzz.py).
     """
-    kind = _KIND_OF_FRAME.get(bytes(kind_frame)) if _nbytes(kind_frame) == 1 else None
+    size = _nbytes(head)
+    view = memoryview(head).cast("B") if size else None
+    kind = _KIND_BY_BYTE.get(view[0]) if view is not None else None
     if kind is None:
-        head = bytes(memoryview(kind_frame)[:8]) if _nbytes(kind_frame) else b""
+        first = bytes(view[:8]) if view is not None else b""
         raise ProtocolError(
-            f"unknown message kind frame {head!r}; is the sender a yatt-graph peer?"
+            f"unknown message kind byte {first!r}; is the sender a yatt-graph peer?"
         )
-    size = _nbytes(header)
-    if size > MAX_HEADER_BYTES:
+    if size - 1 > MAX_HEADER_BYTES:
         raise ProtocolError(
-            f"a {kind.name} header of {size} bytes is over the {MAX_HEADER_BYTES}-byte limit"
+            f"a {kind.name} header of {size - 1} bytes is over the {MAX_HEADER_BYTES}-byte limit"
         )
     try:
-        return kind, _decoders[kind].decode(header)
+        return kind, _decoders[kind].decode(view[1:])
     except (msgspec.DecodeError, TypeError, ValueError) as exc:
         raise ProtocolError(
-            f"cannot decode a {kind.name} header ({size} bytes): {exc}; "
+            f"cannot decode a {kind.name} header ({size - 1} bytes): {exc}; "
             f"the peer may run another protocol version (this side speaks {PROTOCOL_VERSION})"
         ) from exc
 
 
 def hello_protocol(header: Any) -> int:
-    """The protocol version of a HELLO header, readable whatever the rest of the message holds."""
+    """The protocol version of a HELLO's msgpack header (the head frame without its kind
+    byte, or a protocol-2 header frame), readable whatever the rest of the message holds."""
     try:
         if _nbytes(header) > MAX_HEADER_BYTES:
             raise ValueError(f"header over {MAX_HEADER_BYTES} bytes")

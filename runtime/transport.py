@@ -104,7 +104,7 @@ def make_socket(
 def send(
     sock: zmq.Socket, msg: Any, value: list[Any] | None = None, *, prefix: list[Any] | None = None
 ) -> None:
-    """Send ``[*prefix, kind, header, *value]``; buffers go zero-copy (pyzmq copies small ones).
+    """Send ``[*prefix, head, *value]``; buffers go zero-copy (pyzmq copies small ones).
 
     One ``send`` per frame rather than ``send_multipart``: its per-message checks cost more
     than the message on the dispatch path (docs/PERFORMANCE.md).
@@ -155,14 +155,14 @@ def split(
     frames: list[Any], *, prefix: int = 0, limit: int = 0
 ) -> tuple[list[Any], Kind, Any, list[Any]]:
     """:func:`recv` on frames already received."""
-    if len(frames) < prefix + 2:
-        raise ProtocolError(f"a message of {len(frames)} frames; expected at least {prefix + 2}")
+    if len(frames) < prefix + 1:
+        raise ProtocolError(f"a message of {len(frames)} frames; expected at least {prefix + 1}")
     if limit > 0 and (size := largest_frame(frames)) > limit:
         raise ProtocolError(
             f"a frame of {size} bytes is over the limit of {limit} (max_message_bytes)"
         )
-    kind, msg = decode_header(frames[prefix], frames[prefix + 1])
-    return frames[:prefix], kind, msg, frames[prefix + 2 :]
+    kind, msg = decode_header(frames[prefix])
+    return frames[:prefix], kind, msg, frames[prefix + 1 :]
 
 
 class Drops:

@@ -249,10 +249,11 @@ def test_state_round_trip_with_max_staleness_keeps_the_lagged_values():
 # --- garbage on the sockets ----------------------------------------------------------------
 def _garbage(limit: int) -> list[list[bytes]]:
     return [
-        [b"\xff", b"not a header"],  # an unknown kind byte
-        [m.Kind.DATA.frame],  # truncated: one frame of two
-        [m.Kind.STEP_DONE.frame, b"\x93garbage"],  # a header that does not decode
-        [m.Kind.DATA.frame, os.urandom(64), os.urandom(300)],  # noise
+        [b"\xffnot a header"],  # an unknown kind byte
+        [m.Kind.DATA.frame],  # truncated: a kind byte with no header
+        [m.Kind.STEP_DONE.frame + b"\x93garbage"],  # a header that does not decode
+        [m.Kind.DATA.frame + os.urandom(64), os.urandom(300)],  # noise
+        [m.Kind.HELLO.frame, b"\x93garbage"],  # a protocol-2 HELLO that does not decode
         m.encode_header(m.Hello(999, 0, 1, "elsewhere", "ipc://nowhere")),  # another version
         m.encode_header(m.Hello(m.PROTOCOL_VERSION, 1, 1, "elsewhere", "ipc://x")),  # late HELLO
         [*m.encode_header(m.Data(3, "nobody", "x", 0)), b"\xc0"],  # an edge no node reads

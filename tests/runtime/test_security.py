@@ -117,8 +117,8 @@ def test_with_curve_only_peers_holding_the_keys_get_in(tmp_path, caplog):
             member = _client(ctx, ex.address, server, (trusted.public, trusted.secret))
             results += ex.run(2)
             assert member.poll(5000), "a peer with the controller key reaches the driver"
-            kind, header = member.recv_multipart()
-            reply = m.decode_header(kind, header)
+            [head] = member.recv_multipart()
+            reply = m.decode_header(head)
             assert reply[0] is m.Kind.REFUSED and "the run has started" in reply[1].reason
             assert not plain.poll(300) and not stranger.poll(300)  # never heard, never answered
         assert ex._res.auth.denied >= 1

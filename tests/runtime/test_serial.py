@@ -287,19 +287,21 @@ def test_truncated_frames_raise_decode_error():
 
 
 # --- message headers ----------------------------------------------------------------------
-def test_message_headers_round_trip_and_kind_is_its_own_frame():
+def test_message_headers_round_trip_in_one_frame_led_by_the_kind_byte():
     msg = m.StepDone(controller=1, step=3, node_seconds={"a": 0.5})
-    kind, header = m.encode_header(msg)
-    assert kind == bytes([m.Kind.STEP_DONE])
-    assert m.decode_header(kind, header) == (m.Kind.STEP_DONE, msg)
+    [head] = m.encode_header(msg)
+    assert head[:1] == bytes([m.Kind.STEP_DONE])
+    assert m.decode_header(head) == (m.Kind.STEP_DONE, msg)
     with pytest.raises(m.ProtocolError, match="unknown message kind"):
-        m.decode_header(b"\xff", header)
+        m.decode_header(b"\xff" + head[1:])
+    with pytest.raises(m.ProtocolError, match="unknown message kind"):
+        m.decode_header(b"")
     with pytest.raises(m.ProtocolError, match="cannot decode a HELLO"):
-        m.decode_header(m.Kind.HELLO.frame, b"\x93garbage")
+        m.decode_header(m.Kind.HELLO.frame + b"\x93garbage")
 
 
 def test_hello_protocol_is_readable_across_versions():
     future = msgspec.msgpack.encode([99, 0, 1, "host", "ipc://x", "a field from the future"])
     assert m.hello_protocol(future) == 99
-    _, header = m.encode_header(m.Hello(m.PROTOCOL_VERSION, 2))
-    assert m.hello_protocol(header) == m.PROTOCOL_VERSION
+    [head] = m.encode_header(m.Hello(m.PROTOCOL_VERSION, 2))
+    assert m.hello_protocol(head[1:]) == m.PROTOCOL_VERSION

@@ -10,6 +10,7 @@ import glob
 import os
 import time
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -209,23 +210,31 @@ def test_hung_controller_is_caught_by_heartbeat():
 
 
 @pytest.mark.timeout(30)
-def test_protocol_mismatch_is_refused_clearly(tmp_path):
+@pytest.mark.parametrize("version", [999, 2])
+def test_protocol_mismatch_is_refused_clearly(tmp_path, version):
     address = f"ipc://{tmp_path}/driver"
     ctx = zmq.Context()
     fake = ctx.socket(zmq.DEALER)
     fake.setsockopt(zmq.LINGER, 0)
     fake.connect(address)
-    fake.send_multipart(m.encode_header(m.Hello(999, 0, os.getpid(), "elsewhere", "ipc://nowhere")))
+    if version == 2:  # protocol 2 sent the kind byte and the header as two frames
+        header = msgspec.msgpack.encode([2, 0, os.getpid(), "elsewhere", "ipc://nowhere"])
+        fake.send_multipart([m.Kind.HELLO.frame, header])
+    else:
+        fake.send_multipart(m.encode_header(m.Hello(version, 0, os.getpid(), "elsewhere", "x")))
     try:
         with pytest.raises(
-            HandshakeError, match=f"protocol 999, the driver speaks {m.PROTOCOL_VERSION}"
+            HandshakeError, match=f"protocol {version}, the driver speaks {m.PROTOCOL_VERSION}"
         ):
             ZmqExecutor(
                 load_graph("graphs.toy").plan(1), spawn=False, address=address, startup_timeout_s=10
             )
         assert fake.poll(2000)
-        kind, header = fake.recv_multipart()
-        assert m.decode_header(kind, header)[0] is m.Kind.REFUSED
+        reply = fake.recv_multipart()
+        if version == 2:  # answered in the form that peer reads: kind, header
+            assert reply[0] == m.Kind.REFUSED.frame and len(reply) == 2
+            reply = [reply[0] + reply[1]]
+        assert m.decode_header(reply[0])[0] is m.Kind.REFUSED
     finally:
         ctx.destroy(linger=0)
 
