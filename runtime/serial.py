@@ -5,7 +5,9 @@ in which tensors, numpy arrays, PIL images, tuples and msgspec Structs are msgpa
 extension objects; a tensor's extension holds ``(dtype, shape, device, where)``, where
 ``where`` is the bytes themselves (tensors up to :data:`INLINE_BYTES`), the index of a
 buffer frame (sent with ``copy=False``, rebuilt with ``torch.frombuffer``: no copy on
-either side), or a shared-memory handle (see :mod:`runtime.transport`).
+either side), or a shared-memory handle (see :mod:`runtime.transport`). A CPU tensor of at
+most :data:`INLINE_BYTES` with a numpy dtype takes a compact extension instead (dtype byte,
+ndim byte, sizes, bytes), read without a nested msgpack decode: the dispatch path.
 
 What can travel: None, bool, int (64-bit), float, str, bytes, list, tuple, dict with str
 keys, torch tensors (any dense dtype incl. bfloat16 and float8; non-contiguous ones are
@@ -28,6 +30,7 @@ bytes or tuples of those. The decoder accepts such dicts always: decoding never 
 from __future__ import annotations
 
 import math
+import struct
 import sys
 import threading
 from collections.abc import Sequence
@@ -50,7 +53,10 @@ INLINE_BYTES = 1024
 _BYTES_FRAME = 64 * 1024
 """bytes values of at least this size get a frame of their own."""
 
-_TENSOR, _NDARRAY, _STRUCT, _TUPLE, _IMAGE, _BYTES, _MAP = 1, 2, 3, 4, 5, 6, 7
+_TENSOR, _NDARRAY, _STRUCT, _TUPLE, _IMAGE, _BYTES, _MAP, _SMALL = 1, 2, 3, 4, 5, 6, 7, 8
+_SMALL_HEAD = struct.Struct("<BB")
+"""A small CPU tensor's extension: dtype index (in _TORCH_DTYPES), ndim, then ndim little-endian
+uint64 sizes and the raw bytes: read with struct, no nested msgpack (the dispatch path)."""
 _MAX_DIMS = 64
 
 _TORCH_DTYPES = [
@@ -77,6 +83,7 @@ _TORCH_DTYPES = [
 ]
 _NUMPY_KINDS = "biufc"
 
+_DTYPE_INDEX = {name: i for i, name in enumerate(_TORCH_DTYPES)}
 _NUMPY_TORCH: dict[Any, str] = {}
 """torch dtype -> name, for the dtypes ``Tensor.numpy()`` takes (filled on first use)."""
 
@@ -263,9 +270,10 @@ class _Packer:
                 t = v.detach() if v.requires_grad else v
                 if t.is_conj() or t.is_neg():
                     t = t.resolve_conj().resolve_neg()
-                return msgspec.msgpack.Ext(
-                    _TENSOR, _encoder.encode([name, list(t.shape), "cpu", t.numpy().tobytes()])
-                )
+                shape = t.shape
+                head = _SMALL_HEAD.pack(_DTYPE_INDEX[name], len(shape))
+                dims = struct.pack(f"<{len(shape)}Q", *shape)
+                return msgspec.msgpack.Ext(_SMALL, head + dims + t.numpy().tobytes())
         if v.layout != torch.strided:
             raise _Unsupported(f"a {v.layout} tensor cannot be sent; call .to_dense() first")
         name = str(v.dtype).removeprefix("torch.")
@@ -407,6 +415,8 @@ class _Unpacker:
         return data
 
     def ext(self, code: int, payload: memoryview) -> Any:
+        if code == _SMALL:
+            return self.small_tensor(payload)
         fields = self.decoder.decode(payload)
         if code == _TENSOR:
             return self.tensor(*_fields(fields, 4, "tensor"))
@@ -429,6 +439,25 @@ class _Unpacker:
                 raise DecodeError("bad map")
             return {k: x for k, x in fields}
         raise DecodeError(f"unknown extension type {code}")
+
+    def small_tensor(self, payload: memoryview) -> Any:
+        import torch
+
+        if len(payload) < 2:
+            raise DecodeError("bad small-tensor header")
+        index, ndim = _SMALL_HEAD.unpack_from(payload)
+        if index >= len(_TORCH_DTYPES) or ndim > _MAX_DIMS or len(payload) < 2 + 8 * ndim:
+            raise DecodeError(f"bad small-tensor header (dtype {index}, {ndim} dims)")
+        dtype = _torch_dtype(_TORCH_DTYPES[index])
+        dims = _shape(list(struct.unpack_from(f"<{ndim}Q", payload, 2)))
+        data = payload[2 + 8 * ndim :]
+        nbytes = math.prod(dims) * dtype.itemsize
+        if len(data) != nbytes:
+            raise DecodeError(f"buffer holds {len(data)} bytes, the header says {nbytes}")
+        if nbytes == 0:
+            return torch.empty(dims, dtype=dtype)
+        t = torch.frombuffer(bytearray(data), dtype=dtype)  # one copy into a fresh buffer
+        return t if ndim == 1 else t.reshape(dims)
 
     def tensor(self, name: Any, shape: Any, device: Any, where: Any) -> Any:
         import torch

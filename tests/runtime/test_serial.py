@@ -234,6 +234,7 @@ def test_shared_memory_handles_from_elsewhere_are_refused(tmp_path):
 # --- garbage ------------------------------------------------------------------------------
 _samples = [
     torch.arange(2000.0),
+    {"small": torch.arange(6.0).reshape(2, 3), "ids": torch.tensor([3])},  # the inline path
     {"a": (1, torch.ones(3, dtype=torch.bfloat16)), "b": [Point(1)]},
     Image.new("RGB", (30, 20)),
     np.arange(400),
@@ -284,6 +285,10 @@ def test_truncated_frames_raise_decode_error():
         decode_value([frames[0]])
     with pytest.raises(DecodeError, match="no frames"):
         decode_value([])
+    [small] = _wire(encode_value(torch.arange(6.0).reshape(2, 3)))  # inline, one frame
+    with pytest.raises(DecodeError, match="truncated"):
+        decode_value([small[:-4]])  # the extension itself is cut short
+    assert torch.equal(decode_value([small]), torch.arange(6.0).reshape(2, 3))
 
 
 # --- message headers ----------------------------------------------------------------------
