@@ -370,8 +370,16 @@ class Controller:
 
     def _report_timeout(self, name: str, step: int, seconds: float, limit: float) -> None:
         """Tell the driver a node call ran past its limit, with the stack it is stuck in."""
-        frame = sys._current_frames().get(self._compute_ident)
+        frames = sys._current_frames()
+        frame = frames.get(self._compute_ident)
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+        if self.splitter is not None and name in self.splitter.split_nodes:
+            # The compute thread only waits for the micro-batches: show the device workers too.
+            for t in threading.enumerate():
+                worker = frames.get(t.ident or -1)
+                if t.name.startswith(("yatt-cpu", "yatt-cuda")) and worker is not None:
+                    stack += f"--- device worker {t.name} ---\n"
+                    stack += "".join(traceback.format_stack(worker))
         own = self.nodes[name].batch_policy.timeout_s
         source = "its BatchPolicy.timeout_s" if own else "the run's node_timeout_s"
         message = (

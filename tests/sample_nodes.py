@@ -113,21 +113,25 @@ class RowWork(Node):
     """Per-row real work (a matmul per row); may be split (it declares a per-call budget).
 
     ``seen`` records each call's batch size, so a test can tell the call was cut; ``fail_at``
-    raises on a row whose first value is above it.
+    raises on a row whose first value is above it; ``hang_s`` sleeps that long in each call.
     """
 
     inputs = {"x": Tensor("float32", "B", "W"), "mask": Tensor("float32", "B", "W")}  # noqa: RUF012
     outputs = {"y": Tensor("float32", "B", "W"), "n": Tensor("int64", "B")}  # noqa: RUF012
     batch_policy = BatchPolicy(max_batch_size=8)
 
-    def __init__(self, fail_at: float = 0.0, name: str | None = None, **kw):
+    def __init__(self, fail_at: float = 0.0, hang_s: float = 0.0, name: str | None = None, **kw):
         super().__init__(name=name, **kw)
-        self.fail_at = fail_at
+        self.fail_at, self.hang_s = fail_at, hang_s
         self.weight = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))  # (W, W)
         self.seen: list[int] = []
 
     def forward(self, x, mask):
         self.seen.append(len(x))
+        if self.hang_s:
+            import time
+
+            time.sleep(self.hang_s)  # a stuck call
         if self.fail_at and bool((x[:, 0] > self.fail_at).any()):
             raise ValueError(f"a row above {self.fail_at}")
         y = torch.tanh(x @ self.weight) * mask  # (B, W)

@@ -101,3 +101,23 @@ def test_in_the_ppo_graph_only_the_per_sample_models_are_split():
         # The rollout (one random stream per call), GAE (whitening) and the update are whole.
         for name in ("rollout", "gae", "ppo"):
             assert not ex.graph.nodes[name].batch_policy.splittable, name
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_split_call_is_reported_with_the_device_workers_stacks():
+    from runtime.driver import NodeTimeoutError
+
+    with Graph("hung") as g:
+        x, mask = Rows(12, name="rows")()
+        policy = BatchPolicy(max_batch_size=8, timeout_s=1.0)
+        out = RowWork(hang_s=30.0, batch_policy=policy, name="work")(x, mask)
+        g.output("y", out["y"])
+        g.discard(out["n"])
+    ex = ZmqExecutor(g.plan(1), devices=2)
+    try:
+        with pytest.raises(NodeTimeoutError) as info:
+            ex.step()
+    finally:
+        ex.close()
+    text = str(info.value)
+    assert "node 'work'" in text and "device worker yatt-cpu:" in text and "time.sleep" in text
