@@ -133,14 +133,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from runtime.faults import Accounting, train_with_restarts
     from runtime.local import LocalExecutor
 
+    devices = _devices(args.devices)  # bad flags fail before the graph (and its models) is built
     options = _graph_options(args)
     _on_bad_sample(args, options)
     graph = load_graph(args.graph, **options)
     out = Path(args.out) if args.out else None
     distributed = args.controllers > 1 or bool(args.listen)
     _check_run_flags(args, distributed)
-
-    devices = _devices(args.devices)
 
     def make_executor() -> Any:
         if not distributed:

@@ -95,3 +95,13 @@ def test_fault_flags_that_cannot_apply_are_refused_clearly():
         main(["run", "graphs.toy", "--node-timeout", "5"])
     with pytest.raises(SystemExit, match="takes no on_bad_sample option"):
         main(["run", "graphs.toy", "--on-bad-sample", "skip"])
+
+
+def test_devices_splits_the_per_sample_models_and_prints_their_utilization(capsys):
+    with pytest.raises(SystemExit, match="--devices takes a CPU slot count"):
+        main(["run", "graphs.toy", "--devices", "0"])
+    args = ["run", "graphs/mm_ppo.py", "--steps", "2", "--devices", "2", "--quiet"]
+    assert main([*args, "--set", "batch_size=8"]) == 0
+    out = capsys.readouterr().out
+    assert "devices (nodes critic, reference, vision split across them): cpu:0" in out
+    assert "cpu:1" in out
