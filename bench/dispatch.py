@@ -4,6 +4,9 @@
 
 * raw: a REQ/REP round trip (1-byte messages) between this process and a child over
   ``ipc://``: the floor any driver -> process -> driver exchange pays.
+* topology: the runtime's sockets (ROUTER; control and work DEALERs, a data PULL, an
+  inproc pair, an idle IO thread) in bare pyzmq, RUN- and STEP_DONE-sized messages, no
+  Python work: what the structure costs before the runtime's own code runs.
 * step, 1 node: ``ZmqExecutor.step()`` on a graph of one empty node (1-element tensor
   output, returned to the driver): RUN to the controller, the node, STEP_DONE back.
 * chain, per node: ``step()`` on a chain of 8 empty nodes alternating between 2
@@ -52,6 +55,73 @@ while True:
     s.send(m)
     if m == b"q": break
 """
+
+
+_TOPOLOGY = """
+import sys, threading, zmq
+address = sys.argv[1]
+ctx = zmq.Context()
+control = ctx.socket(zmq.DEALER); control.connect(address)
+work = ctx.socket(zmq.DEALER); work.setsockopt(zmq.IDENTITY, b"w"); work.connect(address)
+inbox = ctx.socket(zmq.PULL); inbox.bind(address + "-data")
+wake = ctx.socket(zmq.PAIR); wake.bind("inproc://wake")
+control.send(b"hello"); work.send(b"ready")
+def io():  # an idle IO thread on the control link, as in a controller
+    p = zmq.Poller(); p.register(control, zmq.POLLIN)
+    while True:
+        p.poll(100)
+threading.Thread(target=io, daemon=True).start()
+p = zmq.Poller()
+for s in (work, inbox, wake):
+    p.register(s, zmq.POLLIN)
+while True:
+    for s, _ in p.poll(500):
+        if s is work:
+            m = work.recv()
+            work.send(b"\x08" + b"x" * 40, zmq.SNDMORE); work.send(b"y" * 20)
+            if m == b"q": raise SystemExit
+"""
+
+
+@contextlib.contextmanager
+def topology_floor() -> Iterator[Callable[[], None]]:
+    """The runtime's socket topology in bare pyzmq, no Python work: yields one round trip.
+
+    A ROUTER here; in a child, a control DEALER on an idle IO thread and a work DEALER, a data
+    PULL and an inproc pair polled by the main thread, which answers RUN-sized messages with
+    STEP_DONE-sized ones (two frames), as a controller does. What the runtime pays for its
+    structure before any of its Python runs.
+    """
+    with tempfile.TemporaryDirectory(prefix="yatt-bench-") as d:
+        address = f"ipc://{d}/router"
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.bind(address)
+        proc = subprocess.Popen([sys.executable, "-c", _TOPOLOGY, address])
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        try:
+            router.recv_multipart()
+            router.recv_multipart()
+
+            def call(last: bytes = b"\x05\x91\x01") -> None:
+                router.send(b"w", zmq.SNDMORE)
+                router.send(last)
+                while not poller.poll(20):
+                    pass
+                frame = router.recv(copy=False)
+                while frame.more:
+                    frame = router.recv(copy=False)
+
+            yield call
+            router.send(b"w", zmq.SNDMORE)
+            router.send(b"q")
+            proc.wait(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            ctx.destroy(linger=0)
 
 
 @contextlib.contextmanager
@@ -123,6 +193,7 @@ def interleaved(
 def runtime_measures(calls: int, rounds: int) -> dict[str, tuple[float, float]]:
     with (
         echo() as raw,
+        topology_floor() as floor,
         ZmqExecutor(build_graph("tick").plan(1)) as one,
         ZmqExecutor(build_graph("chain", controllers=2, length=8).plan(2)) as chain,
         ZmqExecutor(build_graph("tick").plan(1)) as piped,
@@ -130,6 +201,7 @@ def runtime_measures(calls: int, rounds: int) -> dict[str, tuple[float, float]]:
         burst = 20  # run() calls of this many steps, timed per step
         return interleaved(
             {
+                "floor": (floor, 1),
                 "step": (one.step, 1),
                 "chain": (chain.step, 8),
                 "run": (lambda: piped.run(burst), burst),
@@ -197,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     rows = [
         row("raw pyzmq REQ/REP round trip (ipc)", ours["raw"]),
+        row("the runtime's socket topology in bare pyzmq", ours["floor"]),
         row("ZmqExecutor.step(), 1 empty node", ours["step"]),
         row("chain of 8 over 2 controllers, per node", ours["chain"]),
         row("ZmqExecutor.run(), per step (pipelined)", ours["run"]),
