@@ -587,7 +587,12 @@ class Controller:
                     self._fail(exc)
             self._send_releases()
             if not self.events:
-                self._receive(poller, 0 if ran else 500)
+                try:
+                    self._receive(poller, 0 if ran else 500)
+                except Exception as exc:  # a receive that broke: tell the driver, once
+                    if not self._failed:
+                        self._fail(exc)
+                    time.sleep(0.05)
             while self.events:
                 try:
                     self._handle(self.events.popleft())
@@ -602,7 +607,7 @@ class Controller:
                     self._fail(exc)
 
     def _receive(self, poller: zmq.Poller, timeout_ms: int) -> None:
-        """Wait up to ``timeout_ms`` for the work link, peers' data or the IO thread; take all in."""
+        """Wait up to ``timeout_ms`` for the work link, peers' data or the IO thread."""
         # One message per ready socket, then back to running what became ready (the next
         # poll(0) takes the rest): cheaper than reading on until zmq.Again.
         for sock, _ in poller.poll(timeout_ms):
