@@ -797,12 +797,8 @@ class ZmqExecutor:
                     where = f"graph outputs of step {msg.step} from controller {index}"
                     raise ControllerError(f"{where}{exc}", index) from None
                 self._partial.setdefault(msg.step, {})[index] = (msg, outputs)
-            elif kind is m.Kind.ERROR:
-                self._raise_error(msg)
-            elif kind is m.Kind.GOODBYE:
-                self._left(identity)
             else:
-                self._drops.drop("the driver socket", f"an unexpected {kind.name} during a step")
+                self._other_event(identity, kind, msg, " during a step")
         parts = self._partial.pop(step)
         seconds: dict[str, float] = {}
         starts: dict[str, float] = {}
@@ -818,6 +814,16 @@ class ZmqExecutor:
             {n: starts[n] for n in self.order if n in starts},
             dict(self.plan.assignment),
         )
+
+    def _other_event(self, identity: bytes, kind: m.Kind, msg: Any, during: str = "") -> None:
+        """An event that is not the one being waited for: an error raises, a GOODBYE means the
+        controller left, anything else is dropped (and logged)."""
+        if kind is m.Kind.ERROR:
+            self._raise_error(msg)
+        elif kind is m.Kind.GOODBYE:
+            self._left(identity)
+        else:
+            self._drops.drop("the driver socket", f"an unexpected {kind.name}{during}")
 
     def _left(self, identity: bytes) -> None:
         c = self._by_identity[identity]
@@ -947,12 +953,8 @@ class ZmqExecutor:
                 index = self._by_identity[identity].index
                 if kind is reply and msg.step == step:
                     got[index] = value
-                elif kind is m.Kind.ERROR:
-                    self._raise_error(msg)
-                elif kind is m.Kind.GOODBYE:
-                    self._left(identity)
                 else:
-                    self._drops.drop("the driver socket", f"an unexpected {kind.name}")
+                    self._other_event(identity, kind, msg)
         except BaseException as exc:
             self._shutdown(f"{type(exc).__name__} in the driver")
             raise

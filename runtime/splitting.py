@@ -101,15 +101,8 @@ class NodeSplitter:
         self.scheduler: Scheduler | None = None
         if self.shared:
             sched = Scheduler(pool, threads_per_worker=None)
-            for name in self.shared:
-                node = self.nodes[name]
-                sched.add(
-                    name,
-                    lambda inputs, device, node=node: node.run(inputs),
-                    policy=node.batch_policy,
-                    shared=self.shared[name],
-                    keep=True,
-                )
+            for name, shared in self.shared.items():
+                sched.add_node(self.nodes[name], shared=shared, keep=True)
             self.scheduler = sched.start()
 
     @property
