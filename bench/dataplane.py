@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import psutil
 import zmq
@@ -61,18 +62,25 @@ class _PeakRss:
         self._thread.join()
 
 
+def _measure(step: Callable[[], object], steps: int, warmup: int = 0) -> dict[str, float]:
+    """Median seconds per ``step()`` and this process's peak RSS growth over ``steps`` calls."""
+    for _ in range(warmup):
+        step()
+    times = []
+    with _PeakRss() as rss:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    return {"step_s": statistics.median(times), "growth_mb": (rss.peak - rss.base) / 2**20}
+
+
 def run_direct(batch: int, steps: int) -> dict[str, float]:
     from runtime.driver import ZmqExecutor
 
     with ZmqExecutor(build_graph("images", batch=batch).plan(2)) as ex:
         ex.run(2)
-        times = []
-        with _PeakRss() as rss:
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                ex.step()
-                times.append(time.perf_counter() - t0)
-    return {"step_s": statistics.median(times), "growth_mb": (rss.peak - rss.base) / 2**20}
+        return _measure(ex.step, steps)
 
 
 def _worker(role: str, pull: str, push: str, batch: int) -> None:
@@ -128,14 +136,7 @@ def run_routed(batch: int, steps: int) -> dict[str, float]:
                 out["sink"].send_multipart([b"batch", *encode_value(value)], copy=False)
                 decode_value(inbox.recv_multipart(copy=False)[1:])
 
-            for _ in range(2):
-                step()
-            times = []
-            with _PeakRss() as rss:
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    step()
-                    times.append(time.perf_counter() - t0)
+            result = _measure(step, steps, warmup=2)
             for role in out:
                 out[role].send(b"q")
         finally:
@@ -145,7 +146,7 @@ def run_routed(batch: int, steps: int) -> dict[str, float]:
                 except subprocess.TimeoutExpired:
                     p.kill()
             ctx.destroy(linger=0)
-    return {"step_s": statistics.median(times), "growth_mb": (rss.peak - rss.base) / 2**20}
+    return result
 
 
 def run_ray(batch: int, steps: int) -> dict[str, float]:
@@ -170,16 +171,7 @@ def run_ray(batch: int, steps: int) -> dict[str, float]:
                 return self.node.forward(**batch)
 
         source, sink = Source.remote(batch), Sink.remote()
-        step = lambda: ray.get(sink.consume.remote(source.produce.remote()))  # noqa: E731
-        for _ in range(2):
-            step()
-        times = []
-        with _PeakRss() as rss:
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
-    return {"step_s": statistics.median(times), "growth_mb": (rss.peak - rss.base) / 2**20}
+        return _measure(lambda: ray.get(sink.consume.remote(source.produce.remote())), steps, 2)
 
 
 def main(argv: list[str] | None = None) -> None:

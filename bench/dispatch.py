@@ -84,6 +84,18 @@ while True:
 
 
 @contextlib.contextmanager
+def _child(script: str, address: str) -> Iterator[subprocess.Popen[bytes]]:
+    """``python -c script address``; killed at the end unless it has exited by then."""
+    proc = subprocess.Popen([sys.executable, "-c", script, address])
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
 def topology_floor() -> Iterator[Callable[[], None]]:
     """The runtime's socket topology in bare pyzmq, no Python work: yields one round trip.
 
@@ -97,30 +109,27 @@ def topology_floor() -> Iterator[Callable[[], None]]:
         ctx = zmq.Context()
         router = ctx.socket(zmq.ROUTER)
         router.bind(address)
-        proc = subprocess.Popen([sys.executable, "-c", _TOPOLOGY, address])
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         try:
-            router.recv_multipart()
-            router.recv_multipart()
+            with _child(_TOPOLOGY, address) as proc:
+                router.recv_multipart()
+                router.recv_multipart()
 
-            def call(last: bytes = b"\x05\x91\x01") -> None:
-                router.send(b"w", zmq.SNDMORE)
-                router.send(last)
-                while not poller.poll(20):
-                    pass
-                frame = router.recv(copy=False)
-                while frame.more:
+                def call(last: bytes = b"\x05\x91\x01") -> None:
+                    router.send(b"w", zmq.SNDMORE)
+                    router.send(last)
+                    while not poller.poll(20):
+                        pass
                     frame = router.recv(copy=False)
+                    while frame.more:
+                        frame = router.recv(copy=False)
 
-            yield call
-            router.send(b"w", zmq.SNDMORE)
-            router.send(b"q")
-            proc.wait(timeout=10)
+                yield call
+                router.send(b"w", zmq.SNDMORE)
+                router.send(b"q")
+                proc.wait(timeout=10)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
             ctx.destroy(linger=0)
 
 
@@ -129,24 +138,21 @@ def echo() -> Iterator[Callable[[], None]]:
     """A raw REQ/REP round trip to a child process: yields the call."""
     with tempfile.TemporaryDirectory(prefix="yatt-bench-") as d:
         address = f"ipc://{d}/echo"
-        proc = subprocess.Popen([sys.executable, "-c", _ECHO, address])
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.REQ)
-        sock.connect(address)
-
-        def call() -> None:
-            sock.send(b"x")
-            sock.recv()
-
         try:
-            yield call
-            sock.send(b"q")
-            sock.recv()
-            proc.wait(timeout=10)
+            with _child(_ECHO, address) as proc:
+                sock = ctx.socket(zmq.REQ)
+                sock.connect(address)
+
+                def call() -> None:
+                    sock.send(b"x")
+                    sock.recv()
+
+                yield call
+                sock.send(b"q")
+                sock.recv()
+                proc.wait(timeout=10)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
             ctx.destroy(linger=0)
 
 
