@@ -132,10 +132,12 @@ def test_grpo_raises_rewarded_and_lowers_penalized(batch):
 # --- micro-batching -------------------------------------------------------------------------
 
 # Accumulated micro-batch gradients vs one full-batch gradient, float32 on CPU: observed max
-# |diff| 5e-8 (policy) and 5e-7 (value model, gradients up to ~2). Adam's first step is about
-# lr * grad / |grad|, which amplifies rounding where a gradient is ~0: parameters after the step
-# differed by up to 2.2e-6 at lr 1e-4, so they are compared at 5% of lr (the step moves them by
-# up to lr, and the test checks that it did).
+# |diff| 5e-8 (policy) and 5e-7 (value model, gradients up to ~2). Adam's first step moves a
+# weight by lr * g / (|g| + eps), eps = 1e-8, so where a gradient is itself ~1e-8 the step turns
+# rounding into a sizeable difference (a gradient of 5.7e-9 vs 7.9e-9 moved one weight by 3.6e-5
+# vs 4.4e-5 at lr 1e-4, on one machine). Parameters are therefore compared where the full-batch
+# gradient is above GRAD_ATOL (where the gradients are equal in the relative sense too), at 5% of
+# lr; the step moves them by up to lr, and the test checks that it did.
 LR = 1e-4
 GRAD_ATOL, GRAD_RTOL, PARAM_ATOL = 1e-6, 1e-4, 0.05 * LR
 
@@ -174,8 +176,13 @@ def test_ppo_micro_batches_equal_full_batch(batch, micro):
         assert torch.allclose(g_full[name], g_split[name], atol=GRAD_ATOL, rtol=GRAD_RTOL), name
     for model in ("policy", "value_model"):
         p_full, p_split = _params(getattr(full, model)), _params(getattr(split, model))
-        for name in p_full:
-            assert torch.allclose(p_full[name], p_split[name], atol=PARAM_ATOL), name
+        trained = [n for n, _ in getattr(full, model).named_parameters()]  # no tied aliases
+        compared = 0
+        for name in trained:
+            clear = g_full[f"{model}.{name}"].abs() > GRAD_ATOL  # see the note above LR
+            compared += int(clear.sum())
+            assert torch.allclose(p_full[name][clear], p_split[name][clear], atol=PARAM_ATOL), name
+        assert compared > 0.5 * sum(p_full[n].numel() for n in trained)  # most weights compared
         moved = max((p_full[k] - initial[model][k]).abs().max() for k in p_full)
         assert moved > 0.9 * LR  # the step did move the parameters, by ~lr
     for key in m_full:
