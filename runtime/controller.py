@@ -66,6 +66,7 @@ from runtime.transport import (
     recv,
     send,
 )
+from yatt_graph.stream import join_pieces
 
 __all__ = ["Controller", "graph_digest", "main"]
 
@@ -277,6 +278,17 @@ class Controller:
             k: (h.node, h.port) for k, h in self.outputs.items() if h.node in self.nodes
         }
         self.delayed_in = [e for e in self.edges if e.delay and e.dst in self.nodes]
+        # Streamed outputs (runtime/streams.py): pieces here, consumers fed per piece, and
+        # which nodes here read each producer through a non-delayed edge.
+        from runtime.streams import StreamBook
+
+        self.book = StreamBook()
+        self.consumers: dict[tuple[int, str], _Consumer] = {}
+        self.readers: dict[str, set[str]] = defaultdict(set)
+        for e in self.edges:
+            if e.dst in self.nodes and not e.delay:
+                self.readers[e.src].add(e.dst)
+        self._delayed_joined: set[tuple[int, str, str]] = set()
 
     def _build(self, setup: m.Setup) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
         from yatt_graph.serialize import PlanSpec, build_node
@@ -453,11 +465,19 @@ class Controller:
                     where, f"data of epoch {msg.epoch}; this controller is at {self.epoch}"
                 )
             return  # sent before the last restore: stale by design, dropped quietly
+        if msg.end:
+            self.events.append(("end", msg.step, msg.src, msg.port, msg.piece, msg.epoch))
+            return
         try:
             decoded = decode_value(value, where="", shm=self.reader)
         except DecodeError as exc:
             what = f"data {msg.src}.{msg.port} of step {msg.step} from controller {msg.sender}"
             self.events.append(("bad_data", msg, f"{what}{exc}"))
+            return
+        if msg.piece >= 0:
+            self.events.append(
+                ("piece", msg.step, msg.src, msg.port, msg.piece, msg.rows, decoded, msg.epoch)
+            )
             return
         self.events.append(("data", msg.step, msg.src, msg.port, decoded, msg.epoch))
 
@@ -478,8 +498,46 @@ class Controller:
                 continue
             if e.delay and step < self.lag:
                 continue
-            return False
+            return bool(self.book) and self._stream_ready(name, step)
         return True
+
+    def _stream_ready(self, name: str, step: int) -> bool:
+        """Whether ``name`` can take a piece (or finish) of the streams it reads, or, when it
+        runs whole, whether those streams are complete (then joined into its inputs)."""
+        c = self.consumers.get((step, name))
+        if c is None:
+            have = self.pending.get((step, name), {})
+            sources = set()
+            for e in self.in_edges[name]:
+                if e.dst_port in have or (e.delay and step < self.lag):
+                    continue
+                if e.delay or not self.book.has(step, e.src):
+                    return False  # an input that is not streamed has not arrived yet
+                sources.add(e.src)
+            edges = [e for e in self.in_edges[name] if not e.delay and e.src in sources]
+            ports = {e.dst_port: e.src_port for e in edges}
+            inputs = {e.dst_port: have.get(e.dst_port) for e in self.in_edges[name]}
+            from runtime.streams import per_piece
+
+            if len(sources) == 1 and per_piece(self.nodes[name], ports, inputs):
+                self.pending.pop((step, name), None)
+                for port in ports:
+                    inputs.pop(port)
+                c = self.consumers[(step, name)] = _Consumer(sources.pop(), ports, inputs)
+            else:
+                for src in sources:
+                    if (
+                        self.book.count(step, src, {e.src_port for e in edges if e.src == src})
+                        is None
+                    ):
+                        return False
+                slot = self.pending.setdefault((step, name), {})
+                for e in edges:
+                    slot[e.dst_port] = self.book.joined(step, e.src, e.src_port)
+                return True
+        if self.book.count(step, c.src, c.src_ports) == c.next:
+            return True  # every piece taken: the consumer's outputs can be joined
+        return self.book.piece(step, c.src, c.next, c.src_ports) is not None
 
     def _run_one(self) -> bool:
         """Run the ready node with the lowest (step, topological index); False if none is ready."""
@@ -490,31 +548,136 @@ class Controller:
         if best is None:
             return False
         step = self.next_step[best]
+        consumer = self.consumers.get((step, best))
+        if consumer is not None:
+            self._run_piece(best, step, consumer)
+            return True
         inputs = self.pending.pop((step, best), {})
         for e in self.in_edges[best]:
             inputs.setdefault(e.dst_port, None)
         self.starts[step][best] = time.time()
         t0 = time.perf_counter()
         self.current = (best, step, time.monotonic(), self.limits[best])
+        streaming = self.nodes[best].streaming
         try:
-            out = self.run_node(self.shim, best, inputs, step, self.index, self.splitter)
+            if streaming:
+                out = self._run_stream(best, step, inputs)
+            else:
+                out = self.run_node(self.shim, best, inputs, step, self.index, self.splitter)
         finally:
             self.current = None
         self.seconds[step][best] = time.perf_counter() - t0
+        self._finish(best, step, out, streaming)
+        return True
+
+    def _finish(self, best: str, step: int, out: dict[str, Any], streamed: bool = False) -> None:
+        """A node's call for ``step`` is done: hand its outputs on (those of a streaming node
+        went as pieces, except along delayed edges, which get the joined value)."""
         self.next_step[best] = step + 1
         for port, value in out.items():
             for e in self.local_out.get((best, port), ()):
+                if streamed and not e.delay:
+                    continue
                 target = step + (self.lag if e.delay else 0)
                 self.pending.setdefault((target, e.dst), {})[e.dst_port] = value
             dests = self.remote_out.get((best, port))
-            if dests:
+            if dests and not streamed:
                 self._send_data(step, best, port, value, dests)
         for key, (node, port) in self.graph_outputs.items():
             if node == best:
                 self.step_outputs[step][key] = out[port]
-        return True
+        if self.book:
+            self._prune_streams()
 
-    def _send_data(self, step: int, src: str, port: str, value: Any, dests: list[int]) -> None:
+    def _run_stream(self, name: str, step: int, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Run a streaming node: each piece to the readers here and to the controllers that
+        read it, as it comes; returns the joined outputs."""
+        from runtime.local import stream_node
+
+        pieces = []
+        here = {
+            port
+            for (src, port), edges in self.local_out.items()
+            if src == name and any(not e.delay for e in edges)
+        }
+        for i, (rows, outs) in enumerate(stream_node(self.shim, name, inputs, step, self.index)):
+            pieces.append((rows, outs))
+            for port, value in outs.items():
+                if port in here:
+                    self.book.add(step, name, port, i, rows, value)
+                dests = self.remote_out.get((name, port))
+                if dests:
+                    self._send_data(step, name, port, value, dests, piece=i, rows=rows)
+        for port in self.nodes[name].outputs:
+            if port in here:
+                self.book.end(step, name, port, len(pieces))
+            for c in self.remote_out.get((name, port), ()):
+                self._send(
+                    str(c).encode(),
+                    m.Data(step, name, port, self.index, self.epoch, len(pieces), end=True),
+                )
+        return join_pieces(pieces, name)
+
+    def _run_piece(self, name: str, step: int, c: _Consumer) -> None:
+        """The next piece of a per-piece consumer, or, all taken, its joined outputs."""
+        if self.book.count(step, c.src, c.src_ports) == c.next:
+            del self.consumers[(step, name)]
+            self.seconds[step][name] = c.seconds
+            self.starts[step][name] = c.start
+            self._finish(name, step, join_pieces(c.pieces, name))
+            return
+        from runtime.streams import call_piece
+
+        piece = self.book.piece(step, c.src, c.next, c.src_ports)
+        assert piece is not None  # _stream_ready said so
+
+        def call(inputs: dict[str, Any]) -> dict[str, Any]:
+            return self.run_node(self.shim, name, inputs, step, self.index, self.splitter)
+
+        if not c.pieces:
+            c.start = time.time()
+        t0 = time.perf_counter()
+        self.current = (name, step, time.monotonic(), self.limits[name])
+        try:
+            c.pieces.append(
+                call_piece(
+                    call,
+                    self.nodes[name],
+                    c.inputs,
+                    c.ports,
+                    piece,
+                    c.next,
+                    c.seen,
+                    step,
+                    self.index,
+                )
+            )
+        finally:
+            self.current = None
+        c.seconds += time.perf_counter() - t0
+        c.next += 1
+
+    def _prune_streams(self) -> None:
+        """Forget the streams that every reader here is done with."""
+        for step, src in self.book.streams():
+            readers = self.readers.get(src, ())
+            if (
+                all(self.next_step[r] > step for r in readers)
+                and self.book.count(step, src, self.book.ports(step, src)) is not None
+            ):
+                self.book.discard(step, src)
+                self._delayed_joined = {k for k in self._delayed_joined if k[:2] != (step, src)}
+
+    def _send_data(
+        self,
+        step: int,
+        src: str,
+        port: str,
+        value: Any,
+        dests: list[int],
+        piece: int = -1,
+        rows: list[int] | None = None,
+    ) -> None:
         def where() -> str:  # only for errors: hot path
             many = "s" if len(dests) > 1 else ""
             return f"node {src!r} output {port!r} (to controller{many} {dests})"
@@ -526,7 +689,7 @@ class Controller:
         except UnsupportedValueError as exc:
             raise _SendError(src, step, f"{where()}{exc}") from None
         self._check_size(frames, where, src, step)
-        header = m.Data(step, src, port, self.index, self.epoch)
+        header = m.Data(step, src, port, self.index, self.epoch, piece, rows or [])
         for c in dests:
             self._send(str(c).encode(), header, frames)
 
@@ -664,6 +827,8 @@ class Controller:
                         del self.pending[(target, e.dst)]
                     continue
                 slot[e.dst_port] = value
+        elif kind in ("piece", "end"):
+            self._handle_stream(event)
         elif kind == "run":
             self.until = max(self.until, event[1])
         elif kind == "shutdown":
@@ -689,6 +854,29 @@ class Controller:
                 file=sys.stderr,
             )
             raise _Stop
+
+    def _handle_stream(self, event: tuple[Any, ...]) -> None:
+        """A piece or the end of a stream from a peer; delayed readers get the joined value."""
+        if event[-1] != self.epoch:
+            return  # queued before the last restore
+        kind, step, src, port = event[:4]
+        if kind == "end":
+            self.book.end(step, src, port, event[4])
+        elif not self.book.add(step, src, port, event[4], event[5], event[6]):
+            self.drops.drop(
+                f"controller {self.index}'s data socket",
+                f"piece {event[4]} of {src}.{port} at step {step}: a second copy",
+            )
+            return
+        delayed = [e for e in self.remote_in.get((src, port), ()) if e.delay]
+        done = (step, src, port) in self._delayed_joined
+        if delayed and not done and self.book.count(step, src, {port}) is not None:
+            self._delayed_joined.add((step, src, port))
+            value = self.book.joined(step, src, port)
+            for e in delayed:
+                self.pending.setdefault((step + self.lag, e.dst), {})[e.dst_port] = value
+        if self.book:
+            self._prune_streams()
 
     # --- state: checkpoints and restore -----------------------------------------------------
     def _delayed_slots(self, step: int) -> list[tuple[Any, int]]:
@@ -756,6 +944,9 @@ class Controller:
         self.next_step = dict.fromkeys(self.order, step)
         self.reported = self.until = step
         self.pending = {}
+        self.book.clear()
+        self.consumers.clear()
+        self._delayed_joined.clear()
         self.seconds.clear()
         self.starts.clear()
         self.step_outputs.clear()
@@ -835,6 +1026,21 @@ class Controller:
         if destroy:  # each socket's own linger: GOODBYE and errors still go out
             with contextlib.suppress(Exception):
                 self.ctx.destroy(linger=0 if self.driver_lost else None)
+
+
+class _Consumer:
+    """A node fed per piece of a stream at one step: what it has taken so far."""
+
+    def __init__(self, src: str, ports: dict[str, str], inputs: dict[str, Any]):
+        self.src = src
+        self.ports = ports  # its input port -> the producer's output port
+        self.src_ports = set(ports.values())
+        self.inputs = inputs  # its other (shared) inputs
+        self.next = 0
+        self.seen: set[int] = set()
+        self.pieces: list[Any] = []
+        self.seconds = 0.0
+        self.start = 0.0
 
 
 class _SendError(Exception):

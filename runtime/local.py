@@ -11,14 +11,16 @@ from __future__ import annotations
 import random
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
 import torch
 
 from runtime.splitting import NodeSplitter, device_pool
+from runtime.streams import call_piece, per_piece
 from yatt_graph import Graph, NodeExecutionError, Plan
+from yatt_graph.stream import Piece, join_pieces
 
 __all__ = ["LocalExecutor", "StepResult", "describe"]
 
@@ -47,6 +49,21 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
+def _node_error(
+    graph: Graph, name: str, inputs: dict[str, Any], step: int, controller: int, exc: Exception
+) -> NodeExecutionError:
+    shapes = ", ".join(f"{k}={describe(v)}" for k, v in inputs.items()) or "no inputs"
+    tb = traceback.format_exc()
+    return NodeExecutionError(
+        name,
+        f"node {name!r} ({type(graph.nodes[name]).__name__}) failed at step {step} on controller "
+        f"{controller}: {type(exc).__name__}: {exc}\n  inputs: {shapes}\n--- original traceback ---\n{tb}",
+        tb,
+        step=step,
+        controller=controller,
+    )
+
+
 def run_node(
     graph: Graph,
     name: str,
@@ -65,16 +82,18 @@ def run_node(
         node.begin_step(step)
         return splitter.call(name, inputs) if splitter is not None else node.run(inputs)
     except Exception as exc:
-        shapes = ", ".join(f"{k}={describe(v)}" for k, v in inputs.items()) or "no inputs"
-        tb = traceback.format_exc()
-        raise NodeExecutionError(
-            name,
-            f"node {name!r} ({type(node).__name__}) failed at step {step} on controller {controller}: "
-            f"{type(exc).__name__}: {exc}\n  inputs: {shapes}\n--- original traceback ---\n{tb}",
-            tb,
-            step=step,
-            controller=controller,
-        ) from exc
+        raise _node_error(graph, name, inputs, step, controller, exc) from exc
+
+
+def stream_node(
+    graph: Graph, name: str, inputs: dict[str, Any], step: int, controller: int = 0
+) -> Iterator[Piece]:
+    """The checked pieces of one call of a streaming node; failures as in :func:`run_node`."""
+    try:
+        graph.nodes[name].begin_step(step)
+        yield from graph.nodes[name].run_stream(inputs)
+    except Exception as exc:
+        raise _node_error(graph, name, inputs, step, controller, exc) from exc
 
 
 class LocalExecutor:
@@ -100,16 +119,40 @@ class LocalExecutor:
         values: dict[tuple[str, str], Any] = {}
         seconds: dict[str, float] = {}
         starts: dict[str, float] = {}
+        streamed: dict[str, list[Piece]] = {}  # this step's pieces of each streaming node
         for name in self.order:
             inputs = {}
-            for e in self.graph.inputs_of(name):
+            edges = self.graph.inputs_of(name)
+            for e in edges:
                 key = (e.src, e.src_port)
                 inputs[e.dst_port] = self._delayed.get(key) if e.delay else values[key]
             starts[name] = time.time()
             t0 = time.perf_counter()
-            out = run_node(
-                self.graph, name, inputs, step, self.plan.assignment[name], self.splitter
-            )
+            controller = self.plan.assignment[name]
+            node = self.graph.nodes[name]
+            sources = {e.src for e in edges if not e.delay and e.src in streamed}
+            ports = {e.dst_port: e.src_port for e in edges if not e.delay and e.src in sources}
+            if node.streaming:
+                streamed[name] = list(stream_node(self.graph, name, inputs, step, controller))
+                out = join_pieces(streamed[name], name)
+            elif len(sources) == 1 and per_piece(node, ports, inputs):
+
+                def call(
+                    piece_inputs: dict[str, Any], name: str = name, controller: int = controller
+                ) -> dict[str, Any]:
+                    return run_node(self.graph, name, piece_inputs, step, controller, self.splitter)
+
+                seen: set[int] = set()
+                pieces = streamed[sources.pop()]
+                out = join_pieces(
+                    [
+                        call_piece(call, node, inputs, ports, p, i, seen, step, controller)
+                        for i, p in enumerate(pieces)
+                    ],
+                    name,
+                )
+            else:
+                out = run_node(self.graph, name, inputs, step, controller, self.splitter)
             seconds[name] = time.perf_counter() - t0
             for port, value in out.items():
                 values[(name, port)] = value

@@ -73,13 +73,15 @@ __all__ = [
     "hello_protocol",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped on any change to the messages below other than an appended field with a default.
 2: STATE_* messages (checkpoints of a ZeroMQ run), Data.epoch, node timeouts.
 3: the work link: HELLO announces a second DEALER (``work_identity``) that receives RUN and
 STATE_* and sends READY, STEP_DONE, STATE_* replies and GOODBYE; READY lost ``results_identity``;
 the kind byte and the header share one frame (``head``). A protocol-2 HELLO (kind and header
-in two frames) is still read, so that such a peer is refused with the reason."""
+in two frames) is still read, so that such a peer is refused with the reason.
+4: streamed outputs: DATA carries ``piece``, ``rows`` and ``end`` (a protocol-3 peer would take
+a piece for the whole value)."""
 
 MAX_HEADER_BYTES = 16 << 20
 """A header frame (the Struct, not the value frames) larger than this is refused undecoded."""
@@ -212,6 +214,12 @@ class Data(_Msg):
     sender: int = -1
     epoch: int = 0
     """Bumped by every STATE_LOAD: data sent before a restore is dropped, not mixed in."""
+    piece: int = -1
+    """A streamed output (:mod:`runtime.streams`): the piece's index; -1: the whole value."""
+    rows: list[int] = []
+    """A piece's rows (positions in the node's whole output batch)."""
+    end: bool = False
+    """The end of a stream: ``piece`` is then the number of pieces, and no value follows."""
 
 
 class Release(_Msg):

@@ -151,3 +151,79 @@ def make_set():
 @node(outputs={"n": ANY})
 def count(v: ANY):
     return {"n": len(v)}
+
+
+# --- streaming (runtime/streams.py) ----------------------------------------------------------
+
+
+class Decode(Node):
+    """A streaming rollout stand-in: ``n`` responses of seeded ragged lengths, yielded in
+    pieces of finished rows (shortest first), ``pause_s`` of real waiting after the first."""
+
+    kind = "rollout"
+    outputs = {
+        "ids": Tensor("int64", "B", "T"),
+        "length": Tensor("int64", "B"),
+        "text": ANY,
+    }
+
+    def __init__(self, n: int = 7, pause_s: float = 0.0, name: str | None = None, **kw):
+        super().__init__(name=name, **kw)
+        self.n, self.pause_s = n, pause_s
+
+    def forward_stream(self):
+        import time
+
+        g = torch.Generator().manual_seed(self.step)
+        lengths = torch.randint(1, 6, (self.n,), generator=g)  # (n,)
+        ids = torch.randint(3, 50, (self.n, 5), generator=g)  # (n, 5)
+        for t in range(1, 6):
+            rows = [i for i in range(self.n) if int(lengths[i]) == t]
+            if rows:
+                yield (
+                    rows,
+                    {
+                        "ids": ids[rows, :t],  # (r, t)
+                        "length": lengths[rows],  # (r,)
+                        "text": [f"r{i}:{t}" for i in rows],
+                    },
+                )
+                if self.pause_s:
+                    time.sleep(self.pause_s)
+                    self.pause_s = 0.0
+
+
+class Score(Node):
+    """Per-sample scores: it may be called on any part of a batch (a per-call budget)."""
+
+    kind = "reward"
+    batch_policy = BatchPolicy(max_batch_size=64)
+    inputs = {
+        "ids": Tensor("int64", "B", "T"),
+        "length": Tensor("int64", "B"),
+        "text": ANY,
+    }
+    outputs = {"score": Tensor("float32", "B"), "tag": ANY}
+    calls: list[int] = []
+
+    def __init__(self, per_row: bool = True, name: str | None = None, **kw):
+        super().__init__(name=name, **kw)
+        self.per_row = per_row
+        self.calls = []
+
+    def forward(self, ids, length, text):
+        self.calls.append(len(text))
+        score = ids.sum(-1).float() / length.float()
+        tag = [t.upper() for t in text] if self.per_row else "all"
+        return {"score": score, "tag": tag}
+
+
+class Mean(Node):
+    """Needs the whole batch."""
+
+    batch_policy = BatchPolicy(splittable=False)
+    inputs = {"score": Tensor("float32", "B"), "prev": Port(Tensor("int64", "B"), required=False)}
+    outputs = {"mean": Tensor("float32"), "prev_total": ANY}
+
+    def forward(self, score, prev):
+        return {"mean": score.mean(), "prev_total": -1 if prev is None else int(prev.sum())}

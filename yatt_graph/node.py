@@ -31,12 +31,13 @@ from __future__ import annotations
 import copy
 import inspect
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import msgspec
 
 from yatt_graph.errors import NodeInputError, NodeOutputError
+from yatt_graph.stream import Piece, check_piece, join_pieces
 from yatt_graph.types import AnySpec, PortSpec, StructSpec, TensorSpec, spec_of
 
 __all__ = ["BatchPolicy", "Node", "FunctionNode", "Port", "Resources", "node", "check_value"]
@@ -195,10 +196,22 @@ class Node:
     def forward(self, **inputs: Any) -> Mapping[str, Any]:
         raise NotImplementedError(f"{type(self).__name__} must define forward(**inputs)")
 
-    def run(
-        self, inputs: Mapping[str, Any] | None = None, /, *, check: bool = True, **kw: Any
-    ) -> dict[str, Any]:
-        """Run the node alone: check inputs against the ports, call forward, check outputs."""
+    def forward_stream(self, **inputs: Any) -> Iterator[tuple[list[int], Mapping[str, Any]]]:
+        """Optional: yield ``(rows, outputs)`` pieces as samples finish (:mod:`yatt_graph.stream`).
+
+        A node that defines it *streams*: executors run it through :meth:`run_stream` and
+        hand each piece downstream at once. Its ``forward`` may be left out; ``run`` then
+        joins the pieces.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the node defines :meth:`forward_stream`."""
+        return type(self).forward_stream is not Node.forward_stream
+
+    def _inputs(self, inputs: Mapping[str, Any] | None, kw: Mapping[str, Any], check: bool):
+        """The call's values (missing optional ports as None) and the checked symbol sizes."""
         values = {**(inputs or {}), **kw}
         if not values.keys() <= self.inputs.keys() and (
             unknown := sorted(set(values) - set(self.inputs))
@@ -217,14 +230,39 @@ class Node:
                 continue
             if check and (why := check_value(port.spec, values[port_name], bindings)):
                 raise NodeInputError(f"node {self.name!r}: input {port_name!r}: {why}")
+        return values, bindings
+
+    def _call(self, fn: Callable[..., Any], values: dict[str, Any]) -> Any:
         try:
-            result = self.forward(**values)
+            return fn(**values)
         except ValueError as exc:
             # A check deep in a helper knows the argument, not the node: add the node.
             if type(exc) is ValueError and f"node {self.name!r}" not in str(exc):
                 raise ValueError(f"node {self.name!r}: {exc}") from exc
             raise
-        return self._check_outputs(result, bindings if check else None)
+
+    def run(
+        self, inputs: Mapping[str, Any] | None = None, /, *, check: bool = True, **kw: Any
+    ) -> dict[str, Any]:
+        """Run the node alone: check inputs against the ports, call forward, check outputs.
+
+        A streaming node without its own ``forward`` runs its stream and joins the pieces.
+        """
+        if type(self).forward is Node.forward and self.streaming:
+            pieces = list(self.run_stream(inputs, check=check, **kw))
+            return self._check_outputs(join_pieces(pieces, self.name), None)
+        values, bindings = self._inputs(inputs, kw, check)
+        return self._check_outputs(self._call(self.forward, values), bindings if check else None)
+
+    def run_stream(
+        self, inputs: Mapping[str, Any] | None = None, /, *, check: bool = True, **kw: Any
+    ) -> Iterator[Piece]:
+        """Run a streaming node: check the inputs, then yield its checked pieces in order."""
+        values, _ = self._inputs(inputs, kw, check)
+        seen: set[int] = set()
+        stream = self._call(self.forward_stream, values)
+        for index, piece in enumerate(stream):
+            yield check_piece(self.name, self.outputs, piece, seen, index)
 
     def _check_outputs(self, result: Any, bindings: dict[str, int] | None) -> dict[str, Any]:
         if not isinstance(result, Mapping):

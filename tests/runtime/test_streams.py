@@ -1,0 +1,201 @@
+"""Streaming nodes in the executors: consumers fed per piece (runtime/streams.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sample_nodes import Decode, Mean, Score
+
+from runtime.driver import ZmqExecutor
+from runtime.local import LocalExecutor
+from runtime.streams import StreamBook
+from yatt_graph import ANY, Graph, Node, NodeExecutionError, NodeOutputError, Tensor
+
+
+class Texts(Node):
+    kind = "data"
+    outputs = {"text": ANY}
+
+    def __init__(self, n: int, **kw):
+        super().__init__(**kw)
+        self.n = n
+
+    def forward(self):
+        return {"text": [f"t{i}" for i in range(self.n)]}
+
+
+def stream_graph(
+    n: int = 7,
+    pause_s: float = 0.0,
+    per_row: bool = True,
+    places: tuple[int, int] = (0, 1),
+    other_text: bool = False,
+) -> Graph:
+    """decode (streams) -> score (fed per piece) -> mean (whole); decode's lengths also reach
+    mean through a delayed edge."""
+    with Graph("streams") as g:
+        d = Decode(n, pause_s, placement=places[0], name="decode")()
+        score_in = {"ids": d.ids, "length": d.length, "text": d.text}
+        if other_text:  # a per-sample input that does not come from the stream: score runs whole
+            score_in["text"] = Texts(n, placement=places[1], name="texts")()
+            g.discard(d.text)
+        s = Score(per_row, placement=places[1], name="score")(**score_in)
+        mean = Mean(placement=places[1], name="mean")
+        m = mean(score=s.score)
+        g.connect(d.length, mean, "prev", delay=1)
+        g.output("ids", d.ids)
+        g.output("score", s.score)
+        g.output("tag", s.tag)
+        g.output("mean", m.mean)
+        g.output("prev_total", m.prev_total)
+    return g
+
+
+def expected(step: int, n: int = 7) -> dict[str, object]:
+    """What the graph computes, from Decode's own definition, without any streaming."""
+    g = torch.Generator().manual_seed(step)
+    lengths = torch.randint(1, 6, (n,), generator=g)
+    ids = torch.randint(3, 50, (n, 5), generator=g)
+    width = int(lengths.max())
+    cut = torch.where(torch.arange(width)[None, :] < lengths[:, None], ids[:, :width], 0)
+    return {"ids": cut, "score": cut.sum(-1).float() / lengths.float()}
+
+
+def test_a_streaming_node_run_alone_joins_its_pieces_in_row_order():
+    out = Decode(7).run()
+    want = expected(0)
+    assert torch.equal(out["ids"], want["ids"])  # ragged pieces zero-padded to the longest
+    assert [int(t.split(":")[0][1:]) for t in out["text"]] == list(range(7))
+    pieces = list(Decode(7).run_stream())
+    assert len(pieces) > 1 and sorted(r for rows, _ in pieces for r in rows) == list(range(7))
+
+
+@pytest.mark.parametrize(
+    ("piece", "match"),
+    [
+        (([0, 0], {"y": torch.ones(2)}), "already yielded"),
+        (([0, 1], {"y": torch.ones(3)}), "3 entries for 2 rows"),
+        (([0], {"z": torch.ones(1)}), "every declared output"),
+        ("oops", "yield \\(rows, outputs\\) pairs"),
+        (([-1], {"y": torch.ones(1)}), "non-negative ints"),
+    ],
+)
+def test_a_bad_piece_is_named(piece, match):
+    class Bad(Node):
+        outputs = {"y": Tensor("float32", "B")}
+
+        def forward_stream(self):
+            yield piece
+
+    with pytest.raises(NodeOutputError, match=f"node 'bad': forward_stream piece 0.*{match}"):
+        Bad().run()
+
+
+def test_rows_that_do_not_cover_the_batch_are_refused():
+    class Gappy(Node):
+        outputs = {"y": Tensor("float32", "B")}
+
+        def forward_stream(self):
+            yield [0], {"y": torch.ones(1)}
+            yield [2], {"y": torch.ones(1)}
+
+    with pytest.raises(NodeOutputError, match="not 0..1: missing \\[1\\]"):
+        Gappy().run()
+
+
+def test_the_in_process_executor_calls_a_consumer_once_per_piece():
+    with LocalExecutor(stream_graph().plan(2)) as ex:
+        results = ex.run(3)
+        calls = ex.graph.nodes["score"].calls
+    pieces = [len(list(_stream_at(s))) for s in range(3)]
+    assert len(calls) == sum(pieces) and sum(calls) == 21  # per piece, every row once
+    for step, r in enumerate(results):
+        want = expected(step)
+        assert torch.equal(r.outputs["ids"], want["ids"])
+        assert torch.allclose(r.outputs["score"], want["score"])
+        assert r.outputs["tag"] == [
+            f"R{i}:{n}" for i, n in enumerate(want["ids"].ne(0).sum(-1).tolist())
+        ]
+        assert torch.allclose(r.outputs["mean"], want["score"].mean())
+        # the delayed edge carries the joined lengths of the step before
+        prev = -1 if step == 0 else int(expected(step - 1)["ids"].ne(0).sum())
+        assert r.outputs["prev_total"] == prev
+
+
+def _stream_at(step: int):
+    node = Decode(7)
+    node.begin_step(step)
+    return node.run_stream()
+
+
+def test_a_consumer_with_a_per_sample_input_from_elsewhere_runs_once_on_the_whole_batch():
+    with LocalExecutor(stream_graph(other_text=True).plan(2)) as ex:
+        r = ex.step()
+        assert ex.graph.nodes["score"].calls == [7]
+    assert torch.allclose(r.outputs["score"], expected(0)["score"])
+
+
+def test_a_consumer_that_does_not_answer_per_row_is_named():
+    with (
+        LocalExecutor(stream_graph(per_row=False).plan(2)) as ex,
+        pytest.raises(NodeExecutionError, match="node 'score', called on piece 0.*at step 0"),
+    ):
+        ex.step()
+
+
+@pytest.mark.timeout(120)
+def test_zeromq_streams_between_controllers_and_equals_the_in_process_run():
+    with LocalExecutor(stream_graph().plan(2)) as local:
+        want = local.run(3)
+    with ZmqExecutor(stream_graph().plan(2)) as zmq_run:
+        got = zmq_run.run(3)
+    for a, b in zip(want, got, strict=True):
+        for key in ("ids", "score", "mean"):
+            assert torch.equal(a.outputs[key], b.outputs[key]), key
+        assert a.outputs["tag"] == b.outputs["tag"]
+        assert a.outputs["prev_total"] == b.outputs["prev_total"]
+
+
+@pytest.mark.timeout(120)
+def test_zeromq_consumer_starts_before_the_producer_finishes():
+    pause = 0.5  # real waiting in the producer after its first piece
+    with ZmqExecutor(stream_graph(pause_s=pause).plan(2)) as ex:
+        r = ex.step()
+    decode_end = r.node_start["decode"] + r.node_seconds["decode"]
+    assert r.node_seconds["decode"] >= pause
+    # score (controller 1) took the first piece while decode (controller 0) was still paused
+    assert r.node_start["score"] < decode_end - pause / 2
+    assert torch.allclose(r.outputs["score"], expected(0)["score"])
+
+
+@pytest.mark.timeout(120)
+def test_zeromq_streaming_on_one_controller_equals_the_in_process_run():
+    with LocalExecutor(stream_graph(places=(0, 0)).plan(1)) as local:
+        want = local.run(2)
+    with ZmqExecutor(stream_graph(places=(0, 0)).plan(1)) as zmq_run:
+        got = zmq_run.run(2)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a.outputs["score"], b.outputs["score"])
+        assert a.outputs["prev_total"] == b.outputs["prev_total"]
+
+
+@pytest.mark.timeout(120)
+def test_zeromq_a_failing_piece_call_names_the_node_and_step():
+    with (
+        ZmqExecutor(stream_graph(per_row=False).plan(2)) as ex,
+        pytest.raises(NodeExecutionError, match="node 'score', called on piece 0.*at step 0"),
+    ):
+        ex.step()
+
+
+def test_the_stream_book_waits_for_every_port_and_piece():
+    book = StreamBook()
+    book.add(0, "d", "a", 1, [1], [10])
+    assert book.piece(0, "d", 0, {"a"}) is None and book.count(0, "d", {"a"}) is None
+    book.add(0, "d", "a", 0, [0], [9])
+    book.end(0, "d", "a", 2)
+    assert book.count(0, "d", {"a"}) == 2 and book.count(0, "d", {"a", "b"}) is None
+    assert not book.add(0, "d", "a", 0, [0], [9])  # a second copy is refused
+    assert book.joined(0, "d", "a") == [9, 10]
+    book.discard(0, "d")
+    assert not book

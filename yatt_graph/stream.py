@@ -1,0 +1,116 @@
+"""Streaming nodes: outputs that come out in pieces, as samples finish.
+
+A node streams when it defines ``forward_stream(**inputs)``, a generator of ``(rows,
+outputs)`` pieces: ``rows`` are the positions, in the node's whole output batch, of the
+samples that just finished, and ``outputs`` hold one entry per row on every output port
+(a tensor's first axis, a list's items). Over the call the rows of all pieces must be
+``0..B-1``, each once. An executor hands each piece downstream at once, so a consumer that
+may be called on any part of a batch (see :mod:`runtime.streams`) starts on the first
+finished samples while the slowest are still being produced.
+
+:func:`join_pieces` puts pieces back into whole-batch outputs (rows in order; tensors whose
+trailing sizes differ between pieces are zero-padded to the largest, as a ragged batch is).
+It uses only the values' own methods, so this package still does not import torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from yatt_graph.errors import NodeOutputError
+
+__all__ = ["Piece", "check_piece", "join_pieces"]
+
+Piece = tuple[list[int], dict[str, Any]]
+"""``(rows, outputs)``: one streamed piece of a node call."""
+
+
+def _is_tensor(value: Any) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "new_zeros")
+
+
+def check_piece(
+    node: str, ports: Mapping[str, Any], piece: Any, seen: set[int], index: int, where: str = ""
+) -> Piece:
+    """A piece as a ``(rows, outputs)`` pair, checked: the node's output ports exactly, one
+    entry per row on each, rows that are new non-negative ints. ``seen`` collects the rows;
+    ``where`` replaces the start of the error messages."""
+    where = where or f"node {node!r}: forward_stream piece {index}"
+    if not (isinstance(piece, tuple | list) and len(piece) == 2):
+        raise NodeOutputError(
+            f"{where} is a {type(piece).__name__}; yield (rows, outputs) pairs: rows a list of "
+            "output positions, outputs a dict with one entry per row on each output port"
+        )
+    rows, outputs = piece
+    if _is_tensor(rows):
+        rows = rows.tolist()
+    if not isinstance(rows, list | tuple | range) or not all(
+        type(r) is int and r >= 0 for r in rows
+    ):
+        raise NodeOutputError(f"{where}: rows must be a list of non-negative ints, got {rows!r}")
+    rows = list(rows)
+    again = sorted(seen.intersection(rows))
+    if again or len(set(rows)) != len(rows):
+        raise NodeOutputError(
+            f"{where}: rows {again or rows} were already yielded; each sample finishes once"
+        )
+    if not isinstance(outputs, Mapping) or outputs.keys() != ports.keys():
+        got = sorted(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
+        raise NodeOutputError(
+            f"{where}: outputs {got}; a piece holds every declared output {sorted(ports)}"
+        )
+    for port, value in outputs.items():
+        try:
+            n = len(value)
+        except TypeError:
+            n = None
+        if n != len(rows):
+            raise NodeOutputError(
+                f"{where}: output {port!r} has {n if n is not None else 'no'} entries for "
+                f"{len(rows)} rows; every output of a piece holds one entry per row"
+            )
+    seen.update(rows)
+    return rows, dict(outputs)
+
+
+def join_pieces(pieces: Sequence[Piece], node: str = "") -> dict[str, Any]:
+    """Whole-batch outputs from checked pieces, each row in its place (see the module doc)."""
+    who = f"node {node!r}: " if node else ""
+    if not pieces:
+        raise NodeOutputError(
+            f"{who}forward_stream yielded nothing; for an empty batch yield ([], outputs) "
+            "with empty values, so that the outputs' types are known"
+        )
+    total = sum(len(rows) for rows, _ in pieces)
+    rows_seen = sorted(r for rows, _ in pieces for r in rows)
+    if rows_seen != list(range(total)):
+        missing = sorted(set(range(total)) - set(rows_seen))[:8]
+        raise NodeOutputError(
+            f"{who}the streamed rows are not 0..{total - 1}: missing {missing}, largest "
+            f"{rows_seen[-1] if rows_seen else None}; every sample of the batch must finish once"
+        )
+    out: dict[str, Any] = {}
+    for port in pieces[0][1]:
+        values = [(rows, outs[port]) for rows, outs in pieces]
+        first = values[0][1]
+        if _is_tensor(first):
+            dims = len(first.shape)
+            widths = [max(v.shape[d] for _, v in values) for d in range(1, dims)]
+            joined = first.new_zeros((total, *widths))
+            for rows, v in values:
+                if len(v.shape) != dims:
+                    raise NodeOutputError(
+                        f"{who}output {port!r} has rank {len(v.shape)} in one piece and "
+                        f"{dims} in another"
+                    )
+                if rows:
+                    joined[(rows, *[slice(0, s) for s in v.shape[1:]])] = v
+            out[port] = joined
+        else:
+            joined_list: list[Any] = [None] * total
+            for rows, v in values:
+                for r, x in zip(rows, v):
+                    joined_list[r] = x
+            out[port] = tuple(joined_list) if isinstance(first, tuple) else joined_list
+    return out
