@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from PIL import Image
 
-from yatt_graph import ANY, Graph, Node, Tensor
+from yatt_graph import ANY, BatchPolicy, Graph, Node, Tensor
+from yatt_graph.stream import join_pieces
 
 __all__ = ["build_graph"]
 
@@ -115,6 +117,87 @@ def build_graph(kind: str = "tick", **options: Any) -> Graph:
                 options.get("batch", 16), options.get("size", 224), placement=0, name="source"
             )()
             g.output("summary", Consume(placement=1, name="sink")(*batch))
+        elif kind in ("stream", "stream_whole"):
+            gen = Generate if kind == "stream" else GenerateWhole
+            out = gen(**options.get("generate", {}), placement=0, name="generate")()
+            judge = Judge(**options.get("judge", {}), placement=1, name="judge")
+            g.output("score", judge(out.state, out.length))
         else:
             raise ValueError(f"unknown benchmark graph {kind!r}")
     return g
+
+
+class Generate(Node):
+    """A decode loop over ``prompts`` rows of seeded ragged lengths (lognormal, median
+    ``median_len``, capped at ``max_len``): one ``[active, D] @ [D, D]`` matmul per token over
+    the rows still generating. Streams: every ``chunk`` tokens it yields the rows that
+    finished since the last piece."""
+
+    kind = "rollout"
+    outputs = {"state": Tensor("float32", "B", "D"), "length": Tensor("int64", "B")}
+
+    def __init__(
+        self,
+        prompts: int = 64,
+        dim: int = 512,
+        median_len: int = 48,
+        max_len: int = 192,
+        chunk: int = 16,
+        name: str | None = None,
+        **kw: Any,
+    ):
+        super().__init__(name=name, **kw)
+        self.prompts, self.dim, self.chunk = prompts, dim, chunk
+        self.median_len, self.max_len = median_len, max_len
+        g = torch.Generator().manual_seed(1)
+        self.weight = torch.randn(dim, dim, generator=g) / dim**0.5  # (D, D)
+
+    def forward_stream(self) -> Any:
+        g = torch.Generator().manual_seed(self.step)
+        raw = torch.empty(self.prompts).log_normal_(math.log(self.median_len), 0.7, generator=g)
+        lengths = raw.round().clamp(1, self.max_len).long()  # (B,)
+        h = torch.randn(self.prompts, self.dim, generator=g) / self.dim**0.5  # (B, D)
+        active = list(range(self.prompts))
+        done: list[int] = []
+        for t in range(1, int(lengths.max()) + 1):
+            idx = torch.tensor(active)  # (a,)
+            h[idx] = torch.tanh(h[idx] @ self.weight)  # (a, D)
+            done += [i for i in active if int(lengths[i]) == t]
+            active = [i for i in active if int(lengths[i]) > t]
+            if done and (t % self.chunk == 0 or not active):
+                yield done, {"state": h[done].clone(), "length": lengths[done]}
+                done = []
+
+
+class GenerateWhole(Generate):
+    """The same generation, returned whole at the end (no streaming)."""
+
+    streaming = False  # type: ignore[assignment]
+
+    def forward(self) -> dict[str, Any]:
+        return join_pieces(list(self.forward_stream()), self.name)
+
+
+class Judge(Node):
+    """A generative reward: reads each response (a ``[L, D] @ [D, D]`` prefill), then decodes
+    a ``critique``-token answer for the batch. May be called on any part of a batch."""
+
+    kind = "reward"
+    batch_policy = BatchPolicy(max_batch_size=64)
+    inputs = {"state": Tensor("float32", "B", "D"), "length": Tensor("int64", "B")}
+    outputs = {"score": Tensor("float32", "B")}
+
+    def __init__(self, dim: int = 512, critique: int = 24, name: str | None = None, **kw: Any):
+        super().__init__(name=name, **kw)
+        self.critique = critique
+        g = torch.Generator().manual_seed(2)
+        self.weight = torch.randn(dim, dim, generator=g) / dim**0.5  # (D, D)
+
+    def forward(self, state: torch.Tensor, length: torch.Tensor) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(int(length.sum()))
+        for n in length.tolist():
+            torch.tanh(torch.randn(n, state.shape[1], generator=g) @ self.weight)  # (L, D)
+        h = state  # (b, D)
+        for _ in range(self.critique):
+            h = torch.tanh(h @ self.weight)  # (b, D)
+        return {"score": h[:, 0].contiguous()}  # (b,)
