@@ -109,8 +109,15 @@ def sample_and_score(
     vision: str = "tiny",
     n: int = 1,
     text_only: bool = False,
+    stream: bool = False,
 ) -> Sampled:
-    """Declare data -> (vision) -> rollout -> reward, and the reference logprobs, in ``g``."""
+    """Declare data -> (vision) -> rollout -> reward, and the reference logprobs, in ``g``.
+
+    ``stream``: the rollout hands out responses as they end (``Rollout(stream=True)``); with
+    one sample per prompt the reward, the reference and the critic then take them piece by
+    piece (runtime/streams.py), which overlaps generation when they run on another controller
+    (``--placement partial``).
+    """
     data = ShapesSource(
         batch_size=batch_size, task=task, seed=seed, text_hint=text_only, name="data"
     )()
@@ -128,6 +135,7 @@ def sample_and_score(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         seed=seed,
+        stream=stream,
         name="rollout",
     )
     sample = rollout(prompts=data.prompts, **image_port)

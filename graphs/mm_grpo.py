@@ -33,6 +33,7 @@ def build_graph(
     entropy_coef: float = 0.01,
     epochs: int = 2,
     estimator: str = "grpo",
+    stream: bool = False,
 ) -> Graph:
     """``batch_size`` prompts per step, ``group_size`` samples each; ``estimator``: grpo or rloo."""
     with Graph("mm_grpo") as g:
@@ -48,6 +49,7 @@ def build_graph(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             n=group_size,
+            stream=stream,
         )
         adv = GroupAdvantage(estimator, name="group_advantage")(
             scores=s.scores, group_ids=s.sample.group_ids, response_mask=s.sample.response_mask

@@ -38,6 +38,7 @@ def build_graph(
     epochs: int = 2,
     gamma: float = 1.0,
     lam: float = 0.95,
+    stream: bool = False,
 ) -> Graph:
     """Defaults tuned on measured runs: reward 0.16 -> 0.96 in 500 steps (seed 0, CPU)."""
     options = dict(locals())

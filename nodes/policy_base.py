@@ -7,7 +7,7 @@ public face (it also builds policies from specs); the families live in
 from __future__ import annotations
 
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -154,34 +154,6 @@ def word_tokenizer(words: Sequence[str]) -> Any:
 # ---------------------------------------------------------------------------------------------
 # the common interface
 # ---------------------------------------------------------------------------------------------
-
-
-class _StepLogprobRecorder:
-    """A logits processor that records log-probs of the sampled tokens during ``generate``.
-
-    ``generate`` runs user processors before its temperature/top-k/top-p warpers, so the scores
-    seen here are the model's raw logits. At step s it keeps ``log_softmax(logits_s / T)`` and,
-    at step s+1, reads off the log-prob of the token sampled at step s. Only one (B, V) tensor
-    is held, unlike ``output_logits=True`` which keeps all R of them.
-    """
-
-    def __init__(self, temperature: float) -> None:
-        self.temperature = temperature
-        self.last: Tensor | None = None  # (B, V) log-probs of the latest step
-        self.steps: list[Tensor] = []  # R x (B,)
-
-    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        if self.last is not None:
-            self.steps.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))  # (B,)
-        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # (B, V)
-        return scores
-
-    def finish(self, new_tokens: Tensor) -> Tensor:
-        """``new_tokens``: int64[B, R] as returned by generate; returns float32[B, R]."""
-        if self.last is not None:
-            self.steps.append(self.last.gather(-1, new_tokens[:, -1:]).squeeze(-1))  # (B,)
-        self.last = None
-        return torch.stack(self.steps, dim=1)  # (B, R)
 
 
 class Policy(nn.Module):
@@ -332,121 +304,19 @@ class Policy(nn.Module):
         return out.hidden
 
     @torch.no_grad()
-    def generate(
-        self,
-        batch: PromptBatch,
-        *,
-        max_new_tokens: int = 32,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop_token_ids: Sequence[int] = (),
-        stop_strings: Sequence[str] = (),
-    ) -> Generation:
-        """Sample responses with HF ``generate`` (KV cache).
+    def generate(self, batch: PromptBatch, **sampling: Any) -> Generation:
+        """Sample responses for the whole batch: :func:`nodes.sampling.generate`."""
+        from nodes.sampling import generate
 
-        ``temperature == 0`` is greedy decoding. A response ends at the EOS token, at any of
-        ``stop_token_ids`` or at the token that completes any of ``stop_strings`` (that token is
-        kept and counted in the mask), or after ``max_new_tokens``.
+        return generate(self, batch, **sampling)
 
-        Logprobs: ``log softmax(logits / temperature)`` at the sampled token, i.e. under the
-        temperature-scaled policy *before* top-k/top-p truncation (T = 1 for greedy). That is
-        the distribution a PPO/GRPO update recomputes with ``response_logprobs(..., temperature)``,
-        so the two agree up to float error; the truncated sampling distribution is not used
-        because its support changes with top-p and the update could not reproduce it.
-        """
-        from transformers import GenerationConfig
+    def generate_stream(
+        self, batch: PromptBatch, *, every: int = 1, **sampling: Any
+    ) -> Iterator[tuple[list[int], Generation]]:
+        """The same samples, handed out as rows finish: :func:`nodes.sampling.generate_stream`."""
+        from nodes.sampling import generate_stream
 
-        if max_new_tokens < 1:
-            raise ValueError(f"generate: max_new_tokens is {max_new_tokens}; it must be >= 1")
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-            raise ValueError(
-                f"generate: temperature={temperature}, top_p={top_p}, top_k={top_k}; need "
-                "temperature >= 0, 0 < top_p <= 1, top_k >= 0"
-            )
-        greedy = temperature == 0
-        eos = [self.eos_token_id, *[int(t) for t in stop_token_ids if int(t) != self.eos_token_id]]
-        # A complete config, so that a checkpoint's own generation_config.json (penalties,
-        # top_k) never changes what we sample from.
-        gen_config = GenerationConfig(
-            do_sample=not greedy,
-            temperature=1.0 if greedy else float(temperature),
-            top_p=1.0 if greedy else float(top_p),
-            top_k=0 if greedy else int(top_k),
-            max_new_tokens=int(max_new_tokens),
-            eos_token_id=eos,
-            pad_token_id=self.pad_token_id,
-            bos_token_id=self.tokenizer.bos_token_id,
-            stop_strings=list(stop_strings) or None,
-            suppress_tokens=list(self.suppressed_token_ids) or None,
-            return_dict_in_generate=True,
-            use_cache=True,
-        )
-        recorder = _StepLogprobRecorder(1.0 if greedy else float(temperature))
-        was_training = self.training
-        self.eval()
-        try:
-            new_tokens = self._generate_raw(
-                batch,
-                gen_config,
-                logits_processor=[recorder],
-                tokenizer=self.tokenizer if stop_strings else None,
-            )  # (B, R)
-        finally:
-            self.train(was_training)
-        step_logprobs = recorder.finish(new_tokens)  # (B, R)
-        return _finish_responses(
-            new_tokens,
-            step_logprobs,
-            set(eos),
-            list(stop_strings),
-            self.tokenizer,
-            self.pad_token_id,
-        )
-
-
-def _stop_string_end(tokenizer: Any, ids: list[int], stop_strings: list[str]) -> int | None:
-    """Index of the token that completes the first stop string in ``ids``, or None."""
-    if not stop_strings or not any(s in tokenizer.decode(ids) for s in stop_strings):
-        return None
-    lo, hi = 0, len(ids) - 1  # containment is monotone in the prefix length: binary search
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if any(s in tokenizer.decode(ids[: mid + 1]) for s in stop_strings):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-def _finish_responses(
-    new_tokens: Tensor,
-    step_logprobs: Tensor,
-    stop_ids: set[int],
-    stop_strings: list[str],
-    tokenizer: Any,
-    pad_id: int,
-) -> Generation:
-    """Cut each row after its first stop token/string; pad, mask and decode.
-
-    ``generate`` keeps sampling rows that already finished (filling them with the pad id), so
-    each row's end is found here from its tokens, the same rule ``generate`` stopped on.
-    """
-    B, R = new_tokens.shape
-    lengths = []
-    rows = new_tokens.tolist()
-    for row in rows:
-        end = next((t for t, tok in enumerate(row) if tok in stop_ids), R - 1)
-        by_string = _stop_string_end(tokenizer, row[: end + 1], stop_strings)
-        lengths.append((end if by_string is None else by_string) + 1)
-    lengths_t = torch.tensor(lengths, dtype=torch.int64)  # (B,)
-    R_out = int(lengths_t.max())
-    positions = torch.arange(R_out)[None, :]  # (1, R')
-    real = positions < lengths_t[:, None]  # (B, R')
-    ids = torch.where(real, new_tokens[:, :R_out].cpu(), pad_id)  # (B, R')
-    logprobs = torch.where(real, step_logprobs[:, :R_out].cpu().float(), 0.0)  # (B, R')
-    texts = [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(rows, lengths)]
-    return Generation(ids, real.float(), logprobs, lengths_t, texts)
+        return generate_stream(self, batch, every=every, **sampling)
 
 
 def _suppress(logits: Tensor, token_ids: Sequence[int]) -> Tensor:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from yatt_graph import ANY, Node, Port, Resources, Tensor
+from yatt_graph import ANY, BatchPolicy, Node, Port, Resources, Tensor
 from yatt_graph.refs import import_ref
 
 __all__ = [
@@ -130,6 +130,9 @@ class RewardNode(Node):
     """
 
     kind = "reward"
+    batch_policy = BatchPolicy(max_batch_size=256)
+    """Scores are per sample: a call may take any part of a batch (split, or fed per piece of a
+    streaming rollout)."""
     inputs = {
         "texts": Port(ANY, doc="list[str]: the B decoded responses"),
         "meta": Port(ANY, required=False, doc="list[dict]: per-sample metadata (e.g. answer)"),

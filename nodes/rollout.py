@@ -17,8 +17,9 @@ The two agree within float error (about 1e-6 on CPU in float32; see tests/nodes/
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -43,6 +44,16 @@ def vllm_unavailable_reason() -> str | None:
     return None
 
 
+class _Call(NamedTuple):
+    """One call's prepared inputs."""
+
+    N: int
+    prompts: list[str]  # B = N * n
+    images: list[Any] | None  # B or None
+    batch: Any  # the policy's PromptBatch
+    seed: int
+
+
 def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**63 - 1)
 
@@ -58,6 +69,13 @@ class Rollout(Node):
     so far, saved in ``state_dict``): call k of two nodes with the same seed draws the same
     samples, and the global torch RNG is left untouched.
 
+    With ``stream=True`` (HF backend) the node streams (:mod:`yatt_graph.stream`): executors
+    run :meth:`forward_stream`, which hands out the rows that finished every ``stream_every``
+    decode steps while the rest are still generating, so that a consumer on another
+    controller starts on short responses before the longest is done. Joined, the pieces are
+    what :meth:`forward` returns for the same call (the same samples; see
+    :mod:`nodes.sampling`). ``node.run()`` still returns the whole batch.
+
     Args:
         policy: a spec for :func:`nodes.policy.build_policy` (``"tiny-prefix-vlm"``, a local
             checkpoint directory, ...).
@@ -72,6 +90,8 @@ class Rollout(Node):
         recompute_logprobs: recompute logprobs teacher-forced after sampling (exact).
         device: where the policy runs; outputs come back on the CPU.
         model: a live Policy to use instead of building one from ``policy`` (tests, notebooks).
+        stream: hand out finished rows as they end (HF backend; not with ``recompute_logprobs``).
+        stream_every: with ``stream``, how many decode steps a piece gathers finished rows.
     """
 
     kind = "rollout"
@@ -111,6 +131,8 @@ class Rollout(Node):
         device: str = "cpu",
         model: Policy | None = None,
         name: str | None = None,
+        stream: bool = False,
+        stream_every: int = 1,
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
@@ -129,6 +151,13 @@ class Rollout(Node):
             )
         if isinstance(stop, str):
             raise ValueError(f"{where}: stop must be a list of strings, got the string {stop!r}")
+        if stream and (backend != "hf" or recompute_logprobs or stream_every < 1):
+            raise ValueError(
+                f"{where}: stream=True needs backend='hf', recompute_logprobs=False and "
+                f"stream_every >= 1 (got backend={backend!r}, recompute_logprobs="
+                f"{recompute_logprobs}, stream_every={stream_every}): a recomputed or vLLM "
+                "batch is only known whole"
+            )
         if backend == "vllm" and (why := vllm_unavailable_reason()):
             raise RuntimeError(f"{where}: backend='vllm' is unavailable: {why}; use backend='hf'")
         self.backend = backend
@@ -142,6 +171,7 @@ class Rollout(Node):
             "stop_strings": [str(s) for s in stop],
         }
         self.seed = int(seed)
+        self.stream, self.stream_every = bool(stream), int(stream_every)
         self.recompute_logprobs = bool(recompute_logprobs) or backend == "vllm"
         self.device = torch.device(device)
         self.policy = (model if model is not None else build_policy(policy)).to(self.device)
@@ -204,7 +234,13 @@ class Rollout(Node):
         self.weights_version = max(self.weights_version, update.version)
 
     # --- the work ----------------------------------------------------------------------------
-    def forward(self, prompts, images, image_embeds, weights) -> dict[str, Any]:
+    @property
+    def streaming(self) -> bool:
+        """Whether executors run :meth:`forward_stream` (``stream=True``)."""
+        return self.stream
+
+    def _prepare(self, prompts, images, image_embeds, weights) -> _Call:
+        """Check the inputs and load synced weights; the call's B = N * n batch and seed."""
         N = self._check(prompts, images, image_embeds)
         self._load(weights)
         n = self.n
@@ -212,14 +248,35 @@ class Rollout(Node):
         images_b = None if images is None else [im for im in images for _ in range(n)]
         embeds_b = None if image_embeds is None else image_embeds.repeat_interleave(n, 0)  # (B, D)
         batch = self.policy.encode_prompts(prompts_b, images=images_b, image_embeds=embeds_b)
-        batch = batch.to(self.device)
         seed = _step_seed(self.seed, self.step)
+        return _Call(N, prompts_b, images_b, batch.to(self.device), seed)
+
+    def _outputs(
+        self, batch: Any, gen: Generation, logprobs: Tensor, rows: Tensor
+    ) -> dict[str, Any]:
+        """The ports for ``rows`` (int64[r]) of the batch, given their generation."""
+        return {
+            "prompt_ids": batch.prompt_ids[rows.to(batch.prompt_ids.device)].cpu(),
+            "prompt_mask": batch.prompt_mask[rows.to(batch.prompt_mask.device)].cpu(),
+            "response_ids": gen.response_ids,
+            "response_mask": gen.response_mask,
+            "logprobs": logprobs.float(),
+            "response_lengths": gen.response_lengths,
+            "texts": gen.texts,
+            "group_ids": self.next_group + rows // self.n,
+        }
+
+    def _done(self, call: _Call) -> None:
+        self.step += 1
+        self.next_group += call.N
+
+    def forward(self, prompts, images, image_embeds, weights) -> dict[str, Any]:
+        call = self._prepare(prompts, images, image_embeds, weights)
+        batch = call.batch
         if self._vllm is not None:
-            gen = self._vllm.generate(prompts_b, images_b, seed)
+            gen = self._vllm.generate(call.prompts, call.images, call.seed)
         else:
-            devices = [self.device] if self.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed)
+            with self._seeded(call.seed):
                 gen = self.policy.generate(batch, **self.sampling)
         logprobs = gen.logprobs
         if self.recompute_logprobs:
@@ -230,19 +287,27 @@ class Rollout(Node):
                     gen.response_mask,
                     temperature=self.sampling["temperature"] or 1.0,
                 ).cpu()  # (B, R)
-        group_ids = self.next_group + torch.arange(N).repeat_interleave(n)  # (B,)
-        self.step += 1
-        self.next_group += N
-        return {
-            "prompt_ids": batch.prompt_ids.cpu(),
-            "prompt_mask": batch.prompt_mask.cpu(),
-            "response_ids": gen.response_ids,
-            "response_mask": gen.response_mask,
-            "logprobs": logprobs.float(),
-            "response_lengths": gen.response_lengths,
-            "texts": gen.texts,
-            "group_ids": group_ids,
-        }
+        out = self._outputs(batch, gen, logprobs, torch.arange(len(batch)))
+        self._done(call)
+        return out
+
+    def forward_stream(self, prompts, images, image_embeds, weights) -> Iterator[Any]:
+        """Yield ``(rows, outputs)`` as responses end (see the class docstring)."""
+        call = self._prepare(prompts, images, image_embeds, weights)
+        with self._seeded(call.seed):
+            every = self.stream_every
+            for rows, gen in self.policy.generate_stream(call.batch, every=every, **self.sampling):
+                outputs = self._outputs(call.batch, gen, gen.logprobs, torch.tensor(rows))
+                yield rows, outputs, len(call.batch)  # B: consumers may take per-sample inputs
+        self._done(call)
+
+    @contextlib.contextmanager
+    def _seeded(self, seed: int) -> Iterator[None]:
+        """Draw from the global generator seeded with ``seed``; its state is restored after."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            yield
 
     # --- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

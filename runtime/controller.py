@@ -476,7 +476,8 @@ class Controller:
             return
         if msg.piece >= 0:
             self.events.append(
-                ("piece", msg.step, msg.src, msg.port, msg.piece, msg.rows, decoded, msg.epoch)
+                ("piece", msg.step, msg.src, msg.port, msg.piece, msg.rows, decoded)
+                + (None if msg.size < 0 else msg.size, msg.epoch)
             )
             return
         self.events.append(("data", msg.step, msg.src, msg.port, decoded, msg.epoch))
@@ -519,7 +520,8 @@ class Controller:
             inputs = {e.dst_port: have.get(e.dst_port) for e in self.in_edges[name]}
             from runtime.streams import per_piece
 
-            if len(sources) == 1 and per_piece(self.nodes[name], ports, inputs):
+            size = self.book.size(step, next(iter(sources))) if len(sources) == 1 else None
+            if len(sources) == 1 and per_piece(self.nodes[name], ports, inputs, size):
                 self.pending.pop((step, name), None)
                 for port in ports:
                     inputs.pop(port)
@@ -600,14 +602,14 @@ class Controller:
             for (src, port), edges in self.local_out.items()
             if src == name and any(not e.delay for e in edges)
         }
-        for i, (rows, outs) in enumerate(stream_node(self.shim, name, inputs, step, self.index)):
-            pieces.append((rows, outs))
-            for port, value in outs.items():
+        for i, piece in enumerate(stream_node(self.shim, name, inputs, step, self.index)):
+            pieces.append(piece)
+            for port, value in piece.outputs.items():
                 if port in here:
-                    self.book.add(step, name, port, i, rows, value)
+                    self.book.add(step, name, port, i, piece.rows, value, piece.size)
                 dests = self.remote_out.get((name, port))
                 if dests:
-                    self._send_data(step, name, port, value, dests, piece=i, rows=rows)
+                    self._send_data(step, name, port, value, dests, i, piece.rows, piece.size)
         for port in self.nodes[name].outputs:
             if port in here:
                 self.book.end(step, name, port, len(pieces))
@@ -677,7 +679,10 @@ class Controller:
         dests: list[int],
         piece: int = -1,
         rows: list[int] | None = None,
+        size: int | None = None,
     ) -> None:
+        """Send a value (or piece ``piece`` of a stream, with its ``rows`` and batch ``size``)."""
+
         def where() -> str:  # only for errors: hot path
             many = "s" if len(dests) > 1 else ""
             return f"node {src!r} output {port!r} (to controller{many} {dests})"
@@ -689,7 +694,16 @@ class Controller:
         except UnsupportedValueError as exc:
             raise _SendError(src, step, f"{where()}{exc}") from None
         self._check_size(frames, where, src, step)
-        header = m.Data(step, src, port, self.index, self.epoch, piece, rows or [])
+        header = m.Data(
+            step,
+            src,
+            port,
+            self.index,
+            self.epoch,
+            piece,
+            rows or [],
+            size=-1 if size is None else size,
+        )
         for c in dests:
             self._send(str(c).encode(), header, frames)
 
@@ -862,7 +876,7 @@ class Controller:
         kind, step, src, port = event[:4]
         if kind == "end":
             self.book.end(step, src, port, event[4])
-        elif not self.book.add(step, src, port, event[4], event[5], event[6]):
+        elif not self.book.add(step, src, port, *event[4:8]):
             self.drops.drop(
                 f"controller {self.index}'s data socket",
                 f"piece {event[4]} of {src}.{port} at step {step}: a second copy",

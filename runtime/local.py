@@ -135,7 +135,9 @@ class LocalExecutor:
             if node.streaming:
                 streamed[name] = list(stream_node(self.graph, name, inputs, step, controller))
                 out = join_pieces(streamed[name], name)
-            elif len(sources) == 1 and per_piece(node, ports, inputs):
+            elif len(sources) == 1 and per_piece(
+                node, ports, inputs, streamed[next(iter(sources))][0].size
+            ):
 
                 def call(
                     piece_inputs: dict[str, Any], name: str = name, controller: int = controller

@@ -80,8 +80,8 @@ PROTOCOL_VERSION = 4
 STATE_* and sends READY, STEP_DONE, STATE_* replies and GOODBYE; READY lost ``results_identity``;
 the kind byte and the header share one frame (``head``). A protocol-2 HELLO (kind and header
 in two frames) is still read, so that such a peer is refused with the reason.
-4: streamed outputs: DATA carries ``piece``, ``rows`` and ``end`` (a protocol-3 peer would take
-a piece for the whole value)."""
+4: streamed outputs: DATA carries ``piece``, ``rows``, ``end`` and ``size`` (a protocol-3 peer
+would take a piece for the whole value)."""
 
 MAX_HEADER_BYTES = 16 << 20
 """A header frame (the Struct, not the value frames) larger than this is refused undecoded."""
@@ -220,6 +220,8 @@ class Data(_Msg):
     """A piece's rows (positions in the node's whole output batch)."""
     end: bool = False
     """The end of a stream: ``piece`` is then the number of pieces, and no value follows."""
+    size: int = -1
+    """A piece's whole batch size, when the streaming node said it; -1: not said."""
 
 
 class Release(_Msg):

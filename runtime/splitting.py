@@ -13,7 +13,7 @@ A node is split here when it declares a per-call budget (``BatchPolicy.max_batch
 ``BatchPolicy.splittable`` is true (nodes whose result depends on the whole batch, such as
 advantage whitening, group baselines, an optimizer step or a sampler with one random stream
 per call, say False), it has inputs, and the values it gets hold samples (a tensor or list
-per sample). In the node library that is the vision encoder, the reference and the critic.
+per sample). In the node library that is the vision encoder, the rewards, the reference and the critic.
 Which input ports are shared by all samples (weights, a scalar, a tensor whose first axis is
 not the batch axis) is read from the port specs and the values: a tensor port with no dimensions or a fixed first one is
 shared; any other tensor or list is per sample. A call whose per-sample values disagree in

@@ -10,8 +10,10 @@ ZeroMQ run equals the in-process one):
   ``splittable``: the rule of :mod:`runtime.splitting`), it reads exactly one streaming
   node through non-delayed edges, and each of its other inputs is shared by all samples
   (``None``, not a tensor or list, or a port that :func:`~runtime.splitting.shared_ports`
-  names). It is called once per piece, in the order the pieces were produced, and its
-  pieces are joined into its outputs for the nodes after it. On another controller this
+  names) or, when the stream says its batch size B, holds one entry per sample of that
+  batch (length B: it is taken row by row with each piece, as splitting would). It is
+  called once per piece, in the order the pieces were produced, and its pieces are joined
+  into its outputs for the nodes after it. On another controller this
   overlaps the producer: while controller A is still generating, controller B already
   scores what has finished.
 * **whole**, otherwise: the pieces are joined first and the consumer runs once, as if the
@@ -27,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from runtime.batching import _is_batched
+from runtime.batching import _is_batched, take
 from runtime.splitting import _splittable, shared_ports
 from yatt_graph import NodeExecutionError, NodeOutputError
 from yatt_graph.stream import Piece, check_piece, join_pieces
@@ -35,14 +37,22 @@ from yatt_graph.stream import Piece, check_piece, join_pieces
 __all__ = ["StreamBook", "call_piece", "per_piece"]
 
 
-def per_piece(node: Any, stream_ports: Collection[str], inputs: Mapping[str, Any]) -> bool:
+def _aligned(value: Any, size: int | None) -> bool:
+    """A per-sample value of the stream's batch (one entry per row of B = ``size``)."""
+    return size is not None and _is_batched(value) and len(value) == size
+
+
+def per_piece(
+    node: Any, stream_ports: Collection[str], inputs: Mapping[str, Any], size: int | None
+) -> bool:
     """Whether ``node`` is called once per piece of the stream that feeds ``stream_ports``;
-    ``inputs`` are its other inputs (see the module docstring)."""
+    ``inputs`` are its other inputs, ``size`` the batch size the stream said (or None); see
+    the module docstring."""
     if not _splittable(node):
         return False
     shared = shared_ports(node)
     return all(
-        v is None or p in shared or not _is_batched(v)
+        v is None or p in shared or not _is_batched(v) or _aligned(v, size)
         for p, v in inputs.items()
         if p not in stream_ports
     )
@@ -60,13 +70,28 @@ def call_piece(
     controller: int = 0,
 ) -> Piece:
     """One per-piece call of a consumer: ``ports`` maps its input ports to the producer's
-    outputs. Returns the consumer's own piece (the same rows), checked; a consumer that does
-    not return one entry per row gets a NodeExecutionError naming it and the step."""
-    rows, values = piece
-    out = call({**inputs, **{dst: values[src] for dst, src in ports.items()}})
-    where = f"node {node.name!r}, called on piece {index} of a stream ({len(rows)} rows)"
+    outputs, ``inputs`` are its other inputs (those of the stream's batch size are taken at
+    the piece's rows). Returns the consumer's own piece (the same rows), checked; a consumer
+    that does not return one entry per row gets a NodeExecutionError naming it and the step."""
+    shared = shared_ports(node)
+    aligned = [
+        p
+        for p, v in inputs.items()
+        if p not in ports and p not in shared and _aligned(v, piece.size)
+    ]
+    own = {**inputs, **take({p: inputs[p] for p in aligned}, piece.rows)}
+    out = call({**own, **{dst: piece.outputs[src] for dst, src in ports.items()}})
+    where = f"node {node.name!r}, called on piece {index} of a stream ({len(piece.rows)} rows)"
     try:
-        return check_piece(node.name, node.outputs, (rows, out), seen, index, where=where)
+        return check_piece(
+            node.name,
+            node.outputs,
+            (piece.rows, out, piece.size),
+            seen,
+            index,
+            where=where,
+            size=piece.size,
+        )
     except NodeOutputError as exc:
         message = (
             f"{exc} (at step {step} on controller {controller}); a node fed per piece must return "
@@ -77,11 +102,12 @@ def call_piece(
 
 
 class _Stream:
-    __slots__ = ("ends", "pieces")
+    __slots__ = ("ends", "pieces", "size")
 
     def __init__(self) -> None:
         self.pieces: dict[str, dict[int, tuple[list[int], Any]]] = {}
         self.ends: dict[str, int] = {}
+        self.size: int | None = None
 
 
 class StreamBook:
@@ -99,13 +125,31 @@ class StreamBook:
     def has(self, step: int, src: str) -> bool:
         return (step, src) in self._streams
 
-    def add(self, step: int, src: str, port: str, index: int, rows: list[int], value: Any) -> bool:
-        """Keep a piece; False (nothing kept) when that piece of that port is already here."""
-        got = self._streams.setdefault((step, src), _Stream()).pieces.setdefault(port, {})
+    def add(
+        self,
+        step: int,
+        src: str,
+        port: str,
+        index: int,
+        rows: list[int],
+        value: Any,
+        size: int | None = None,
+    ) -> bool:
+        """Keep a piece (``size``: the batch size the stream said); False (nothing kept) when
+        that piece of that port is already here."""
+        stream = self._streams.setdefault((step, src), _Stream())
+        got = stream.pieces.setdefault(port, {})
         if index in got:
             return False
         got[index] = (rows, value)
+        if size is not None:
+            stream.size = size
         return True
+
+    def size(self, step: int, src: str) -> int | None:
+        """The batch size the stream said, once a piece of it is here."""
+        s = self._streams.get((step, src))
+        return s.size if s is not None else None
 
     def end(self, step: int, src: str, port: str, count: int) -> None:
         self._streams.setdefault((step, src), _Stream()).ends[port] = count
@@ -121,7 +165,7 @@ class StreamBook:
             if got is None:
                 return None
             rows, values[port] = got
-        return (rows or [], values)
+        return Piece(rows or [], values, s.size)
 
     def count(self, step: int, src: str, ports: Collection[str]) -> int | None:
         """The number of pieces once every one of ``ports`` has ended with all its pieces here."""
@@ -140,7 +184,8 @@ class StreamBook:
         """The whole value of ``port`` (a complete stream)."""
         s = self._streams[(step, src)]
         got = s.pieces.get(port, {})
-        return join_pieces([(got[i][0], {port: got[i][1]}) for i in sorted(got)], src)[port]
+        pieces = [Piece(got[i][0], {port: got[i][1]}, s.size) for i in sorted(got)]
+        return join_pieces(pieces, src)[port]
 
     def ports(self, step: int, src: str) -> set[str]:
         """The ports of the stream seen so far (with a piece or an end)."""

@@ -158,7 +158,8 @@ def count(v: ANY):
 
 class Decode(Node):
     """A streaming rollout stand-in: ``n`` responses of seeded ragged lengths, yielded in
-    pieces of finished rows (shortest first), ``pause_s`` of real waiting after the first."""
+    pieces of finished rows (shortest first), ``pause_s`` of real waiting after the first;
+    with ``say_size`` each piece also says the batch size."""
 
     kind = "rollout"
     outputs = {
@@ -167,9 +168,16 @@ class Decode(Node):
         "text": ANY,
     }
 
-    def __init__(self, n: int = 7, pause_s: float = 0.0, name: str | None = None, **kw):
+    def __init__(
+        self,
+        n: int = 7,
+        pause_s: float = 0.0,
+        say_size: bool = False,
+        name: str | None = None,
+        **kw,
+    ):
         super().__init__(name=name, **kw)
-        self.n, self.pause_s = n, pause_s
+        self.n, self.pause_s, self.say_size = n, pause_s, say_size
 
     def forward_stream(self):
         import time
@@ -187,6 +195,7 @@ class Decode(Node):
                         "length": lengths[rows],  # (r,)
                         "text": [f"r{i}:{t}" for i in rows],
                     },
+                    *([self.n] if self.say_size else []),  # the batch size, when said
                 )
                 if self.pause_s:
                     time.sleep(self.pause_s)
@@ -227,3 +236,21 @@ class Mean(Node):
 
     def forward(self, score, prev):
         return {"mean": score.mean(), "prev_total": -1 if prev is None else int(prev.sum())}
+
+
+class LengthScore(Node):
+    """A per-sample score of rollout outputs; it may be called on any part of a batch."""
+
+    kind = "reward"
+    batch_policy = BatchPolicy(max_batch_size=64)
+    inputs = {"response_lengths": Tensor("int64", "B"), "texts": ANY}
+    outputs = {"score": Tensor("float32", "B")}
+
+    def __init__(self, name: str | None = None, **kw):
+        super().__init__(name=name, **kw)
+        self.calls = []
+
+    def forward(self, response_lengths, texts):
+        self.calls.append(len(texts))
+        chars = torch.tensor([float(len(t)) for t in texts])  # (b,)
+        return {"score": chars / response_lengths.float()}

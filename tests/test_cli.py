@@ -103,5 +103,5 @@ def test_devices_splits_the_per_sample_models_and_prints_their_utilization(capsy
     args = ["run", "graphs/mm_ppo.py", "--steps", "2", "--devices", "2", "--quiet"]
     assert main([*args, "--set", "batch_size=8"]) == 0
     out = capsys.readouterr().out
-    assert "devices (nodes critic, reference, vision split across them): cpu:0" in out
+    assert "devices (nodes critic, reference, reward, vision split across them): cpu:0" in out
     assert "cpu:1" in out

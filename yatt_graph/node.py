@@ -261,8 +261,16 @@ class Node:
         values, _ = self._inputs(inputs, kw, check)
         seen: set[int] = set()
         stream = self._call(self.forward_stream, values)
-        for index, piece in enumerate(stream):
-            yield check_piece(self.name, self.outputs, piece, seen, index)
+        size = None
+        try:
+            for index, piece in enumerate(stream):
+                checked = check_piece(self.name, self.outputs, piece, seen, index, size=size)
+                size = checked.size
+                yield checked
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:  # stopped early (an error, a consumer that quit): end it now
+                close()
 
     def _check_outputs(self, result: Any, bindings: dict[str, int] | None) -> dict[str, Any]:
         if not isinstance(result, Mapping):

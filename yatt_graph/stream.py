@@ -4,7 +4,9 @@ A node streams when it defines ``forward_stream(**inputs)``, a generator of ``(r
 outputs)`` pieces: ``rows`` are the positions, in the node's whole output batch, of the
 samples that just finished, and ``outputs`` hold one entry per row on every output port
 (a tensor's first axis, a list's items). Over the call the rows of all pieces must be
-``0..B-1``, each once. An executor hands each piece downstream at once, so a consumer that
+``0..B-1``, each once. A piece may also say B, as ``(rows, outputs, size)``, the same in
+every piece: a consumer can then take its other per-sample inputs of that length (say,
+per-prompt data next to the responses) row by row with the piece. An executor hands each piece downstream at once, so a consumer that
 may be called on any part of a batch (see :mod:`runtime.streams`) starts on the first
 finished samples while the slowest are still being produced.
 
@@ -16,14 +18,22 @@ It uses only the values' own methods, so this package still does not import torc
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from yatt_graph.errors import NodeOutputError
 
 __all__ = ["Piece", "check_piece", "join_pieces"]
 
-Piece = tuple[list[int], dict[str, Any]]
-"""``(rows, outputs)``: one streamed piece of a node call."""
+
+class Piece(NamedTuple):
+    """One streamed piece of a node call."""
+
+    rows: list[int]
+    """Positions of the piece's samples in the call's whole output batch."""
+    outputs: dict[str, Any]
+    """One entry per row on every output port."""
+    size: int | None = None
+    """The whole batch's row count, when the node says it."""
 
 
 def _is_tensor(value: Any) -> bool:
@@ -31,24 +41,43 @@ def _is_tensor(value: Any) -> bool:
 
 
 def check_piece(
-    node: str, ports: Mapping[str, Any], piece: Any, seen: set[int], index: int, where: str = ""
+    node: str,
+    ports: Mapping[str, Any],
+    piece: Any,
+    seen: set[int],
+    index: int,
+    where: str = "",
+    size: int | None = None,
 ) -> Piece:
-    """A piece as a ``(rows, outputs)`` pair, checked: the node's output ports exactly, one
-    entry per row on each, rows that are new non-negative ints. ``seen`` collects the rows;
+    """A yielded ``(rows, outputs[, size])`` as a checked :class:`Piece`: the node's output
+    ports exactly, one entry per row on each, rows that are new non-negative ints (below the
+    size, when given). ``seen`` collects the rows; ``size`` is what an earlier piece said;
     ``where`` replaces the start of the error messages."""
     where = where or f"node {node!r}: forward_stream piece {index}"
-    if not (isinstance(piece, tuple | list) and len(piece) == 2):
+    if not (isinstance(piece, tuple | list) and len(piece) in (2, 3)):
         raise NodeOutputError(
             f"{where} is a {type(piece).__name__}; yield (rows, outputs) pairs: rows a list of "
-            "output positions, outputs a dict with one entry per row on each output port"
+            "output positions, outputs a dict with one entry per row on each output port "
+            "(and optionally the batch size as a third item)"
         )
-    rows, outputs = piece
+    rows, outputs = piece[0], piece[1]
+    said = piece[2] if len(piece) == 3 else None
+    if said is not None and (type(said) is not int or said < 0):
+        raise NodeOutputError(f"{where}: the batch size must be a non-negative int, got {said!r}")
+    if index > 0 and said != size:
+        raise NodeOutputError(
+            f"{where}: says batch size {said}, an earlier piece said {size}; say it in every "
+            "piece or in none"
+        )
     if _is_tensor(rows):
         rows = rows.tolist()
     if not isinstance(rows, list | tuple | range) or not all(
-        type(r) is int and r >= 0 for r in rows
+        type(r) is int and 0 <= r < (said if said is not None else r + 1) for r in rows
     ):
-        raise NodeOutputError(f"{where}: rows must be a list of non-negative ints, got {rows!r}")
+        limit = f" below the batch size {said}" if said is not None else ""
+        raise NodeOutputError(
+            f"{where}: rows must be a list of non-negative ints{limit}, got {rows!r}"
+        )
     rows = list(rows)
     again = sorted(seen.intersection(rows))
     if again or len(set(rows)) != len(rows):
@@ -71,7 +100,7 @@ def check_piece(
                 f"{len(rows)} rows; every output of a piece holds one entry per row"
             )
     seen.update(rows)
-    return rows, dict(outputs)
+    return Piece(rows, dict(outputs), said)
 
 
 def join_pieces(pieces: Sequence[Piece], node: str = "") -> dict[str, Any]:
@@ -82,8 +111,14 @@ def join_pieces(pieces: Sequence[Piece], node: str = "") -> dict[str, Any]:
             f"{who}forward_stream yielded nothing; for an empty batch yield ([], outputs) "
             "with empty values, so that the outputs' types are known"
         )
-    total = sum(len(rows) for rows, _ in pieces)
-    rows_seen = sorted(r for rows, _ in pieces for r in rows)
+    total = sum(len(p[0]) for p in pieces)
+    rows_seen = sorted(r for p in pieces for r in p[0])
+    size = pieces[0][2] if len(pieces[0]) > 2 else None
+    if size is not None and total != size:
+        raise NodeOutputError(
+            f"{who}the stream said its batch has {size} rows but yielded {total}; every sample "
+            "of the batch must finish once"
+        )
     if rows_seen != list(range(total)):
         missing = sorted(set(range(total)) - set(rows_seen))[:8]
         raise NodeOutputError(
@@ -92,7 +127,7 @@ def join_pieces(pieces: Sequence[Piece], node: str = "") -> dict[str, Any]:
         )
     out: dict[str, Any] = {}
     for port in pieces[0][1]:
-        values = [(rows, outs[port]) for rows, outs in pieces]
+        values = [(p[0], p[1][port]) for p in pieces]
         first = values[0][1]
         if _is_tensor(first):
             dims = len(first.shape)

@@ -55,3 +55,29 @@ def test_on_bad_sample_skip_scores_bad_samples_zero_and_counts_them(tmp_path):
     assert result.outputs["bad_samples"].tolist() == [False, True, False, True]
     with pytest.raises(Exception, match=r"node 'reward': sample 1 got a non-finite score nan"):
         LocalExecutor(load_graph("graphs.text_ppo", batch_size=4, reward=ref)).step()
+
+
+def test_a_streaming_rollout_feeds_reward_reference_and_critic_piece_by_piece(monkeypatch):
+    """mm_ppo with stream=True: the per-sample nodes after the rollout take its pieces (their
+    per-prompt inputs, image embeddings and answers, row by row); results are those of the
+    unstreamed graph up to float rounding of smaller calls."""
+    import runtime.local
+
+    fed: dict[str, int] = {}
+    call_piece = runtime.local.call_piece
+
+    def counting(call, node, *args, **kwargs):
+        fed[node.name] = fed.get(node.name, 0) + 1
+        return call_piece(call, node, *args, **kwargs)
+
+    monkeypatch.setattr(runtime.local, "call_piece", counting)
+    options = {"batch_size": 8, "max_new_tokens": 6}
+    whole = LocalExecutor(load_graph("graphs.mm_ppo", **options)).run(2)
+    streamed = LocalExecutor(load_graph("graphs.mm_ppo", stream=True, **options)).run(2)
+    assert set(fed) == {"reward", "reference", "critic"}
+    assert min(fed.values()) > 2  # more than one piece per step
+    for a, b in zip(whole, streamed, strict=True):
+        assert torch.equal(a.outputs["scores"], b.outputs["scores"])
+        assert torch.equal(a.outputs["response_lengths"], b.outputs["response_lengths"])
+        for key, value in a.outputs["metrics"].items():
+            assert b.outputs["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key

@@ -93,11 +93,11 @@ def test_bad_device_requests_are_refused_with_the_fix():
         ZmqExecutor(rows_graph().plan(2), devices="many")
 
 
-def test_in_the_ppo_graph_only_the_per_sample_models_are_split():
+def test_in_the_ppo_graph_only_the_per_sample_nodes_are_split():
     from yatt_graph.refs import load_graph
 
     with LocalExecutor(load_graph("graphs.mm_ppo", batch_size=4).plan(1), devices=2) as ex:
-        assert ex.splitter.split_nodes == ["critic", "reference", "vision"]
+        assert ex.splitter.split_nodes == ["critic", "reference", "reward", "vision"]
         # The rollout (one random stream per call), GAE (whitening) and the update are whole.
         for name in ("rollout", "gae", "ppo"):
             assert not ex.graph.nodes[name].batch_policy.splittable, name

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sample_nodes import Decode, Mean, Score
+from sample_nodes import Decode, LengthScore, Mean, Score
 
 from runtime.driver import ZmqExecutor
 from runtime.local import LocalExecutor
@@ -30,11 +30,12 @@ def stream_graph(
     per_row: bool = True,
     places: tuple[int, int] = (0, 1),
     other_text: bool = False,
+    say_size: bool = False,
 ) -> Graph:
     """decode (streams) -> score (fed per piece) -> mean (whole); decode's lengths also reach
     mean through a delayed edge."""
     with Graph("streams") as g:
-        d = Decode(n, pause_s, placement=places[0], name="decode")()
+        d = Decode(n, pause_s, say_size, placement=places[0], name="decode")()
         score_in = {"ids": d.ids, "length": d.length, "text": d.text}
         if other_text:  # a per-sample input that does not come from the stream: score runs whole
             score_in["text"] = Texts(n, placement=places[1], name="texts")()
@@ -67,7 +68,7 @@ def test_a_streaming_node_run_alone_joins_its_pieces_in_row_order():
     assert torch.equal(out["ids"], want["ids"])  # ragged pieces zero-padded to the longest
     assert [int(t.split(":")[0][1:]) for t in out["text"]] == list(range(7))
     pieces = list(Decode(7).run_stream())
-    assert len(pieces) > 1 and sorted(r for rows, _ in pieces for r in rows) == list(range(7))
+    assert len(pieces) > 1 and sorted(r for p in pieces for r in p.rows) == list(range(7))
 
 
 @pytest.mark.parametrize(
@@ -78,6 +79,8 @@ def test_a_streaming_node_run_alone_joins_its_pieces_in_row_order():
         (([0], {"z": torch.ones(1)}), "every declared output"),
         ("oops", "yield \\(rows, outputs\\) pairs"),
         (([-1], {"y": torch.ones(1)}), "non-negative ints"),
+        (([0, 3], {"y": torch.ones(2)}, 2), "below the batch size 2"),
+        (([0], {"y": torch.ones(1)}, -1), "batch size must be a non-negative int"),
     ],
 )
 def test_a_bad_piece_is_named(piece, match):
@@ -89,6 +92,26 @@ def test_a_bad_piece_is_named(piece, match):
 
     with pytest.raises(NodeOutputError, match=f"node 'bad': forward_stream piece 0.*{match}"):
         Bad().run()
+
+
+@pytest.mark.parametrize(
+    ("pieces", "match"),
+    [
+        ([([0], 2), ([1], 3)], "piece 1: says batch size 3, an earlier piece said 2"),
+        ([([0], 2), ([1], None)], "piece 1: says batch size None, an earlier piece said 2"),
+        ([([0], 3), ([1], 3)], "said its batch has 3 rows but yielded 2"),
+    ],
+)
+def test_a_batch_size_is_said_alike_in_every_piece_and_kept(pieces, match):
+    class Sized(Node):
+        outputs = {"y": Tensor("float32", "B")}
+
+        def forward_stream(self):
+            for rows, size in pieces:
+                yield (rows, {"y": torch.ones(1)}) + ((size,) if size is not None else ())
+
+    with pytest.raises(NodeOutputError, match=match):
+        Sized().run()
 
 
 def test_rows_that_do_not_cover_the_batch_are_refused():
@@ -133,6 +156,22 @@ def test_a_consumer_with_a_per_sample_input_from_elsewhere_runs_once_on_the_whol
         r = ex.step()
         assert ex.graph.nodes["score"].calls == [7]
     assert torch.allclose(r.outputs["score"], expected(0)["score"])
+
+
+@pytest.mark.timeout(120)
+def test_a_per_sample_input_from_elsewhere_is_taken_row_by_row_when_the_stream_says_its_size():
+    graph = stream_graph(other_text=True, say_size=True)
+    with LocalExecutor(graph.plan(2)) as ex:
+        local = ex.run(2)
+        calls = ex.graph.nodes["score"].calls
+    assert len(calls) > 2 and sum(calls) == 14  # per piece, every row once
+    with ZmqExecutor(stream_graph(other_text=True, say_size=True).plan(2)) as ex:
+        remote = ex.run(2)
+    for step, (a, b) in enumerate(zip(local, remote, strict=True)):
+        assert torch.allclose(a.outputs["score"], expected(step)["score"])
+        # the texts came from the other node, each row with its own sample
+        assert a.outputs["tag"] == [f"T{i}" for i in range(7)] == b.outputs["tag"]
+        assert torch.equal(a.outputs["score"], b.outputs["score"])
 
 
 def test_a_consumer_that_does_not_answer_per_row_is_named():
@@ -199,3 +238,46 @@ def test_the_stream_book_waits_for_every_port_and_piece():
     assert book.joined(0, "d", "a") == [9, 10]
     book.discard(0, "d")
     assert not book
+
+
+def rollout_graph(stream: bool) -> Graph:
+    """The library's Rollout (streaming or not) -> a per-sample score on another controller."""
+    from nodes.rollout import Rollout
+
+    with Graph("rollout_stream") as g:
+        prompts = Texts(6, placement=0, name="prompts")()
+        sample = Rollout(
+            max_new_tokens=12,
+            stop_token_ids=list(range(10, 20)),  # about one token in ten ends a response
+            stream=stream,
+            placement=0,
+            name="rollout",
+        )(prompts=prompts)
+        g.output(
+            "score",
+            LengthScore(placement=1, name="score")(
+                response_lengths=sample.response_lengths, texts=sample.texts
+            ),
+        )
+        g.output("ids", sample.response_ids)
+        g.output("lengths", sample.response_lengths)
+        for port in ("prompt_ids", "prompt_mask", "response_mask", "logprobs", "group_ids"):
+            g.discard(getattr(sample, port))
+    return g
+
+
+@pytest.mark.timeout(180)
+def test_the_library_rollout_streams_to_a_consumer_on_another_controller():
+    with LocalExecutor(rollout_graph(stream=False).plan(2)) as ex:
+        whole = ex.run(2)
+    with LocalExecutor(rollout_graph(stream=True).plan(2)) as ex:
+        local = ex.run(2)
+        calls = ex.graph.nodes["score"].calls
+    assert len(calls) > 2 and sum(calls) == 12  # per piece, every row once
+    with ZmqExecutor(rollout_graph(stream=True).plan(2)) as ex:
+        remote = ex.run(2)
+    for a, b, c in zip(whole, local, remote, strict=True):
+        assert len(set(a.outputs["lengths"].tolist())) > 1  # ragged
+        for key in ("score", "ids", "lengths"):
+            assert torch.equal(a.outputs[key], b.outputs[key]), key
+            assert torch.equal(b.outputs[key], c.outputs[key]), key
