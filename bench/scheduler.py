@@ -16,12 +16,15 @@
 (b) Rollout + generative reward. Each step generates responses for 64 prompts with ragged
     lengths (lognormal, median 96 tokens, capped at 384): a real decode loop, one
     ``[active, D] @ [D, D]`` matmul per token over the rows still generating. A generative
-    reward then reads each response (a ``[L, D] @ [D, D]`` prefill) and decodes a 48-token
-    critique with its own weights. *colocated*: both roles on both slots, the group
+    reward then reads each response (a ``[L, D] @ [D, D]`` prefill) and decodes a critique
+    of C tokens with its own weights. *colocated*: both roles on both slots, the group
     switching role together, each switch a measured offload/reload (memcpy) of the role's
     weights. *partial*: rollout on slot 0, reward on slot 1, samples streamed to the reward
     as they finish, the rollout of step t+1 overlapping the reward of step t (one step of
     staleness). Reported: the rollout-phase wall time (first prompt in, last score out).
+    Partial placement gives each side one slot, so it is bound by the busier side: the
+    bench sweeps C (``--critiques``), which moves the work from the rollout side to the
+    reward side, and names the C where the two partial slots are the most evenly busy.
 """
 
 from __future__ import annotations
@@ -393,7 +396,9 @@ def rollout_reward(
 
     colo, part = total("colocated"), total("partial")
     savings = [1 - p / c for p, c in zip(part["wall_s_per_repeat"], colo["wall_s_per_repeat"])]
+    busy = list(part["utilization"].values())
     return {
+        "partial_imbalance": abs(busy[0] - busy[1]),
         "repeats": reps,
         "partial_saving_per_repeat": savings,
         "steps": n_steps,
@@ -407,6 +412,14 @@ def rollout_reward(
         "partial": part,
         "partial_saving": 1 - part["wall_s"] / colo["wall_s"],
     }
+
+
+def sweep(critiques: list[int], **options: Any) -> dict[str, Any]:
+    """:func:`rollout_reward` for each critique length; ``balanced``: the one whose partial
+    slots are the most evenly busy (the regime partial placement is for)."""
+    runs = {c: rollout_reward(critique=c, **options) for c in critiques}
+    balanced = min(runs, key=lambda c: runs[c]["partial_imbalance"])
+    return {"by_critique": runs, "balanced_critique": balanced}
 
 
 # --- report --------------------------------------------------------------------------------
@@ -434,21 +447,23 @@ def _report(a: dict[str, Any], b: dict[str, Any]) -> str:
         f"    speedup {a['speedup']:.2f}x (static on idle cores would be "
         f"{a['static_over_lb_on_idle_cores']:.2f}x LB); heaviest part / ideal per static batch: "
         + ", ".join(f"{k} {v:.3f}" for k, v in a["partition_heaviest_over_ideal"].items()),
-        f"(b) rollout + generative reward: {b['repeats']} x {b['steps']} steps x "
-        f"{b['prompts_per_step']} prompts, "
-        f"D={b['dim']}, lengths {b['response_lengths']}, critique {b['critique_tokens']} tokens",
     ]
-    for mode in ("colocated", "partial"):
-        r = b[mode]
-        lines.append(
-            f"    {mode:9s} : {r['wall_s']:6.2f} s  utilization {utl(r['utilization'])}  "
-            f"switches {r['switches']} ({r['switch_s']:.2f} s)  reward batch "
-            f"{r['reward_mean_batch']:.1f}, queue wait {r['reward_mean_queue_wait_s'] * 1e3:.0f} ms"
-        )
+    first = next(iter(b["by_critique"].values()))
     lines.append(
-        f"    partial saves {b['partial_saving']:.0%} of the colocated rollout-phase wall time "
-        f"(per repeat: {', '.join(f'{x:.0%}' for x in b['partial_saving_per_repeat'])})"
+        f"(b) rollout + generative reward: {first['repeats']} x {first['steps']} steps x "
+        f"{first['prompts_per_step']} prompts, D={first['dim']}, lengths "
+        f"{first['response_lengths']}; critique C tokens"
     )
+    for c, r in b["by_critique"].items():
+        mark = "  <- the most balanced" if c == b["balanced_critique"] else ""
+        lines.append(
+            f"    C={c:<3d} colocated {r['colocated']['wall_s']:6.2f} s (utilization "
+            f"{utl(r['colocated']['utilization'])}, {r['colocated']['switches']} switches, "
+            f"{r['colocated']['switch_s']:.2f} s)  partial {r['partial']['wall_s']:6.2f} s "
+            f"(utilization {utl(r['partial']['utilization'])}, reward batch "
+            f"{r['partial']['reward_mean_batch']:.1f})  partial saves {r['partial_saving']:.0%} "
+            f"(per repeat {', '.join(f'{x:.0%}' for x in r['partial_saving_per_repeat'])}){mark}"
+        )
     return "\n".join(lines)
 
 
@@ -456,15 +471,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller run (smoke test)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument(
+        "--critiques",
+        type=int,
+        nargs="+",
+        default=[0, 16, 32, 48],
+        help="(b): the reward's critique lengths to measure",
+    )
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
     if args.quick:
         a = long_tail(samples=256)
-        b = rollout_reward(n_steps=2, prompts=32, reps=2)
+        b = sweep(args.critiques[:2], n_steps=2, prompts=32, reps=2)
     else:
         a = long_tail()
-        b = rollout_reward()
+        b = sweep(args.critiques)
     result = {
         "machine": machine(),
         "load_average_before_after": [load0, os.getloadavg()[0]],
