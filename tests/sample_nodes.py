@@ -159,7 +159,8 @@ def count(v: ANY):
 class Decode(Node):
     """A streaming rollout stand-in: ``n`` responses of seeded ragged lengths, yielded in
     pieces of finished rows (shortest first), ``pause_s`` of real waiting after the first;
-    with ``say_size`` each piece also says the batch size."""
+    with ``say_size`` each piece also says the batch size; ``fail_at`` (a step) raises after
+    the first piece of that step."""
 
     kind = "rollout"
     outputs = {
@@ -173,11 +174,12 @@ class Decode(Node):
         n: int = 7,
         pause_s: float = 0.0,
         say_size: bool = False,
+        fail_at: int = -1,
         name: str | None = None,
         **kw,
     ):
         super().__init__(name=name, **kw)
-        self.n, self.pause_s, self.say_size = n, pause_s, say_size
+        self.n, self.pause_s, self.say_size, self.fail_at = n, pause_s, say_size, fail_at
 
     def forward_stream(self):
         import time
@@ -200,6 +202,8 @@ class Decode(Node):
                 if self.pause_s:
                     time.sleep(self.pause_s)
                     self.pause_s = 0.0
+                if self.step == self.fail_at:
+                    raise RuntimeError(f"decode broke mid-stream at step {self.step}")
 
 
 class Score(Node):

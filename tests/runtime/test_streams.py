@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from sample_nodes import Decode, LengthScore, Mean, Score
+from zmq_graphs import assert_gone
 
 from runtime.driver import ZmqExecutor
 from runtime.local import LocalExecutor
@@ -225,6 +226,26 @@ def test_zeromq_a_failing_piece_call_names_the_node_and_step():
         pytest.raises(NodeExecutionError, match="node 'score', called on piece 0.*at step 0"),
     ):
         ex.step()
+
+
+@pytest.mark.timeout(120)
+def test_zeromq_a_producer_that_fails_mid_stream_stops_the_run_naming_it():
+    """Its first piece already reached the consumer on the other controller; the run still
+    stops with the producer, its controller and the step named, and leaves nothing behind."""
+    with Graph("broken_stream") as g:
+        d = Decode(7, fail_at=1, placement=0, name="decode")()
+        s = Score(placement=1, name="score")(ids=d.ids, length=d.length, text=d.text)
+        g.output("score", s.score)
+        g.discard(s.tag)
+    ex = ZmqExecutor(g.plan(2))
+    try:
+        assert torch.allclose(ex.step().outputs["score"], expected(0)["score"])
+        with pytest.raises(NodeExecutionError, match="decode broke mid-stream at step 1") as err:
+            ex.step()
+        assert err.value.node == "decode" and "controller 0" in str(err.value)
+    finally:
+        ex.close()
+    assert_gone(ex.pids, ex.run_dir)
 
 
 def test_the_stream_book_waits_for_every_port_and_piece():
