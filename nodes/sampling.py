@@ -232,7 +232,10 @@ class _FinishWatch(StoppingCriteria):
             (self.ended if ended else still).append(b)
         self.open = still
         step = input_ids.shape[1] - self.start  # tokens so far
-        if self.ended and step % self.every == 0:
+        if step >= self.setup.config.max_new_tokens:  # the last step: every row ends here
+            self.ended += self.open
+            self.open = []
+        if self.ended and (step % self.every == 0 or not self.open):
             self.flush(input_ids[:, self.start :])
         return torch.full(
             (input_ids.shape[0],), self.cancel.is_set(), dtype=torch.bool, device=input_ids.device
@@ -269,7 +272,7 @@ def generate_stream(
         try:
             criteria = StoppingCriteriaList([watch])
             new_tokens = setup.run(policy, batch, recorder, stopping_criteria=criteria)
-            watch.ended += watch.open  # rows that reached max_new_tokens
+            watch.ended += watch.open  # rows still open if generate stopped for another reason
             watch.open = []
             if watch.ended:
                 watch.flush(new_tokens)
