@@ -72,12 +72,13 @@ class StreamingMixin:
             edges = [e for e in self.in_edges[name] if not e.delay and e.src in sources]
             ports = {e.dst_port: e.src_port for e in edges}
             inputs = {e.dst_port: have.get(e.dst_port) for e in self.in_edges[name]}
-            size = self.book.size(step, next(iter(sources))) if len(sources) == 1 else None
-            if len(sources) == 1 and per_piece(self.nodes[name], ports, inputs, size):
+            source = next(iter(sources)) if len(sources) == 1 else None
+            size = self.book.size(step, source) if source is not None else None
+            if source is not None and per_piece(self.nodes[name], ports, inputs, size):
                 self.pending.pop((step, name), None)
                 for port in ports:
                     inputs.pop(port)
-                c = self.consumers[(step, name)] = _Consumer(sources.pop(), ports, inputs)
+                c = self.consumers[(step, name)] = _Consumer(source, ports, inputs)
             else:
                 for src in sources:
                     if (

@@ -132,12 +132,11 @@ class LocalExecutor:
             node = self.graph.nodes[name]
             sources = {e.src for e in edges if not e.delay and e.src in streamed}
             ports = {e.dst_port: e.src_port for e in edges if not e.delay and e.src in sources}
+            source = next(iter(sources)) if len(sources) == 1 else None
             if node.streaming:
                 streamed[name] = list(stream_node(self.graph, name, inputs, step, controller))
                 out = join_pieces(streamed[name], name)
-            elif len(sources) == 1 and per_piece(
-                node, ports, inputs, streamed[next(iter(sources))][0].size
-            ):
+            elif source is not None and per_piece(node, ports, inputs, streamed[source][0].size):
 
                 def call(
                     piece_inputs: dict[str, Any], name: str = name, controller: int = controller
@@ -145,7 +144,7 @@ class LocalExecutor:
                     return run_node(self.graph, name, piece_inputs, step, controller, self.splitter)
 
                 seen: set[int] = set()
-                pieces = streamed[sources.pop()]
+                pieces = streamed[source]
                 out = join_pieces(
                     [
                         call_piece(call, node, inputs, ports, p, i, seen, step, controller)

@@ -72,7 +72,7 @@ def check_piece(
     if _is_tensor(rows):
         rows = rows.tolist()
     if not isinstance(rows, list | tuple | range) or not all(
-        type(r) is int and 0 <= r < (said if said is not None else r + 1) for r in rows
+        type(r) is int and r >= 0 and (said is None or r < said) for r in rows
     ):
         limit = f" below the batch size {said}" if said is not None else ""
         raise NodeOutputError(
