@@ -59,10 +59,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -76,16 +72,18 @@ import zmq
 
 from runtime import messages as m
 from runtime.controller import graph_digest
+from runtime.driver_state import StateMixin
+from runtime.errors import ControllerError, HandshakeError, NodeTimeoutError
 from runtime.keys import check_address, load_keys, start_authenticator
 from runtime.local import StepResult
-from runtime.serial import DecodeError, UnsupportedValueError, decode_value, encode_value
+from runtime.processes import ControllerProc, Resources, sigint_deferred, spawn_controllers
+from runtime.serial import DecodeError, decode_value
 from runtime.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Drops,
     largest_frame,
     make_socket,
     recv_frames,
-    remove_run_segments,
     send,
 )
 from yatt_graph import Graph, NodeExecutionError, Plan
@@ -93,126 +91,15 @@ from yatt_graph import Graph, NodeExecutionError, Plan
 __all__ = ["ControllerError", "HandshakeError", "NodeTimeoutError", "ZmqExecutor"]
 
 
-class ControllerError(RuntimeError):
-    """A controller died, went silent, or failed outside a node; names it and its nodes."""
-
-    def __init__(self, message: str, controller: int = -1, nodes: list[str] | None = None):
-        super().__init__(message)
-        self.controller, self.nodes = controller, list(nodes or [])
-
-
-class HandshakeError(ControllerError):
-    """A controller that could not join: protocol mismatch, timeout, or exit during start-up."""
-
-
-class NodeTimeoutError(NodeExecutionError):
-    """A node call ran past its timeout; ``context`` has step, controller, seconds and limit_s."""
-
-
-class _Controller:
-    def __init__(self, index: int, nodes: list[str]):
-        self.index, self.nodes = index, nodes
-        self.popen: subprocess.Popen[bytes] | None = None
-        self.log_path = ""
-        self.identity: bytes | None = None
-        """The control link's identity (SETUP, heartbeats, SHUTDOWN)."""
-        self.work: bytes | None = None
-        """The work link's identity (RUN, STATE_*), announced in HELLO."""
-        self.data_address = ""
-        self.pid = 0
-        self.state = m.State.STARTING
-        self.last_beat: m.Heartbeat | None = None
-
-    def doing(self) -> str:
-        """What its last heartbeat said it was running, for error messages."""
-        beat = self.last_beat
-        if beat is None or not beat.running:
-            return ""
-        return (
-            f"; its last heartbeat said it was running node {beat.running!r} at step "
-            f"{beat.running_step} (for {beat.running_s:.1f}s)"
-        )
-
-    def log_tail(self, chars: int = 3000) -> str:
-        if not self.log_path:
-            return ""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - chars))
-                text = f.read().decode(errors="replace").strip()
-        except OSError:
-            return ""
-        return f"\n--- last lines of controller {self.index}'s output ---\n{text}" if text else ""
-
-
 class _Who:
     """Where a dropped message came from, formatted only when it is logged (hot path)."""
 
-    def __init__(self, c: _Controller | None):
+    def __init__(self, c: ControllerProc | None):
         self.c = c
 
     def __str__(self) -> str:
         c = self.c
         return f"the driver socket (from controller {c.index})" if c else "the driver socket"
-
-
-class _Resources:
-    """Everything that must go at close, even when the executor object is lost (weakref.finalize)."""
-
-    def __init__(self, run_dir: str, run_id: str):
-        self.run_dir, self.run_id = run_dir, run_id
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.ctx: zmq.Context | None = None
-        self.auth: Any = None
-        self.io_stop = threading.Event()
-        self.io_thread: threading.Thread | None = None
-        self.done = False
-
-    def cleanup(self, grace_s: float = 0.0) -> None:
-        if self.done:
-            return
-        self.done = True
-        deadline = time.monotonic() + grace_s
-        for p in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5.0)
-        self.io_stop.set()
-        if self.io_thread is not None and self.io_thread is not threading.current_thread():
-            self.io_thread.join(timeout=2.0)
-        if self.auth is not None:
-            with contextlib.suppress(Exception):
-                self.auth.stop()
-        if self.ctx is not None:
-            self.ctx.destroy(linger=0)
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-        if self.run_id:
-            remove_run_segments(self.run_id)
-
-
-@contextlib.contextmanager
-def _sigint_deferred():
-    """Hold Ctrl-C while shutting down (bounded by timeouts), so clean-up is not cut short."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    old = signal.signal(signal.SIGINT, lambda s, f: caught.append(s))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-    if caught and callable(old):
-        old(signal.SIGINT, None)
 
 
 _FROM_CONTROLLERS = frozenset(
@@ -227,7 +114,7 @@ _FROM_CONTROLLERS = frozenset(
 )
 
 
-class ZmqExecutor:
+class ZmqExecutor(StateMixin):
     """Run a plan on ``plan.controllers`` controller processes. ``step()`` runs the graph once.
 
     Args:
@@ -357,20 +244,30 @@ class ZmqExecutor:
 
         run_dir = tempfile.mkdtemp(prefix="yatt-")
         self.run_dir = run_dir
-        self._res = _Resources(run_dir, os.path.basename(run_dir) if spawn else "")
+        self._res = Resources(run_dir, os.path.basename(run_dir) if spawn else "")
         self._finalizer = weakref.finalize(self, self._res.cleanup)
         self.address = address or f"ipc://{run_dir}/driver"
         owned = {
             c: [n for n in self.order if plan.assignment[n] == c] for c in range(plan.controllers)
         }
-        self.controllers = [_Controller(c, owned[c]) for c in range(plan.controllers)]
-        self._by_identity: dict[bytes, _Controller] = {}
+        self.controllers = [ControllerProc(c, owned[c]) for c in range(plan.controllers)]
+        self._by_identity: dict[bytes, ControllerProc] = {}
         self._last_seen: dict[bytes, float] = {}
         self._events: collections.deque[tuple[Any, ...]] = collections.deque()
         try:
             self._start_io()
             if spawn:
-                self._spawn(controller_output, num_threads)
+                spawn_controllers(
+                    self.controllers,
+                    self._res,
+                    address=self.address,
+                    run_dir=run_dir,
+                    output=controller_output,
+                    num_threads=num_threads,
+                    startup_timeout_s=startup_timeout_s,
+                    max_message_bytes=max_message_bytes,
+                    keys_dir=self.keys_dir,
+                )
             self._handshake()
             self._started = True
         except BaseException:
@@ -428,43 +325,6 @@ class ZmqExecutor:
         )
         self._res.io_thread = thread
         thread.start()
-
-    def _spawn(self, output: str, num_threads: int) -> None:
-        paths = [p or os.getcwd() for p in sys.path]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
-        if num_threads > 0:
-            env.setdefault("OMP_NUM_THREADS", str(num_threads))
-        main = threading.current_thread() is threading.main_thread()
-        old = (
-            signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-        )  # children inherit 'ignore'
-        try:
-            for c in self.controllers:
-                cmd = [
-                    sys.executable, "-m", "runtime.controller", "--connect", self.address,
-                    "--index", str(c.index), "--bind", f"ipc://{self.run_dir}/c{c.index}",
-                    "--parent-pid", str(os.getpid()), "--spawned",
-                    "--startup-timeout", str(self.startup_timeout_s),
-                    "--max-message-bytes", str(self.max_message_bytes),
-                    *(["--keys", self.keys_dir] if self.keys_dir else []),
-                ]  # fmt: skip
-                out: Any = None
-                if output == "capture":
-                    c.log_path = os.path.join(self.run_dir, f"controller-{c.index}.log")
-                    out = open(c.log_path, "wb")  # noqa: SIM115 - the child holds it
-                try:
-                    c.popen = subprocess.Popen(
-                        cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT if out else None,
-                        env=env, cwd=os.getcwd(),
-                    )  # fmt: skip
-                finally:
-                    if out is not None:
-                        out.close()
-                c.pid = c.popen.pid
-                self._res.procs.append(c.popen)
-        finally:
-            if main:
-                signal.signal(signal.SIGINT, old)
 
     def _handshake(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -626,12 +486,12 @@ class ZmqExecutor:
             except zmq.ZMQError:  # a gone peer: the liveness check reports it
                 return  # (try/except: contextlib.suppress costs more on the dispatch path)
 
-    def _send(self, c: _Controller, msg: Any, value: list[Any] | None = None) -> None:
+    def _send(self, c: ControllerProc, msg: Any, value: list[Any] | None = None) -> None:
         """To the controller's control link (its IO thread)."""
         if c.identity is not None:
             self._send_raw(c.identity, msg, value)
 
-    def _send_work(self, c: _Controller, msg: Any, value: list[Any] | None = None) -> None:
+    def _send_work(self, c: ControllerProc, msg: Any, value: list[Any] | None = None) -> None:
         """To the controller's work link (its compute thread): RUN and STATE_*."""
         if c.work is not None:
             self._send_raw(c.work, msg, value)
@@ -830,136 +690,6 @@ class ZmqExecutor:
         c.state = m.State.STOPPED
         raise ControllerError(f"controller {c.index} left the run {self._when()}", c.index, c.nodes)
 
-    # --- state: checkpoints and restore ------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Every node's state, the delayed-edge values, RNG states and the step, from the controllers.
-
-        The format of ``LocalExecutor.state_dict()``: ``{"step", "nodes", "delayed", "rng"}``;
-        ``rng`` holds controller 0's states (what a LocalExecutor restores) and
-        ``rng["controllers"]`` each controller's. With ``max_staleness > 0``,
-        ``delayed_history`` adds the older values the next steps still read. Tensors arrive
-        on the CPU. Call it between steps (after ``step()`` or ``run()`` returned).
-        """
-        step = self.next_step
-        replies = self._exchange({c.index: (m.StateRequest(step), None) for c in self.controllers},
-                                 m.Kind.STATE_REPLY, step, "send the state of their nodes")  # fmt: skip
-        nodes: dict[str, Any] = {}
-        history: dict[tuple[str, str, int], Any] = {}
-        rngs: list[dict[str, Any]] = []
-        for index in range(len(self.controllers)):
-            where = f"the state of controller {index}'s nodes"
-            try:
-                value = decode_value(replies[index], where=where)
-                nodes.update(value["nodes"])
-                for src, port, produced, v in value["delayed"]:
-                    history.setdefault((src, port, produced), v)
-                rngs.append(value["rng"])
-            except (DecodeError, KeyError, TypeError, ValueError) as exc:
-                self._shutdown("a bad state reply")
-                raise ControllerError(f"{where} does not decode: {exc}", index) from None
-        state: dict[str, Any] = {
-            "step": step,
-            "nodes": {n: nodes.get(n, {}) for n in self.order},
-            "delayed": [[s, p, v] for (s, p, k), v in history.items() if k == step - 1],
-            "rng": {**rngs[0], "controllers": rngs},
-            "executor": {
-                "kind": "zmq",
-                "controllers": len(self.controllers),
-                "max_staleness": self.max_staleness,
-            },
-        }
-        if self.max_staleness:
-            state["delayed_history"] = [[s, p, k, v] for (s, p, k), v in sorted(
-                history.items(), key=lambda kv: kv[0])]  # fmt: skip
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a ``state_dict()`` (of this executor or of a LocalExecutor) into the controllers.
-
-        The next step run is ``state["step"]``. Data still in flight from before is dropped
-        (each restore starts a new epoch). Call it between steps.
-        """
-        missing = sorted(set(self.graph.nodes) - set(state.get("nodes", {})))
-        if missing:
-            raise ValueError(
-                f"checkpoint has no state for node(s) {missing}; was it written by this graph?"
-            )
-        step = int(state["step"])
-        lag = 1 + self.max_staleness
-        if "delayed_history" in state:
-            entries = [(s, p, int(k), v) for s, p, k, v in state["delayed_history"]]
-        else:
-            entries = [(s, p, step - 1, v) for s, p, v in state.get("delayed", [])]
-            if lag > 1 and step > 1 and entries:
-                warnings.warn(
-                    f"ZmqExecutor(max_staleness={self.max_staleness}): the checkpoint holds only the "
-                    f"delayed values of step {step - 1} (it is from an on-policy run); the next "
-                    f"{lag - 1} step(s) read None on their delayed inputs",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-        entries = [e for e in entries if step - lag <= e[2] < step]
-        rng = dict(state.get("rng") or {})
-        per_controller = rng.pop("controllers", None)
-        if not per_controller or len(per_controller) != len(self.controllers):
-            per_controller = [rng] * len(self.controllers)
-        self._epoch += 1
-        messages = {}
-        for c in self.controllers:
-            here = {(e.src, e.src_port) for e in self.graph.edges if e.delay and e.dst in c.nodes}
-            payload = {
-                "nodes": {n: state["nodes"][n] for n in c.nodes},
-                "delayed": [[s, p, k, v] for s, p, k, v in entries if (s, p) in here],
-                "rng": per_controller[c.index],
-            }
-            where = f"the checkpoint's state for controller {c.index}"
-            try:
-                frames = encode_value(payload, where=where, any_keys=True)
-            except UnsupportedValueError as exc:
-                raise ValueError(str(exc)) from None
-            messages[c.index] = (m.StateLoad(step, self._epoch), frames)
-        self._exchange(messages, m.Kind.STATE_LOADED, step, "restore the state of their nodes")
-        self.next_step = self._until = step
-
-    def _exchange(
-        self, messages: dict[int, tuple[Any, list[Any] | None]], reply: m.Kind, step: int, what: str
-    ) -> dict[int, list[Any]]:
-        """Send each controller its message; wait for every one's ``reply`` (value frames)."""
-        if self._closed:
-            raise RuntimeError(
-                "ZmqExecutor: this executor is closed (after close(), an error or Ctrl-C)"
-            )
-        if self._until != self.next_step:
-            raise RuntimeError("ZmqExecutor: state can move only between steps, not during run()")
-        got: dict[int, list[Any]] = {}
-        deadline = time.monotonic() + self.state_timeout_s
-        try:
-            for c in self.controllers:
-                msg, value = messages[c.index]
-                self._send_work(c, msg, value)
-            while len(got) < len(self.controllers):
-                event = self._next_event(None, "")
-                if event is None:
-                    if time.monotonic() > deadline:
-                        late = sorted(set(range(len(self.controllers))) - set(got))
-                        raise ControllerError(
-                            f"controllers {late} did not {what} within {self.state_timeout_s:.0f}s "
-                            "(state_timeout_s)",
-                            late[0],
-                            self.controllers[late[0]].nodes,
-                        )
-                    continue
-                identity, kind, msg, value = event
-                index = self._by_identity[identity].index
-                if kind is reply and msg.step == step:
-                    got[index] = value
-                else:
-                    self._other_event(identity, kind, msg)
-        except BaseException as exc:
-            self._shutdown(f"{type(exc).__name__} in the driver")
-            raise
-        return got
-
     # --- the end ----------------------------------------------------------------------------
     @property
     def pids(self) -> list[int]:
@@ -970,7 +700,7 @@ class ZmqExecutor:
         if self._closed:
             return
         self._closed = True
-        with _sigint_deferred():
+        with sigint_deferred():
             try:
                 for c in self.controllers:
                     if c.identity is not None and c.state is not m.State.STOPPED:

@@ -1,0 +1,23 @@
+"""The ZeroMQ runtime's errors, raised in the driver (re-exported by :mod:`runtime.driver`)."""
+
+from __future__ import annotations
+
+from yatt_graph import NodeExecutionError
+
+__all__ = ["ControllerError", "HandshakeError", "NodeTimeoutError"]
+
+
+class ControllerError(RuntimeError):
+    """A controller died, went silent, or failed outside a node; names it and its nodes."""
+
+    def __init__(self, message: str, controller: int = -1, nodes: list[str] | None = None):
+        super().__init__(message)
+        self.controller, self.nodes = controller, list(nodes or [])
+
+
+class HandshakeError(ControllerError):
+    """A controller that could not join: protocol mismatch, timeout, or exit during start-up."""
+
+
+class NodeTimeoutError(NodeExecutionError):
+    """A node call ran past its timeout; ``context`` has step, controller, seconds and limit_s."""
