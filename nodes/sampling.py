@@ -18,6 +18,7 @@ its support changes with top-p and the update could not reproduce it.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Iterator, Sequence
@@ -30,6 +31,24 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from nodes.policy_base import Generation, Policy, PromptBatch
 
 __all__ = ["generate", "generate_stream"]
+
+_in_generate = threading.local()
+
+
+class _DroppedMaskWarning(logging.Filter):
+    """Drops transformers' "passing in an `attention_mask`" warning raised inside our own
+    ``generate`` calls, where it is false: every policy passes the prompt mask, transformers
+    leaves an all-ones mask out of the model call, and then sees the pad id that it fills
+    finished rows with. Outside those calls the filter lets it through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            getattr(_in_generate, "on", False)
+            and "passing in an `attention_mask`" in record.getMessage()
+        )
+
+
+logging.getLogger("transformers.modeling_utils").addFilter(_DroppedMaskWarning())
 
 
 class _StepLogprobRecorder:
@@ -169,6 +188,7 @@ class _Setup:
         """``generate`` in eval mode (restored after); the new tokens, int64[B, R]."""
         was_training = policy.training
         policy.eval()
+        _in_generate.on = True
         try:
             return policy._generate_raw(
                 batch,
@@ -178,6 +198,7 @@ class _Setup:
                 **kwargs,
             )  # (B, R)
         finally:
+            _in_generate.on = False
             policy.train(was_training)
 
 
