@@ -12,9 +12,9 @@
 * chain, per node: ``step()`` on a chain of 8 empty nodes alternating between 2
   controllers (7 controller-to-controller hops), divided by 8.
 * run(), per step: the one-node graph under ``run(steps)`` (pipelined, 2 steps in flight).
-* Ray (when installed: ``bash bench/install_ray.sh``), in the same run, after the above, on
-  an actor with ``num_cpus=0``: ``ray.get(actor.tick.remote())``, a method that does what
-  the Tick node does (no input, returns ``torch.tensor([step])``); ``ray.get(actor.f.remote(x))``
+* Ray (when installed: ``bash bench/install_ray.sh``), side by side with the above, on an
+  actor with ``num_cpus=0``: ``ray.get(actor.tick.remote())``, a method that does what the
+  Tick node does (no input, returns ``torch.tensor([step])``); ``ray.get(actor.f.remote(x))``
   with ``f`` returning its argument, for x = a 1-element int64 tensor and x = the int 1
   (Ray's cheapest call); and ``ray.get(task.remote(1))`` for a remote function. A local Ray
   instance with 2 CPUs, no dashboard, on loopback only.
@@ -22,11 +22,12 @@
 Interleaved: a shared VM's speed drifts by 2x over minutes, so each measure runs in
 ``--rounds`` blocks, each block right after a block of raw round trips; a figure is the
 median over all its calls (after warm-up), and its "x raw" the median over blocks of
-(block median / the raw block median just before it). The Ray rows are measured the same
-way, after the runtime's processes are gone. The two "x Ray" columns divide each figure by
-Ray's ``f() -> tensor`` call (the same work as the node) and by its ``f(1) -> 1`` call:
-below 1 is faster than Ray; the target (dispatch at least 5x lower than Ray's actor call) is
-at most 0.2.
+(block median / the raw block median just before it). Ray is started first and stays up
+while the runtime is measured (and the runtime's processes while Ray is), so every round
+times both in the same few seconds: the two "x Ray" columns are the median over rounds of
+(this measure's block median / the Ray call's block median in the same round), for Ray's
+``f() -> tensor`` call (the same work as the node) and its ``f(1) -> 1`` call. Below 1 is
+faster than Ray; the target (dispatch at least 5x lower than Ray's actor call) is at most 0.2.
 """
 
 from __future__ import annotations
@@ -165,14 +166,19 @@ def _times(fn: Callable[[], object], n: int) -> list[float]:
     return times
 
 
+# (seconds per call, x raw, block medians, block medians / the raw block just before)
+Result = tuple[float, float, list[float], list[float]]
+
+
 def interleaved(
     measures: dict[str, tuple[Callable[[], object], float]],
     raw: Callable[[], None],
     calls: int,
     rounds: int,
     warmup: int = 100,
-) -> dict[str, tuple[float, float]]:
-    """``{name: (seconds per call, x raw)}``; each measure is ``(fn, divisor)`` (calls it stands for).
+) -> dict[str, Result]:
+    """``{name: Result}``; each measure is ``(fn, divisor)`` (the calls one ``fn()`` stands
+    for); block ``r`` of every measure ran in round ``r``. The "raw" entry has no blocks.
 
     Every block of ``calls // rounds`` calls of a measure follows a block of raw round trips
     (several times as many, as they are cheaper); see the module docstring.
@@ -182,6 +188,7 @@ def interleaved(
     _times(raw, warmup * 4)
     block = max(1, calls // rounds)
     all_times: dict[str, list[float]] = {k: [] for k in measures}
+    blocks: dict[str, list[float]] = {k: [] for k in measures}
     ratios: dict[str, list[float]] = {k: [] for k in measures}
     raw_times: list[float] = []
     for _ in range(rounds):
@@ -190,39 +197,48 @@ def interleaved(
             got = [t / divisor for t in _times(fn, block)]
             raw_times.append(floor)
             all_times[name] += got
-            ratios[name].append(statistics.median(got) / floor)
-    out = {k: (statistics.median(v), statistics.median(ratios[k])) for k, v in all_times.items()}
-    out["raw"] = (statistics.median(raw_times), 1.0)
+            blocks[name].append(statistics.median(got))
+            ratios[name].append(blocks[name][-1] / floor)
+    out = {
+        k: (statistics.median(v), statistics.median(ratios[k]), blocks[k], ratios[k])
+        for k, v in all_times.items()
+    }
+    out["raw"] = (statistics.median(raw_times), 1.0, [], [])
     return out
 
 
-def runtime_measures(calls: int, rounds: int) -> dict[str, tuple[float, float]]:
+def vs(got: Result, ref: Result) -> float:
+    """Median over rounds of ``got``'s block median / ``ref``'s in the same round (for "raw",
+    the raw block just before ``ref``'s)."""
+    if not got[2]:
+        return statistics.median(1 / r for r in ref[3])
+    return statistics.median(a / b for a, b in zip(got[2], ref[2], strict=True))
+
+
+@contextlib.contextmanager
+def runtime_measures() -> Iterator[dict[str, tuple[Callable[[], object], float]]]:
     with (
-        echo() as raw,
         topology_floor() as floor,
         ZmqExecutor(build_graph("tick").plan(1)) as one,
         ZmqExecutor(build_graph("chain", controllers=2, length=8).plan(2)) as chain,
         ZmqExecutor(build_graph("tick").plan(1)) as piped,
     ):
         burst = 20  # run() calls of this many steps, timed per step
-        return interleaved(
-            {
-                "floor": (floor, 1),
-                "step": (one.step, 1),
-                "chain": (chain.step, 8),
-                "run": (lambda: piped.run(burst), burst),
-            },
-            raw,
-            calls,
-            rounds,
-        )
+        yield {
+            "floor": (floor, 1),
+            "step": (one.step, 1),
+            "chain": (chain.step, 8),
+            "run": (lambda: piped.run(burst), burst),
+        }
 
 
-def ray_measures(calls: int, rounds: int) -> dict[str, tuple[float, float]] | None:
-    """Seconds per Ray call (and x raw): actor returning a tensor, echoing a tensor / an int; a task."""
+@contextlib.contextmanager
+def ray_measures() -> Iterator[dict[str, tuple[Callable[[], object], float]]]:
+    """Ray calls: actor returning a tensor, echoing a tensor / an int; a task. None without Ray."""
     if not ray_available():
-        return None
-    with ray_session() as ray, echo() as raw:
+        yield {}
+        return
+    with ray_session() as ray:
 
         @ray.remote(num_cpus=0)
         class Empty:
@@ -242,17 +258,12 @@ def ray_measures(calls: int, rounds: int) -> dict[str, tuple[float, float]] | No
 
         actor = Empty.remote()
         tiny = torch.tensor([1])  # (1,)
-        return interleaved(
-            {
-                "actor_tick": (lambda: ray.get(actor.tick.remote()), 1),
-                "actor_tensor": (lambda: ray.get(actor.f.remote(tiny)), 1),
-                "actor_int": (lambda: ray.get(actor.f.remote(1)), 1),
-                "task": (lambda: ray.get(empty.remote(1)), 1),
-            },
-            raw,
-            calls,
-            rounds,
-        )
+        yield {
+            "actor_tick": (lambda: ray.get(actor.tick.remote()), 1),
+            "actor_tensor": (lambda: ray.get(actor.f.remote(tiny)), 1),
+            "actor_int": (lambda: ray.get(actor.f.remote(1)), 1),
+            "task": (lambda: ray.get(empty.remote(1)), 1),
+        }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -261,38 +272,36 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=10, help="blocks per measure (interleaved)")
     args = p.parse_args(argv)
     load_start = load_average()
-    ours = runtime_measures(args.steps, args.rounds)
-    load_before = load_average()
-    ray = ray_measures(args.steps, args.rounds)
+    with echo() as raw, ray_measures() as theirs, runtime_measures() as ours:
+        load_before = load_average()
+        got = interleaved({**ours, **theirs}, raw, args.steps, args.rounds)
+    has_ray = bool(theirs)
     us = lambda s: f"{s * 1e6:.0f} us"  # noqa: E731
-    vs = lambda s, key: f"{s / ray[key][0]:.2f}" if ray else "-"  # noqa: E731
-    row = lambda label, got: [  # noqa: E731
+    row = lambda label, r: [  # noqa: E731
         label,
-        us(got[0]),
-        f"{got[1]:.1f}",
-        vs(got[0], "actor_tick"),
-        vs(got[0], "actor_int"),
+        us(r[0]),
+        f"{r[1]:.1f}",
+        f"{vs(r, got['actor_tick']):.2f}" if has_ray else "-",
+        f"{vs(r, got['actor_int']):.2f}" if has_ray else "-",
     ]
-    rows = [
-        row("raw pyzmq REQ/REP round trip (ipc)", ours["raw"]),
-        row("the runtime's socket topology in bare pyzmq", ours["floor"]),
-        row("ZmqExecutor.step(), 1 empty node", ours["step"]),
-        row("chain of 8 over 2 controllers, per node", ours["chain"]),
-        row("ZmqExecutor.run(), per step (pipelined)", ours["run"]),
-    ]
-    ray_rows = [
-        ("raw", "raw round trip (during the Ray part)"),
+    labels = [
+        ("raw", "raw pyzmq REQ/REP round trip (ipc)"),
+        ("floor", "the runtime's socket topology in bare pyzmq"),
+        ("step", "ZmqExecutor.step(), 1 empty node"),
+        ("chain", "chain of 8 over 2 controllers, per node"),
+        ("run", "ZmqExecutor.run(), per step (pipelined)"),
         ("actor_tick", "Ray actor call, f() -> tensor([step])"),
         ("actor_tensor", "Ray actor call, f(x) -> x, x = tensor([1])"),
         ("actor_int", "Ray actor call, f(x) -> x, x = 1"),
         ("task", "Ray task round trip, f(1) -> 1"),
     ]
-    for key, label in ray_rows:
-        rows.append(row(label, ray[key]) if ray else [label, "not installed", "-", "-", "-"])
+    rows = [
+        row(label, got[key]) if key in got else [label, "not installed", "-", "-", "-"]
+        for key, label in labels
+    ]
     print(f"machine: {machine()}")
     print(
-        f"load average: {load_start} (start), {load_before} (before the Ray part), "
-        f"{load_average()} (end)\n"
+        f"load average: {load_start} (start), {load_before} (all started), {load_average()} (end)\n"
     )
     header = ["measure", "time", "x raw round trip", "x Ray f() -> tensor", "x Ray f(1) -> 1"]
     print(table(header, rows))

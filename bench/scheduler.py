@@ -25,6 +25,10 @@
     Partial placement gives each side one slot, so it is bound by the busier side: the
     bench sweeps C (``--critiques``), which moves the work from the rollout side to the
     reward side, and names the C where the two partial slots are the most evenly busy.
+    ``--layers K`` gives each role K weight matrices, token t using matrix t % K: with K=1
+    (the default) a role's 4 MB of weights stay in this CPU's cache, and a decode step over
+    a few rows is cheap; with K=32 (128 MB a role) every step reads its weights from memory,
+    as a real model's decode does, and a long tail of a few rows costs more.
 """
 
 from __future__ import annotations
@@ -256,10 +260,11 @@ def long_tail(
 class _Models:
     """Per-slot weights for the two roles, plus the offload buffers a switch copies through."""
 
-    def __init__(self, dim: int, role_mb: int, slots: int):
+    def __init__(self, dim: int, role_mb: int, slots: int, layers: int = 1):
         g = torch.Generator().manual_seed(1)
-        self.policy = torch.randn(dim, dim, generator=g) / dim**0.5  # [D, D]
-        self.reward = torch.randn(dim, dim, generator=g) / dim**0.5  # [D, D]
+        # Each role: ``layers`` [D, D] matrices; token t uses matrix t % layers.
+        self.policy = [torch.randn(dim, dim, generator=g) / dim**0.5 for _ in range(layers)]
+        self.reward = [torch.randn(dim, dim, generator=g) / dim**0.5 for _ in range(layers)]
         n = role_mb * 2**20 // 4
         # What a role keeps resident on a device (weights, KV cache) and its host copy.
         self.resident = [torch.zeros(n) for _ in range(slots)]  # [n] per slot
@@ -278,7 +283,8 @@ def _generate(models: _Models, lengths: list[int], dim: int) -> Any:
     active = list(range(n))
     for t in range(max(lengths)):
         idx = torch.tensor(active)  # [a]
-        h[idx] = torch.tanh(h[idx] @ models.policy)  # [a, D]
+        w = models.policy[t % len(models.policy)]  # [D, D]
+        h[idx] = torch.tanh(h[idx] @ w)  # [a, D]
         done = [i for i in active if lengths[i] == t + 1]
         if done:
             active = [i for i in active if lengths[i] > t + 1]
@@ -289,12 +295,13 @@ def _judge(models: _Models, lengths: list[int], state: torch.Tensor, critique: i
     """A generative reward: read each response (prefill), then decode a critique for all rows."""
     dim = state.shape[1]
     g = torch.Generator().manual_seed(len(lengths))
-    for length in lengths:
+    ws = models.reward
+    for i, length in enumerate(lengths):
         x = torch.randn(length, dim, generator=g)  # [L, D]: the response's token states
-        torch.tanh(x @ models.reward)  # [L, D]
+        torch.tanh(x @ ws[i % len(ws)])  # [L, D]
     h = state  # [n, D]
-    for _ in range(critique):
-        h = torch.tanh(h @ models.reward)  # [n, D]
+    for t in range(critique):
+        h = torch.tanh(h @ ws[t % len(ws)])  # [n, D]
     return h[:, 0].tolist()
 
 
@@ -360,6 +367,7 @@ def rollout_reward(
     critique: int = 48,
     role_mb: int = 64,
     reps: int = 3,
+    layers: int = 1,
 ) -> dict[str, Any]:
     rng = random.Random(1)
     steps = [
@@ -370,7 +378,7 @@ def rollout_reward(
         for _ in range(n_steps)
     ]
     torch.set_num_threads(1)
-    models = _Models(dim, role_mb, SLOTS)
+    models = _Models(dim, role_mb, SLOTS, layers)
     # Interleaved repeats (C P, P C, C P ...) so that both modes see the same background load.
     runs: dict[str, list[dict[str, Any]]] = {"colocated": [], "partial": []}
     for k in range(reps):
@@ -404,6 +412,7 @@ def rollout_reward(
         "steps": n_steps,
         "prompts_per_step": prompts,
         "dim": dim,
+        "weights_mb_per_role": layers * dim * dim * 4 / 2**20,
         "response_lengths": f"lognormal(median {median_len}, sigma 0.7) capped at {max_len}; "
         f"mean {sum(map(sum, steps)) / (n_steps * prompts):.0f}, max {max(map(max, steps))}",
         "critique_tokens": critique,
@@ -451,7 +460,8 @@ def _report(a: dict[str, Any], b: dict[str, Any]) -> str:
     first = next(iter(b["by_critique"].values()))
     lines.append(
         f"(b) rollout + generative reward: {first['repeats']} x {first['steps']} steps x "
-        f"{first['prompts_per_step']} prompts, D={first['dim']}, lengths "
+        f"{first['prompts_per_step']} prompts, D={first['dim']}, "
+        f"{first['weights_mb_per_role']:.0f} MB of weights a role, lengths "
         f"{first['response_lengths']}; critique C tokens"
     )
     for c, r in b["by_critique"].items():
@@ -478,15 +488,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=[0, 16, 32, 48],
         help="(b): the reward's critique lengths to measure",
     )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="(b): weight matrices per role, token t using t %% K (32: weights beyond the cache)",
+    )
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
     if args.quick:
         a = long_tail(samples=256)
-        b = sweep(args.critiques[:2], n_steps=2, prompts=32, reps=2)
+        b = sweep(args.critiques[:2], n_steps=2, prompts=32, reps=2, layers=args.layers)
     else:
         a = long_tail()
-        b = sweep(args.critiques)
+        b = sweep(args.critiques, layers=args.layers)
     result = {
         "machine": machine(),
         "load_average_before_after": [load0, os.getloadavg()[0]],
