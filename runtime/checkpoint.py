@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 import warnings
 from pathlib import Path
@@ -21,9 +22,29 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "checkpoints", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "checkpoints",
+    "load_checkpoint",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+]
 
 FORMAT = 1
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (torch's CPU generator and Python's ``random``)."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def set_rng_state(rng: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned; a missing key leaves that generator alone."""
+    if "torch" in rng:
+        torch.set_rng_state(rng["torch"])
+    if "python" in rng:
+        random.setstate(rng["python"])
 
 
 class CheckpointError(RuntimeError):

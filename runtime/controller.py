@@ -24,7 +24,7 @@ Two threads:
 Faults: the IO thread watches the node call in progress and reports one that runs past its
 ``BatchPolicy.timeout_s`` (or the run's ``node_timeout_s``) with the stack it is stuck in;
 between steps the compute thread sends its nodes' state to the driver (STATE_REQUEST) or
-restores it (STATE_LOAD). A message that does not decode, is over ``max_message_bytes``,
+restores it (STATE_LOAD; :mod:`runtime.controller_state`). A message that does not decode, is over ``max_message_bytes``,
 names an edge no node here reads, or a step outside the window being run is dropped and
 logged; the run goes on.
 """
@@ -38,7 +38,6 @@ import gc
 import hashlib
 import logging
 import os
-import random
 import signal
 import socket
 import sys
@@ -54,7 +53,9 @@ import msgspec
 import zmq
 
 from runtime import messages as m
+from runtime.controller_state import StateMixin
 from runtime.controller_streams import StreamingMixin
+from runtime.errors import SendError
 from runtime.keys import is_loopback, load_keys, start_authenticator
 from runtime.serial import DecodeError, UnsupportedValueError, decode_value, encode_value
 from runtime.transport import (
@@ -70,7 +71,6 @@ from runtime.transport import (
 
 __all__ = ["Controller", "graph_digest", "main"]
 
-_DRIVER = b"d"
 _EXIT_GRACE_S = 2.0
 
 
@@ -85,7 +85,7 @@ class _Stop(Exception):
     pass
 
 
-class Controller(StreamingMixin):
+class Controller(StreamingMixin, StateMixin):
     """One controller process. :meth:`serve` runs it to the end and returns an exit code."""
 
     def __init__(
@@ -476,8 +476,13 @@ class Controller(StreamingMixin):
         return self.parent_pid is not None and os.getppid() != self.parent_pid
 
     # --- the compute thread -----------------------------------------------------------------
-    def _send(self, dest: bytes, msg: Any, value: list[Any] | None = None) -> None:
-        send(self.work if dest == _DRIVER else self.out_peers[int(dest)], msg, value)
+    def _send(self, dest: int, msg: Any, value: list[Any] | None = None) -> None:
+        """To controller ``dest``'s data socket."""
+        send(self.out_peers[dest], msg, value)
+
+    def _to_driver(self, msg: Any, value: list[Any] | None = None) -> None:
+        """On the work link: READY, STEP_DONE, errors, state replies, GOODBYE."""
+        send(self.work, msg, value)
 
     def _ready(self, name: str) -> bool:
         step = self.next_step[name]
@@ -564,7 +569,7 @@ class Controller(StreamingMixin):
         try:
             frames = encode_value(value, where="", shm=self.pool)
         except UnsupportedValueError as exc:
-            raise _SendError(src, step, f"{where()}{exc}") from None
+            raise SendError(src, step, f"{where()}{exc}") from None
         self._check_size(frames, where, src, step)
         header = m.Data(
             step,
@@ -577,13 +582,13 @@ class Controller(StreamingMixin):
             size=-1 if size is None else size,
         )
         for c in dests:
-            self._send(str(c).encode(), header, frames)
+            self._send(c, header, frames)
 
     def _check_size(self, frames: list[Any], where: Any, node: str, step: int) -> None:
         """``where()`` names the value, for the error."""
         limit = self.max_message_bytes
         if limit and (size := largest_frame(frames)) > limit:
-            raise _SendError(
+            raise SendError(
                 node,
                 step,
                 f"{where()}: a frame of {size} bytes is over max_message_bytes={limit}, so the "
@@ -603,10 +608,9 @@ class Controller(StreamingMixin):
             try:
                 frames = encode_value(outputs, where="")
             except UnsupportedValueError as exc:
-                raise _SendError(node, step, f"{where()}{exc}") from None
+                raise SendError(node, step, f"{where()}{exc}") from None
             self._check_size(frames, where, node, step)
-            self._send(
-                _DRIVER,
+            self._to_driver(
                 m.StepDone(self.index, step, self.seconds.pop(step, {}), self.starts.pop(step, {})),
                 frames,
             )
@@ -680,7 +684,7 @@ class Controller(StreamingMixin):
                 int(exc.context.get("step", -1)),
                 exc.remote_traceback,
             )
-        elif isinstance(exc, _SendError):
+        elif isinstance(exc, SendError):
             error = m.Error(
                 self.index, exc.message, exc.node, exc.step, traceback.format_exc(), exc.during
             )
@@ -691,7 +695,7 @@ class Controller(StreamingMixin):
                 traceback=traceback.format_exc(),
                 during="io",
             )
-        self._send(_DRIVER, error)
+        self._to_driver(error)
 
     def _handle(self, event: tuple[Any, ...]) -> None:
         kind = event[0]
@@ -731,7 +735,7 @@ class Controller(StreamingMixin):
             msg = event[1] if kind == "bad_data" else None
             text = event[-1]
             node, step = (msg.src, msg.step) if msg is not None else ("", -1)
-            self._send(_DRIVER, m.Error(self.index, text, node, step, during="io"))
+            self._to_driver(m.Error(self.index, text, node, step, during="io"))
             self._failed = True
         elif kind == "io_error":
             # The IO thread is gone, so nothing reaches the driver: its heartbeat check reports us.
@@ -740,90 +744,6 @@ class Controller(StreamingMixin):
                 file=sys.stderr,
             )
             raise _Stop
-
-    # --- state: checkpoints and restore -----------------------------------------------------
-    def _delayed_slots(self, step: int) -> list[tuple[Any, int]]:
-        """(delayed in-edge, producing step) pairs whose values the steps from ``step`` on read."""
-        return [
-            (e, p) for e in self.delayed_in for p in range(max(0, step - self.lag), step)
-        ]  # fmt: skip
-
-    def _send_state(self) -> None:
-        """Answer a STATE_REQUEST once every delayed value the next steps read has arrived."""
-        step = self._state_wanted
-        assert step is not None
-        if any(s != step for s in self.next_step.values()) or self.reported != step:
-            if all(s <= step for s in self.next_step.values()):
-                return  # still finishing the step before
-            raise RuntimeError(
-                f"state of step {step} requested, but nodes are at steps {self.next_step}"
-            )
-        values: dict[tuple[str, str, int], Any] = {}
-        for e, p in self._delayed_slots(step):
-            slot = self.pending.get((p + self.lag, e.dst), {})
-            if e.dst_port not in slot:
-                return  # a peer's delayed value is still on its way
-            values.setdefault((e.src, e.src_port, p), slot[e.dst_port])
-        self._state_wanted = None
-        nodes = {}
-        for name in self.order:
-            try:
-                nodes[name] = self.nodes[name].state_dict()
-            except Exception as exc:
-                raise _SendError(
-                    name, step, f"node {name!r}: state_dict() failed: {type(exc).__name__}: {exc}",
-                    "state",
-                ) from exc  # fmt: skip
-        payload = {
-            "nodes": nodes,
-            "delayed": [[s, p, k, v] for (s, p, k), v in values.items()],
-            "rng": _rng_state(),
-        }
-        where = f"the state of controller {self.index}"
-        try:
-            frames = encode_value(payload, where=where, any_keys=True)
-        except UnsupportedValueError as exc:
-            bad = next((n for n in nodes if f"['nodes'][{n!r}]" in str(exc)), "")
-            raise _SendError(
-                bad, step, f"{exc}; a checkpoint of a ZeroMQ run needs node state that the wire "
-                "carries (tensors, numbers, strings, lists, tuples, dicts)", "state",
-            ) from None  # fmt: skip
-        self._send(_DRIVER, m.StateReply(self.index, step), frames)
-
-    def _load_state(self, msg: m.StateLoad, state: dict[str, Any]) -> None:
-        """Restore nodes, delayed values and RNG; the next step to run is ``msg.step``."""
-        step = msg.step
-        for name in self.order:
-            node_state = state["nodes"].get(name)
-            if node_state:
-                try:
-                    self.nodes[name].load_state_dict(node_state)
-                except Exception as exc:
-                    raise _SendError(
-                        name, step, f"node {name!r}: load_state_dict() failed: "
-                        f"{type(exc).__name__}: {exc}", "state",
-                    ) from exc  # fmt: skip
-        self.epoch = msg.epoch
-        self.next_step = dict.fromkeys(self.order, step)
-        self.reported = self.until = step
-        self.pending = {}
-        self._clear_streams()
-        self.seconds.clear()
-        self.starts.clear()
-        self.step_outputs.clear()
-        given = {(s, p, int(k)): v for s, p, k, v in state["delayed"]}
-        for e, p in self._delayed_slots(step):
-            # A value the checkpoint lacks reads None, as in LocalExecutor.
-            value = given.get((e.src, e.src_port, p))
-            self.pending.setdefault((p + self.lag, e.dst), {})[e.dst_port] = value
-        rng = state.get("rng") or {}
-        if "torch" in rng:
-            import torch
-
-            torch.set_rng_state(rng["torch"])
-        if "python" in rng:
-            random.setstate(rng["python"])
-        self._send(_DRIVER, m.StateLoaded(self.index, step))
 
     # --- the whole life ---------------------------------------------------------------------
     def serve(self) -> int:
@@ -849,13 +769,13 @@ class Controller(StreamingMixin):
             # the steps allocate.
             gc.freeze()
             # READY on the work link: once the driver has it, its ROUTER can route RUN there.
-            self._send(_DRIVER, m.Ready(self.index, list(self.order)))
+            self._to_driver(m.Ready(self.index, list(self.order)))
             io = threading.Thread(target=self._io_loop, name="yatt-io", daemon=True)
             io.start()
             self._compute_loop()
             self._stopped.set()
             if not self.driver_lost:
-                self._send(_DRIVER, m.Goodbye(self.index))
+                self._to_driver(m.Goodbye(self.index))
             io.join(timeout=1.0)
             return 0
         finally:
@@ -887,18 +807,6 @@ class Controller(StreamingMixin):
         if destroy:  # each socket's own linger: GOODBYE and errors still go out
             with contextlib.suppress(Exception):
                 self.ctx.destroy(linger=0 if self.driver_lost else None)
-
-
-class _SendError(Exception):
-    def __init__(self, node: str, step: int, message: str, during: str = "send"):
-        super().__init__(message)
-        self.node, self.step, self.message, self.during = node, step, message, during
-
-
-def _rng_state() -> dict[str, Any]:
-    import torch
-
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
 
 
 def _advertised_host(connect: str) -> str:

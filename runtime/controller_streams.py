@@ -118,8 +118,7 @@ class StreamingMixin:
                 self.book.end(step, name, port, len(pieces))
             for c in self.remote_out.get((name, port), ()):
                 self._send(
-                    str(c).encode(),
-                    m.Data(step, name, port, self.index, self.epoch, len(pieces), end=True),
+                    c, m.Data(step, name, port, self.index, self.epoch, len(pieces), end=True)
                 )
         return join_pieces(pieces, name)
 

@@ -1,4 +1,5 @@
-"""The ZeroMQ runtime's errors, raised in the driver (re-exported by :mod:`runtime.driver`)."""
+"""The ZeroMQ runtime's errors: raised in the driver (re-exported by :mod:`runtime.driver`),
+and the one a controller turns into an ERROR message for the driver."""
 
 from __future__ import annotations
 
@@ -21,3 +22,13 @@ class HandshakeError(ControllerError):
 
 class NodeTimeoutError(NodeExecutionError):
     """A node call ran past its timeout; ``context`` has step, controller, seconds and limit_s."""
+
+
+class SendError(Exception):
+    """In a controller: an output, graph output or state that could not go out (it does not
+    encode, or is over ``max_message_bytes``); sent to the driver as an ERROR naming ``node``,
+    ``step`` and ``during`` ("send", "state"). Never reaches user code as such."""
+
+    def __init__(self, node: str, step: int, message: str, during: str = "send"):
+        super().__init__(message)
+        self.node, self.step, self.message, self.during = node, step, message, during

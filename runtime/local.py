@@ -8,15 +8,14 @@ step for the next.
 
 from __future__ import annotations
 
-import random
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
-import torch
 
+from runtime.checkpoint import rng_state, set_rng_state
 from runtime.splitting import NodeSplitter, device_pool
 from runtime.streams import call_piece, per_piece
 from yatt_graph import Graph, NodeExecutionError, Plan
@@ -170,7 +169,7 @@ class LocalExecutor:
             "step": self.next_step,
             "nodes": {name: node.state_dict() for name, node in self.graph.nodes.items()},
             "delayed": [[src, port, value] for (src, port), value in self._delayed.items()],
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "rng": rng_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -183,8 +182,7 @@ class LocalExecutor:
             if state["nodes"][name]:
                 node.load_state_dict(state["nodes"][name])
         self._delayed = {(src, port): value for src, port, value in state["delayed"]}
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
+        set_rng_state(state["rng"])
         self.next_step = int(state["step"])
 
     def run(
