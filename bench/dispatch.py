@@ -8,7 +8,8 @@
   inproc pair, an idle IO thread) in bare pyzmq, RUN- and STEP_DONE-sized messages, no
   Python work: what the structure costs before the runtime's own code runs.
 * step, 1 node: ``ZmqExecutor.step()`` on a graph of one empty node (1-element tensor
-  output, returned to the driver): RUN to the controller, the node, STEP_DONE back.
+  output, returned to the driver): RUN to the controller, the node, STEP_DONE back; and
+  the same with ``spin_s=0`` (the driver blocks at once instead of polling for up to 1 ms).
 * chain, per node: ``step()`` on a chain of 8 empty nodes alternating between 2
   controllers (7 controller-to-controller hops), divided by 8.
 * run(), per step: the one-node graph under ``run(steps)`` (pipelined, 2 steps in flight).
@@ -220,6 +221,7 @@ def runtime_measures() -> Iterator[dict[str, tuple[Callable[[], object], float]]
     with (
         topology_floor() as floor,
         ZmqExecutor(build_graph("tick").plan(1)) as one,
+        ZmqExecutor(build_graph("tick").plan(1), spin_s=0) as still,
         ZmqExecutor(build_graph("chain", controllers=2, length=8).plan(2)) as chain,
         ZmqExecutor(build_graph("tick").plan(1)) as piped,
     ):
@@ -227,6 +229,7 @@ def runtime_measures() -> Iterator[dict[str, tuple[Callable[[], object], float]]
         yield {
             "floor": (floor, 1),
             "step": (one.step, 1),
+            "step_still": (still.step, 1),
             "chain": (chain.step, 8),
             "run": (lambda: piped.run(burst), burst),
         }
@@ -288,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         ("raw", "raw pyzmq REQ/REP round trip (ipc)"),
         ("floor", "the runtime's socket topology in bare pyzmq"),
         ("step", "ZmqExecutor.step(), 1 empty node"),
+        ("step_still", "the same, spin_s=0 (the driver never spins)"),
         ("chain", "chain of 8 over 2 controllers, per node"),
         ("run", "ZmqExecutor.run(), per step (pipelined)"),
         ("actor_tick", "Ray actor call, f() -> tensor([step])"),

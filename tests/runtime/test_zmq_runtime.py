@@ -32,10 +32,14 @@ def toy_reference():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("controllers", [1, 2, 3])
-def test_toy_graph_equals_in_process_bitwise(controllers, toy_reference):
+@pytest.mark.parametrize(
+    ("controllers", "spin_s"),
+    [(1, 0.001), (2, 0.001), (3, 0.001), (1, 0.0)],
+    ids=["1", "2", "3", "1-no-spin"],
+)
+def test_toy_graph_equals_in_process_bitwise(controllers, spin_s, toy_reference):
     plan = load_graph("graphs.toy").plan(controllers)
-    ex = ZmqExecutor(plan)
+    ex = ZmqExecutor(plan, spin_s=spin_s)
     try:
         assert len(ex.pids) == controllers
         results = ex.run(STEPS - 1) + [ex.step()]  # pipelined run, then a single step
@@ -247,6 +251,9 @@ def test_bad_arguments_fail_before_any_process_starts():
         ZmqExecutor(plan, controllers=3)
     with pytest.raises(ValueError, match="needs the address"):
         ZmqExecutor(plan, spawn=False)
+    for bad in (-0.001, 2.0, float("nan"), "fast", True):
+        with pytest.raises(ValueError, match="spin_s must be between 0 and 1 second"):
+            ZmqExecutor(plan, spin_s=bad)
 
 
 @pytest.mark.timeout(60)
