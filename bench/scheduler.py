@@ -18,17 +18,18 @@
     ``[active, D] @ [D, D]`` matmul per token over the rows still generating. A generative
     reward then reads each response (a ``[L, D] @ [D, D]`` prefill) and decodes a critique
     of C tokens with its own weights. *colocated*: both roles on both slots, the group
-    switching role together, each switch a measured offload/reload (memcpy) of the role's
-    weights. *partial*: rollout on slot 0, reward on slot 1, samples streamed to the reward
+    switching role together, each switch a measured offload/reload (memcpy) of what the
+    role keeps on the device: its weights and 60 MB of other state (KV cache). *partial*: rollout on slot 0, reward on slot 1, samples streamed to the reward
     as they finish, the rollout of step t+1 overlapping the reward of step t (one step of
     staleness). Reported: the rollout-phase wall time (first prompt in, last score out).
     Partial placement gives each side one slot, so it is bound by the busier side: the
     bench sweeps C (``--critiques``), which moves the work from the rollout side to the
     reward side, and names the C where the two partial slots are the most evenly busy.
-    ``--layers K`` gives each role K weight matrices, token t using matrix t % K: with K=1
-    (the default) a role's 4 MB of weights stay in this CPU's cache, and a decode step over
-    a few rows is cheap; with K=32 (128 MB a role) every step reads its weights from memory,
-    as a real model's decode does, and a long tail of a few rows costs more.
+    ``--layers K`` gives each role K weight matrices, token t using matrix t % K: with K=32
+    (the default: 128 MB a role) every decode step reads its weights from memory, as a real
+    model's decode does, so a long tail of a few rows costs what it costs on real hardware,
+    and a switch moves 188 MB each way. With K=1 a role's 4 MB of weights stay in this CPU's
+    cache, a decode step over a few rows is cheap, and a switch moves 64 MB.
 """
 
 from __future__ import annotations
@@ -265,8 +266,9 @@ class _Models:
         # Each role: ``layers`` [D, D] matrices; token t uses matrix t % layers.
         self.policy = [torch.randn(dim, dim, generator=g) / dim**0.5 for _ in range(layers)]
         self.reward = [torch.randn(dim, dim, generator=g) / dim**0.5 for _ in range(layers)]
-        n = role_mb * 2**20 // 4
-        # What a role keeps resident on a device (weights, KV cache) and its host copy.
+        # What a role keeps resident on a device, its weights and role_mb of other state
+        # (KV cache, activations), and its host copy: a switch moves all of it.
+        n = (role_mb * 2**20 + layers * dim * dim * 4) // 4
         self.resident = [torch.zeros(n) for _ in range(slots)]  # [n] per slot
         self.host = {r: torch.ones(n) for r in ("rollout", "reward")}  # [n] per role
 
@@ -365,9 +367,9 @@ def rollout_reward(
     median_len: int = 96,
     max_len: int = 384,
     critique: int = 48,
-    role_mb: int = 64,
+    role_mb: int = 60,
     reps: int = 3,
-    layers: int = 1,
+    layers: int = 32,
 ) -> dict[str, Any]:
     rng = random.Random(1)
     steps = [
@@ -416,7 +418,7 @@ def rollout_reward(
         "response_lengths": f"lognormal(median {median_len}, sigma 0.7) capped at {max_len}; "
         f"mean {sum(map(sum, steps)) / (n_steps * prompts):.0f}, max {max(map(max, steps))}",
         "critique_tokens": critique,
-        "switch_memcpy_mb": 2 * role_mb,
+        "switch_memcpy_mb": 2 * (role_mb + layers * dim * dim * 4 / 2**20),
         "colocated": colo,
         "partial": part,
         "partial_saving": 1 - part["wall_s"] / colo["wall_s"],
@@ -491,8 +493,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--layers",
         type=int,
-        default=1,
-        help="(b): weight matrices per role, token t using t %% K (32: weights beyond the cache)",
+        default=32,
+        help="(b): weight matrices per role, token t using t %% K (1: weights in the cache)",
     )
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
