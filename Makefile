@@ -32,6 +32,8 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.transfer --sizes 1 64 256
 	$(BIN)/python -m bench.dataplane --batches 16 64 256 --steps 10
 	$(BIN)/python -m bench.stream --steps 12 --prompts 64 --ppo-batch 32
+	$(BIN)/python -m bench.scheduler
+	$(BIN)/python -m bench.split --steps 12 --batch 64
 
 # The same benchmarks with Ray's columns measured (Ray goes to .bench/ray, never into .venv).
 bench-ray: $(STAMP)
