@@ -137,6 +137,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     options = _graph_options(args)
     _on_bad_sample(args, options)
     graph = load_graph(args.graph, **options)
+    if args.show_graph:
+        print(graph.to_text(), "\n", flush=True)
     out = Path(args.out) if args.out else None
     distributed = args.controllers > 1 or bool(args.listen)
     _check_run_flags(args, distributed)
@@ -275,11 +277,11 @@ def export_policy(graph: Any, path: Path) -> str:
 def cmd_demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     run = ["run", "graphs.mm_ppo", "--steps", str(args.steps), "--seed", "0", "--out", str(out)]
-    run += ["--window", "20", "--export", str(out / "policy")] + (["--quiet"] if args.quiet else [])
+    run += ["--window", "20", "--export", str(out / "policy"), "--show-graph"]
+    run += ["--quiet"] if args.quiet else []
     print("yatt-graph demo: multimodal PPO on the shapes task (tiny models, in-process, CPU)")
     print("The policy must name the colour of the shape in the image. An image-blind policy")
-    print("that always names some colour scores 0.4; a perfect one scores 1.0.\n")
-    print(load_graph("graphs.mm_ppo").to_text(), "\n", flush=True)
+    print("that always names some colour scores 0.4; a perfect one scores 1.0.\n", flush=True)
     code = cmd_run(build_parser().parse_args(run))
     if code == 0:
         from runtime.plot import plot_run
@@ -374,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="save the trained policy there with save_pretrained",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--show-graph", action="store_true", help="print the graph's text form before running"
+    )
     faults = p.add_argument_group("faults and bad input (docs/RELIABILITY.md)")
     faults.add_argument(
         "--restart",

@@ -29,7 +29,10 @@ def test_show_prints_the_listing_and_mermaid(capsys):
 
 def test_run_reports_the_reward(capsys):
     assert main(["run", "graphs/toy.py", "--steps", "12", "--seed", "1", "--quiet"]) == 0
-    assert "mean reward: first 5 steps" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "mean reward: first 5 steps" in out and "graph toy_rlhf" not in out
+    assert main(["run", "graphs/toy.py", "--steps", "2", "--quiet", "--show-graph"]) == 0
+    assert capsys.readouterr().out.startswith("graph toy_rlhf (6 nodes, 10 edges)")
 
 
 def test_a_graph_file_that_fails_to_import_names_the_file(tmp_path, capsys):
