@@ -19,8 +19,8 @@
     reward then reads each response (a ``[L, D] @ [D, D]`` prefill) and decodes a critique
     of C tokens with its own weights. *colocated*: both roles on both slots, the group
     switching role together, each switch a measured offload/reload (memcpy) of what the
-    role keeps on the device: its weights and 60 MB of other state (KV cache). *partial*: rollout on slot 0, reward on slot 1, samples streamed to the reward
-    as they finish, the rollout of step t+1 overlapping the reward of step t (one step of
+    role keeps on the device: its weights and 60 MB of other state (KV cache). *partial*:
+    rollout on slot 0, reward on slot 1, samples streamed to the reward as they finish, the rollout of step t+1 overlapping the reward of step t (one step of
     staleness). Reported: the rollout-phase wall time (first prompt in, last score out).
     Partial placement gives each side one slot, so it is bound by the busier side: the
     bench sweeps C (``--critiques``), which moves the work from the rollout side to the

@@ -24,9 +24,9 @@ Two threads:
 Faults: the IO thread watches the node call in progress and reports one that runs past its
 ``BatchPolicy.timeout_s`` (or the run's ``node_timeout_s``) with the stack it is stuck in;
 between steps the compute thread sends its nodes' state to the driver (STATE_REQUEST) or
-restores it (STATE_LOAD; :mod:`runtime.controller_state`). A message that does not decode, is over ``max_message_bytes``,
-names an edge no node here reads, or a step outside the window being run is dropped and
-logged; the run goes on.
+restores it (STATE_LOAD; :mod:`runtime.controller_state`). A message that does not
+decode, is over ``max_message_bytes``, names an edge no node here reads, or a step outside
+the window being run is dropped and logged; the run goes on.
 """
 
 from __future__ import annotations
