@@ -1,6 +1,6 @@
 """Benchmark: the dynamic batching scheduler against static batching, and placement modes.
 
-    .venv/bin/python -m bench.scheduler            # about 30 s on a 2-core machine
+    .venv/bin/python -m bench.scheduler            # about 2 min on a 2-core machine
     .venv/bin/python -m bench.scheduler --quick    # a smaller smoke run
     .venv/bin/python -m bench.scheduler --json out.json
 
@@ -20,8 +20,9 @@
     of C tokens with its own weights. *colocated*: both roles on both slots, the group
     switching role together, each switch a measured offload/reload (memcpy) of what the
     role keeps on the device: its weights and 60 MB of other state (KV cache). *partial*:
-    rollout on slot 0, reward on slot 1, samples streamed to the reward as they finish, the rollout of step t+1 overlapping the reward of step t (one step of
-    staleness). Reported: the rollout-phase wall time (first prompt in, last score out).
+    rollout on slot 0, reward on slot 1, samples streamed to the reward as they finish,
+    the rollout of step t+1 overlapping the reward of step t (one step of staleness).
+    Reported: the rollout-phase wall time (first prompt in, last score out).
     Partial placement gives each side one slot, so it is bound by the busier side: the
     bench sweeps C (``--critiques``), which moves the work from the rollout side to the
     reward side, and names the C where the two partial slots are the most evenly busy.
