@@ -262,7 +262,7 @@ def long_tail(
 class _Models:
     """Per-slot weights for the two roles, plus the offload buffers a switch copies through."""
 
-    def __init__(self, dim: int, role_mb: int, slots: int, layers: int = 1):
+    def __init__(self, dim: int, role_mb: int, slots: int, layers: int):
         g = torch.Generator().manual_seed(1)
         # Each role: ``layers`` [D, D] matrices; token t uses matrix t % layers.
         self.policy = [torch.randn(dim, dim, generator=g) / dim**0.5 for _ in range(layers)]
