@@ -2,16 +2,20 @@
 
     .venv/bin/python -m bench.scheduler            # about 2 min on a 2-core machine
     .venv/bin/python -m bench.scheduler --quick    # a smaller smoke run
+    .venv/bin/python -m bench.scheduler --part a --slots 8   # (a) alone, on 8 cores
     .venv/bin/python -m bench.scheduler --json out.json
 
 (a) Long tail. 2048 samples whose costs are drawn from a lognormal (sigma 2, capped at 150
     units like a max response length), arriving as requests of 4 samples from 2 producers.
     One unit of cost is ``ITERS_PER_UNIT`` real 128x128 float32 matmuls (no sleeping), with
-    ``torch.set_num_threads(1)`` in each of 2 CPU worker slots.
-    *static*: batches of 8 (two requests), split 4/4 by count, a barrier after each batch.
-    *scheduler*: :class:`runtime.scheduler.Scheduler`, fusing up to 8 per call, splitting by
-    cost with Karmarkar-Karp, no barrier. The lower bound is total work / 2 slots, with the
-    work timed while both slots run (so that sharing the cores is not counted as waste).
+    ``torch.set_num_threads(1)`` in each of ``--slots`` CPU worker slots (default 2, at
+    most one a core).
+    *static*: batches of one request per slot (8 samples on 2 slots), split by count, 4
+    samples a slot, a barrier after each batch.
+    *scheduler*: :class:`runtime.scheduler.Scheduler`, fusing up to as many samples per call,
+    splitting by cost with Karmarkar-Karp, no barrier. The lower bound is total work / slots,
+    with the work timed while all slots run (so that sharing the cores is not counted as
+    waste).
 
 (b) Rollout + generative reward. Each step generates responses for 64 prompts with ragged
     lengths (lognormal, median 96 tokens, capped at 384): a real decode loop, one
@@ -116,9 +120,9 @@ def _draw_costs(n: int, sigma: float, cap: float, seed: int) -> list[float]:
     return [min(cap, rng.lognormvariate(0.0, sigma)) for _ in range(n)]
 
 
-def _static(requests: list[list[float]], per_batch: int) -> dict[str, Any]:
+def _static(requests: list[list[float]], per_batch: int, slots: int) -> dict[str, Any]:
     """Barrier per batch of ``per_batch`` requests; each batch split by count over the slots."""
-    busy = [0.0] * SLOTS
+    busy = [0.0] * slots
 
     def chunk(slot: int, costs: list[float]) -> None:
         t = time.perf_counter()
@@ -126,24 +130,24 @@ def _static(requests: list[list[float]], per_batch: int) -> dict[str, Any]:
             _spin(_iters(c))
         busy[slot] += time.perf_counter() - t
 
-    with ThreadPoolExecutor(SLOTS, initializer=torch.set_num_threads, initargs=(1,)) as ex:
-        list(ex.map(lambda _: _spin(10), range(SLOTS)))  # warm the threads
+    with ThreadPoolExecutor(slots, initializer=torch.set_num_threads, initargs=(1,)) as ex:
+        list(ex.map(lambda _: _spin(10), range(slots)))  # warm the threads
         t0 = time.perf_counter()
         for b in range(0, len(requests), per_batch):
             batch = [c for r in requests[b : b + per_batch] for c in r]
-            size = math.ceil(len(batch) / SLOTS)
-            futures = [ex.submit(chunk, s, batch[s * size : (s + 1) * size]) for s in range(SLOTS)]
+            size = math.ceil(len(batch) / slots)
+            futures = [ex.submit(chunk, s, batch[s * size : (s + 1) * size]) for s in range(slots)]
             for f in futures:  # the barrier
                 f.result()
         makespan = time.perf_counter() - t0
     return {"makespan_s": makespan, "busy_s": busy}
 
 
-def _dynamic(requests: list[list[float]], max_batch: int, method: str) -> dict[str, Any]:
+def _dynamic(requests: list[list[float]], max_batch: int, method: str, slots: int) -> dict[str, Any]:
     def work(inputs: dict[str, Any], device: Device) -> dict[str, Any]:
         return {"done": [_spin(_iters(c)) for c in inputs["cost"]]}
 
-    sched = Scheduler(DevicePool.cpu(SLOTS), partition=method, threads_per_worker=1)
+    sched = Scheduler(DevicePool.cpu(slots), partition=method, threads_per_worker=1)
     sched.add(
         "work",
         work,
@@ -175,56 +179,58 @@ def _dynamic(requests: list[list[float]], max_batch: int, method: str) -> dict[s
     }
 
 
-def _partition_quality(requests: list[list[float]], per_batch: int) -> dict[str, float]:
+def _partition_quality(requests: list[list[float]], per_batch: int, slots: int) -> dict[str, float]:
     """Mean heaviest-part / ideal over the static batches, for three ways to split them."""
     out = {"count": 0.0, "lpt": 0.0, "kk": 0.0}
     n = 0
     for b in range(0, len(requests), per_batch):
         costs = [c for r in requests[b : b + per_batch] for c in r]
-        ideal = sum(costs) / SLOTS
-        size = math.ceil(len(costs) / SLOTS)
-        halves = [costs[s * size : (s + 1) * size] for s in range(SLOTS)]
-        out["count"] += max(sum(h) for h in halves) / ideal
-        out["lpt"] += max(sum(costs[i] for i in p) for p in lpt(costs, SLOTS)) / ideal
-        out["kk"] += max(sum(costs[i] for i in p) for p in karmarkar_karp(costs, SLOTS)) / ideal
+        ideal = sum(costs) / slots
+        size = math.ceil(len(costs) / slots)
+        parts = [costs[s * size : (s + 1) * size] for s in range(slots)]
+        out["count"] += max(sum(h) for h in parts) / ideal
+        out["lpt"] += max(sum(costs[i] for i in p) for p in lpt(costs, slots)) / ideal
+        out["kk"] += max(sum(costs[i] for i in p) for p in karmarkar_karp(costs, slots)) / ideal
         n += 1
     return {k: v / n for k, v in out.items()}
 
 
-def _barrier_bound(requests: list[list[float]], per_batch: int) -> float:
-    """What static batching costs on idle cores, in units: the heavier half of every batch."""
+def _barrier_bound(requests: list[list[float]], per_batch: int, slots: int) -> float:
+    """What static batching costs on idle cores, in units: the heaviest part of every batch."""
     total = 0.0
     for b in range(0, len(requests), per_batch):
         batch = [c for r in requests[b : b + per_batch] for c in r]
-        size = math.ceil(len(batch) / SLOTS)
-        total += max(sum(batch[s * size : (s + 1) * size]) for s in range(SLOTS))
+        size = math.ceil(len(batch) / slots)
+        total += max(sum(batch[s * size : (s + 1) * size]) for s in range(slots))
     return total
 
 
 def long_tail(
-    samples: int = 2048, sigma: float = 2.0, cap: float = 150.0, rounds: int = 4
+    samples: int = 2048, sigma: float = 2.0, cap: float = 150.0, rounds: int = 4, slots: int = SLOTS
 ) -> dict[str, Any]:
     """Static vs scheduler on the same samples, interleaved in ``rounds`` so that both see the
-    same background load (this machine is shared); the lower bound is re-measured each round."""
-    per_request, per_batch = 4, 2  # static batch = 2 requests = 8 samples
+    same background load (this machine is shared); the lower bound is re-measured each round.
+    A static batch gives each of the ``slots`` 4 samples (one request)."""
+    per_request, per_batch = 4, slots  # static batch = one request per slot
     costs = _draw_costs(samples, sigma, cap, seed=0)
     requests = [costs[i : i + per_request] for i in range(0, samples, per_request)]
     chunk = math.ceil(len(requests) / rounds)
-    totals = {"static": [0.0, [0.0] * SLOTS], "scheduler": [0.0, [0.0] * SLOTS]}
+    totals = {"static": [0.0, [0.0] * slots], "scheduler": [0.0, [0.0] * slots]}
     lower, alone_sum, shared_sum, calls, waits, busy_lb = 0.0, 0.0, 0.0, 0, [], 0.0
     for k in range(rounds):
         part = requests[k * chunk : (k + 1) * chunk]
-        alone, shared = _calibrate(SLOTS)
+        alone, shared = _calibrate(slots)
         alone_sum, shared_sum = alone_sum + alone, shared_sum + shared
-        lower += sum(_iters(c) for r in part for c in r) * shared / SLOTS
-        runs = [("static", lambda p=part: _static(p, per_batch))]
-        runs.append(("scheduler", lambda p=part: _dynamic(p, per_request * per_batch, "kk")))
+        lower += sum(_iters(c) for r in part for c in r) * shared / slots
+        runs = [("static", lambda p=part: _static(p, per_batch, slots))]
+        max_batch = per_request * per_batch
+        runs.append(("scheduler", lambda p=part: _dynamic(p, max_batch, "kk", slots)))
         for name, run in runs if k % 2 == 0 else runs[::-1]:
             r = run()
             totals[name][0] += r["makespan_s"]
             totals[name][1] = [a + b for a, b in zip(totals[name][1], r["busy_s"])]
             if name == "scheduler":
-                busy_lb += sum(r["busy_s"]) / SLOTS
+                busy_lb += sum(r["busy_s"]) / slots
                 calls += r["calls"]
                 waits.append(r["queue_wait_s"])
 
@@ -240,19 +246,21 @@ def long_tail(
     dynamic.update(calls=calls, mean_queue_wait_s=sum(waits) / len(waits))
     return {
         "samples": samples,
+        "slots": slots,
         "cost": f"lognormal(0, {sigma}) capped at {cap}",
         "total_units": sum(costs),
         "largest_sample_units": max(costs),
         "matmuls": sum(_iters(c) for c in costs),
         "matmul_s_alone": alone_sum / rounds,
-        "matmul_s_both_slots": shared_sum / rounds,
+        "matmul_s_all_slots_busy": shared_sum / rounds,
         "lower_bound_s": lower,
         "lower_bound_from_scheduler_busy_s": busy_lb,
         "static": static,
         "scheduler": dynamic,
         "speedup": static["makespan_s"] / dynamic["makespan_s"],
-        "static_over_lb_on_idle_cores": _barrier_bound(requests, per_batch) / (sum(costs) / SLOTS),
-        "partition_heaviest_over_ideal": _partition_quality(requests, per_batch),
+        "static_over_lb_on_idle_cores": _barrier_bound(requests, per_batch, slots)
+        / (sum(costs) / slots),
+        "partition_heaviest_over_ideal": _partition_quality(requests, per_batch, slots),
     }
 
 
@@ -437,47 +445,52 @@ def sweep(critiques: list[int], **options: Any) -> dict[str, Any]:
 # --- report --------------------------------------------------------------------------------
 
 
-def _report(a: dict[str, Any], b: dict[str, Any]) -> str:
-    def utl(xs: list[float] | dict[str, float]) -> str:
-        vals = xs.values() if isinstance(xs, dict) else xs
-        return " / ".join(f"{x:.0%}" for x in vals)
+def _utl(xs: list[float] | dict[str, float]) -> str:
+    vals = xs.values() if isinstance(xs, dict) else xs
+    return " / ".join(f"{x:.0%}" for x in vals)
 
-    st, dy = a["static"], a["scheduler"]
+
+def _report_a(a: dict[str, Any]) -> list[str]:
+    st, dy, n = a["static"], a["scheduler"], a["slots"]
     lines = [
         f"(a) long tail: {a['samples']} samples, cost {a['cost']}, {a['matmuls']} matmuls "
         f"{MATMUL}x{MATMUL}; largest sample {a['largest_sample_units']:.0f} of "
         f"{a['total_units']:.0f} units",
         f"    matmul {a['matmul_s_alone'] * 1e6:.1f} us alone, "
-        f"{a['matmul_s_both_slots'] * 1e6:.1f} us per slot with both slots busy",
-        f"    lower bound (work / {SLOTS} slots, work timed with both slots busy): "
-        f"{a['lower_bound_s']:.2f} s (the scheduler's own busy time / {SLOTS}: "
+        f"{a['matmul_s_all_slots_busy'] * 1e6:.1f} us per slot with all {n} slots busy",
+        f"    lower bound (work / {n} slots, work timed with all slots busy): "
+        f"{a['lower_bound_s']:.2f} s (the scheduler's own busy time / {n}: "
         f"{a['lower_bound_from_scheduler_busy_s']:.2f} s)",
         f"    static    : {st['makespan_s']:6.2f} s  {st['over_lower_bound']:.2f}x LB  "
-        f"utilization {utl(st['utilization'])}",
+        f"utilization {_utl(st['utilization'])}",
         f"    scheduler : {dy['makespan_s']:6.2f} s  {dy['over_lower_bound']:.2f}x LB  "
-        f"utilization {utl(dy['utilization'])}  ({dy['calls']} calls)",
+        f"utilization {_utl(dy['utilization'])}  ({dy['calls']} calls)",
         f"    speedup {a['speedup']:.2f}x (static on idle cores would be "
         f"{a['static_over_lb_on_idle_cores']:.2f}x LB); heaviest part / ideal per static batch: "
         + ", ".join(f"{k} {v:.3f}" for k, v in a["partition_heaviest_over_ideal"].items()),
     ]
+    return lines
+
+
+def _report_b(b: dict[str, Any]) -> list[str]:
     first = next(iter(b["by_critique"].values()))
-    lines.append(
+    lines = [
         f"(b) rollout + generative reward: {first['repeats']} x {first['steps']} steps x "
         f"{first['prompts_per_step']} prompts, D={first['dim']}, "
         f"{first['weights_mb_per_role']:.0f} MB of weights a role, lengths "
         f"{first['response_lengths']}; critique C tokens"
-    )
+    ]
     for c, r in b["by_critique"].items():
         mark = "  <- the most balanced" if c == b["balanced_critique"] else ""
         lines.append(
             f"    C={c:<3d} colocated {r['colocated']['wall_s']:6.2f} s (utilization "
-            f"{utl(r['colocated']['utilization'])}, {r['colocated']['switches']} switches, "
+            f"{_utl(r['colocated']['utilization'])}, {r['colocated']['switches']} switches, "
             f"{r['colocated']['switch_s']:.2f} s)  partial {r['partial']['wall_s']:6.2f} s "
-            f"(utilization {utl(r['partial']['utilization'])}, reward batch "
+            f"(utilization {_utl(r['partial']['utilization'])}, reward batch "
             f"{r['partial']['reward_mean_batch']:.1f})  partial saves {r['partial_saving']:.0%} "
             f"(per repeat {', '.join(f'{x:.0%}' for x in r['partial_saving_per_repeat'])}){mark}"
         )
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -497,23 +510,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=32,
         help="(b): weight matrices per role, token t using t %% K (1: weights in the cache)",
     )
+    parser.add_argument(
+        "--part", choices=["a", "b", "all"], default="all", help="run only (a) or only (b)"
+    )
+    parser.add_argument(
+        "--slots",
+        type=int,
+        default=SLOTS,
+        help="(a): CPU worker slots, at most one per core (static batches give each 4 samples)",
+    )
     args = parser.parse_args(argv)
+    cores = len(os.sched_getaffinity(0))
+    if not 1 <= args.slots <= cores:
+        parser.error(
+            f"--slots {args.slots}: give 1 to {cores}, one slot per core this process may use "
+            "(slots sharing a core would measure time-sharing, not devices)"
+        )
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
-    if args.quick:
-        a = long_tail(samples=256)
-        b = sweep(args.critiques[:2], n_steps=2, prompts=32, reps=2, layers=args.layers)
-    else:
-        a = long_tail()
-        b = sweep(args.critiques, layers=args.layers)
-    result = {
-        "machine": machine(),
-        "load_average_before_after": [load0, os.getloadavg()[0]],
-        "long_tail": a,
-        "rollout_reward": b,
-        "bench_wall_s": time.perf_counter() - t0,
-    }
-    print(_report(a, b))
+    result: dict[str, Any] = {"machine": machine(), "load_average_before_after": [load0]}
+    lines: list[str] = []
+    if args.part in ("a", "all"):
+        a = long_tail(samples=256, slots=args.slots) if args.quick else long_tail(slots=args.slots)
+        result["long_tail"] = a
+        lines += _report_a(a)
+    if args.part in ("b", "all"):
+        if args.quick:
+            b = sweep(args.critiques[:2], n_steps=2, prompts=32, reps=2, layers=args.layers)
+        else:
+            b = sweep(args.critiques, layers=args.layers)
+        result["rollout_reward"] = b
+        lines += _report_b(b)
+    result["load_average_before_after"].append(os.getloadavg()[0])
+    result["bench_wall_s"] = time.perf_counter() - t0
+    print("\n".join(lines))
     print(
         f"machine: {result['machine']}; 1-min load average {load0:.2f} -> {os.getloadavg()[0]:.2f}; "
         f"bench took {result['bench_wall_s']:.0f} s"
