@@ -143,7 +143,9 @@ def _static(requests: list[list[float]], per_batch: int, slots: int) -> dict[str
     return {"makespan_s": makespan, "busy_s": busy}
 
 
-def _dynamic(requests: list[list[float]], max_batch: int, method: str, slots: int) -> dict[str, Any]:
+def _dynamic(
+    requests: list[list[float]], max_batch: int, method: str, slots: int
+) -> dict[str, Any]:
     def work(inputs: dict[str, Any], device: Device) -> dict[str, Any]:
         return {"done": [_spin(_iters(c)) for c in inputs["cost"]]}
 
