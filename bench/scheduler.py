@@ -214,6 +214,7 @@ def long_tail(
     same background load (this machine is shared); the lower bound is re-measured each round.
     A static batch gives each of the ``slots`` 4 samples (one request)."""
     per_request, per_batch = 4, slots  # static batch = one request per slot
+    max_batch = per_request * per_batch  # the scheduler fuses up to as many samples a call
     costs = _draw_costs(samples, sigma, cap, seed=0)
     requests = [costs[i : i + per_request] for i in range(0, samples, per_request)]
     chunk = math.ceil(len(requests) / rounds)
@@ -225,7 +226,6 @@ def long_tail(
         alone_sum, shared_sum = alone_sum + alone, shared_sum + shared
         lower += sum(_iters(c) for r in part for c in r) * shared / slots
         runs = [("static", lambda p=part: _static(p, per_batch, slots))]
-        max_batch = per_request * per_batch
         runs.append(("scheduler", lambda p=part: _dynamic(p, max_batch, "kk", slots)))
         for name, run in runs if k % 2 == 0 else runs[::-1]:
             r = run()
