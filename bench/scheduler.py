@@ -190,7 +190,7 @@ def _partition_quality(requests: list[list[float]], per_batch: int, slots: int) 
         ideal = sum(costs) / slots
         size = math.ceil(len(costs) / slots)
         parts = [costs[s * size : (s + 1) * size] for s in range(slots)]
-        out["count"] += max(sum(h) for h in parts) / ideal
+        out["count"] += max(sum(part) for part in parts) / ideal
         out["lpt"] += max(sum(costs[i] for i in p) for p in lpt(costs, slots)) / ideal
         out["kk"] += max(sum(costs[i] for i in p) for p in karmarkar_karp(costs, slots)) / ideal
         n += 1
