@@ -8,10 +8,26 @@ from runtime.metrics import read_metrics
 
 __all__ = ["plot_run"]
 
+# Each panel draws the first of its names that the run's metrics have, as a key or as the
+# last part of one ("advantage/kl": the stats of the graph output "advantage"). approx_kl, the
+# policy's change within one update, is not a KL to the reference and is not drawn as one.
 _CURVES = [
     ("reward", ("scores/mean", "reward/mean")),
-    ("KL to reference", ("kl", "approx_kl", "stats/kl")),
+    ("KL to reference", ("kl", "kl_ref")),
 ]
+
+
+def _panels(rows: list[dict]) -> list[tuple[str, str]]:
+    """(title, metrics key) of each panel the rows have a curve for."""
+    keys = sorted({k for r in rows for k in r})
+    panels = []
+    for title, names in _CURVES:
+        for name in names:
+            found = [name] if name in keys else [k for k in keys if k.endswith("/" + name)]
+            if found:
+                panels.append((title, found[0]))
+                break
+    return panels
 
 
 def plot_run(out_dir: str | Path, path: str | Path | None = None, window: int = 5) -> Path:
@@ -22,11 +38,7 @@ def plot_run(out_dir: str | Path, path: str | Path | None = None, window: int = 
     rows = read_metrics(out_dir)
     if not rows:
         raise ValueError(f"{out_dir}/metrics.jsonl has no rows to plot")
-    panels = []
-    for title, keys in _CURVES:
-        key = next((k for k in keys if any(k in r for r in rows)), None)
-        if key is not None:
-            panels.append((title, key))
+    panels = _panels(rows)
     if not panels:
         raise ValueError(
             f"{out_dir}/metrics.jsonl has none of the reward/KL keys {[k for _, ks in _CURVES for k in ks]}"

@@ -54,3 +54,20 @@ def test_plot_of_a_folder_with_no_run_is_a_clear_error(tmp_path, capsys):
     assert "no metrics at" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError):
         read_metrics(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "row, kl_key",
+    [
+        ({"advantage/kl": 1.5, "approx_kl": 0.01}, "advantage/kl"),  # PPO: GAE's stats
+        ({"kl_ref": 0.05, "approx_kl": 0.01}, "kl_ref"),  # GRPO: the update's KL term
+        ({"kl": 0.2, "advantage/kl": 1.5}, "kl"),  # an exact name wins over a suffix
+        ({"approx_kl": 0.01}, None),  # a policy's change per update is not a KL to the reference
+    ],
+)
+def test_plot_draws_the_kl_to_the_reference_not_the_update_step(row, kl_key):
+    from runtime.plot import _panels
+
+    panels = dict(_panels([{"step": 0, "scores/mean": 0.5, **row}]))
+    assert panels.get("reward") == "scores/mean"
+    assert panels.get("KL to reference") == kl_key
