@@ -33,14 +33,17 @@ def build_graph(
     critic_lr: float = 1e-3,
     max_new_tokens: int = 2,
     temperature: float = 1.0,
-    kl_coef: float = 0.0,
+    kl_coef: float = 0.05,
     entropy_coef: float = 0.01,
     epochs: int = 2,
     gamma: float = 1.0,
     lam: float = 0.95,
     stream: bool = False,
 ) -> Graph:
-    """Defaults tuned on measured runs: reward 0.16 -> 0.96 in 500 steps (seed 0, CPU)."""
+    """Defaults tuned on measured runs (CPU, 500 steps, means of the first and last 20):
+    reward 0.16 -> 0.95-0.97 over seeds 0-4. ``kl_coef=0.05`` keeps the per-token KL to the
+    reference at 1.5-1.7 nats; without the penalty it grew to 2.4-3.0 and seeds 1-3 ended
+    at 0.54-0.78."""
     options = dict(locals())
     return build_ppo("mm_ppo", text_only=False, **options)
 

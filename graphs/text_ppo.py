@@ -25,13 +25,14 @@ def build_graph(
     critic_lr: float = 1e-3,
     max_new_tokens: int = 2,
     temperature: float = 1.0,
-    kl_coef: float = 0.0,
+    kl_coef: float = 0.05,
     entropy_coef: float = 0.01,
     epochs: int = 2,
     gamma: float = 1.0,
     lam: float = 0.95,
     stream: bool = False,
 ) -> Graph:
-    """Defaults as in mm_ppo; reward 0.23 -> 0.98 in 300 steps (seed 0, CPU)."""
+    """Defaults as in mm_ppo; reward 0.15-0.18 -> 0.996-0.999 over seeds 0-2 (CPU, 500 steps,
+    means of the first and last 20; without the KL penalty 0.59-0.998)."""
     options = dict(locals())
     return build_ppo("text_ppo", text_only=True, **options)
