@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.checkpoint import load_checkpoint, save_checkpoint
-from runtime.metrics import MetricsWriter, summarize
+from runtime.metrics import CURVES, MetricsWriter, curve_key, summarize
 from runtime.trace import Tracer
 
 __all__ = ["train", "utilization"]
@@ -22,8 +22,8 @@ __all__ = ["train", "utilization"]
 
 def _progress_fields(row: dict[str, Any], samples_per_s: float) -> dict[str, str]:
     fields = {"samples/s": f"{samples_per_s:.1f}"}
-    for label, keys in (("reward", ("scores/mean",)), ("kl", ("advantage/kl", "kl_ref"))):
-        key = next((k for k in keys if k in row), None)
+    for label, names in CURVES.items():
+        key = curve_key(row, names)
         if key is not None:
             fields[label] = f"{row[key]:.3f}"
     return fields

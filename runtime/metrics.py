@@ -9,10 +9,31 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsWriter", "read_metrics", "summarize"]
+__all__ = ["CURVES", "MetricsWriter", "curve_key", "read_metrics", "summarize"]
+
+#: The curves a run is followed by, each with the metric names that can carry it, in order of
+#: preference: the progress bar shows them and ``yatt-graph plot`` draws them. approx_kl, the
+#: policy's change within one update, is not a KL to the reference and is not one of them.
+CURVES: dict[str, tuple[str, ...]] = {
+    "reward": ("scores/mean", "reward/mean"),
+    "kl": ("kl", "kl_ref"),
+}
+
+
+def curve_key(keys: Collection[str], names: tuple[str, ...]) -> str | None:
+    """The first of ``names`` among ``keys``, as a key or as a key's last part
+    ("advantage/kl" is the ``kl`` of the graph output "advantage"); None if none is there."""
+    for name in names:
+        if name in keys:
+            return name
+        found = sorted(k for k in keys if k.endswith("/" + name))
+        if found:
+            return found[0]
+    return None
 
 
 def _number(value: Any) -> float | None:

@@ -4,29 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.metrics import read_metrics
+from runtime.metrics import CURVES, curve_key, read_metrics
 
 __all__ = ["plot_run"]
 
-# Each panel draws the first of its names that the run's metrics have, as a key or as the
-# last part of one ("advantage/kl": the stats of the graph output "advantage"). approx_kl, the
-# policy's change within one update, is not a KL to the reference and is not drawn as one.
-_CURVES = [
-    ("reward", ("scores/mean", "reward/mean")),
-    ("KL to reference", ("kl", "kl_ref")),
-]
+_TITLES = {"reward": "reward", "kl": "KL to reference"}
 
 
 def _panels(rows: list[dict]) -> list[tuple[str, str]]:
-    """(title, metrics key) of each panel the rows have a curve for."""
-    keys = sorted({k for r in rows for k in r})
+    """(title, metrics key) of each panel the rows have a curve for (:data:`CURVES`)."""
+    keys = {k for r in rows for k in r}
     panels = []
-    for title, names in _CURVES:
-        for name in names:
-            found = [name] if name in keys else [k for k in keys if k.endswith("/" + name)]
-            if found:
-                panels.append((title, found[0]))
-                break
+    for curve, names in CURVES.items():
+        key = curve_key(keys, names)
+        if key is not None:
+            panels.append((_TITLES[curve], key))
     return panels
 
 
@@ -41,7 +33,7 @@ def plot_run(out_dir: str | Path, path: str | Path | None = None, window: int = 
     panels = _panels(rows)
     if not panels:
         raise ValueError(
-            f"{out_dir}/metrics.jsonl has none of the reward/KL keys {[k for _, ks in _CURVES for k in ks]}"
+            f"{out_dir}/metrics.jsonl has none of the reward/KL keys {[k for ks in CURVES.values() for k in ks]}"
         )
     fig = Figure(figsize=(6.5, 2.6 * len(panels)))
     FigureCanvasAgg(fig)

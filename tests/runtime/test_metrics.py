@@ -66,8 +66,14 @@ def test_plot_of_a_folder_with_no_run_is_a_clear_error(tmp_path, capsys):
     ],
 )
 def test_plot_draws_the_kl_to_the_reference_not_the_update_step(row, kl_key):
+    from runtime.loop import _progress_fields
     from runtime.plot import _panels
 
-    panels = dict(_panels([{"step": 0, "scores/mean": 0.5, **row}]))
+    full = {"step": 0, "scores/mean": 0.5, **row}
+    panels = dict(_panels([full]))
     assert panels.get("reward") == "scores/mean"
     assert panels.get("KL to reference") == kl_key
+    # The progress bar shows the same curves.
+    fields = _progress_fields(full, 10.0)
+    assert fields["reward"] == "0.500"
+    assert fields.get("kl") == (None if kl_key is None else f"{full[kl_key]:.3f}")
