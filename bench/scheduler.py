@@ -46,6 +46,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -120,6 +121,16 @@ def _draw_costs(n: int, sigma: float, cap: float, seed: int) -> list[float]:
     return [min(cap, rng.lognormvariate(0.0, sigma)) for _ in range(n)]
 
 
+def _count_split(
+    requests: list[list[float]], per_batch: int, slots: int
+) -> Iterator[list[list[float]]]:
+    """Static batching's batches of ``per_batch`` requests, each split by count over the slots."""
+    for b in range(0, len(requests), per_batch):
+        batch = [c for r in requests[b : b + per_batch] for c in r]
+        size = math.ceil(len(batch) / slots)
+        yield [batch[s * size : (s + 1) * size] for s in range(slots)]
+
+
 def _static(requests: list[list[float]], per_batch: int, slots: int) -> dict[str, Any]:
     """Barrier per batch of ``per_batch`` requests; each batch split by count over the slots."""
     busy = [0.0] * slots
@@ -133,10 +144,8 @@ def _static(requests: list[list[float]], per_batch: int, slots: int) -> dict[str
     with ThreadPoolExecutor(slots, initializer=torch.set_num_threads, initargs=(1,)) as ex:
         list(ex.map(lambda _: _spin(10), range(slots)))  # warm the threads
         t0 = time.perf_counter()
-        for b in range(0, len(requests), per_batch):
-            batch = [c for r in requests[b : b + per_batch] for c in r]
-            size = math.ceil(len(batch) / slots)
-            futures = [ex.submit(chunk, s, batch[s * size : (s + 1) * size]) for s in range(slots)]
+        for parts in _count_split(requests, per_batch, slots):
+            futures = [ex.submit(chunk, s, part) for s, part in enumerate(parts)]
             for f in futures:  # the barrier
                 f.result()
         makespan = time.perf_counter() - t0
@@ -185,11 +194,9 @@ def _partition_quality(requests: list[list[float]], per_batch: int, slots: int) 
     """Mean heaviest-part / ideal over the static batches, for three ways to split them."""
     out = {"count": 0.0, "lpt": 0.0, "kk": 0.0}
     n = 0
-    for b in range(0, len(requests), per_batch):
-        costs = [c for r in requests[b : b + per_batch] for c in r]
+    for parts in _count_split(requests, per_batch, slots):
+        costs = [c for part in parts for c in part]
         ideal = sum(costs) / slots
-        size = math.ceil(len(costs) / slots)
-        parts = [costs[s * size : (s + 1) * size] for s in range(slots)]
         out["count"] += max(sum(part) for part in parts) / ideal
         out["lpt"] += max(sum(costs[i] for i in p) for p in lpt(costs, slots)) / ideal
         out["kk"] += max(sum(costs[i] for i in p) for p in karmarkar_karp(costs, slots)) / ideal
@@ -199,12 +206,9 @@ def _partition_quality(requests: list[list[float]], per_batch: int, slots: int) 
 
 def _barrier_bound(requests: list[list[float]], per_batch: int, slots: int) -> float:
     """What static batching costs on idle cores, in units: the heaviest part of every batch."""
-    total = 0.0
-    for b in range(0, len(requests), per_batch):
-        batch = [c for r in requests[b : b + per_batch] for c in r]
-        size = math.ceil(len(batch) / slots)
-        total += max(sum(batch[s * size : (s + 1) * size]) for s in range(slots))
-    return total
+    return sum(
+        max(sum(part) for part in parts) for parts in _count_split(requests, per_batch, slots)
+    )
 
 
 def long_tail(
