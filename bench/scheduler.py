@@ -54,7 +54,7 @@ import torch
 
 from bench._util import machine
 from runtime.batching import karmarkar_karp, lpt
-from runtime.devices import Device, DevicePool
+from runtime.devices import Device, DevicePool, usable_cores
 from runtime.placement import colocated, partial
 from runtime.scheduler import Scheduler
 from yatt_graph import BatchPolicy
@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="(a): CPU worker slots, at most one per core (static batches give each 4 samples)",
     )
     args = parser.parse_args(argv)
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     if not 1 <= args.slots <= cores:
         parser.error(
             f"--slots {args.slots}: give 1 to {cores}, one slot per core this process may use "

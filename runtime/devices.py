@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Device", "DevicePool", "DeviceStats", "cpu_slot_count"]
+__all__ = ["Device", "DevicePool", "DeviceStats", "cpu_slot_count", "usable_cores"]
 
 CPU_SLOTS_ENV = "YATT_CPU_SLOTS"
 
@@ -73,6 +73,11 @@ def cpu_slot_count(default: int | None = None) -> int:
         return n
     if default is not None:
         return default
+    return usable_cores()
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
