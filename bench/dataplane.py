@@ -38,7 +38,7 @@ import zmq
 
 from bench._util import load_average, machine, ray_available, ray_session, table
 from bench.graphs import ImageBatch, build_graph
-from runtime.serial import decode_value, encode_value
+from runtime.zmq.serial import decode_value, encode_value
 
 
 class _PeakRss:
@@ -76,7 +76,7 @@ def _measure(step: Callable[[], object], steps: int, warmup: int = 0) -> dict[st
 
 
 def run_direct(batch: int, steps: int) -> dict[str, float]:
-    from runtime.driver import ZmqExecutor
+    from runtime.zmq.driver import ZmqExecutor
 
     with ZmqExecutor(build_graph("images", batch=batch).plan(2)) as ex:
         ex.run(2)

@@ -47,7 +47,7 @@ import zmq
 
 from bench._util import load_average, machine, ray_available, ray_session, table
 from bench.graphs import build_graph
-from runtime.driver import ZmqExecutor
+from runtime.zmq.driver import ZmqExecutor
 
 _ECHO = """
 import sys, zmq

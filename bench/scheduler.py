@@ -12,7 +12,7 @@
     most one a core).
     *static*: batches of one request per slot (8 samples on 2 slots), split by count, 4
     samples a slot, a barrier after each batch.
-    *scheduler*: :class:`runtime.scheduler.Scheduler`, fusing up to as many samples per call,
+    *scheduler*: :class:`runtime.sched.scheduler.Scheduler`, fusing up to as many samples per call,
     splitting by cost with Karmarkar-Karp, no barrier. The lower bound is total work / slots,
     with the work timed while all slots run (so that sharing the cores is not counted as
     waste).
@@ -53,10 +53,10 @@ from typing import Any
 import torch
 
 from bench._util import machine
-from runtime.batching import karmarkar_karp, lpt
-from runtime.devices import Device, DevicePool, usable_cores
-from runtime.placement import colocated, partial
-from runtime.scheduler import Scheduler
+from runtime.sched.batching import karmarkar_karp, lpt
+from runtime.sched.devices import Device, DevicePool, usable_cores
+from runtime.sched.placement import colocated, partial
+from runtime.sched.scheduler import Scheduler
 from yatt_graph import BatchPolicy
 
 __all__ = ["long_tail", "main", "rollout_reward"]

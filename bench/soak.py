@@ -23,7 +23,7 @@ import psutil
 import torch
 
 from bench._util import load_average, machine, table
-from runtime.driver import ZmqExecutor
+from runtime.zmq.driver import ZmqExecutor
 from yatt_graph import ANY, Graph, Node, Port, Tensor
 
 __all__ = ["build_graph", "soak"]

@@ -1,4 +1,4 @@
-"""Benchmark: splitting node calls across CPU slots inside a real run (runtime/splitting.py).
+"""Benchmark: splitting node calls across CPU slots inside a real run (runtime/sched/splitting.py).
 
     .venv/bin/python -m bench.split [--steps 12] [--batch 64]
 
@@ -16,7 +16,7 @@ import argparse
 import statistics
 
 from bench._util import load_average, machine, table
-from runtime.driver import ZmqExecutor
+from runtime.zmq.driver import ZmqExecutor
 from yatt_graph.refs import load_graph
 
 SPLIT = ("vision", "reference", "critic")

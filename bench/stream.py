@@ -13,7 +13,7 @@ times, and the speed-up.
    critique (:class:`bench.graphs.Judge`).
    *whole*: the rollout returns its batch at the end, the reward scores it in one call;
    *streamed*: the rollout yields the rows that finished every 16 tokens, and controller 1
-   scores each piece as it arrives (runtime/streams.py) while controller 0 still decodes.
+   scores each piece as it arrives (runtime/engine/streams.py) while controller 0 still decodes.
 2. *mm_ppo*: ``graphs.mm_ppo`` (tiny models) under ``--placement partial``: data, vision
    and rollout on controller 0; reward, reference, critic, GAE and the update on controller
    1. Responses of up to 24 tokens; ``stream=false`` vs ``stream=true`` (the rollout hands
@@ -35,8 +35,8 @@ import torch
 
 from bench._util import load_average, machine, table
 from bench.graphs import build_graph
-from runtime.driver import ZmqExecutor
-from runtime.placement import controller_assignment
+from runtime.sched.placement import controller_assignment
+from runtime.zmq.driver import ZmqExecutor
 from yatt_graph import Graph
 from yatt_graph.refs import load_graph
 

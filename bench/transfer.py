@@ -39,7 +39,7 @@ import torch
 
 from bench._util import load_average, machine, median_time, ray_available, ray_session, table
 from bench.graphs import build_graph
-from runtime.driver import ZmqExecutor
+from runtime.zmq.driver import ZmqExecutor
 
 MB = 1 << 20
 

@@ -5,7 +5,7 @@ synthetic shapes task; real models come from local paths:
 
 * ``policy``: ``"tiny"`` (a 2-layer GPT-2 prefix-VLM with the task's word vocabulary), a
   local directory (a saved prefix-VLM, or any Hugging Face image-text-to-text checkpoint such
-  as Qwen2-VL), or a :func:`nodes.policy.build_policy` spec dict.
+  as Qwen2-VL), or a :func:`nodes.models.policy.build_policy` spec dict.
 * ``vision``: ``"tiny"`` or ``"open_clip:NAME[:WEIGHTS]"`` (weights: a local file). Only a
   prefix-VLM policy uses it; an HF VLM reads the images with its own tower.
 * ``reward``: ``"module:function"``, a rule ``fn(text, meta) -> float``; default
@@ -115,7 +115,7 @@ def sample_and_score(
 
     ``stream``: the rollout hands out responses as they end (``Rollout(stream=True)``); with
     one sample per prompt the reward, the reference and the critic then take them piece by
-    piece (runtime/streams.py), which overlaps generation when they run on another controller
+    piece (runtime/engine/streams.py), which overlaps generation when they run on another controller
     (``--placement partial``).
     """
     data = ShapesSource(

@@ -9,7 +9,7 @@ images -> vision encoder -> policy rollout (n per prompt) -> reward -> reference
 from __future__ import annotations
 
 from graphs.common import sample_and_score
-from nodes.advantage_nodes import GroupAdvantage
+from nodes.advantage import GroupAdvantage
 from nodes.sync import WeightSync
 from nodes.update import GRPOUpdate
 from yatt_graph import Graph

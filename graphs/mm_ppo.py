@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from graphs.common import sample_and_score
-from nodes.advantage_nodes import GAEAdvantage
+from nodes.advantage import GAEAdvantage
 from nodes.reference import Critic
 from nodes.sync import WeightSync
 from nodes.update import PPOUpdate

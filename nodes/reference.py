@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nodes.policy import Policy, PromptBatch, build_policy
+from nodes.models.policy import Policy, PromptBatch, build_policy
 from nodes.sync import apply_weights, decode_weights
 from yatt_graph import ANY, BatchPolicy, Node, Port, Resources
 from yatt_graph import Tensor as TensorPort
@@ -71,7 +71,7 @@ class ReferenceLogprobs(Node):
     """``ref_logprobs: float32[B, R]`` from a frozen copy of the policy (0 at padding).
 
     Args:
-        policy: a :func:`nodes.policy.build_policy` spec; build it as the rollout's policy was
+        policy: a :func:`nodes.models.policy.build_policy` spec; build it as the rollout's policy was
             built (same spec, same seed) so that the reference equals the policy at step 0.
         temperature: the temperature the rollout sampled at (logprobs of ``logits / T``).
         device: where the model runs; outputs come back on the CPU.
@@ -148,7 +148,7 @@ class Critic(Node):
     """``values: float32[B, R]`` from a value head on a policy trunk (0 at padding).
 
     Args:
-        critic: a :func:`nodes.policy.build_policy` spec for a separate critic trunk (used
+        critic: a :func:`nodes.models.policy.build_policy` spec for a separate critic trunk (used
             when ``model`` is None), e.g. ``{"name": "tiny-prefix-vlm", "seed": 1}``.
         model: a live Policy whose trunk is shared (not copied): the value head reads the
             hidden states of the very model the update trains.

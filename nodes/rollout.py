@@ -2,7 +2,7 @@
 
 Backends:
 
-* ``"hf"`` (default): :meth:`nodes.policy.Policy.generate`, i.e. transformers ``generate``
+* ``"hf"`` (default): :meth:`nodes.models.policy.Policy.generate`, i.e. transformers ``generate``
   with a KV cache, on any device.
 * ``"vllm"``: a vLLM engine on the policy's local checkpoint directory, only when vllm is
   installed and CUDA is available (constructing it otherwise raises an error saying which is
@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from nodes.policy import Generation, HFVisionLanguagePolicy, Policy, PrefixVLM, build_policy
+from nodes.models.policy import Generation, HFVisionLanguagePolicy, Policy, PrefixVLM, build_policy
 from yatt_graph import ANY, BatchPolicy, Node, Port, Resources
 from yatt_graph import Tensor as TensorPort
 
@@ -74,10 +74,10 @@ class Rollout(Node):
     decode steps while the rest are still generating, so that a consumer on another
     controller starts on short responses before the longest is done. Joined, the pieces are
     what :meth:`forward` returns for the same call (the same samples; see
-    :mod:`nodes.sampling`). ``node.run()`` still returns the whole batch.
+    :mod:`nodes.models.sampling`). ``node.run()`` still returns the whole batch.
 
     Args:
-        policy: a spec for :func:`nodes.policy.build_policy` (``"tiny-prefix-vlm"``, a local
+        policy: a spec for :func:`nodes.models.policy.build_policy` (``"tiny-prefix-vlm"``, a local
             checkpoint directory, ...).
         backend: ``"hf"`` or ``"vllm"``.
         n: samples per prompt.

@@ -1,11 +1,11 @@
 """Update nodes: one PPO or GRPO optimization step per batch, publishing versioned weights.
 
-* :class:`PPOUpdate`: clipped policy loss (``nodes.losses.ppo_policy_loss``), clipped value loss
+* :class:`PPOUpdate`: clipped policy loss (``nodes.rl.losses.ppo_policy_loss``), clipped value loss
   on a separate critic (``value_loss``), an optional entropy bonus and an optional k3
   KL-to-reference loss term. Trains its own copy of the policy and its own value model, built
   from the same specs as the rollout and critic nodes so that all start identical, and emits
   their weights for those nodes' ``weights`` inputs.
-* :class:`GRPOUpdate`: ``nodes.losses.grpo_loss`` (group advantages, no critic).
+* :class:`GRPOUpdate`: ``nodes.rl.losses.grpo_loss`` (group advantages, no critic).
 
 Each call runs ``epochs`` optimizer steps over the whole batch. With ``micro_batch_size > 0``
 the batch is cut into micro-batches whose gradients are accumulated before each step; every
@@ -37,7 +37,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nodes.losses import (
+from nodes.models.policy import Policy, PromptBatch, build_policy
+from nodes.reference import ValueModel, _prompt_batch
+from nodes.rl.losses import (
     aggregate_token_loss,
     grpo_loss,
     kl_loss,
@@ -46,9 +48,7 @@ from nodes.losses import (
     token_entropy_from_logits,
     value_loss,
 )
-from nodes.masked import _check_finite
-from nodes.policy import Policy, PromptBatch, build_policy
-from nodes.reference import ValueModel, _prompt_batch
+from nodes.rl.masked import _check_finite
 from nodes.rollout import _step_seed
 from nodes.sync import WeightUpdate
 from yatt_graph import ANY, BatchPolicy, Node, Port, Resources
@@ -371,7 +371,7 @@ class PPOUpdate(_Update):
     critic_lr, skipped_nonfinite).
 
     Args:
-        policy: a :func:`nodes.policy.build_policy` spec, the same as the rollout's.
+        policy: a :func:`nodes.models.policy.build_policy` spec, the same as the rollout's.
         critic: a spec for the critic trunk, the same as the Critic node's ``critic``.
         detach_trunk, head_seed: as in :class:`nodes.reference.Critic` (with ``detach_trunk``
             only the value head is trained).
@@ -586,7 +586,7 @@ class PPOUpdate(_Update):
 
 
 class GRPOUpdate(_Update):
-    """GRPO (``nodes.losses.grpo_loss``): the clipped surrogate with group advantages plus
+    """GRPO (``nodes.rl.losses.grpo_loss``): the clipped surrogate with group advantages plus
     ``kl_coef`` * k3 KL to the reference, minus ``entropy_coef`` * entropy; no critic.
 
     Inputs: the rollout's ``prompt_ids``, ``prompt_mask``, ``response_ids``, ``response_mask``,

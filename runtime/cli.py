@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime.checkpoint import CheckpointError
+from runtime.train.checkpoint import CheckpointError
 from yatt_graph import GraphError, NodeExecutionError
 from yatt_graph.refs import load_graph, load_module
 
@@ -130,8 +130,8 @@ def _devices(value: str | None) -> int | str | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from runtime.faults import Accounting, train_with_restarts
-    from runtime.local import LocalExecutor
+    from runtime.engine.local import LocalExecutor
+    from runtime.train.faults import Accounting, train_with_restarts
 
     devices = _devices(args.devices)  # bad flags fail before the graph (and its models) is built
     options = _graph_options(args)
@@ -146,8 +146,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     def make_executor() -> Any:
         if not distributed:
             return Accounting(LocalExecutor(graph, devices=devices))
-        from runtime.driver import ZmqExecutor
-        from runtime.placement import controller_assignment
+        from runtime.sched.placement import controller_assignment
+        from runtime.zmq.driver import ZmqExecutor
 
         hints = controller_assignment(graph, args.controllers, args.placement)
         return Accounting(
@@ -231,7 +231,7 @@ def _pull_node_states(executor: Any, graph: Any) -> None:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
-    from runtime.controller import main as controller_main
+    from runtime.zmq.controller import main as controller_main
 
     argv = ["--connect", args.connect, "--index", str(args.index)]
     argv += ["--keys", args.keys] if args.keys else []
@@ -240,7 +240,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from runtime.keys import generate_keys
+    from runtime.zmq.keys import generate_keys
 
     root = generate_keys(args.directory, force=args.force)
     print(f"wrote CURVE keys to {root}:")
@@ -255,7 +255,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from runtime.plot import plot_run
+    from runtime.train.plot import plot_run
 
     path = plot_run(args.run_dir, args.output)
     print(f"wrote {path}")
@@ -284,7 +284,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("that always names some colour scores 0.4; a perfect one scores 1.0.\n", flush=True)
     code = cmd_run(build_parser().parse_args(run))
     if code == 0:
-        from runtime.plot import plot_run
+        from runtime.train.plot import plot_run
 
         print(f"curves: {plot_run(out)}")
     return code
@@ -456,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from runtime.driver import ControllerError
+    from runtime.errors import ControllerError
 
     try:
         return args.func(args)

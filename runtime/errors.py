@@ -1,4 +1,4 @@
-"""The ZeroMQ runtime's errors: raised in the driver (re-exported by :mod:`runtime.driver`),
+"""The ZeroMQ runtime's errors: raised in the driver (re-exported by :mod:`runtime.zmq.driver`),
 and the one a controller turns into an ERROR message for the driver."""
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ def count(v: ANY):
     return {"n": len(v)}
 
 
-# --- streaming (runtime/streams.py) ----------------------------------------------------------
+# --- streaming (runtime/engine/streams.py) ----------------------------------------------------------
 
 
 class Decode(Node):

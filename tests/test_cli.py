@@ -59,7 +59,7 @@ def test_console_script_is_installed():
 
 @pytest.mark.timeout(120)
 def test_run_on_three_controllers_matches_the_in_process_run(tmp_path, capsys):
-    from runtime.metrics import read_metrics
+    from runtime.train.metrics import read_metrics
 
     local, zmq = tmp_path / "local", tmp_path / "zmq"
     assert main(["run", "graphs.toy", "--steps", "5", "--out", str(local), "--quiet"]) == 0

@@ -1,4 +1,5 @@
-"""The one-way rule: graphs -> nodes -> yatt_graph <- runtime (see docs/ARCHITECTURE.md)."""
+"""The one-way rule: graphs -> nodes -> yatt_graph <- runtime, and the folders inside nodes/ and
+runtime/ (see docs/ARCHITECTURE.md)."""
 
 import ast
 import subprocess
@@ -14,17 +15,67 @@ FORBIDDEN = {
     "graphs": {"runtime", "zmq"},
     "runtime": {"nodes", "graphs"},
 }
+# Inside a package, by folder (module prefixes, matched on whole dotted parts):
+# rl <- models <- the node modules; sched <- engine <- zmq, engine <- train.
+FORBIDDEN_INSIDE = {
+    "nodes/rl": {
+        "nodes.models",
+        *(
+            f"nodes.{m}"
+            for m in (
+                "advantage",
+                "data",
+                "reference",
+                "rewards",
+                "rollout",
+                "sync",
+                "toy",
+                "update",
+                "vision",
+            )
+        ),
+    },
+    "nodes/models": {
+        f"nodes.{m}"
+        for m in (
+            "advantage",
+            "data",
+            "reference",
+            "rewards",
+            "rollout",
+            "sync",
+            "toy",
+            "update",
+            "vision",
+        )
+    },
+    "runtime/sched": {"runtime.engine", "runtime.zmq", "runtime.train", "runtime.cli", "zmq"},
+    "runtime/engine": {"runtime.zmq", "runtime.train", "runtime.cli", "zmq"},
+    "runtime/train": {"runtime.zmq", "runtime.cli", "zmq"},
+    "runtime/zmq": {"runtime.train", "runtime.cli"},
+}
 
 
-def imports_of(path: Path) -> set[str]:
+def modules_imported(path: Path) -> set[str]:
+    """Every module an ``import`` or ``from ... import`` in the file names, dotted."""
     tree = ast.parse(path.read_text(), filename=str(path))
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
+
+
+def imports_of(path: Path) -> set[str]:
+    """The top-level packages the file imports."""
+    return {name.split(".")[0] for name in modules_imported(path)}
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -36,9 +87,22 @@ def test_no_forbidden_imports(package):
     assert not bad, "layer rule broken:\n" + "\n".join(bad)
 
 
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN_INSIDE))
+def test_no_forbidden_imports_between_folders(folder):
+    bad = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        for name in sorted(modules_imported(path)):
+            hit = [p for p in FORBIDDEN_INSIDE[folder] if _under(name, p)]
+            if hit:
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "layer rule broken:\n" + "\n".join(bad)
+
+
 def test_the_checker_sees_a_forbidden_import(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import torch\nfrom runtime.local import LocalExecutor\nfrom . import sibling\n")
+    bad.write_text(
+        "import torch\nfrom runtime.engine.local import LocalExecutor\nfrom . import sibling\n"
+    )
     assert imports_of(bad) == {"torch", "runtime"}
 
 

@@ -20,6 +20,7 @@ input must be optional (it is None at step 0).
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -348,6 +349,13 @@ class Graph:
                     bind((e.dst, b), a, where)
 
     # --- planning, pictures, serialization -------------------------------------------------
+    def wiring_digest(self) -> str:
+        """A hash of the graph's edges and outputs: a graph rebuilt in another process must
+        give the same one (node classes and configurations are not part of it)."""
+        wiring = sorted((e.src, e.src_port, e.dst, e.dst_port, e.delay) for e in self.edges)
+        outs = sorted((k, h.node, h.port) for k, h in self.graph_outputs.items())
+        return hashlib.sha256(msgspec.json.encode([wiring, outs])).hexdigest()[:16]
+
     def plan(self, controllers: int = 1, placement: dict[str, int | str] | None = None) -> Any:
         """Partition the graph into ``controllers`` subgraphs (see :class:`yatt_graph.plan.Plan`)."""
         from yatt_graph.plan import Plan

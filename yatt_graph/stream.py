@@ -7,7 +7,7 @@ samples that just finished, and ``outputs`` hold one entry per row on every outp
 ``0..B-1``, each once. A piece may also say B, as ``(rows, outputs, size)``, the same in
 every piece: a consumer can then take its other per-sample inputs of that length (say,
 per-prompt data next to the responses) row by row with the piece. An executor hands each piece downstream at once, so a consumer that
-may be called on any part of a batch (see :mod:`runtime.streams`) starts on the first
+may be called on any part of a batch (see :mod:`runtime.engine.streams`) starts on the first
 finished samples while the slowest are still being produced.
 
 :func:`join_pieces` puts pieces back into whole-batch outputs (rows in order; tensors whose

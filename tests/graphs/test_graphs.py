@@ -21,7 +21,7 @@ def test_graph_builds_round_trips_and_runs_two_steps(name):
 
 def test_mm_ppo_takes_a_local_policy_and_a_reward_file(tmp_path):
     from nodes.data import task_vocabulary
-    from nodes.policy import tiny_prefix_vlm
+    from nodes.models.policy import tiny_prefix_vlm
 
     saved = tmp_path / "policy"
     tiny_prefix_vlm(seed=5, words=task_vocabulary()).save_pretrained(saved)
@@ -61,16 +61,16 @@ def test_a_streaming_rollout_feeds_reward_reference_and_critic_piece_by_piece(mo
     """mm_ppo with stream=True: the per-sample nodes after the rollout take its pieces (their
     per-prompt inputs, image embeddings and answers, row by row); results are those of the
     unstreamed graph up to float rounding of smaller calls."""
-    import runtime.local
+    import runtime.engine.local
 
     fed: dict[str, int] = {}
-    call_piece = runtime.local.call_piece
+    call_piece = runtime.engine.local.call_piece
 
     def counting(call, node, *args, **kwargs):
         fed[node.name] = fed.get(node.name, 0) + 1
         return call_piece(call, node, *args, **kwargs)
 
-    monkeypatch.setattr(runtime.local, "call_piece", counting)
+    monkeypatch.setattr(runtime.engine.local, "call_piece", counting)
     options = {"batch_size": 8, "max_new_tokens": 6}
     whole = LocalExecutor(load_graph("graphs.mm_ppo", **options)).run(2)
     streamed = LocalExecutor(load_graph("graphs.mm_ppo", stream=True, **options)).run(2)

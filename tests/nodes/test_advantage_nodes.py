@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from nodes.advantage_nodes import GAEAdvantage, GroupAdvantage
-from nodes.advantages import compute_gae, grpo_advantages, rloo_advantages
+from nodes.advantage import GAEAdvantage, GroupAdvantage
+from nodes.rl.advantages import compute_gae, grpo_advantages, rloo_advantages
 from yatt_graph import NodeInputError
 
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])

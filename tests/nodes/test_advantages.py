@@ -1,4 +1,4 @@
-"""Tests for nodes.advantages and nodes.masked: hand-computed cases, float64 reference loops,
+"""Tests for nodes.rl.advantages and nodes.rl.masked: hand-computed cases, float64 reference loops,
 padding that never leaks, and clear errors for bad input."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from masked_helpers import fill_padding, ragged_mask
 
-from nodes.advantages import (
+from nodes.rl.advantages import (
     apply_kl_to_rewards,
     broadcast_to_tokens,
     compute_gae,
@@ -21,7 +21,7 @@ from nodes.advantages import (
     kl_penalty,
     rloo_advantages,
 )
-from nodes.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from nodes.rl.masked import masked_mean, masked_sum, masked_var, masked_whiten
 
 NAN = float("nan")
 INF = float("inf")

@@ -1,4 +1,4 @@
-"""Tests for nodes.losses: the formulas on crafted inputs (clipping active and not), float64
+"""Tests for nodes.rl.losses: the formulas on crafted inputs (clipping active and not), float64
 reference loops, padding that never leaks (values nor gradients), and clear errors."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from masked_helpers import fill_padding, ragged_mask
 
-from nodes.losses import (
+from nodes.rl.losses import (
     aggregate_token_loss,
     entropy_from_logits,
     grpo_loss,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from nodes.policy import (
+from nodes.models.policy import (
     HFVisionLanguagePolicy,
     Policy,
     PrefixVLM,
@@ -180,7 +180,7 @@ def test_build_policy_specs_and_seeds():
     key = "lm.transformer.h.0.attn.c_attn.weight"
     assert torch.equal(a.state_dict()[key], b.state_dict()[key])
     assert not torch.equal(a.state_dict()[key], c.state_dict()[key])
-    built = build_policy({"builder": "nodes.policy:tiny_qwen2_vl", "seed": 2})
+    built = build_policy({"builder": "nodes.models.policy:tiny_qwen2_vl", "seed": 2})
     assert isinstance(built, HFVisionLanguagePolicy) and isinstance(built, Policy)
     with pytest.raises(ValueError, match="unknown name 'tiny-gpt9'"):
         build_policy({"name": "tiny-gpt9"})
@@ -216,7 +216,7 @@ def test_bad_inputs_say_what(prefix, qwen):
 
 
 def test_word_tokenizer_makes_one_answer_one_token():
-    from nodes.policy import tiny_prefix_vlm, word_tokenizer
+    from nodes.models.policy import tiny_prefix_vlm, word_tokenizer
 
     tok = word_tokenizer(["what", "color", "?", "red", "blue"])
     ids = tok("what color ? red")["input_ids"]

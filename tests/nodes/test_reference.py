@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from nodes.policy import tiny_prefix_vlm
+from nodes.models.policy import tiny_prefix_vlm
 from nodes.reference import Critic, ReferenceLogprobs, ValueModel
 from nodes.rollout import Rollout
 

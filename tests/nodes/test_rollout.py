@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from nodes.policy import tiny_prefix_vlm, tiny_qwen2_vl
+from nodes.models.policy import tiny_prefix_vlm, tiny_qwen2_vl
 from nodes.rollout import Rollout, vllm_unavailable_reason
 
 PROMPTS = ["hi", "what colour is it?", "x"]
@@ -311,7 +311,7 @@ def test_no_false_attention_mask_warning(policy, stream):
     """transformers warns that input_ids 'may be padded' inside our generate, where the mask
     was passed (it leaves an all-ones mask out, then sees the pad id of finished rows); the
     rollout's filter drops that warning there."""
-    from nodes import sampling
+    from nodes.models import sampling
 
     assert _mask_warnings(policy, stream) == []
     logger = logging.getLogger("transformers.modeling_utils")

@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from nodes import sampling
-from nodes.policy import tiny_prefix_vlm
+from nodes.models import sampling
+from nodes.models.policy import tiny_prefix_vlm
 from nodes.rollout import Rollout
 from yatt_graph.stream import join_pieces
 

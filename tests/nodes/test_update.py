@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from nodes.advantage_nodes import GroupAdvantage
-from nodes.advantages import broadcast_to_tokens
+from nodes.advantage import GroupAdvantage
 from nodes.reference import Critic, ReferenceLogprobs
+from nodes.rl.advantages import broadcast_to_tokens
 from nodes.rollout import Rollout
 from nodes.sync import WeightUpdate
 from nodes.update import GRPOUpdate, PPOUpdate

@@ -1,4 +1,4 @@
-"""Fuse/split/partition (runtime.batching): balance bounds, order, no lost samples. ~3 s."""
+"""Fuse/split/partition (runtime.sched.batching): balance bounds, order, no lost samples. ~3 s."""
 
 import itertools
 import random
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.batching import (
+from runtime.sched.batching import (
     batch_size,
     concat,
     default_costs,

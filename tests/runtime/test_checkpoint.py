@@ -1,9 +1,9 @@
 import pytest
 
 from runtime import LocalExecutor
-from runtime.checkpoint import CheckpointError, checkpoints, load_checkpoint, save_checkpoint
-from runtime.loop import train
-from runtime.metrics import read_metrics
+from runtime.train.checkpoint import CheckpointError, checkpoints, load_checkpoint, save_checkpoint
+from runtime.train.loop import train
+from runtime.train.metrics import read_metrics
 from yatt_graph.refs import load_graph
 
 

@@ -22,12 +22,12 @@ import zmq
 import zmq_graphs
 from zmq_graphs import assert_gone, controller_processes
 
-from runtime import messages as m
-from runtime.checkpoint import checkpoints
 from runtime.cli import main
-from runtime.driver import ControllerError, NodeTimeoutError, ZmqExecutor
-from runtime.local import LocalExecutor
-from runtime.metrics import read_metrics
+from runtime.engine.local import LocalExecutor
+from runtime.train.checkpoint import checkpoints
+from runtime.train.metrics import read_metrics
+from runtime.zmq import messages as m
+from runtime.zmq.driver import ControllerError, NodeTimeoutError, ZmqExecutor
 from yatt_graph import NodeExecutionError
 from yatt_graph.refs import load_graph
 
@@ -161,7 +161,7 @@ def test_a_hung_node_is_reported_by_name_controller_and_step(node_limit, run_lim
 # --- the driver killed --------------------------------------------------------------------
 _DRIVER = """
 import sys
-from runtime.driver import ZmqExecutor
+from runtime.zmq.driver import ZmqExecutor
 from yatt_graph import NodeExecutionError
 from yatt_graph.refs import load_graph
 ex = ZmqExecutor(load_graph("graphs.toy").plan(1), spawn=False,
@@ -182,7 +182,7 @@ def test_a_controller_not_started_by_the_driver_exits_when_the_driver_is_killed(
         [sys.executable, "-c", _DRIVER, address], stdout=subprocess.PIPE, text=True, env=env
     )
     controller = subprocess.Popen(
-        [sys.executable, "-m", "runtime.controller", "--connect", address, "--index", "0"],
+        [sys.executable, "-m", "runtime.zmq.controller", "--connect", address, "--index", "0"],
         env=env,
         stderr=subprocess.PIPE,
         text=True,
@@ -323,7 +323,7 @@ class _Steps:
         self.next_step = 0
 
     def step(self):
-        from runtime.local import StepResult
+        from runtime.engine.local import StepResult
 
         metrics = {"loss": 0.1, "skipped_nonfinite": float(self.next_step == 1)}
         result = StepResult(self.next_step, {"scores": torch.ones(4), "metrics": metrics}, {})
@@ -338,7 +338,7 @@ class _Steps:
 
 
 def test_accounting_counts_skipped_update_steps_and_keeps_totals_in_checkpoints():
-    from runtime.faults import Accounting
+    from runtime.train.faults import Accounting
 
     ex = Accounting(_Steps())
     totals = [ex.step().outputs["skipped_steps_total"] for _ in range(3)]

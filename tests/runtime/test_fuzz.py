@@ -1,4 +1,4 @@
-"""Fuzzing the control-message decoder (runtime/messages.py) and the frame checks (transport.py).
+"""Fuzzing the control-message decoder (runtime/zmq/messages.py) and the frame checks (transport.py).
 
 Whatever arrives, decoding gives a message Struct or a ProtocolError, nothing else; the
 value decoder has its own fuzz test in test_serial.py. Bounded: ~1,100 cases, ~5 s.
@@ -10,8 +10,8 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime import messages as m
-from runtime.transport import split
+from runtime.zmq import messages as m
+from runtime.zmq.transport import split
 
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from runtime.cli import main
-from runtime.metrics import MetricsWriter, read_metrics, summarize
+from runtime.train.metrics import MetricsWriter, read_metrics, summarize
 
 
 def test_summarize_flattens_outputs():
@@ -66,8 +66,8 @@ def test_plot_of_a_folder_with_no_run_is_a_clear_error(tmp_path, capsys):
     ],
 )
 def test_plot_draws_the_kl_to_the_reference_not_the_update_step(row, kl_key):
-    from runtime.loop import _progress_fields
-    from runtime.plot import _panels
+    from runtime.train.loop import _progress_fields
+    from runtime.train.plot import _panels
 
     full = {"step": 0, "scores/mean": 0.5, **row}
     panels = dict(_panels([full]))

@@ -1,13 +1,13 @@
-"""Placement (runtime.placement) and the device pool (runtime.devices). ~1 s."""
+"""Placement (runtime.sched.placement) and the device pool (runtime.sched.devices). ~1 s."""
 
 import threading
 
 import pytest
 import torch
 
-from runtime.devices import Device, DevicePool, cpu_slot_count
-from runtime.placement import Placement, colocated, partial, place
-from runtime.scheduler import Scheduler
+from runtime.sched.devices import Device, DevicePool, cpu_slot_count
+from runtime.sched.placement import Placement, colocated, partial, place
+from runtime.sched.scheduler import Scheduler
 from yatt_graph import BatchPolicy
 from yatt_graph.refs import load_graph
 
@@ -126,7 +126,7 @@ def test_scheduler_serves_each_node_only_on_its_placement_group():
 
 
 def test_partial_controller_assignment_separates_the_rollout_side():
-    from runtime.placement import controller_assignment
+    from runtime.sched.placement import controller_assignment
     from yatt_graph.refs import load_graph
 
     graph = load_graph("graphs.mm_ppo", batch_size=2)

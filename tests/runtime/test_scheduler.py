@@ -1,4 +1,4 @@
-"""The dynamic batching scheduler (runtime.scheduler): fuse, delay, split, stream, accounting.
+"""The dynamic batching scheduler (runtime.sched.scheduler): fuse, delay, split, stream, accounting.
 
 Threads only, 2 CPU slots; ~10 s. Timing is asserted only where the behaviour is a time (the
 queue delay), with generous slack; everything else asserts on event order.
@@ -13,9 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.devices import DevicePool
-from runtime.placement import colocated, partial
-from runtime.scheduler import Scheduler, SchedulerError, summary_text
+from runtime.sched.devices import DevicePool
+from runtime.sched.placement import colocated, partial
+from runtime.sched.scheduler import Scheduler, SchedulerError, summary_text
 from yatt_graph import BatchPolicy, Node, Tensor
 
 SLACK = 1.0  # seconds: generous, so a loaded CI machine does not flake

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from runtime import messages as m
-from runtime.serial import (
+from runtime.zmq import messages as m
+from runtime.zmq.serial import (
     INLINE_BYTES,
     DecodeError,
     UnsupportedValueError,
@@ -22,7 +22,7 @@ from runtime.serial import (
     encode_value,
     register_struct,
 )
-from runtime.transport import ShmPool, ShmReader, remove_run_segments
+from runtime.zmq.transport import ShmPool, ShmReader, remove_run_segments
 
 
 class Point(msgspec.Struct):

@@ -17,7 +17,7 @@ import pytest
 import zmq_graphs
 from zmq_graphs import assert_gone, controller_processes
 
-from runtime.driver import ZmqExecutor
+from runtime.zmq.driver import ZmqExecutor
 from yatt_graph import NodeExecutionError
 from yatt_graph.refs import load_graph
 

@@ -1,4 +1,4 @@
-"""Executors cut splittable nodes' calls across devices (runtime/splitting.py)."""
+"""Executors cut splittable nodes' calls across devices (runtime/sched/splitting.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from sample_nodes import Rows, RowWork, row_sum
 
-from runtime.driver import ZmqExecutor
-from runtime.local import LocalExecutor
-from runtime.splitting import device_pool, shared_ports
+from runtime.engine.local import LocalExecutor
+from runtime.sched.splitting import device_pool, shared_ports
+from runtime.zmq.driver import ZmqExecutor
 from yatt_graph import BatchPolicy, Graph, Node, NodeExecutionError, Tensor
 
 
@@ -105,7 +105,7 @@ def test_in_the_ppo_graph_only_the_per_sample_nodes_are_split():
 
 @pytest.mark.timeout(120)
 def test_a_hung_split_call_is_reported_with_the_device_workers_stacks():
-    from runtime.driver import NodeTimeoutError
+    from runtime.zmq.driver import NodeTimeoutError
 
     with Graph("hung") as g:
         x, mask = Rows(12, name="rows")()

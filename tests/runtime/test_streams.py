@@ -1,4 +1,4 @@
-"""Streaming nodes in the executors: consumers fed per piece (runtime/streams.py)."""
+"""Streaming nodes in the executors: consumers fed per piece (runtime/engine/streams.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 from sample_nodes import Decode, LengthScore, Mean, Score
 from zmq_graphs import assert_gone
 
-from runtime.driver import ZmqExecutor
-from runtime.local import LocalExecutor
-from runtime.streams import StreamBook
+from runtime.engine.local import LocalExecutor
+from runtime.engine.streams import StreamBook
+from runtime.zmq.driver import ZmqExecutor
 from yatt_graph import ANY, Graph, Node, NodeExecutionError, NodeOutputError, Tensor
 
 

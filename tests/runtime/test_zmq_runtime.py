@@ -17,9 +17,9 @@ import zmq
 import zmq_graphs
 from zmq_graphs import assert_gone, assert_same
 
-from runtime import messages as m
-from runtime.driver import ControllerError, HandshakeError, ZmqExecutor
-from runtime.local import LocalExecutor
+from runtime.engine.local import LocalExecutor
+from runtime.zmq import messages as m
+from runtime.zmq.driver import ControllerError, HandshakeError, ZmqExecutor
 from yatt_graph import NodeExecutionError
 from yatt_graph.refs import load_graph
 

@@ -345,7 +345,7 @@ def controller_processes() -> list[Any]:
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.status() != psutil.STATUS_ZOMBIE and "runtime.controller" in " ".join(
+            if child.status() != psutil.STATUS_ZOMBIE and "runtime.zmq.controller" in " ".join(
                 child.cmdline()
             ):
                 found.append(child)
@@ -412,7 +412,7 @@ def drive(controllers: int = 2, steps: int = 10_000) -> None:
     import json
     import sys
 
-    from runtime.driver import ZmqExecutor
+    from runtime.zmq.driver import ZmqExecutor
 
     with ZmqExecutor(build_graph("slow", sleep_s=0.05).plan(controllers)) as ex:
         ex.run(2)

@@ -1,0 +1,142 @@
+"""Advantage nodes: the formulas of :mod:`nodes.rl.advantages` as graph nodes.
+
+* :class:`GAEAdvantage` (PPO): sequence scores (or per-token rewards), critic values and,
+  optionally, the KL to the reference folded into the reward; token-level GAE.
+* :class:`GroupAdvantage` (GRPO or RLOO): per-sample scores normalized within the groups
+  of ``n`` samples drawn for one prompt, broadcast over the response tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nodes.rl.advantages import (
+    apply_kl_to_rewards,
+    broadcast_to_tokens,
+    compute_gae,
+    grpo_advantages,
+    kl_penalty,
+    rloo_advantages,
+)
+from nodes.rl.masked import masked_mean, masked_whiten
+from yatt_graph import ANY, BatchPolicy, Node, Port, Tensor
+
+__all__ = ["GAEAdvantage", "GroupAdvantage"]
+
+_TOKENS = Tensor("float32", "B", "R")
+
+
+class GAEAdvantage(Node):
+    """Token-level GAE over the response, with an optional KL-in-reward penalty."""
+
+    kind = "advantage"
+    batch_policy = BatchPolicy(splittable=False)  # whitening uses the whole batch
+    inputs = {
+        "scores": Tensor("float32", "B"),
+        "values": _TOKENS,
+        "response_mask": _TOKENS,
+        "token_rewards": Port(_TOKENS, required=False),
+        "logprobs": Port(_TOKENS, required=False),
+        "ref_logprobs": Port(_TOKENS, required=False),
+    }
+    outputs = {"advantages": _TOKENS, "returns": _TOKENS, "stats": ANY}
+
+    def __init__(
+        self,
+        gamma: float = 1.0,
+        lam: float = 0.95,
+        kl_coef: float = 0.0,
+        kl_kind: str = "k1",
+        whiten: bool = True,
+        name: str | None = None,
+    ):
+        super().__init__(name=name)
+        if kl_coef < 0:
+            raise ValueError(f"node {self.name!r}: kl_coef must be >= 0, got {kl_coef}")
+        self.gamma, self.lam, self.kl_coef, self.kl_kind, self.whiten = (
+            gamma,
+            lam,
+            kl_coef,
+            kl_kind,
+            whiten,
+        )
+
+    @torch.no_grad()
+    def forward(
+        self, scores, values, response_mask, token_rewards, logprobs, ref_logprobs
+    ) -> dict[str, Any]:
+        rewards = (
+            scores
+            if token_rewards is None
+            else token_rewards + _on_last_token(scores, response_mask)
+        )
+        stats: dict[str, float] = {}
+        if self.kl_coef > 0 and (logprobs is None or ref_logprobs is None):
+            raise ValueError(
+                f"node {self.name!r}: kl_coef={self.kl_coef} needs the logprobs and ref_logprobs "
+                "inputs connected (or set kl_coef=0 to leave the KL out of the reward)"
+            )
+        if logprobs is not None and ref_logprobs is not None:
+            # Reported whenever it can be, so a run shows its drift from the reference.
+            kl = kl_penalty(logprobs, ref_logprobs, response_mask, kind=self.kl_kind)  # (B, R)
+            stats["kl"] = float(masked_mean(kl, response_mask))
+        else:
+            kl = torch.zeros_like(values)  # (B, R)
+        shaped = apply_kl_to_rewards(rewards, kl, response_mask, self.kl_coef)  # (B, R)
+        advantages, returns = compute_gae(
+            shaped, values, response_mask, self.gamma, self.lam
+        )  # (B, R)
+        if self.whiten:
+            advantages = masked_whiten(advantages, response_mask) * response_mask  # (B, R)
+        stats["advantage_mean"] = float(masked_mean(advantages, response_mask))
+        stats["return_mean"] = float(masked_mean(returns, response_mask))
+        return {"advantages": advantages, "returns": returns, "stats": stats}
+
+
+def _on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    zeros = torch.zeros_like(mask)  # (B, R)
+    return apply_kl_to_rewards(scores, zeros, mask, 0.0)  # (B, R): score on the last real token
+
+
+class GroupAdvantage(Node):
+    """GRPO (group mean/std) or RLOO (leave-one-out mean) advantages, over response tokens."""
+
+    kind = "advantage"
+    batch_policy = BatchPolicy(splittable=False)  # a group's baseline needs the whole group
+    inputs = {
+        "scores": Tensor("float32", "B"),
+        "group_ids": Tensor("int64", "B"),
+        "response_mask": _TOKENS,
+    }
+    outputs = {"advantages": _TOKENS, "stats": ANY}
+
+    def __init__(
+        self, estimator: str = "grpo", normalize_std: bool = True, name: str | None = None
+    ):
+        super().__init__(name=name)
+        if estimator not in ("grpo", "rloo"):
+            raise ValueError(
+                f"node {self.name!r}: estimator must be 'grpo' or 'rloo', got {estimator!r}"
+            )
+        self.estimator, self.normalize_std = estimator, normalize_std
+
+    @torch.no_grad()
+    def forward(self, scores, group_ids, response_mask) -> dict[str, Any]:
+        if self.estimator == "grpo":
+            per_sample = grpo_advantages(
+                scores, group_ids=group_ids, normalize_std=self.normalize_std
+            )  # (B,)
+        else:
+            per_sample = rloo_advantages(scores, group_ids=group_ids)  # (B,)
+        advantages = broadcast_to_tokens(per_sample, response_mask)  # (B, R)
+        zero_std = _share_of_flat_groups(scores, group_ids)
+        return {"advantages": advantages, "stats": {"flat_group_share": zero_std}}
+
+
+def _share_of_flat_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> float:
+    """Share of groups whose samples all scored the same (they carry no learning signal)."""
+    groups = torch.unique(group_ids)
+    flat = sum(bool((scores[group_ids == g] == scores[group_ids == g][0]).all()) for g in groups)
+    return flat / max(len(groups), 1)

@@ -1,0 +1,269 @@
+"""transformers' own image-text-to-text models (Qwen2-VL, ...) as a policy family.
+
+See :mod:`nodes.models.policy_base` for the interface every family implements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from nodes.models.policy_base import (
+    _QWEN_VISION_TOKENS,
+    _TINY_CHAT_TEMPLATE,
+    Policy,
+    PromptBatch,
+    _check_response,
+    _local_dir,
+    char_tokenizer,
+)
+
+__all__ = ["HFVisionLanguagePolicy", "tiny_qwen2_vl"]
+
+
+class HFVisionLanguagePolicy(Policy):
+    """A transformers VLM (``AutoModelForImageTextToText``) with its processor.
+
+    Prompts are formatted with the processor's chat template (one user turn: the image, then
+    the text) when it has one, else as ``image_token + prompt``. ``prepare`` rebuilds the image
+    inputs from the images and the per-token type ids (``mm_token_type_ids``/``token_type_ids``)
+    from the image token in ``prompt_ids``.
+    """
+
+    def __init__(self, model: nn.Module, processor: Any, use_chat_template: bool = True):
+        super().__init__()
+        self.model = model
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.tokenizer.padding_side = "left"
+        self.use_chat_template = use_chat_template
+        text_config = model.config.get_text_config()
+        self.hidden_size = int(text_config.hidden_size)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.image_token = getattr(processor, "image_token", None)
+        self.image_token_id = getattr(processor, "image_token_id", None)
+        self.video_token_id = getattr(processor, "video_token_id", None)
+        # the model's multimodal placeholders: a sampled one would make the teacher-forced
+        # forward look for image features that do not exist
+        placeholder_keys = (
+            "image_token_id",
+            "video_token_id",
+            "vision_start_token_id",
+            "vision_end_token_id",
+            "image_token_index",
+            "boi_token_id",
+            "eoi_token_id",
+            "boi_token_index",
+            "eoi_token_index",
+        )
+        placeholders = {getattr(model.config, k, None) for k in placeholder_keys}
+        placeholders |= {self.image_token_id, self.video_token_id}
+        self.suppressed_token_ids = tuple(
+            sorted(int(t) for t in placeholders if isinstance(t, int) and 0 <= t < self.vocab_size)
+        )
+
+    # --- inputs ------------------------------------------------------------------------------
+    def _format(self, prompt: str, with_image: bool) -> str:
+        template = getattr(self.processor, "chat_template", None)
+        if self.use_chat_template and template:
+            content = ([{"type": "image"}] if with_image else []) + [
+                {"type": "text", "text": prompt}
+            ]
+            return self.processor.apply_chat_template(
+                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+            )
+        return (self.image_token or "") + prompt if with_image else prompt
+
+    def _check_images(self, fn: str, images: Sequence[Any] | None, n: int) -> None:
+        if images is not None and len(images) != n:
+            raise ValueError(
+                f"{fn}: {len(images)} images for {n} prompts; give one image per prompt"
+            )
+
+    def encode_prompts(self, prompts, *, images=None, image_embeds=None) -> PromptBatch:
+        fn = "HFVisionLanguagePolicy.encode_prompts"
+        if image_embeds is not None:
+            raise ValueError(
+                f"{fn}: takes images (PIL), not image_embeds; this model has its own vision tower"
+            )
+        self._check_images(fn, images, len(prompts))
+        texts = [self._format(p, images is not None) for p in prompts]
+        kwargs = {"images": list(images)} if images is not None else {}
+        enc = self.processor(text=texts, return_tensors="pt", padding=True, **kwargs)
+        extra = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+        return PromptBatch(enc["input_ids"].long(), enc["attention_mask"].long(), extra)
+
+    def prepare(self, prompt_ids, prompt_mask, *, images=None, image_embeds=None) -> PromptBatch:
+        fn = "HFVisionLanguagePolicy.prepare"
+        if image_embeds is not None:
+            raise ValueError(f"{fn}: takes images (PIL), not image_embeds")
+        self._check_images(fn, images, prompt_ids.shape[0])
+        prompt_ids = prompt_ids.long()
+        extra: dict[str, Tensor] = {}
+        if images is not None:
+            pixels = self.processor.image_processor(list(images), return_tensors="pt")
+            extra.update({k: v for k, v in pixels.items()})
+        names = set(getattr(self.processor, "model_input_names", ()))
+        is_image = prompt_ids == self.image_token_id if self.image_token_id is not None else None
+        if "mm_token_type_ids" in names:  # text 0, image 1, video 2 (Qwen2-VL family)
+            types = torch.zeros_like(prompt_ids)
+            if is_image is not None:
+                types[is_image] = 1
+            if self.video_token_id is not None:
+                types[prompt_ids == self.video_token_id] = 2
+            extra["mm_token_type_ids"] = types
+        if "token_type_ids" in names and is_image is not None:  # image 1 (Gemma-3 style)
+            extra["token_type_ids"] = is_image.long()
+        return PromptBatch(prompt_ids, prompt_mask.long(), extra)
+
+    def _model_inputs(self, batch: PromptBatch, seq_len: int) -> dict[str, Tensor]:
+        """Extras on the device; per-token ones (B, P) are extended with zeros to ``seq_len``."""
+        dev, B, P = self.device, *batch.prompt_ids.shape
+        out = {}
+        for key, value in batch.model_inputs.items():
+            value = value.to(dev)
+            if value.dim() == 2 and tuple(value.shape) == (B, P) and seq_len > P:
+                value = torch.cat([value, value.new_zeros(B, seq_len - P)], 1)  # (B, seq_len)
+            if value.is_floating_point():
+                value = value.to(self.model.dtype)
+            out[key] = value
+        return out
+
+    # --- model -------------------------------------------------------------------------------
+    def forward_response(self, batch, response_ids, response_mask, *, logits=True, hidden=False):
+        fn = "HFVisionLanguagePolicy.forward_response"
+        _check_response(fn, batch, response_ids, response_mask)
+        dev = self.device
+        real = response_mask.to(dev) > 0  # (B, R)
+        banned = torch.tensor(self.suppressed_token_ids, dtype=torch.long, device=dev)
+        placeholder = real & torch.isin(response_ids.to(dev), banned)  # (B, R)
+        if bool(placeholder.any()):
+            b, t = placeholder.nonzero()[0].tolist()
+            raise ValueError(
+                f"{fn}: response_ids[{b}, {t}] is {int(response_ids[b, t])}, a multimodal "
+                f"placeholder token {self.suppressed_token_ids}; a response may not contain one "
+                "(the model would look for image features that do not exist)"
+            )
+        resp_ids = torch.where(real, response_ids.to(dev), self.pad_token_id)  # (B, R)
+        ids = torch.cat([batch.prompt_ids.to(dev), resp_ids], 1)  # (B, P+R)
+        mask = torch.cat([batch.prompt_mask.to(dev), real.long()], 1)  # (B, P+R)
+        R = response_ids.shape[1]
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            **self._model_inputs(batch, ids.shape[1]),
+            output_hidden_states=hidden,
+            logits_to_keep=R + 1,
+            use_cache=False,
+        )
+        return self._response_outputs(out, R, logits, hidden)
+
+    def _generate_raw(self, batch, gen_config, **kwargs) -> Tensor:
+        P = batch.prompt_ids.shape[1]
+        out = self.model.generate(
+            input_ids=batch.prompt_ids.to(self.device),
+            attention_mask=batch.prompt_mask.to(self.device),
+            **self._model_inputs(batch, P),
+            generation_config=gen_config,
+            **kwargs,
+        )
+        return out.sequences[:, P:]  # (B, R)
+
+    # --- files -------------------------------------------------------------------------------
+    def save_pretrained(self, path: str | Path) -> None:
+        """``model.save_pretrained`` + ``processor.save_pretrained`` into one directory."""
+        self.model.save_pretrained(path)
+        self.processor.save_pretrained(path)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, *, dtype: str = "float32", use_chat_template: bool = True
+    ) -> HFVisionLanguagePolicy:
+        """Load a VLM and its processor from a local directory (never downloads)."""
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        path = _local_dir("HFVisionLanguagePolicy.from_pretrained", path)
+        model = AutoModelForImageTextToText.from_pretrained(
+            path, dtype=getattr(torch, dtype), local_files_only=True
+        )
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+        return cls(model, processor, use_chat_template=use_chat_template)
+
+
+def tiny_qwen2_vl(
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    vision_depth: int = 2,
+    vision_dim: int = 32,
+    patch_size: int = 8,
+    image_size: int = 32,
+) -> HFVisionLanguagePolicy:
+    """A random Qwen2-VL with tiny vision and text towers and a processor built in code.
+
+    The processor is ``Qwen2VLProcessor`` made of a ``Qwen2VLImageProcessor`` and
+    ``Qwen2VLVideoProcessor`` sized to the vision tower (patch 8, merge 2, images resized to
+    at most ``image_size`` x ``image_size`` pixels, so a 32x32 image is 4 LM tokens), the
+    character tokenizer of :func:`char_tokenizer` with Qwen's vision special tokens, and a
+    small chat template. It saves and reloads with ``AutoProcessor`` like a real checkpoint.
+    """
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    tokenizer = char_tokenizer(_QWEN_VISION_TOKENS)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _QWEN_VISION_TOKENS}
+    merge = 2
+    size = {"shortest_edge": (patch_size * merge) ** 2, "longest_edge": image_size * image_size}
+    common = {"patch_size": patch_size, "merge_size": merge, "temporal_patch_size": 2}
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=size, **common),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(size=size, **common),
+        chat_template=_TINY_CHAT_TEMPLATE,
+    )
+    head_dim = hidden_size // 4
+    # mrope_section splits head_dim/2 rotary frequencies among (temporal, height, width)
+    half = head_dim // 2
+    section = [half - 2 * (half // 3), half // 3, half // 3]
+    config = Qwen2VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 1024,
+            "rope_parameters": {
+                "rope_type": "default",
+                "mrope_section": section,
+                "rope_theta": 10000.0,
+            },
+            "pad_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "bos_token_id": None,
+        },
+        vision_config={
+            "depth": vision_depth,
+            "embed_dim": vision_dim,
+            "hidden_size": hidden_size,
+            "num_heads": 2,
+            "patch_size": patch_size,
+            "spatial_merge_size": merge,
+            "temporal_patch_size": 2,
+            "mlp_ratio": 2,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(config)
+    return HFVisionLanguagePolicy(model, processor).eval()

@@ -1,0 +1,122 @@
+"""Policy models behind one small interface, used by the rollout, reference, critic and update nodes.
+
+Two families implement :class:`Policy`:
+
+* :class:`PrefixVLM` (:mod:`nodes.models.prefix_vlm`): image features (``image_embeds``, from
+  :class:`nodes.vision.VisionEncoder`) projected by a Linear into ``k`` prefix embeddings in
+  front of the prompt of a transformers causal LM (GPT-2 built from a config in code, or any
+  local causal LM).
+* :class:`HFVisionLanguagePolicy` (:mod:`nodes.models.hf_vlm`): transformers' own VLMs
+  (``AutoModelForImageTextToText`` + ``AutoProcessor``; Qwen2-VL, Qwen2.5-VL, ...) from a local
+  path, or a tiny random Qwen2-VL built in code.
+
+The interface, the batch types and the tokenizers are in :mod:`nodes.models.policy_base`; this
+module gathers them and builds policies from specs.
+
+The interface (every method takes and returns batch-first tensors):
+
+* ``encode_prompts(prompts, images=, image_embeds=) -> PromptBatch``: tokenize, left-pad.
+* ``prepare(prompt_ids, prompt_mask, images=, image_embeds=) -> PromptBatch``: rebuild a batch
+  from the tensors on the rollout's ports (what reference, critic and update nodes receive).
+* ``generate(batch, max_new_tokens=, temperature=, top_p=, top_k=, stop_token_ids=, stop_strings=)
+  -> Generation``: HF ``generate`` with KV cache; logprobs of the sampled tokens under the
+  temperature-scaled policy (see :meth:`Policy.generate`).
+* ``forward_response(batch, response_ids, response_mask) -> ResponseForward``: teacher-forced
+  logits ``(B, R, V)`` where ``logits[:, t]`` scores ``response_ids[:, t]``, and the trunk's last
+  hidden states ``(B, R, H)`` at the same positions (the value-head hook).
+* ``forward_logits``, ``response_logprobs``, ``response_hidden_states``: views of the above.
+* ``save_pretrained(path)`` / ``load_policy(path)``; ``state_dict``/``load_state_dict`` (it is an
+  ``nn.Module``); ``.tokenizer``, ``.hidden_size``, ``.vocab_size``, ``.pad_token_id``,
+  ``.eos_token_id``.
+
+Nodes build policies from JSON-able specs with :func:`build_policy` (``"tiny-prefix-vlm"``,
+``"tiny-qwen2-vl"``, a local directory, or ``{"builder": "module:function", ...kwargs}``).
+Nothing here downloads: tiny models come from configs and a character tokenizer made in code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from nodes.models.hf_vlm import HFVisionLanguagePolicy, tiny_qwen2_vl
+from nodes.models.policy_base import (
+    _PREFIX_MARKER,
+    Generation,
+    Policy,
+    PromptBatch,
+    ResponseForward,
+    _local_dir,
+    char_tokenizer,
+    word_tokenizer,
+)
+from nodes.models.prefix_vlm import PrefixVLM, tiny_prefix_vlm
+
+__all__ = [
+    "Generation",
+    "HFVisionLanguagePolicy",
+    "Policy",
+    "PrefixVLM",
+    "PromptBatch",
+    "ResponseForward",
+    "build_policy",
+    "char_tokenizer",
+    "load_policy",
+    "tiny_prefix_vlm",
+    "tiny_qwen2_vl",
+    "word_tokenizer",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# building from JSON-able specs (what nodes take as constructor arguments)
+# ---------------------------------------------------------------------------------------------
+
+_BUILDERS = {"tiny-prefix-vlm": tiny_prefix_vlm, "tiny-qwen2-vl": tiny_qwen2_vl}
+
+
+def load_policy(path: str | Path, *, dtype: str = "float32") -> Policy:
+    """Load a saved policy: a :class:`PrefixVLM` directory (it has ``prefix_vlm.json``) or any
+    HF image-text-to-text checkpoint directory."""
+    path = _local_dir("load_policy", path)
+    if (path / _PREFIX_MARKER).is_file():
+        return PrefixVLM.from_pretrained(path, dtype=dtype)
+    return HFVisionLanguagePolicy.from_pretrained(path, dtype=dtype)
+
+
+def build_policy(spec: str | Mapping[str, Any]) -> Policy:
+    """Build a policy from a JSON-able spec.
+
+    * ``"tiny-prefix-vlm"`` / ``"tiny-qwen2-vl"``: the tiny builders with their defaults;
+    * ``{"name": "tiny-qwen2-vl", "seed": 1, ...}``: a tiny builder with keyword arguments;
+    * ``"/local/dir"`` or ``{"path": "/local/dir", "dtype": "bfloat16"}``: :func:`load_policy`;
+    * ``{"builder": "package.module:function", ...}``: any function returning a Policy.
+    """
+    if isinstance(spec, Policy):
+        raise ValueError("build_policy: got a live Policy; pass it as model= instead of a spec")
+    if isinstance(spec, str):
+        spec = {"name": spec} if spec in _BUILDERS else {"path": spec}
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"build_policy: spec must be a str or dict, got {type(spec).__name__}")
+    kwargs = dict(spec)
+    if "name" in kwargs:
+        name = kwargs.pop("name")
+        if name not in _BUILDERS:
+            raise ValueError(f"build_policy: unknown name {name!r}; known: {sorted(_BUILDERS)}")
+        return _BUILDERS[name](**kwargs)
+    if "path" in kwargs:
+        return load_policy(kwargs.pop("path"), **kwargs)
+    if "builder" in kwargs:
+        module, _, qualname = str(kwargs.pop("builder")).partition(":")
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        policy = obj(**kwargs)
+        if not isinstance(policy, Policy):
+            raise ValueError(
+                f"build_policy: builder {spec['builder']!r} returned {type(policy).__name__}, not a Policy"
+            )
+        return policy
+    raise ValueError(f"build_policy: spec {dict(spec)!r} needs one of 'name', 'path' or 'builder'")

@@ -1,0 +1,357 @@
+"""What every policy family shares: the :class:`Policy` interface, the batch and result
+types, the offline tokenizers and the helpers for generation. :mod:`nodes.models.policy` is the
+public face (it also builds policies from specs); the families live in
+:mod:`nodes.models.prefix_vlm` and :mod:`nodes.models.hf_vlm`.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from nodes.rl.losses import logprobs_from_logits
+
+__all__ = [
+    "Generation",
+    "Policy",
+    "PromptBatch",
+    "ResponseForward",
+    "char_tokenizer",
+    "word_tokenizer",
+]
+
+_PREFIX_MARKER = "prefix_vlm.json"
+#: special tokens of :func:`char_tokenizer`, in vocabulary order
+_CHAR_SPECIALS = ("<pad>", "<eos>", "<unk>")
+_QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# A chat template for the tiny Qwen2-VL processor: the image placeholder, then the prompt text.
+_TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endfor %}"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# data passed between the interface's methods
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PromptBatch:
+    """Tokenized prompts plus whatever else the model needs to read them (image inputs)."""
+
+    prompt_ids: Tensor
+    """int64[B, P], left-padded with the pad id."""
+    prompt_mask: Tensor
+    """int64[B, P], 1 on real prompt tokens."""
+    model_inputs: dict[str, Tensor] = field(default_factory=dict)
+    """Model-specific extras: ``image_embeds`` (PrefixVLM) or ``pixel_values``,
+    ``image_grid_thw``, ``mm_token_type_ids`` (HF VLMs)."""
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> PromptBatch:
+        return PromptBatch(
+            self.prompt_ids.to(device),
+            self.prompt_mask.to(device),
+            {k: v.to(device) for k, v in self.model_inputs.items()},
+        )
+
+
+class ResponseForward(NamedTuple):
+    """Teacher-forced outputs at the response positions."""
+
+    logits: Tensor | None
+    """float[B, R, V]: ``logits[:, t]`` is the next-token distribution that scores
+    ``response_ids[:, t]``; None when not asked for."""
+    hidden: Tensor | None
+    """float[B, R, H]: the trunk's last hidden state at the same positions; None unless asked."""
+
+
+class Generation(NamedTuple):
+    """Finished responses, following the rollout's data conventions."""
+
+    response_ids: Tensor
+    """int64[B, R], right-padded with the pad id."""
+    response_mask: Tensor
+    """float32[B, R], 1.0 on real tokens including the EOS/stop token."""
+    logprobs: Tensor
+    """float32[B, R], log-prob of each sampled token under the temperature-scaled policy; 0 at
+    padding."""
+    response_lengths: Tensor
+    """int64[B]."""
+    texts: list[str]
+    """Decoded responses (special tokens skipped; a stop string is kept)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# a tokenizer that works offline
+# ---------------------------------------------------------------------------------------------
+
+
+def char_tokenizer(extra_special_tokens: Sequence[str] = ()) -> Any:
+    """A character-level ``PreTrainedTokenizerFast`` built in code (no download).
+
+    Vocabulary: ``<pad>`` (0), ``<eos>`` (1), ``<unk>`` (2), then ``extra_special_tokens``, then
+    the printable ASCII characters. Pads on the left (prompts are left-padded).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = list(_CHAR_SPECIALS) + [t for t in extra_special_tokens if t not in _CHAR_SPECIALS]
+    chars = [c for c in string.printable if c not in "\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+    if len(specials) > len(_CHAR_SPECIALS):
+        tok.add_special_tokens({"additional_special_tokens": specials[len(_CHAR_SPECIALS) :]})
+    return tok
+
+
+def word_tokenizer(words: Sequence[str]) -> Any:
+    """A word-level ``PreTrainedTokenizerFast`` over ``words`` (split on whitespace; no download).
+
+    Vocabulary: ``<pad>`` (0), ``<eos>`` (1), ``<unk>`` (2), then ``words`` in order. Small task
+    vocabularies make one answer one token, which a tiny policy can find by sampling.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(_CHAR_SPECIALS)}
+    for word in words:
+        if not word or any(c.isspace() for c in word):
+            raise ValueError(f"word_tokenizer: {word!r} is not a single word")
+        vocab.setdefault(word, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the common interface
+# ---------------------------------------------------------------------------------------------
+
+
+class Policy(nn.Module):
+    """The interface shared by :class:`PrefixVLM` and :class:`HFVisionLanguagePolicy`."""
+
+    tokenizer: Any
+    hidden_size: int
+    vocab_size: int
+    suppressed_token_ids: tuple[int, ...] = ()
+    """Tokens the policy never emits (e.g. image placeholders, which would break a teacher-forced
+    forward): ``generate`` bans them and ``forward_response`` gives them -inf logits, so both
+    describe the same distribution."""
+
+    @property
+    def pad_token_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    @property
+    def eos_token_id(self) -> int:
+        return int(self.tokenizer.eos_token_id)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    # --- to implement ----------------------------------------------------------------------
+    def encode_prompts(
+        self,
+        prompts: Sequence[str],
+        *,
+        images: Sequence[Any] | None = None,
+        image_embeds: Tensor | None = None,
+    ) -> PromptBatch:
+        """Tokenize ``prompts`` (left-padded) with one image or image-embedding row each."""
+        raise NotImplementedError
+
+    def prepare(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        *,
+        images: Sequence[Any] | None = None,
+        image_embeds: Tensor | None = None,
+    ) -> PromptBatch:
+        """Rebuild the batch :meth:`encode_prompts` made from its ``prompt_ids``/``prompt_mask``
+        (int64[B, P]) and the same image inputs (what downstream nodes receive on ports)."""
+        raise NotImplementedError
+
+    def forward_response(
+        self,
+        batch: PromptBatch,
+        response_ids: Tensor,
+        response_mask: Tensor,
+        *,
+        logits: bool = True,
+        hidden: bool = False,
+    ) -> ResponseForward:
+        """One teacher-forced pass over ``[prompt | response]``; see :class:`ResponseForward`.
+
+        ``response_ids`` int64[B, R] is right-padded; positions where ``response_mask`` is 0 are
+        neither read nor scored. Differentiable (call under ``torch.no_grad()`` for inference).
+        """
+        raise NotImplementedError
+
+    def _response_outputs(self, out: Any, R: int, logits: bool, hidden: bool) -> ResponseForward:
+        """The response positions of a forward run with ``logits_to_keep=R + 1``.
+
+        Position L-1+t predicts response token t: the last R+1 positions minus the very last.
+        """
+        return ResponseForward(
+            _suppress(out.logits[:, :-1], self.suppressed_token_ids)
+            if logits
+            else None,  # (B, R, V)
+            out.hidden_states[-1][:, -(R + 1) : -1] if hidden else None,  # (B, R, H)
+        )
+
+    def _generate_raw(self, batch: PromptBatch, gen_config: Any, **kwargs: Any) -> Tensor:
+        """Run ``generate``; return only the new tokens, int64[B, R]."""
+        raise NotImplementedError
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write a directory that :func:`load_policy` reads back (local files only)."""
+        raise NotImplementedError
+
+    # --- shared ------------------------------------------------------------------------------
+    def load_weights(
+        self,
+        weights: Mapping[str, Tensor],
+        *,
+        strict: bool = False,
+        who: str = "Policy.load_weights",
+    ) -> None:
+        """Load a state dict (a weight-sync payload): names must exist and shapes match; with
+        ``strict=False`` it may be partial. Tensors are copied in place, so the model's dtype
+        and device are kept."""
+        if not isinstance(weights, Mapping):
+            raise ValueError(
+                f"{who}: weights must be a state dict (name -> tensor), got {type(weights).__name__}"
+            )
+        own = self.state_dict()
+        unknown = sorted(set(weights) - set(own))
+        if unknown:
+            raise ValueError(
+                f"{who}: {len(unknown)} weight name(s) not in this policy, e.g. {unknown[:3]}; "
+                f"its names look like {sorted(own)[:3]}"
+            )
+        missing = sorted(set(own) - set(weights))
+        if strict and missing:
+            raise ValueError(
+                f"{who}: a complete update lacks {len(missing)} weight(s), e.g. {missing[:3]}"
+            )
+        for key, value in weights.items():
+            if not isinstance(value, Tensor) or tuple(value.shape) != tuple(own[key].shape):
+                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(
+                    f"{who}: weight {key!r} is {got}; expected shape {tuple(own[key].shape)}"
+                )
+        self.load_state_dict(dict(weights), strict=False)
+
+    def forward_logits(
+        self, batch: PromptBatch, response_ids: Tensor, response_mask: Tensor
+    ) -> Tensor:
+        """Teacher-forced logits float[B, R, V]; ``logits[:, t]`` scores ``response_ids[:, t]``."""
+        return self.forward_response(batch, response_ids, response_mask).logits
+
+    def response_logprobs(
+        self,
+        batch: PromptBatch,
+        response_ids: Tensor,
+        response_mask: Tensor,
+        temperature: float = 1.0,
+    ) -> Tensor:
+        """Teacher-forced ``log softmax(logits / temperature)`` of each response token.
+
+        Returns float32[B, R], 0 at padding (``response_mask == 0``); differentiable.
+        """
+        logits = self.forward_logits(batch, response_ids, response_mask)  # (B, R, V)
+        if temperature != 1.0:
+            logits = logits / temperature  # (B, R, V)
+        return logprobs_from_logits(logits, response_ids, response_mask).float()  # (B, R)
+
+    def response_hidden_states(
+        self, batch: PromptBatch, response_ids: Tensor, response_mask: Tensor
+    ) -> Tensor:
+        """The trunk's last hidden state at the positions that predict each response token,
+        float[B, R, H] (where a value head reads V(s_t))."""
+        out = self.forward_response(batch, response_ids, response_mask, logits=False, hidden=True)
+        return out.hidden
+
+    @torch.no_grad()
+    def generate(self, batch: PromptBatch, **sampling: Any) -> Generation:
+        """Sample responses for the whole batch: :func:`nodes.models.sampling.generate`."""
+        from nodes.models.sampling import generate
+
+        return generate(self, batch, **sampling)
+
+    def generate_stream(
+        self, batch: PromptBatch, *, every: int = 1, **sampling: Any
+    ) -> Iterator[tuple[list[int], Generation]]:
+        """The same samples, handed out as rows finish: :func:`nodes.models.sampling.generate_stream`."""
+        from nodes.models.sampling import generate_stream
+
+        return generate_stream(self, batch, every=every, **sampling)
+
+
+def _suppress(logits: Tensor, token_ids: Sequence[int]) -> Tensor:
+    """Set the logits of never-emitted tokens to -inf (as ``generate`` does): float[B, R, V]."""
+    if not token_ids:
+        return logits
+    banned = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)  # (V,)
+    banned[list(token_ids)] = True
+    return logits.masked_fill(banned, float("-inf"))  # (B, R, V)
+
+
+def _positions(mask: Tensor) -> Tensor:
+    """Position ids that skip padding, as ``generate`` computes them: int64[B, T]."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+
+
+def _check_response(
+    fn: str, batch: PromptBatch, response_ids: Tensor, response_mask: Tensor
+) -> None:
+    if response_ids.dim() != 2 or response_ids.shape != response_mask.shape:
+        raise ValueError(
+            f"{fn}: response_ids {tuple(response_ids.shape)} and response_mask "
+            f"{tuple(response_mask.shape)} must both be (B, R)"
+        )
+    if response_ids.shape[0] != len(batch):
+        raise ValueError(
+            f"{fn}: {response_ids.shape[0]} responses for {len(batch)} prompts; rows must match"
+        )
+
+
+def _local_dir(fn: str, path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(
+            f"{fn}: {str(path)!r} is not a local directory; models load only from local paths "
+            "(nothing is downloaded). Save one with policy.save_pretrained(dir)."
+        )
+    return path

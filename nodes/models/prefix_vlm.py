@@ -1,0 +1,209 @@
+"""The prefix-VLM policy family: image features projected into prefix embeddings of a causal LM.
+
+See :mod:`nodes.models.policy_base` for the interface every family implements.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from nodes.models.policy_base import (
+    _PREFIX_MARKER,
+    Policy,
+    PromptBatch,
+    _check_response,
+    _local_dir,
+    _positions,
+    char_tokenizer,
+    word_tokenizer,
+)
+
+__all__ = ["PrefixVLM", "tiny_prefix_vlm"]
+
+
+class PrefixVLM(Policy):
+    """A causal LM that reads ``k`` projected image-feature embeddings before the prompt.
+
+    Sequence layout, per row: ``[prefix (k) | left pad | prompt | response | right pad]`` with
+    attention mask 0 on padding and position ids that skip it (``cumsum(mask) - 1``, the rule
+    ``generate`` uses), so teacher-forced and cached generation see identical positions.
+    Without ``image_embeds`` it is a plain text policy (no prefix).
+    """
+
+    def __init__(self, lm: nn.Module, tokenizer: Any, image_dim: int, num_prefix_tokens: int = 4):
+        super().__init__()
+        if image_dim < 1 or num_prefix_tokens < 1:
+            raise ValueError(
+                f"PrefixVLM: image_dim={image_dim}, num_prefix_tokens={num_prefix_tokens}; "
+                "both must be >= 1"
+            )
+        self.lm = lm
+        self.tokenizer = tokenizer
+        tokenizer.padding_side = "left"
+        self.image_dim = int(image_dim)
+        self.num_prefix_tokens = int(num_prefix_tokens)
+        self.hidden_size = int(lm.config.get_text_config().hidden_size)
+        self.vocab_size = int(lm.get_output_embeddings().weight.shape[0])
+        self.projector = nn.Linear(self.image_dim, self.num_prefix_tokens * self.hidden_size)
+
+    # --- inputs ------------------------------------------------------------------------------
+    def _check_embeds(self, fn: str, image_embeds: Tensor | None, n: int) -> None:
+        if image_embeds is None:
+            return
+        if image_embeds.dim() != 2 or image_embeds.shape != (n, self.image_dim):
+            raise ValueError(
+                f"{fn}: image_embeds has shape {tuple(image_embeds.shape)}; expected ({n}, "
+                f"{self.image_dim}) (one row per prompt, D = the encoder's embed_dim)"
+            )
+
+    def encode_prompts(self, prompts, *, images=None, image_embeds=None) -> PromptBatch:
+        if images is not None:
+            raise ValueError(
+                "PrefixVLM.encode_prompts: takes image_embeds (from a VisionEncoder), not images"
+            )
+        self._check_embeds("PrefixVLM.encode_prompts", image_embeds, len(prompts))
+        enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True)
+        return self.prepare(enc["input_ids"], enc["attention_mask"], image_embeds=image_embeds)
+
+    def prepare(self, prompt_ids, prompt_mask, *, images=None, image_embeds=None) -> PromptBatch:
+        if images is not None:
+            raise ValueError("PrefixVLM.prepare: takes image_embeds, not images")
+        self._check_embeds("PrefixVLM.prepare", image_embeds, prompt_ids.shape[0])
+        extra = {} if image_embeds is None else {"image_embeds": image_embeds.float()}
+        return PromptBatch(prompt_ids.long(), prompt_mask.long(), extra)
+
+    def _prompt_embeds(self, batch: PromptBatch) -> tuple[Tensor, Tensor]:
+        """Embeddings and mask of ``[prefix | prompt]``: float[B, k+P, H], int64[B, k+P]."""
+        dev = self.device
+        tok = self.lm.get_input_embeddings()(batch.prompt_ids.to(dev))  # (B, P, H)
+        mask = batch.prompt_mask.to(dev)  # (B, P)
+        feats = batch.model_inputs.get("image_embeds")
+        if feats is None:
+            return tok, mask
+        B = tok.shape[0]
+        w = self.projector.weight
+        prefix = self.projector(feats.to(dev, w.dtype))  # (B, k*H)
+        prefix = prefix.view(B, self.num_prefix_tokens, self.hidden_size).to(tok.dtype)  # (B, k, H)
+        ones = mask.new_ones(B, self.num_prefix_tokens)  # (B, k)
+        return torch.cat([prefix, tok], 1), torch.cat([ones, mask], 1)  # (B, k+P, H), (B, k+P)
+
+    # --- model -------------------------------------------------------------------------------
+    def forward_response(self, batch, response_ids, response_mask, *, logits=True, hidden=False):
+        _check_response("PrefixVLM.forward_response", batch, response_ids, response_mask)
+        dev = self.device
+        prompt_emb, prompt_mask = self._prompt_embeds(batch)  # (B, L, H), (B, L)
+        resp_ids = torch.where(response_mask.to(dev) > 0, response_ids.to(dev), self.pad_token_id)
+        resp_emb = self.lm.get_input_embeddings()(resp_ids)  # (B, R, H)
+        embeds = torch.cat([prompt_emb, resp_emb], 1)  # (B, L+R, H)
+        mask = torch.cat([prompt_mask, (response_mask.to(dev) > 0).long()], 1)  # (B, L+R)
+        R = response_ids.shape[1]
+        out = self.lm(
+            inputs_embeds=embeds,
+            attention_mask=mask,
+            position_ids=_positions(mask),
+            output_hidden_states=hidden,
+            logits_to_keep=R + 1,
+            use_cache=False,
+        )
+        return self._response_outputs(out, R, logits, hidden)
+
+    def _generate_raw(self, batch, gen_config, **kwargs) -> Tensor:
+        embeds, mask = self._prompt_embeds(batch)  # (B, L, H), (B, L)
+        out = self.lm.generate(
+            inputs_embeds=embeds, attention_mask=mask, generation_config=gen_config, **kwargs
+        )
+        return out.sequences  # (B, R): with inputs_embeds only, generate returns new tokens only
+
+    # --- files -------------------------------------------------------------------------------
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write ``lm/`` (HF model + tokenizer), ``projector.safetensors`` and a marker file."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.lm.save_pretrained(path / "lm")
+        self.tokenizer.save_pretrained(path / "lm")
+        save_file(
+            {k: v.contiguous() for k, v in self.projector.state_dict().items()},
+            path / "projector.safetensors",
+        )
+        (path / _PREFIX_MARKER).write_text(
+            json.dumps(
+                {"image_dim": self.image_dim, "num_prefix_tokens": self.num_prefix_tokens}, indent=1
+            )
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: str = "float32") -> PrefixVLM:
+        """Load what :meth:`save_pretrained` wrote (local files only)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        meta = json.loads((path / _PREFIX_MARKER).read_text())
+        policy = cls.from_lm(path / "lm", meta["image_dim"], meta["num_prefix_tokens"], dtype=dtype)
+        policy.projector.load_state_dict(load_file(path / "projector.safetensors"))
+        return policy
+
+    @classmethod
+    def from_lm(
+        cls,
+        lm_path: str | Path,
+        image_dim: int,
+        num_prefix_tokens: int = 4,
+        *,
+        dtype: str = "float32",
+    ) -> PrefixVLM:
+        """A local HF causal LM and its tokenizer, with a fresh projector."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        lm_path = _local_dir("PrefixVLM.from_lm", lm_path)
+        lm = AutoModelForCausalLM.from_pretrained(
+            lm_path, dtype=getattr(torch, dtype), local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(lm_path, local_files_only=True)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return cls(lm, tokenizer, image_dim, num_prefix_tokens)
+
+
+def tiny_prefix_vlm(
+    seed: int = 0,
+    image_dim: int = 32,
+    num_prefix_tokens: int = 2,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_positions: int = 256,
+    words: Sequence[str] | None = None,
+) -> PrefixVLM:
+    """A random GPT-2 (2 layers, 64 dims) + tokenizer + projector; same seed, same weights.
+
+    The tokenizer is character-level, or word-level over ``words`` when they are given.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = char_tokenizer() if words is None else word_tokenizer(words)
+    config = GPT2Config(
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_positions=n_positions,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.eos_token_id,
+        # no dropout: a PPO ratio must compare the same function in rollout and update
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        policy = PrefixVLM(GPT2LMHeadModel(config), tokenizer, image_dim, num_prefix_tokens)
+    return policy.eval()

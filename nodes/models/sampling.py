@@ -1,0 +1,317 @@
+"""Sampling with HF ``generate`` for every policy family: the whole batch, or streamed.
+
+:func:`generate` returns all responses at once. :func:`generate_stream` runs the very same
+``generate`` call (same config, same random stream, so the same tokens and logprobs) on a
+worker thread and hands out the rows that finished as it goes: a row is done at its first
+stop token (EOS or ``stop_token_ids``), at the token that completes a stop string, or at
+``max_new_tokens``; every ``every`` decode steps the rows done since the last piece go out as
+one piece. Joined in row order (:func:`yatt_graph.stream.join_pieces`), the pieces equal what
+:func:`generate` returns, except that ``response_ids`` past a row's end hold 0 where a piece
+was narrower than the batch, rather than the pad id (both sit under ``response_mask`` == 0).
+
+Logprobs are ``log softmax(logits / temperature)`` at the sampled token, i.e. under the
+temperature-scaled policy *before* top-k/top-p truncation (T = 1 for greedy). That is the
+distribution a PPO/GRPO update recomputes with ``Policy.response_logprobs(..., temperature)``,
+so the two agree up to float error; the truncated sampling distribution is not used because
+its support changes with top-p and the update could not reproduce it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from nodes.models.policy_base import Generation, Policy, PromptBatch
+
+__all__ = ["generate", "generate_stream"]
+
+_in_generate = threading.local()
+
+
+class _DroppedMaskWarning(logging.Filter):
+    """Drops transformers' "passing in an `attention_mask`" warning raised inside our own
+    ``generate`` calls, where it is false: every policy passes the prompt mask, transformers
+    leaves an all-ones mask out of the model call, and then sees the pad id that it fills
+    finished rows with. Outside those calls the filter lets it through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            getattr(_in_generate, "on", False)
+            and "passing in an `attention_mask`" in record.getMessage()
+        )
+
+
+logging.getLogger("transformers.modeling_utils").addFilter(_DroppedMaskWarning())
+
+
+class _StepLogprobRecorder:
+    """A logits processor that records log-probs of the sampled tokens during ``generate``.
+
+    ``generate`` runs user processors before its temperature/top-k/top-p warpers, so the scores
+    seen here are the model's raw logits. At step s it keeps ``log_softmax(logits_s / T)`` and,
+    at step s+1, reads off the log-prob of the token sampled at step s. Only one (B, V) tensor
+    is held, unlike ``output_logits=True`` which keeps all R of them.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.last: Tensor | None = None  # (B, V) log-probs of the latest step
+        self.steps: list[Tensor] = []  # R x (B,)
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.last is not None:
+            self.steps.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))  # (B,)
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # (B, V)
+        return scores
+
+    def finish(self, new_tokens: Tensor) -> Tensor:
+        """``new_tokens``: int64[B, R] as returned by generate; returns float32[B, R]."""
+        if self.last is not None:
+            self.steps.append(self.last.gather(-1, new_tokens[:, -1:]).squeeze(-1))  # (B,)
+        self.last = None
+        return torch.stack(self.steps, dim=1)  # (B, R)
+
+
+def _stop_string_end(tokenizer: Any, ids: list[int], stop_strings: list[str]) -> int | None:
+    """Index of the token that completes the first stop string in ``ids``, or None."""
+    if not stop_strings or not any(s in tokenizer.decode(ids) for s in stop_strings):
+        return None
+    lo, hi = 0, len(ids) - 1  # containment is monotone in the prefix length: binary search
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in tokenizer.decode(ids[: mid + 1]) for s in stop_strings):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _finish_responses(
+    new_tokens: Tensor,
+    step_logprobs: Tensor,
+    stop_ids: set[int],
+    stop_strings: list[str],
+    tokenizer: Any,
+    pad_id: int,
+) -> Generation:
+    """Cut each row after its first stop token/string; pad, mask and decode.
+
+    ``generate`` keeps sampling rows that already finished (filling them with the pad id), so
+    each row's end is found here from its tokens, the same rule ``generate`` stopped on.
+    """
+    B, R = new_tokens.shape
+    lengths = []
+    rows = new_tokens.tolist()
+    for row in rows:
+        end = next((t for t, tok in enumerate(row) if tok in stop_ids), R - 1)
+        by_string = _stop_string_end(tokenizer, row[: end + 1], stop_strings)
+        lengths.append((end if by_string is None else by_string) + 1)
+    lengths_t = torch.tensor(lengths, dtype=torch.int64)  # (B,)
+    R_out = int(lengths_t.max()) if B else 0
+    positions = torch.arange(R_out)[None, :]  # (1, R')
+    real = positions < lengths_t[:, None]  # (B, R')
+    ids = torch.where(real, new_tokens[:, :R_out].cpu(), pad_id)  # (B, R')
+    logprobs = torch.where(real, step_logprobs[:, :R_out].cpu().float(), 0.0)  # (B, R')
+    texts = [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(rows, lengths)]
+    return Generation(ids, real.float(), logprobs, lengths_t, texts)
+
+
+class _Setup:
+    """A complete ``GenerationConfig`` and the rule that ends a row, from sampling options.
+
+    ``temperature == 0`` is greedy decoding. A response ends at the EOS token, at any of
+    ``stop_token_ids`` or at the token that completes any of ``stop_strings`` (that token is
+    kept and counted in the mask), or after ``max_new_tokens``. ``top_p``/``top_k``: nucleus
+    and top-k truncation (1.0 / 0 = off).
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        max_new_tokens: int = 32,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+    ) -> None:
+        from transformers import GenerationConfig
+
+        if max_new_tokens < 1:
+            raise ValueError(f"generate: max_new_tokens is {max_new_tokens}; it must be >= 1")
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise ValueError(
+                f"generate: temperature={temperature}, top_p={top_p}, top_k={top_k}; need "
+                "temperature >= 0, 0 < top_p <= 1, top_k >= 0"
+            )
+        greedy = temperature == 0
+        eos = [policy.eos_token_id]
+        eos += [int(t) for t in stop_token_ids if int(t) != policy.eos_token_id]
+        self.stop_ids = set(eos)
+        self.stop_strings = list(stop_strings)
+        self.logprob_temperature = 1.0 if greedy else float(temperature)
+        # A complete config, so that a checkpoint's own generation_config.json (penalties,
+        # top_k) never changes what we sample from.
+        self.config = GenerationConfig(
+            do_sample=not greedy,
+            temperature=1.0 if greedy else float(temperature),
+            top_p=1.0 if greedy else float(top_p),
+            top_k=0 if greedy else int(top_k),
+            max_new_tokens=int(max_new_tokens),
+            eos_token_id=eos,
+            pad_token_id=policy.pad_token_id,
+            bos_token_id=policy.tokenizer.bos_token_id,
+            stop_strings=self.stop_strings or None,
+            suppress_tokens=list(policy.suppressed_token_ids) or None,
+            return_dict_in_generate=True,
+            use_cache=True,
+        )
+
+    def finish(self, policy: Policy, new_tokens: Tensor, step_logprobs: Tensor) -> Generation:
+        return _finish_responses(
+            new_tokens,
+            step_logprobs,
+            self.stop_ids,
+            self.stop_strings,
+            policy.tokenizer,
+            policy.pad_token_id,
+        )
+
+    def run(self, policy: Policy, batch: PromptBatch, recorder: Any, **kwargs: Any) -> Tensor:
+        """``generate`` in eval mode (restored after); the new tokens, int64[B, R]."""
+        was_training = policy.training
+        policy.eval()
+        _in_generate.on = True
+        try:
+            return policy._generate_raw(
+                batch,
+                self.config,
+                logits_processor=[recorder],
+                tokenizer=policy.tokenizer if self.stop_strings else None,
+                **kwargs,
+            )  # (B, R)
+        finally:
+            _in_generate.on = False
+            policy.train(was_training)
+
+
+def generate(policy: Policy, batch: PromptBatch, **sampling: Any) -> Generation:
+    """Sample responses with HF ``generate`` (KV cache); ``sampling``: the options of
+    :class:`_Setup` (see the module docstring)."""
+    setup = _Setup(policy, **sampling)
+    recorder = _StepLogprobRecorder(setup.logprob_temperature)
+    new_tokens = setup.run(policy, batch, recorder)  # (B, R)
+    return setup.finish(policy, new_tokens, recorder.finish(new_tokens))
+
+
+class _FinishWatch(StoppingCriteria):
+    """A stopping criterion that stops nothing (unless cancelled): after each decode step it
+    finds the rows that just ended, and every ``every`` steps queues those found since the last
+    piece with their tokens and logprobs so far."""
+
+    def __init__(
+        self,
+        setup: _Setup,
+        tokenizer: Any,
+        recorder: _StepLogprobRecorder,
+        every: int,
+        out: queue.Queue[Any],
+        cancel: threading.Event,
+    ) -> None:
+        self.setup, self.tokenizer, self.recorder = setup, tokenizer, recorder
+        self.every, self.out, self.cancel = every, out, cancel
+        self.start = -1  # where the new tokens begin in input_ids
+        self.logprobs: list[Tensor] = []  # R x (B,)
+        self.open: list[int] = []  # rows still generating
+        self.ended: list[int] = []  # rows ended since the last piece
+
+    def __call__(self, input_ids: Tensor, scores: Any, **kwargs: Any) -> Tensor:
+        if self.start < 0:
+            self.start = input_ids.shape[1] - 1
+            self.open = list(range(input_ids.shape[0]))
+        last = input_ids[:, -1:]  # (B, 1): the token sampled at this step
+        assert self.recorder.last is not None  # the processor ran before sampling
+        self.logprobs.append(self.recorder.last.gather(-1, last).squeeze(-1))  # (B,)
+        tokens = last.squeeze(-1).tolist()
+        stop_ids, stop_strings = self.setup.stop_ids, self.setup.stop_strings
+        still = []
+        for b in self.open:
+            ended = tokens[b] in stop_ids or (
+                stop_strings
+                and _stop_string_end(
+                    self.tokenizer, input_ids[b, self.start :].tolist(), stop_strings
+                )
+                is not None
+            )
+            (self.ended if ended else still).append(b)
+        self.open = still
+        step = input_ids.shape[1] - self.start  # tokens so far
+        if step >= self.setup.config.max_new_tokens:  # the last step: every row ends here
+            self.ended += self.open
+            self.open = []
+        if self.ended and (step % self.every == 0 or not self.open):
+            self.flush(input_ids[:, self.start :])
+        return torch.full(
+            (input_ids.shape[0],), self.cancel.is_set(), dtype=torch.bool, device=input_ids.device
+        )
+
+    def flush(self, new_tokens: Tensor) -> None:
+        """Queue the rows ended since the last piece (with ``new_tokens``: int64[B, t])."""
+        rows, self.ended = self.ended, []
+        index = torch.tensor(rows, device=new_tokens.device)  # (r,)
+        steps = torch.stack(self.logprobs, dim=1)  # (B, t)
+        self.out.put(("piece", rows, new_tokens[index].cpu(), steps[index].cpu()))
+
+
+def generate_stream(
+    policy: Policy, batch: PromptBatch, *, every: int = 1, **sampling: Any
+) -> Iterator[tuple[list[int], Generation]]:
+    """:func:`generate` (the same ``sampling`` options), handed out as ``(rows, Generation of
+    those rows)`` while it runs, a piece every ``every`` decode steps that ended rows.
+
+    ``generate`` runs on a worker thread, seeded by the caller's random state as
+    :func:`generate` would be (torch's generator is process-wide); keep other draws off it
+    until the iterator is exhausted. Closing the iterator early stops the generation at the
+    next decode step.
+    """
+    if every < 1:
+        raise ValueError(f"generate_stream: every={every}; it must be >= 1 (decode steps)")
+    setup = _Setup(policy, **sampling)
+    recorder = _StepLogprobRecorder(setup.logprob_temperature)
+    out: queue.Queue[Any] = queue.Queue()
+    cancel = threading.Event()
+    watch = _FinishWatch(setup, policy.tokenizer, recorder, every, out, cancel)
+
+    def work() -> None:
+        try:
+            criteria = StoppingCriteriaList([watch])
+            new_tokens = setup.run(policy, batch, recorder, stopping_criteria=criteria)
+            watch.ended += watch.open  # rows still open if generate stopped for another reason
+            watch.open = []
+            if watch.ended:
+                watch.flush(new_tokens)
+            out.put(("done",))
+        except BaseException as exc:  # handed to the caller, raised there
+            out.put(("error", exc))
+
+    worker = threading.Thread(target=work, name="yatt-generate", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item = out.get()
+            if item[0] == "done":
+                return
+            if item[0] == "error":
+                raise item[1]
+            _, rows, tokens, logprobs = item
+            yield rows, setup.finish(policy, tokens, logprobs)
+    finally:
+        cancel.set()
+        worker.join()

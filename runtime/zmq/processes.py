@@ -1,0 +1,178 @@
+"""Controller processes as the driver sees them: start-up, bookkeeping, clean-up.
+
+:class:`ControllerProc` is the driver's record of one controller; :func:`spawn_controllers`
+starts them; :class:`RunCleanup` holds everything that must go when the run ends (processes,
+the zmq context, the run folder, shared-memory segments), even if the executor is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+
+from runtime.zmq import messages as m
+from runtime.zmq.transport import remove_run_segments
+
+__all__ = ["ControllerProc", "RunCleanup", "sigint_deferred", "spawn_controllers"]
+
+
+class ControllerProc:
+    """The driver's view of one controller: its process, links, state and last heartbeat."""
+
+    def __init__(self, index: int, nodes: list[str]):
+        self.index, self.nodes = index, nodes
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.log_path = ""
+        self.identity: bytes | None = None
+        """The control link's identity (SETUP, heartbeats, SHUTDOWN)."""
+        self.work: bytes | None = None
+        """The work link's identity (RUN, STATE_*), announced in HELLO."""
+        self.data_address = ""
+        self.pid = 0
+        self.state = m.State.STARTING
+        self.last_beat: m.Heartbeat | None = None
+
+    def doing(self) -> str:
+        """What its last heartbeat said it was running, for error messages."""
+        beat = self.last_beat
+        if beat is None or not beat.running:
+            return ""
+        return (
+            f"; its last heartbeat said it was running node {beat.running!r} at step "
+            f"{beat.running_step} (for {beat.running_s:.1f}s)"
+        )
+
+    def log_tail(self, chars: int = 3000) -> str:
+        if not self.log_path:
+            return ""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - chars))
+                text = f.read().decode(errors="replace").strip()
+        except OSError:
+            return ""
+        return f"\n--- last lines of controller {self.index}'s output ---\n{text}" if text else ""
+
+
+class RunCleanup:
+    """Everything that must go at close, even when the executor object is lost (weakref.finalize)."""
+
+    def __init__(self, run_dir: str, run_id: str):
+        self.run_dir, self.run_id = run_dir, run_id
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.ctx: zmq.Context | None = None
+        self.auth: Any = None
+        self.io_stop = threading.Event()
+        self.io_thread: threading.Thread | None = None
+        self.done = False
+
+    def cleanup(self, grace_s: float = 0.0) -> None:
+        if self.done:
+            return
+        self.done = True
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5.0)
+        self.io_stop.set()
+        if self.io_thread is not None and self.io_thread is not threading.current_thread():
+            self.io_thread.join(timeout=2.0)
+        if self.auth is not None:
+            with contextlib.suppress(Exception):
+                self.auth.stop()
+        if self.ctx is not None:
+            self.ctx.destroy(linger=0)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.run_id:
+            remove_run_segments(self.run_id)
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Hold Ctrl-C while shutting down (bounded by timeouts), so clean-up is not cut short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda s, f: caught.append(s))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if caught and callable(old):
+        old(signal.SIGINT, None)
+
+
+def spawn_controllers(
+    controllers: list[ControllerProc],
+    res: RunCleanup,
+    *,
+    address: str,
+    run_dir: str,
+    output: str,
+    num_threads: int,
+    startup_timeout_s: float,
+    max_message_bytes: int,
+    keys_dir: str | None,
+) -> None:
+    """Start ``python -m runtime.zmq.controller`` for each controller (plain subprocesses: no fork
+    of a process that has torch loaded), with Ctrl-C ignored in them (the driver stops them).
+
+    ``output="capture"`` writes each one's output to ``run_dir/controller-N.log``; ``res``
+    keeps the processes, so they are stopped at close whatever happens.
+    """
+    paths = [p or os.getcwd() for p in sys.path]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+    if num_threads > 0:
+        env.setdefault("OMP_NUM_THREADS", str(num_threads))
+    main = threading.current_thread() is threading.main_thread()
+    old = (
+        signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    )  # children inherit 'ignore'
+    try:
+        for c in controllers:
+            cmd = [
+                sys.executable, "-m", "runtime.zmq.controller", "--connect", address,
+                "--index", str(c.index), "--bind", f"ipc://{run_dir}/c{c.index}",
+                "--parent-pid", str(os.getpid()), "--spawned",
+                "--startup-timeout", str(startup_timeout_s),
+                "--max-message-bytes", str(max_message_bytes),
+                *(["--keys", keys_dir] if keys_dir else []),
+            ]  # fmt: skip
+            out: Any = None
+            if output == "capture":
+                c.log_path = os.path.join(run_dir, f"controller-{c.index}.log")
+                out = open(c.log_path, "wb")  # noqa: SIM115 - the child holds it
+            try:
+                c.popen = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT if out else None,
+                    env=env, cwd=os.getcwd(),
+                )  # fmt: skip
+            finally:
+                if out is not None:
+                    out.close()
+            c.pid = c.popen.pid
+            res.procs.append(c.popen)
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, old)
