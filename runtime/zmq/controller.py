@@ -513,7 +513,7 @@ class Controller(StreamingMixin, StateMixin):
             if streaming:
                 out = self._run_stream(best, step, inputs)
             else:
-                out = self.run_node(self.shim, best, inputs, step, self.index, self.splitter)
+                out = self.run_node(self.shim.nodes[best], inputs, step, self.index, self.splitter)
         finally:
             self.current = None
         self.seconds[step][best] = time.perf_counter() - t0

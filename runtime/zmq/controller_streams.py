@@ -105,7 +105,7 @@ class StreamingMixin:
             for (src, port), edges in self.local_out.items()
             if src == name and any(not e.delay for e in edges)
         }
-        for i, piece in enumerate(stream_node(self.shim, name, inputs, step, self.index)):
+        for i, piece in enumerate(stream_node(self.shim.nodes[name], inputs, step, self.index)):
             pieces.append(piece)
             for port, value in piece.outputs.items():
                 if port in here:
@@ -134,7 +134,7 @@ class StreamingMixin:
         assert piece is not None  # _stream_ready said so
 
         def call(inputs: dict[str, Any]) -> dict[str, Any]:
-            return self.run_node(self.shim, name, inputs, step, self.index, self.splitter)
+            return self.run_node(self.shim.nodes[name], inputs, step, self.index, self.splitter)
 
         if not c.pieces:
             c.start = time.time()

@@ -1,0 +1,138 @@
+"""Calling one node inside an executor: failures named, non-finite outputs caught.
+
+Every executor calls a node through :func:`run_node` (or :func:`stream_node` for a streaming
+node), so that a failure, wherever it runs, is a :class:`~yatt_graph.NodeExecutionError`
+naming the node, its class, the step, the controller and the shapes of its inputs, with the
+original traceback.
+
+With ``check_finite``, a float tensor output holding NaN or inf stops the run at the node
+that produced it (naming the port, the count and the first sample), instead of a step later
+deep inside whatever reads it (sampling's "invalid multinomial distribution").
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import msgspec
+import torch
+
+from yatt_graph import NodeExecutionError
+from yatt_graph.stream import Piece
+
+__all__ = ["StepResult", "describe", "first_non_finite", "run_node", "stream_node"]
+
+
+class StepResult(msgspec.Struct):
+    """What one step of a graph produced (or, on a controller, of the nodes it owns)."""
+
+    step: int
+    outputs: dict[str, Any]
+    """The graph's marked outputs, by name."""
+    node_seconds: dict[str, float]
+    """Wall time of each node's call."""
+    node_start: dict[str, float] = {}
+    """When each node's call began (``time.time()``, comparable across processes)."""
+    node_controller: dict[str, int] = {}
+    """The controller that ran each node."""
+
+
+def describe(value: Any) -> str:
+    """A short description of a value for error messages: dtype and shape for tensors."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"{str(dtype).removeprefix('torch.')}[{', '.join(map(str, shape))}]"
+    if isinstance(value, list | tuple):
+        return f"{type(value).__name__}[{len(value)}]"
+    return type(value).__name__
+
+
+def _node_error(
+    node: Any, inputs: Mapping[str, Any], step: int, controller: int, exc: BaseException
+) -> NodeExecutionError:
+    shapes = ", ".join(f"{k}={describe(v)}" for k, v in inputs.items()) or "no inputs"
+    tb = traceback.format_exc()
+    return NodeExecutionError(
+        node.name,
+        f"node {node.name!r} ({type(node).__name__}) failed at step {step} on controller "
+        f"{controller}: {type(exc).__name__}: {exc}\n  inputs: {shapes}\n--- original traceback ---\n{tb}",
+        tb,
+        step=step,
+        controller=controller,
+    )
+
+
+def first_non_finite(outputs: Mapping[str, Any]) -> str | None:
+    """Why ``outputs`` fail the finiteness check (the first float tensor with NaN/inf), or None."""
+    for port, value in outputs.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+            bad = ~torch.isfinite(value)  # same shape as value
+            if bool(bad.any()):
+                count = int(bad.sum())
+                first = [int(i) for i in bad.nonzero()[0]]
+                kinds = "NaN" if bool(value.isnan().any()) else "inf"
+                return (
+                    f"output {port!r} ({describe(value)}) holds {count} non-finite value(s) "
+                    f"({kinds}), the first at index {first}"
+                )
+    return None
+
+
+def _check_finite(node: Any, out: Mapping[str, Any], step: int, controller: int) -> None:
+    why = first_non_finite(out)
+    if why is not None:
+        raise NodeExecutionError(
+            node.name,
+            f"node {node.name!r} ({type(node).__name__}) at step {step} on controller "
+            f"{controller}: {why}. The run stops here rather than in the node that reads it; "
+            "fix the node (or its inputs), or turn the check off (check_finite=False)",
+            step=step,
+            controller=controller,
+        )
+
+
+def run_node(
+    node: Any,
+    inputs: dict[str, Any],
+    step: int,
+    controller: int = 0,
+    splitter: Any = None,
+    check_finite: bool = False,
+) -> dict[str, Any]:
+    """Call one node; any failure becomes a NodeExecutionError naming node, step and input shapes.
+
+    With a ``splitter`` (:class:`runtime.sched.splitting.NodeSplitter`) the call may be cut
+    into micro-batches across its devices.
+    """
+    try:
+        node.begin_step(step)
+        out = splitter.call(node.name, inputs) if splitter is not None else node.run(inputs)
+    except NodeExecutionError:
+        raise
+    except Exception as exc:
+        raise _node_error(node, inputs, step, controller, exc) from exc
+    if check_finite:
+        _check_finite(node, out, step, controller)
+    return out
+
+
+def stream_node(
+    node: Any,
+    inputs: dict[str, Any],
+    step: int,
+    controller: int = 0,
+    check_finite: bool = False,
+) -> Iterator[Piece]:
+    """The checked pieces of one call of a streaming node; failures as in :func:`run_node`."""
+    try:
+        node.begin_step(step)
+        for piece in node.run_stream(inputs):
+            if check_finite:
+                _check_finite(node, piece.outputs, step, controller)
+            yield piece
+    except NodeExecutionError:
+        raise
+    except Exception as exc:
+        raise _node_error(node, inputs, step, controller, exc) from exc

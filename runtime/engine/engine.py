@@ -1,0 +1,457 @@
+"""The step engine: what is ready to run, and what a finished node call hands on.
+
+One engine holds the nodes of one process (all of them in-process, a controller's share on the
+ZeroMQ runtime) and has no sockets inside. It keeps, per step, the inputs that have arrived,
+and a node may run step k once the engine was allowed step k (:meth:`StepEngine.allow`), the
+node has finished step k-1, and all of its inputs for step k are in. An input on a delayed edge
+is the producer's value from step k - lag (lag = 1 + ``max_staleness``), None for the first
+lag steps. Among ready nodes the lowest (step, topological index) goes first, so one process
+running one step at a time runs the graph's topological order.
+
+Values reach the engine from its own nodes (handed on directly when a call ends) or from
+another process (:meth:`deliver`, :meth:`deliver_piece`, :meth:`end_stream`); what must leave
+goes to the ``outbox`` (the controller's sockets). Streamed outputs (:mod:`runtime.engine.streams`)
+feed their consumers here piece by piece, by the same rule in every process, so a ZeroMQ run
+equals the in-process one. :meth:`finished` gives each step once every node here has run it;
+:meth:`state` and :meth:`restore` move its state between steps, for checkpoints.
+
+:class:`LocalExecutor <runtime.engine.local.LocalExecutor>` is this engine plus a loop; a
+:class:`Controller <runtime.zmq.controller.Controller>` is this engine plus sockets.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from runtime.engine.calls import StepResult, run_node, stream_node
+from runtime.engine.rng import rng_state, set_rng_state
+from runtime.engine.streams import StreamBook, call_piece, per_piece
+from yatt_graph import NodeExecutionError
+from yatt_graph.stream import Piece, join_pieces
+
+__all__ = ["Outbox", "Running", "StateNotReady", "StepEngine"]
+
+
+class Outbox(Protocol):
+    """Where the values that other processes read go (a controller's peer sockets)."""
+
+    def value(self, step: int, src: str, port: str, value: Any, dests: list[int]) -> None: ...
+
+    def piece(
+        self, step: int, src: str, port: str, index: int, piece: Piece, dests: list[int]
+    ) -> None: ...
+
+    def end(self, step: int, src: str, port: str, count: int, dests: list[int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Running:
+    """The node call in progress, read by a watchdog thread for timeouts and heartbeats."""
+
+    node: str
+    step: int
+    started: float
+    """``time.monotonic()`` at the start of the call."""
+    limit_s: float
+    """Its time limit; 0: none."""
+
+
+class StateNotReady(Exception):
+    """:meth:`StepEngine.state` was asked before the step before it finished here."""
+
+
+@dataclass
+class _Consumer:
+    """A node fed per piece of a stream at one step: what it has taken so far."""
+
+    src: str
+    ports: dict[str, str]
+    """Its input port -> the producer's output port."""
+    inputs: dict[str, Any]
+    """Its other inputs."""
+    next: int = 0
+    seen: set[int] = field(default_factory=set)
+    pieces: list[Piece] = field(default_factory=list)
+    seconds: float = 0.0
+    start: float = 0.0
+
+    @property
+    def src_ports(self) -> set[str]:
+        return set(self.ports.values())
+
+
+class StepEngine:
+    """The nodes of one process and the state of the steps they run (see the module docstring).
+
+    Args:
+        nodes: the nodes this engine runs, by name (already set up, or set up lazily).
+        edges: every edge of the graph; outputs: the graph's marked outputs (name -> handle).
+        order: every node of the graph in topological order.
+        assignment: node -> controller, for the nodes of other processes (their values come
+            through :meth:`deliver` and go out through ``outbox``).
+        here: this process's controller index (in error messages and results).
+        max_staleness: delayed edges carry the value from ``1 + max_staleness`` steps back.
+        window: the most steps allowed at once; values for steps further ahead are refused.
+        limits: node -> the longest one call may run (for :class:`Running`), 0: none.
+    """
+
+    def __init__(
+        self,
+        nodes: Mapping[str, Any],
+        edges: Sequence[Any],
+        outputs: Mapping[str, Any],
+        order: Sequence[str],
+        assignment: Mapping[str, int],
+        *,
+        here: int = 0,
+        max_staleness: int = 0,
+        window: int = 1,
+        outbox: Outbox | None = None,
+        splitter: Any = None,
+        check_finite: bool = False,
+        limits: Mapping[str, float] | None = None,
+    ):
+        self.nodes = dict(nodes)
+        self.order = [n for n in order if n in self.nodes]
+        self.here, self.lag, self.window = here, 1 + max_staleness, max(1, window)
+        self.outbox, self.splitter, self.check_finite = outbox, splitter, check_finite
+        self.limits = dict.fromkeys(self.nodes, 0.0) | dict(limits or {})
+        self.in_edges: dict[str, list[Any]] = {n: [] for n in self.nodes}
+        self.local_out: dict[tuple[str, str], list[Any]] = defaultdict(list)
+        self.remote_out: dict[tuple[str, str], list[int]] = defaultdict(list)
+        self.remote_in: dict[tuple[str, str], list[Any]] = defaultdict(list)
+        self.readers: dict[str, set[str]] = defaultdict(set)
+        """Producer -> the nodes here that read it through a non-delayed edge."""
+        for e in edges:
+            dst_here, src_here = e.dst in self.nodes, e.src in self.nodes
+            if dst_here:
+                self.in_edges[e.dst].append(e)
+                if not e.delay:
+                    self.readers[e.src].add(e.dst)
+            if src_here and dst_here:
+                self.local_out[(e.src, e.src_port)].append(e)
+            elif dst_here:
+                self.remote_in[(e.src, e.src_port)].append(e)
+            elif src_here:
+                dest = assignment[e.dst]
+                if dest not in self.remote_out[(e.src, e.src_port)]:
+                    self.remote_out[(e.src, e.src_port)].append(dest)
+        self.graph_outputs = {
+            k: (h.node, h.port) for k, h in outputs.items() if h.node in self.nodes
+        }
+        self.delayed_in = [e for e in edges if e.delay and e.dst in self.nodes]
+        self.running: Running | None = None
+        self.reset(0)
+
+    def reset(self, step: int) -> None:
+        """Forget every value and piece: the next step to run is ``step`` for every node."""
+        self.next_step = dict.fromkeys(self.order, step)
+        self.reported = self.until = step
+        self.pending: dict[tuple[int, str], dict[str, Any]] = {}
+        self.book = StreamBook()
+        self.consumers: dict[tuple[int, str], _Consumer] = {}
+        self._delayed_joined: set[tuple[int, str, str]] = set()
+        self.seconds: dict[int, dict[str, float]] = defaultdict(dict)
+        self.starts: dict[int, dict[str, float]] = defaultdict(dict)
+        self.step_outputs: dict[int, dict[str, Any]] = defaultdict(dict)
+
+    # --- what arrives -------------------------------------------------------------------------
+    def reads(self, src: str, port: str) -> bool:
+        """Whether a node here reads ``src.port`` of another process."""
+        return (src, port) in self.remote_in
+
+    def allow(self, until: int) -> None:
+        """Steps ``< until`` may run."""
+        self.until = max(self.until, until)
+
+    def _accepts(self, dst: str, target: int) -> bool:
+        return self.next_step[dst] <= target < self.until + self.lag + 2 * self.window
+
+    def deliver(self, step: int, src: str, port: str, value: Any) -> list[str]:
+        """Another process's output ``src.port`` of ``step``; returns why parts were dropped
+        (a second copy, a step outside those being run, an edge no node here reads)."""
+        edges = self.remote_in.get((src, port))
+        if not edges:
+            return [f"data for {src}.{port}, which no node here reads"]
+        dropped = []
+        for e in edges:
+            target = step + (self.lag if e.delay else 0)
+            slot = self.pending.get((target, e.dst), {})
+            if not self._accepts(e.dst, target) or e.dst_port in slot:
+                why = "a second copy" if e.dst_port in slot else "outside the steps being run"
+                dropped.append(f"data {src}.{port} of step {step} for {e.dst}.{e.dst_port}: {why}")
+                continue
+            self.pending.setdefault((target, e.dst), {})[e.dst_port] = value
+        return dropped
+
+    def deliver_piece(self, step: int, src: str, port: str, index: int, piece: Piece) -> list[str]:
+        """Piece ``index`` of another process's streamed output; returns why it was dropped."""
+        if not self.remote_in.get((src, port)):
+            return [f"data for {src}.{port}, which no node here reads"]
+        if not self.book.add(step, src, port, index, piece.rows, piece.outputs[port], piece.size):
+            return [f"piece {index} of {src}.{port} at step {step}: a second copy"]
+        self._join_for_delayed(step, src, port)
+        return []
+
+    def end_stream(self, step: int, src: str, port: str, count: int) -> list[str]:
+        """The end of another process's streamed output: ``count`` pieces in all."""
+        if not self.remote_in.get((src, port)):
+            return [f"data for {src}.{port}, which no node here reads"]
+        self.book.end(step, src, port, count)
+        self._join_for_delayed(step, src, port)
+        return []
+
+    def _join_for_delayed(self, step: int, src: str, port: str) -> None:
+        """Readers here on a delayed edge get the joined value once the stream is complete."""
+        delayed = [e for e in self.remote_in.get((src, port), ()) if e.delay]
+        done = (step, src, port) in self._delayed_joined
+        if delayed and not done and self.book.count(step, src, {port}) is not None:
+            self._delayed_joined.add((step, src, port))
+            value = self.book.joined(step, src, port)
+            for e in delayed:
+                self.pending.setdefault((step + self.lag, e.dst), {})[e.dst_port] = value
+        if self.book:
+            self._prune_streams()
+
+    # --- running ------------------------------------------------------------------------------
+    def _ready(self, name: str) -> bool:
+        step = self.next_step[name]
+        if step >= self.until:
+            return False
+        have = self.pending.get((step, name), {})
+        for e in self.in_edges[name]:
+            if e.dst_port in have or (e.delay and step < self.lag):
+                continue
+            return bool(self.book) and self._stream_ready(name, step)
+        return True
+
+    def run_one(self) -> bool:
+        """Run the ready node with the lowest (step, topological index); False if none is ready."""
+        best = None
+        for name in self.order:
+            if self._ready(name) and (best is None or self.next_step[name] < self.next_step[best]):
+                best = name
+        if best is None:
+            return False
+        step = self.next_step[best]
+        consumer = self.consumers.get((step, best))
+        if consumer is not None:
+            self._run_piece(best, step, consumer)
+            return True
+        inputs = self.pending.pop((step, best), {})
+        for e in self.in_edges[best]:
+            inputs.setdefault(e.dst_port, None)
+        node = self.nodes[best]
+        self.starts[step][best] = time.time()
+        t0 = time.perf_counter()
+        self.running = Running(best, step, time.monotonic(), self.limits[best])
+        try:
+            if node.streaming:
+                out = self._run_stream(best, step, inputs)
+            else:
+                out = run_node(node, inputs, step, self.here, self.splitter, self.check_finite)
+        finally:
+            self.running = None
+        self.seconds[step][best] = time.perf_counter() - t0
+        self._finish(best, step, out, streamed=node.streaming)
+        return True
+
+    def _finish(self, name: str, step: int, out: dict[str, Any], streamed: bool = False) -> None:
+        """A node's call for ``step`` is done: hand its outputs on (those of a streaming node
+        went as pieces, except along delayed edges, which get the joined value)."""
+        self.next_step[name] = step + 1
+        for port, value in out.items():
+            for e in self.local_out.get((name, port), ()):
+                if streamed and not e.delay:
+                    continue
+                target = step + (self.lag if e.delay else 0)
+                self.pending.setdefault((target, e.dst), {})[e.dst_port] = value
+            dests = self.remote_out.get((name, port))
+            if dests and not streamed and self.outbox is not None:
+                self.outbox.value(step, name, port, value, dests)
+        for key, (node, port) in self.graph_outputs.items():
+            if node == name:
+                self.step_outputs[step][key] = out[port]
+        if self.book:
+            self._prune_streams()
+
+    def finished(self) -> Iterator[StepResult]:
+        """Each step, in order, that every node here has finished (once)."""
+        while self.reported < self.until and min(self.next_step.values()) > self.reported:
+            step = self.reported
+            self.reported += 1
+            seconds, starts = self.seconds.pop(step, {}), self.starts.pop(step, {})
+            yield StepResult(
+                step,
+                self.step_outputs.pop(step, {}),
+                {n: seconds[n] for n in self.order if n in seconds},
+                {n: starts[n] for n in self.order if n in starts},
+                dict.fromkeys(seconds, self.here),
+            )
+
+    # --- streams ------------------------------------------------------------------------------
+    def _stream_ready(self, name: str, step: int) -> bool:
+        """Whether ``name`` can take a piece (or finish) of the streams it reads, or, when it
+        runs whole, whether those streams are complete (then joined into its inputs)."""
+        c = self.consumers.get((step, name))
+        if c is None:
+            have = self.pending.get((step, name), {})
+            sources = set()
+            for e in self.in_edges[name]:
+                if e.dst_port in have or (e.delay and step < self.lag):
+                    continue
+                if e.delay or not self.book.has(step, e.src):
+                    return False  # an input that is not streamed has not arrived yet
+                sources.add(e.src)
+            edges = [e for e in self.in_edges[name] if not e.delay and e.src in sources]
+            ports = {e.dst_port: e.src_port for e in edges}
+            inputs = {e.dst_port: have.get(e.dst_port) for e in self.in_edges[name]}
+            source = next(iter(sources)) if len(sources) == 1 else None
+            size = self.book.size(step, source) if source is not None else None
+            if source is not None and per_piece(self.nodes[name], ports, inputs, size):
+                self.pending.pop((step, name), None)
+                for port in ports:
+                    inputs.pop(port)
+                c = self.consumers[(step, name)] = _Consumer(source, ports, inputs)
+            else:
+                for src in sources:
+                    src_ports = {e.src_port for e in edges if e.src == src}
+                    if self.book.count(step, src, src_ports) is None:
+                        return False
+                slot = self.pending.setdefault((step, name), {})
+                for e in edges:
+                    slot[e.dst_port] = self.book.joined(step, e.src, e.src_port)
+                return True
+        if self.book.count(step, c.src, c.src_ports) == c.next:
+            return True  # every piece taken: the consumer's outputs can be joined
+        return self.book.piece(step, c.src, c.next, c.src_ports) is not None
+
+    def _run_stream(self, name: str, step: int, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Run a streaming node: each piece to the readers here and to the processes that
+        read it, as it comes; returns the joined outputs."""
+        pieces = []
+        here = {
+            port
+            for (src, port), edges in self.local_out.items()
+            if src == name and any(not e.delay for e in edges)
+        }
+        node = self.nodes[name]
+        for i, piece in enumerate(stream_node(node, inputs, step, self.here, self.check_finite)):
+            pieces.append(piece)
+            for port, value in piece.outputs.items():
+                if port in here:
+                    self.book.add(step, name, port, i, piece.rows, value, piece.size)
+                dests = self.remote_out.get((name, port))
+                if dests and self.outbox is not None:
+                    self.outbox.piece(step, name, port, i, piece, dests)
+        for port in node.outputs:
+            if port in here:
+                self.book.end(step, name, port, len(pieces))
+            dests = self.remote_out.get((name, port))
+            if dests and self.outbox is not None:
+                self.outbox.end(step, name, port, len(pieces), dests)
+        return join_pieces(pieces, name)
+
+    def _run_piece(self, name: str, step: int, c: _Consumer) -> None:
+        """The next piece of a per-piece consumer, or, all taken, its joined outputs."""
+        if self.book.count(step, c.src, c.src_ports) == c.next:
+            del self.consumers[(step, name)]
+            self.seconds[step][name] = c.seconds
+            self.starts[step][name] = c.start
+            self._finish(name, step, join_pieces(c.pieces, name))
+            return
+        piece = self.book.piece(step, c.src, c.next, c.src_ports)
+        assert piece is not None  # _stream_ready said so
+        node = self.nodes[name]
+
+        def call(inputs: dict[str, Any]) -> dict[str, Any]:
+            return run_node(node, inputs, step, self.here, self.splitter, self.check_finite)
+
+        if not c.pieces:
+            c.start = time.time()
+        t0 = time.perf_counter()
+        self.running = Running(name, step, time.monotonic(), self.limits[name])
+        try:
+            c.pieces.append(
+                call_piece(call, node, c.inputs, c.ports, piece, c.next, c.seen, step, self.here)
+            )
+        finally:
+            self.running = None
+        c.seconds += time.perf_counter() - t0
+        c.next += 1
+
+    def _prune_streams(self) -> None:
+        """Forget the streams that every reader here is done with."""
+        for step, src in self.book.streams():
+            readers = self.readers.get(src, ())
+            if (
+                all(self.next_step[r] > step for r in readers)
+                and self.book.count(step, src, self.book.ports(step, src)) is not None
+            ):
+                self.book.discard(step, src)
+                self._delayed_joined = {k for k in self._delayed_joined if k[:2] != (step, src)}
+
+    # --- state, between steps -----------------------------------------------------------------
+    def _delayed_slots(self, step: int) -> list[tuple[Any, int]]:
+        """(delayed in-edge, producing step) pairs whose values the steps from ``step`` on read."""
+        return [(e, p) for e in self.delayed_in for p in range(max(0, step - self.lag), step)]
+
+    def state(self, step: int) -> dict[str, Any] | None:
+        """Everything a process needs to go on from ``step``: ``{"nodes": each node's
+        ``state_dict()``, "delayed": [[src, port, produced_step, value], ...] (the delayed
+        values the next steps read), "rng": this process's RNG states}``.
+
+        None while a value from another process is still on its way; :class:`StateNotReady`
+        while the step before is still running; RuntimeError if nodes are past ``step``.
+        """
+        if any(s != step for s in self.next_step.values()) or self.reported != step:
+            if all(s <= step for s in self.next_step.values()):
+                raise StateNotReady(step)
+            raise RuntimeError(
+                f"state of step {step} requested, but nodes are at steps {self.next_step}"
+            )
+        values: dict[tuple[str, str, int], Any] = {}
+        for e, p in self._delayed_slots(step):
+            slot = self.pending.get((p + self.lag, e.dst), {})
+            if e.dst_port not in slot:
+                return None
+            values.setdefault((e.src, e.src_port, p), slot[e.dst_port])
+        nodes = {}
+        for name in self.order:
+            try:
+                nodes[name] = self.nodes[name].state_dict()
+            except Exception as exc:
+                raise _state_error(name, step, "state_dict", exc) from exc
+        return {
+            "nodes": nodes,
+            "delayed": [[s, p, k, v] for (s, p, k), v in values.items()],
+            "rng": rng_state(),
+        }
+
+    def restore(self, step: int, state: Mapping[str, Any]) -> None:
+        """Load what :meth:`state` gave (for these nodes); the next step to run is ``step``.
+        A delayed value the state lacks reads None."""
+        for name in self.order:
+            node_state = state["nodes"].get(name)
+            if node_state:
+                try:
+                    self.nodes[name].load_state_dict(node_state)
+                except Exception as exc:
+                    raise _state_error(name, step, "load_state_dict", exc) from exc
+        self.reset(step)
+        given = {(s, p, int(k)): v for s, p, k, v in state.get("delayed", [])}
+        for e, p in self._delayed_slots(step):
+            value = given.get((e.src, e.src_port, p))
+            self.pending.setdefault((p + self.lag, e.dst), {})[e.dst_port] = value
+        set_rng_state(state.get("rng") or {})
+
+
+def _state_error(name: str, step: int, call: str, exc: Exception) -> NodeExecutionError:
+    return NodeExecutionError(
+        name, f"node {name!r}: {call}() failed: {type(exc).__name__}: {exc}", step=step,
+        during="state",
+    )  # fmt: skip
