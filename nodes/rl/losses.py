@@ -20,20 +20,22 @@ References:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
 from nodes.rl.advantages import KLKind, _kl_estimate
+from nodes.rl.aggregate import (
+    Aggregation,
+    _aggregate,
+    _check_token_tensors,
+    _clip_range,
+    _clipped_surrogate,
+    aggregate_token_loss,
+)
+from nodes.rl.logits import entropy_from_logits, logprobs_from_logits, token_entropy_from_logits
 from nodes.rl.masked import (
     _check_bt,
-    _check_finite,
     _check_float,
-    _check_mask,
-    _check_real_count,
-    _check_same_shape,
-    _check_tensor,
 )
 
 __all__ = [
@@ -47,216 +49,6 @@ __all__ = [
     "kl_loss",
     "grpo_loss",
 ]
-
-Aggregation = Literal["token-mean", "seq-mean-token-mean"]
-
-
-# ---------------------------------------------------------------------------------------------
-# aggregation and shared checks
-# ---------------------------------------------------------------------------------------------
-
-
-def _aggregate(fn: str, token_loss: Tensor, real: Tensor, aggregation: str) -> Tensor:
-    """``aggregate_token_loss`` without the shape checks (``real`` is a bool mask)."""
-    token_loss = torch.where(real, token_loss, 0)  # (B, T) padding -> 0
-    if aggregation == "token-mean":
-        _check_real_count(fn, real)
-        return token_loss.sum() / real.sum().to(token_loss.dtype)  # ()
-    if aggregation == "seq-mean-token-mean":
-        _check_real_count(fn, real)
-        tokens_per_seq = real.sum(dim=1).to(token_loss.dtype)  # (B,)
-        seq_loss = token_loss.sum(dim=1) / tokens_per_seq.clamp(min=1)  # (B,)
-        n_seqs = (tokens_per_seq > 0).sum().to(token_loss.dtype)  # ()
-        return seq_loss.sum() / n_seqs  # () empty rows add 0 and are not counted
-    raise ValueError(
-        f"{fn}: aggregation is {aggregation!r}; it must be 'token-mean' or 'seq-mean-token-mean'"
-    )
-
-
-def aggregate_token_loss(
-    token_loss: Tensor, mask: Tensor, aggregation: Aggregation = "token-mean"
-) -> Tensor:
-    """Reduce a (B, T) per-token loss to a scalar, ignoring padding exactly.
-
-    Args:
-        token_loss: (B, T) per-token loss.
-        mask: (B, T) 1 on real tokens, 0 on padding.
-        aggregation: ``"token-mean"`` or ``"seq-mean-token-mean"`` (see the module docstring).
-
-    Returns:
-        A 0-d tensor.
-    """
-    fn = "aggregate_token_loss"
-    token_loss = _check_float(fn, "token_loss", token_loss)
-    _check_bt(fn, "token_loss", token_loss)
-    real = _check_mask(fn, mask, token_loss.shape, "token_loss")  # (B, T) bool
-    return _aggregate(fn, token_loss, real, aggregation)
-
-
-def _check_token_tensors(fn: str, mask: Tensor, **tensors: Tensor) -> Tensor:
-    """Check that every tensor is a finite (on real tokens) (B, T) float like the first one.
-
-    Returns the mask as bool (B, T).
-    """
-    (ref_name, ref), *rest = tensors.items()
-    ref = _check_float(fn, ref_name, ref)
-    _check_bt(fn, ref_name, ref)
-    for name, x in rest:
-        _check_float(fn, name, x)
-        _check_same_shape(fn, ref_name, ref, name, x, "(B, T)")
-    real = _check_mask(fn, mask, ref.shape, ref_name)  # (B, T) bool
-    for name, x in tensors.items():
-        _check_finite(fn, name, x, real)
-    return real
-
-
-def _clip_range(fn: str, clip_eps: float, clip_eps_high: float | None) -> tuple[float, float]:
-    eps_low = clip_eps
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    if not 0.0 < eps_low < 1.0:
-        raise ValueError(f"{fn}: clip_eps is {clip_eps}; it must be in (0, 1)")
-    if not eps_high > 0.0:
-        raise ValueError(f"{fn}: clip_eps_high is {clip_eps_high}; it must be > 0")
-    return eps_low, eps_high
-
-
-def _clipped_surrogate(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    real: Tensor,
-    eps_low: float,
-    eps_high: float,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token PPO clipped surrogate loss (B, T) and its stats (inputs already checked)."""
-    log_ratio = torch.where(real, logprobs - old_logprobs, 0)  # (B, T) log pi/pi_old
-    advantages = torch.where(real, advantages, 0)  # (B, T)
-    ratio = torch.exp(log_ratio)  # (B, T)
-    pg_loss_unclipped = -advantages * ratio  # (B, T)
-    pg_loss_clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)  # (B, T)
-    token_loss = torch.maximum(pg_loss_unclipped, pg_loss_clipped)  # (B, T) pessimistic bound
-    with torch.no_grad():
-        n = real.sum().to(ratio.dtype)  # ()
-        # the clipped branch wins exactly where the token's gradient is cut off
-        clipped = (pg_loss_clipped > pg_loss_unclipped) & real  # (B, T)
-        approx_kl = torch.where(real, ratio - 1 - log_ratio, 0)  # (B, T) k3 of KL(pi_old || pi)
-        stats = {
-            "clip_fraction": clipped.sum().to(ratio.dtype) / n,
-            "approx_kl": approx_kl.sum() / n,
-            "ratio_mean": torch.where(real, ratio, 0).sum() / n,
-        }
-    return token_loss, stats
-
-
-# ---------------------------------------------------------------------------------------------
-# log-probs and entropy from logits
-# ---------------------------------------------------------------------------------------------
-
-
-def _upcast(logits: Tensor) -> Tensor:
-    # half/bfloat16 log-softmax loses too much precision; float32 and float64 stay as they are
-    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-
-
-def logprobs_from_logits(logits: Tensor, token_ids: Tensor, mask: Tensor | None = None) -> Tensor:
-    """Log-probability of each chosen token: ``log_softmax(logits)[b, t, token_ids[b, t]]``.
-
-    Computed as ``logits[token] - logsumexp(logits)``, which equals the gather of
-    ``log_softmax`` without materializing a second (B, T, V) tensor.
-
-    Args:
-        logits: (B, T, V) next-token logits, aligned with ``token_ids`` (logits[:, t] scores
-            token_ids[:, t]). float16/bfloat16 are computed in float32.
-        token_ids: (B, T) integer token ids in [0, V).
-        mask: optional (B, T); where it is 0, ``token_ids`` may hold anything (e.g. -100) and
-            ``logits`` may hold NaN: the result there is 0 and no gradient flows.
-
-    Returns:
-        (B, T) log-probs (float32, or float64 for float64 logits).
-    """
-    fn = "logprobs_from_logits"
-    logits = _check_float(fn, "logits", logits)
-    token_ids = _check_tensor(fn, "token_ids", token_ids)
-    if logits.dim() != 3 or logits.shape[0] == 0 or logits.shape[1] == 0 or logits.shape[2] == 0:
-        raise ValueError(
-            f"{fn}: logits has shape {tuple(logits.shape)}; it must be non-empty (B, T, V)"
-        )
-    if token_ids.shape != logits.shape[:2]:
-        raise ValueError(
-            f"{fn}: logits has shape {tuple(logits.shape)} but token_ids has shape "
-            f"{tuple(token_ids.shape)}; they must be (B, T, V) and (B, T)"
-        )
-    if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
-        raise ValueError(f"{fn}: token_ids has dtype {token_ids.dtype}; it must be integer")
-    V = logits.shape[2]
-    if mask is not None:
-        real = _check_mask(fn, mask, token_ids.shape, "token_ids")  # (B, T) bool
-        logits = torch.where(real[..., None], logits, 0)  # (B, T, V) padding -> 0
-        token_ids = torch.where(real, token_ids, 0)  # (B, T)
-    out_of_range = (token_ids < 0) | (token_ids >= V)  # (B, T)
-    if bool(out_of_range.any()):
-        b, t = out_of_range.nonzero()[0].tolist()
-        raise ValueError(
-            f"{fn}: token_ids[{b}, {t}] is {int(token_ids[b, t])}, outside the vocabulary "
-            f"[0, {V}) of logits; mask padding out with mask="
-        )
-    logits = _upcast(logits)  # (B, T, V)
-    chosen = torch.gather(logits, -1, token_ids[..., None].long()).squeeze(-1)  # (B, T)
-    logprobs = chosen - torch.logsumexp(logits, dim=-1)  # (B, T)
-    if mask is not None:
-        logprobs = torch.where(real, logprobs, 0)  # (B, T)
-    return logprobs
-
-
-def token_entropy_from_logits(logits: Tensor, mask: Tensor) -> Tensor:
-    """Per-token entropy of the next-token distribution, ``-sum_v p_v log p_v``.
-
-    Args:
-        logits: (B, T, V) next-token logits.
-        mask: (B, T) 1 on real tokens, 0 on padding.
-
-    Returns:
-        (B, T) entropy in nats, 0 at padding.
-    """
-    fn = "token_entropy_from_logits"
-    return _token_entropy(fn, logits, mask)[0]
-
-
-def _token_entropy(fn: str, logits: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    logits = _check_float(fn, "logits", logits)
-    if logits.dim() != 3 or 0 in logits.shape:
-        raise ValueError(
-            f"{fn}: logits has shape {tuple(logits.shape)}; it must be non-empty (B, T, V)"
-        )
-    mask = _check_tensor(fn, "mask", mask)
-    if mask.shape != logits.shape[:2]:
-        raise ValueError(
-            f"{fn}: logits has shape {tuple(logits.shape)} but mask has shape "
-            f"{tuple(mask.shape)}; they must be (B, T, V) and (B, T)"
-        )
-    real = _check_mask(fn, mask, mask.shape, "mask")  # (B, T) bool
-    logits = _upcast(torch.where(real[..., None], logits, 0))  # (B, T, V) padding -> 0
-    # vocabulary entries masked with -inf: a finite floor keeps 0 * log 0 = 0 and grads finite
-    logits = logits.clamp(min=torch.finfo(logits.dtype).min)  # (B, T, V)
-    log_p = torch.log_softmax(logits, dim=-1)  # (B, T, V)
-    entropy = -(log_p.exp() * log_p).sum(dim=-1)  # (B, T)
-    return torch.where(real, entropy, 0), real  # (B, T), (B, T)
-
-
-def entropy_from_logits(logits: Tensor, mask: Tensor) -> Tensor:
-    """Masked token-mean entropy of the policy (a bonus term: subtract ``coef * entropy``).
-
-    Args:
-        logits: (B, T, V) next-token logits.
-        mask: (B, T) 1 on real tokens, 0 on padding.
-
-    Returns:
-        A 0-d tensor: mean entropy in nats over real tokens.
-    """
-    fn = "entropy_from_logits"
-    entropy, real = _token_entropy(fn, logits, mask)  # (B, T), (B, T)
-    return _aggregate(fn, entropy, real, "token-mean")  # ()
-
 
 # ---------------------------------------------------------------------------------------------
 # PPO

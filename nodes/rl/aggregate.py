@@ -1,0 +1,121 @@
+"""Reducing per-token losses to a scalar, and the checks the loss functions share.
+
+The conventions and the two aggregations are described in :mod:`nodes.rl.losses`, which
+re-exports :func:`aggregate_token_loss`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from nodes.rl.masked import (
+    _check_bt,
+    _check_finite,
+    _check_float,
+    _check_mask,
+    _check_real_count,
+    _check_same_shape,
+)
+
+__all__ = ["Aggregation", "aggregate_token_loss"]
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean"]
+
+# ---------------------------------------------------------------------------------------------
+# aggregation and shared checks
+# ---------------------------------------------------------------------------------------------
+
+
+def _aggregate(fn: str, token_loss: Tensor, real: Tensor, aggregation: str) -> Tensor:
+    """``aggregate_token_loss`` without the shape checks (``real`` is a bool mask)."""
+    token_loss = torch.where(real, token_loss, 0)  # (B, T) padding -> 0
+    if aggregation == "token-mean":
+        _check_real_count(fn, real)
+        return token_loss.sum() / real.sum().to(token_loss.dtype)  # ()
+    if aggregation == "seq-mean-token-mean":
+        _check_real_count(fn, real)
+        tokens_per_seq = real.sum(dim=1).to(token_loss.dtype)  # (B,)
+        seq_loss = token_loss.sum(dim=1) / tokens_per_seq.clamp(min=1)  # (B,)
+        n_seqs = (tokens_per_seq > 0).sum().to(token_loss.dtype)  # ()
+        return seq_loss.sum() / n_seqs  # () empty rows add 0 and are not counted
+    raise ValueError(
+        f"{fn}: aggregation is {aggregation!r}; it must be 'token-mean' or 'seq-mean-token-mean'"
+    )
+
+
+def aggregate_token_loss(
+    token_loss: Tensor, mask: Tensor, aggregation: Aggregation = "token-mean"
+) -> Tensor:
+    """Reduce a (B, T) per-token loss to a scalar, ignoring padding exactly.
+
+    Args:
+        token_loss: (B, T) per-token loss.
+        mask: (B, T) 1 on real tokens, 0 on padding.
+        aggregation: ``"token-mean"`` or ``"seq-mean-token-mean"`` (see the module docstring).
+
+    Returns:
+        A 0-d tensor.
+    """
+    fn = "aggregate_token_loss"
+    token_loss = _check_float(fn, "token_loss", token_loss)
+    _check_bt(fn, "token_loss", token_loss)
+    real = _check_mask(fn, mask, token_loss.shape, "token_loss")  # (B, T) bool
+    return _aggregate(fn, token_loss, real, aggregation)
+
+
+def _check_token_tensors(fn: str, mask: Tensor, **tensors: Tensor) -> Tensor:
+    """Check that every tensor is a finite (on real tokens) (B, T) float like the first one.
+
+    Returns the mask as bool (B, T).
+    """
+    (ref_name, ref), *rest = tensors.items()
+    ref = _check_float(fn, ref_name, ref)
+    _check_bt(fn, ref_name, ref)
+    for name, x in rest:
+        _check_float(fn, name, x)
+        _check_same_shape(fn, ref_name, ref, name, x, "(B, T)")
+    real = _check_mask(fn, mask, ref.shape, ref_name)  # (B, T) bool
+    for name, x in tensors.items():
+        _check_finite(fn, name, x, real)
+    return real
+
+
+def _clip_range(fn: str, clip_eps: float, clip_eps_high: float | None) -> tuple[float, float]:
+    eps_low = clip_eps
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    if not 0.0 < eps_low < 1.0:
+        raise ValueError(f"{fn}: clip_eps is {clip_eps}; it must be in (0, 1)")
+    if not eps_high > 0.0:
+        raise ValueError(f"{fn}: clip_eps_high is {clip_eps_high}; it must be > 0")
+    return eps_low, eps_high
+
+
+def _clipped_surrogate(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    real: Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token PPO clipped surrogate loss (B, T) and its stats (inputs already checked)."""
+    log_ratio = torch.where(real, logprobs - old_logprobs, 0)  # (B, T) log pi/pi_old
+    advantages = torch.where(real, advantages, 0)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    pg_loss_unclipped = -advantages * ratio  # (B, T)
+    pg_loss_clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)  # (B, T)
+    token_loss = torch.maximum(pg_loss_unclipped, pg_loss_clipped)  # (B, T) pessimistic bound
+    with torch.no_grad():
+        n = real.sum().to(ratio.dtype)  # ()
+        # the clipped branch wins exactly where the token's gradient is cut off
+        clipped = (pg_loss_clipped > pg_loss_unclipped) & real  # (B, T)
+        approx_kl = torch.where(real, ratio - 1 - log_ratio, 0)  # (B, T) k3 of KL(pi_old || pi)
+        stats = {
+            "clip_fraction": clipped.sum().to(ratio.dtype) / n,
+            "approx_kl": approx_kl.sum() / n,
+            "ratio_mean": torch.where(real, ratio, 0).sum() / n,
+        }
+    return token_loss, stats
