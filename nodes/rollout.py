@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from nodes.models.policy import Generation, HFVisionLanguagePolicy, Policy, PrefixVLM, build_policy
+from nodes.sync import decode_weights
 from yatt_graph import ANY, BatchPolicy, Node, Port, Resources
 from yatt_graph import Tensor as TensorPort
 
@@ -216,8 +217,6 @@ class Rollout(Node):
         """Load a weight-sync payload: a state dict, or what :class:`nodes.sync.WeightSync`
         publishes (a versioned ``WeightUpdate`` or a ``WirePayload``). A version not newer
         than the one loaded is skipped; the same object twice is loaded once."""
-        from nodes.sync import decode_weights
-
         if weights is None or weights is self._last_weights:
             return
         who = f"node {self.name!r}: input 'weights'"
@@ -227,9 +226,9 @@ class Rollout(Node):
             raise ValueError(f"{who}: {err}") from err
         if update.version and update.version <= self.weights_version:
             return
-        self.policy.load_weights(update, strict=update.complete, who=who)
+        self.policy.load_weights(update.weights, strict=update.complete, who=who)
         if self._vllm is not None:
-            self._vllm.load_weights(update)
+            self._vllm.load_weights(update.weights)
         self._last_weights = weights
         self.weights_version = max(self.weights_version, update.version)
 

@@ -7,10 +7,11 @@
     out: weights  ANY  a :class:`WeightUpdate` (same process) or a :class:`WirePayload`
                        (``mode="wire"``, for a runtime that ships it to another process)
 
-A :class:`WeightUpdate` *is* a ``dict[str, Tensor]`` (so ``model.load_state_dict(update)``
-works) with two attributes: ``version`` (1, 2, ... per publish; a consumer skips anything not
-newer than what it has) and ``complete`` (False when only some keys were sent: load it with
-``strict=False``). :func:`apply_weights` does all of that for a consumer.
+A :class:`WeightUpdate` is a msgspec Struct: ``weights`` (``dict[str, Tensor]``), ``version``
+(1, 2, ... per publish; a consumer skips anything not newer than what it has) and ``complete``
+(False when only some keys were sent: load it with ``strict=False``). Being a Struct, it
+crosses controllers whole: the receiver's codec rebuilds it because every node that reads
+weights imports this module. :func:`apply_weights` does all of that for a consumer.
 
 A :class:`WirePayload` carries ``header`` (msgpack bytes) and ``buffers`` (raw tensor bytes, one
 per tensor, zero-copy where possible): no pickle, the same tensor encoding as
@@ -51,17 +52,21 @@ class StateHeader(msgspec.Struct, array_like=True, frozen=True, tag="state"):
     format: int = WIRE_FORMAT
 
 
-class WeightUpdate(dict):
-    """A state dict ``{name: tensor}`` with ``version`` and ``complete`` attributes."""
+class WeightUpdate(msgspec.Struct, frozen=True):
+    """A published state dict with its version: a typed value, so that the data-plane codec
+    carries ``version`` and ``complete`` exactly between controllers."""
 
-    def __init__(self, state: Mapping[str, torch.Tensor], version: int, complete: bool = True):
-        super().__init__(state)
-        self.version = version
-        self.complete = complete
+    weights: dict[str, torch.Tensor]
+    """name -> tensor, the keys that were sent."""
+    version: int
+    """1, 2, ... per publish; a consumer skips anything not newer than what it has."""
+    complete: bool = True
+    """False when only some keys were sent: the consumer loads them with ``strict=False``."""
 
     def __repr__(self) -> str:
         return (
-            f"WeightUpdate(version={self.version}, complete={self.complete}, {len(self)} tensors)"
+            f"WeightUpdate(version={self.version}, complete={self.complete}, "
+            f"{len(self.weights)} tensors)"
         )
 
 
@@ -151,7 +156,7 @@ def decode_weights(weights: Any) -> WeightUpdate:
         return state_dict_from_wire(*weights)
     if isinstance(weights, Mapping):
         _check_state(weights, "decode_weights")
-        return WeightUpdate(weights, version=0, complete=True)
+        return WeightUpdate(dict(weights), version=0, complete=True)
     raise TypeError(f"decode_weights: cannot read weights from a {type(weights).__name__}")
 
 
@@ -167,7 +172,7 @@ def apply_weights(
     update = decode_weights(weights)
     if last_version is not None and update.version <= last_version:
         return last_version
-    missing, unexpected = module.load_state_dict(update, strict=False)
+    missing, unexpected = module.load_state_dict(update.weights, strict=False)
     if unexpected or (update.complete and missing):
         raise ValueError(
             f"apply_weights: weights version {update.version} do not fit the module: unexpected "

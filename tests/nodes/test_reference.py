@@ -176,7 +176,7 @@ def test_critic_weights_input_loads_newer_versions_only(rollout_out, embeds):
     assert critic.weights_version == 2
     # a stale version is skipped; an unversioned state dict (version 0) always loads
     assert torch.equal(critic.run(ports, weights=payload(other, 1))["values"], want)
-    plain = dict(payload(other, 0))
+    plain = payload(other, 0).weights
     assert torch.equal(critic.run(ports, weights=plain)["values"], other_values)
     with pytest.raises(ValueError, match=r"node 'critic': input 'weights'.*unexpected keys"):
         critic.run(ports, weights=WeightUpdate({"head.nope": torch.zeros(1)}, 3))

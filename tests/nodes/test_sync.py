@@ -61,9 +61,9 @@ def test_state_dict_wire_round_trip_is_exact_for_all_dtypes():
     for bufs in (buffers, [bytes(b) for b in buffers], [bytearray(b) for b in buffers]):
         back = state_dict_from_wire(header, bufs)
         assert isinstance(back, WeightUpdate) and back.version == 5 and back.complete is False
-        assert list(back) == list(sd)
+        assert list(back.weights) == list(sd)
         for k in sd:
-            assert _exact(back[k], sd[k]), k
+            assert _exact(back.weights[k], sd[k]), k
 
 
 def test_loading_the_round_trip_into_a_fresh_model_reproduces_outputs():
@@ -71,7 +71,7 @@ def test_loading_the_round_trip_into_a_fresh_model_reproduces_outputs():
     ids = torch.randint(0, 11, (4, 6))
     assert not torch.allclose(trained(ids), fresh(ids))
     header, buffers = state_dict_to_wire(trained.state_dict())
-    fresh.load_state_dict(state_dict_from_wire(header, [bytes(b) for b in buffers]))
+    fresh.load_state_dict(state_dict_from_wire(header, [bytes(b) for b in buffers]).weights)
     assert torch.equal(fresh(ids), trained(ids))
     assert fresh.norm.num_batches_tracked.item() == 7
 
@@ -89,18 +89,18 @@ def test_weight_sync_local_mode_versions_and_snapshot():
     sync = WeightSync(name="sync")
     first = sync.run(state=net.state_dict())["weights"]
     assert isinstance(first, WeightUpdate) and first.version == 1 and first.complete
-    before = first["head.weight"].clone()
+    before = first.weights["head.weight"].clone()
     with torch.no_grad():
         net.head.weight.add_(1.0)  # an optimizer step after publishing
-    assert torch.equal(first["head.weight"], before)  # the published version did not move
+    assert torch.equal(first.weights["head.weight"], before)  # the published version did not move
     second = sync.run(state=net.state_dict())["weights"]
-    assert second.version == 2 and torch.equal(second["head.weight"], net.head.weight)
+    assert second.version == 2 and torch.equal(second.weights["head.weight"], net.head.weight)
     consumer = make_net(1)
     assert apply_weights(consumer, second) == 2
     assert apply_weights(consumer, first, last_version=2) == 2  # stale: skipped
     assert torch.equal(consumer.head.weight, net.head.weight)
     shared = WeightSync(snapshot=False).run(state=net.state_dict())["weights"]
-    assert shared["head.weight"].data_ptr() == net.head.weight.data_ptr()
+    assert shared.weights["head.weight"].data_ptr() == net.head.weight.data_ptr()
 
 
 def test_weight_sync_wire_mode_round_trip():
@@ -121,32 +121,32 @@ def test_weight_sync_wire_mode_round_trip():
 def test_weight_sync_include_and_only_changed_send_partial_updates():
     net = make_net(0)
     head_only = WeightSync(include=[r"^head\."]).run(state=net)["weights"]
-    assert sorted(head_only) == ["head.bias", "head.weight"] and not head_only.complete
+    assert sorted(head_only.weights) == ["head.bias", "head.weight"] and not head_only.complete
     sync = WeightSync(only_changed=True)
     assert sync.run(state=net.state_dict())["weights"].complete
     with torch.no_grad():
         net.embed.weight[0, 0] += 1.0
     delta = sync.run(state=net.state_dict())["weights"]
-    assert list(delta) == ["embed.weight"] and not delta.complete and delta.version == 2
+    assert list(delta.weights) == ["embed.weight"] and not delta.complete and delta.version == 2
     consumer = make_net(1)
     consumer.load_state_dict(net.state_dict())
     with torch.no_grad():
         consumer.embed.weight.zero_()
     apply_weights(consumer, delta)  # partial: loads only its keys
     assert torch.equal(consumer.embed.weight, net.embed.weight)
-    assert list(sync.run(state=net.state_dict())["weights"]) == []  # nothing changed
+    assert list(sync.run(state=net.state_dict())["weights"].weights) == []  # nothing changed
     strided = WeightSync(only_changed=True)
     w = torch.randn(4, 6)[:, ::2]  # not contiguous
-    assert list(strided.run(state={"w": w})["weights"]) == ["w"]
-    assert list(strided.run(state={"w": w})["weights"]) == []
+    assert list(strided.run(state={"w": w})["weights"].weights) == ["w"]
+    assert list(strided.run(state={"w": w})["weights"].weights) == []
 
 
 def test_weight_sync_dtype_cast_and_checkpointed_version():
     net = make_net(0)
     sync = WeightSync(dtype="bfloat16")
     update = sync.run(state=net.state_dict())["weights"]
-    assert update["head.weight"].dtype == torch.bfloat16
-    assert update["norm.num_batches_tracked"].dtype == torch.int64  # only floats are cast
+    assert update.weights["head.weight"].dtype == torch.bfloat16
+    assert update.weights["norm.num_batches_tracked"].dtype == torch.int64  # only floats are cast
     sync.run(state=net.state_dict())
     resumed = WeightSync()
     resumed.load_state_dict(sync.state_dict())
@@ -169,3 +169,36 @@ def test_weight_sync_errors():
     incomplete = WeightUpdate({"head.bias": torch.zeros(3)}, version=1, complete=True)
     with pytest.raises(ValueError, match="missing keys"):
         apply_weights(make_net(0), incomplete)
+
+
+def _across_controllers(value):
+    """What a consumer on another controller receives: the data-plane codec, frames as bytes."""
+    from runtime.zmq.serial import decode_value, encode_value
+
+    return decode_value([bytes(memoryview(f).cast("B")) for f in encode_value(value)])
+
+
+def test_a_partial_update_keeps_version_complete_and_keys_across_the_codec():
+    net = make_net(0)
+    sync = WeightSync(include=[r"^head\."])
+    sync.run(state=net)
+    partial = sync.run(state=net)["weights"]
+    back = _across_controllers(partial)
+    assert isinstance(back, WeightUpdate)
+    assert back.version == 2 and back.complete is False
+    assert sorted(back.weights) == ["head.bias", "head.weight"]
+    for k, t in partial.weights.items():
+        assert _exact(back.weights[k], t), k
+
+
+def test_a_rollout_loads_a_partial_update_that_crossed_the_codec():
+    from nodes.models.policy import tiny_prefix_vlm
+    from nodes.rollout import Rollout
+
+    target = tiny_prefix_vlm(seed=4)
+    node = Rollout(model=tiny_prefix_vlm(seed=0), max_new_tokens=4, seed=0)
+    name = next(iter(target.state_dict()))
+    update = WeightSync(include=[f"^{name}$"]).run(state=target)["weights"]
+    node.run(prompts=["hi"], image_embeds=torch.zeros(1, 32), weights=_across_controllers(update))
+    assert node.weights_version == 1
+    assert torch.equal(node.policy.state_dict()[name], target.state_dict()[name])

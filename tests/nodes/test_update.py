@@ -232,9 +232,9 @@ def test_weights_sync_rollout_and_critic_exactly(batch):
     assert torch.equal(values, expected)
     assert not torch.equal(values, values_before)  # the sync did change the critic
     # the payload is a snapshot: a later update does not change an already published version
-    published = {k: v.clone() for k, v in out["weights"].items()}
+    published = {k: v.clone() for k, v in out["weights"].weights.items()}
     out2 = node.run(_ppo_inputs(batch, image_embeds=batch["image_embeds"]))
-    assert _same_params(published, dict(out["weights"]))
+    assert _same_params(published, out["weights"].weights)
     assert out2["weights"].version == 2 and out2["critic_weights"].version == 2
 
 
@@ -265,7 +265,7 @@ def test_nan_gradient_skips_the_step(batch):
     assert math.isnan(out["metrics"]["grad_norm"])
     assert _same_params(before, _params(node.policy))
     assert _same_params(critic_before, _params(node.value_model))  # no model steps alone
-    assert _same_params(before, dict(out["weights"]))
+    assert _same_params(before, out["weights"].weights)
     assert all(p.grad is None for p in node.policy.parameters())  # gradients zeroed
     assert node.optimizer.state_dict()["state"] == {}  # Adam never stepped
 
@@ -306,8 +306,8 @@ def test_state_round_trip_continues_identically(batch):
     for ra, rb in zip(runs_a, runs_b):
         assert ra["metrics"] == rb["metrics"]
         assert ra["weights"].version == rb["weights"].version
-        assert _same_params(dict(ra["weights"]), dict(rb["weights"]))
-        assert _same_params(dict(ra["critic_weights"]), dict(rb["critic_weights"]))
+        assert _same_params(ra["weights"].weights, rb["weights"].weights)
+        assert _same_params(ra["critic_weights"].weights, rb["critic_weights"].weights)
     assert runs_b[-1]["weights"].version == 3
     assert set(saved) == {
         "policy",
@@ -330,7 +330,7 @@ def test_grpo_state_round_trip(batch):
     b = GRPOUpdate(lr=1e-3)
     b.load_state_dict(a.state_dict())
     wa, wb = a.run(inputs)["weights"], b.run(inputs)["weights"]
-    assert wa.version == wb.version == 2 and _same_params(dict(wa), dict(wb))
+    assert wa.version == wb.version == 2 and _same_params(wa.weights, wb.weights)
 
 
 # --- input errors and config ----------------------------------------------------------------
