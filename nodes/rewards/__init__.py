@@ -1,0 +1,40 @@
+"""Reward nodes: rule functions, a learned reward model, and CLIP image-text score.
+
+All of them take the data conventions' reward inputs and give one score per sample::
+
+    in:  texts list[str] (B responses), meta list[dict]?, prompts list[str]?, images list[PIL]?,
+         response_mask float32[B, R]?
+    out: scores float32[B]
+         token_rewards float32[B, R]    only with token_level=True (then response_mask is required)
+         bad_samples bool[B]            only with emit_bad_mask=True
+
+Bad scores. A score that is NaN, inf or not a number at all is refused: ``ValueError`` naming
+the node, the sample index and the value. With ``on_bad_sample="skip"`` such a sample scores 0
+instead, and the node reports how many it replaced: ``node.last_bad_count`` (last call) and
+``node.total_bad_count`` (since construction) in this process, a ``logging`` warning naming the
+indices, and, where the count has to travel through a graph, the optional ``bad_samples`` output
+(True where a score was replaced), enabled with ``emit_bad_mask=True``.
+
+Token rewards. With ``token_level=True`` a sequence score is placed on the last real token of
+``response_mask`` (:func:`place_on_last_token`); a rule may instead return its own per-token
+rewards (``{"score": s, "token_rewards": [...]}``, one per real response token).
+
+Nothing here downloads: models come from a local path or are built from a config in code.
+"""
+
+from nodes.rewards.base import RewardNode, place_on_last_token
+from nodes.rewards.models import ClipScoreReward, RewardModel, char_tokenizer, clip_score
+from nodes.rewards.rules import RuleReward, contains_answer, exact_match, regex_format
+
+__all__ = [
+    "ClipScoreReward",
+    "RewardModel",
+    "RewardNode",
+    "RuleReward",
+    "char_tokenizer",
+    "clip_score",
+    "contains_answer",
+    "exact_match",
+    "place_on_last_token",
+    "regex_format",
+]

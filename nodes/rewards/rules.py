@@ -1,0 +1,110 @@
+"""Rule rewards: a user function of the response text and the sample's metadata."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from nodes.rewards.base import RewardNode
+from yatt_graph.refs import import_ref
+
+__all__ = ["RuleReward", "contains_answer", "exact_match", "regex_format"]
+
+# ---------------------------------------------------------------------------------------------
+# rule rewards
+# ---------------------------------------------------------------------------------------------
+
+
+def _normalize(s: str) -> str:
+    return " ".join(str(s).strip().lower().split())
+
+
+def _answers(meta: Mapping[str, Any], key: str, rule: str) -> list[str]:
+    if key not in meta:
+        raise ValueError(f"{rule}: meta has no {key!r} key (its keys: {sorted(meta)})")
+    answer = meta[key]
+    return [str(a) for a in answer] if isinstance(answer, list | tuple) else [str(answer)]
+
+
+def exact_match(
+    text: str, meta: Mapping[str, Any], *, key: str = "answer", normalize: bool = True
+) -> float:
+    """1.0 if the response equals ``meta[key]`` (or one of them, if a list), else 0.0.
+
+    With ``normalize`` both sides are stripped, lower-cased and whitespace-collapsed.
+    """
+    fix = _normalize if normalize else str
+    return float(any(fix(text) == fix(a) for a in _answers(meta, key, "exact_match")))
+
+
+def contains_answer(
+    text: str, meta: Mapping[str, Any], *, key: str = "answer", case_sensitive: bool = False
+) -> float:
+    """1.0 if ``meta[key]`` (or one of them, if a list) occurs in the response, else 0.0."""
+    fix = (lambda s: s) if case_sensitive else (lambda s: s.lower())
+    return float(any(fix(a) in fix(text) for a in _answers(meta, key, "contains_answer")))
+
+
+def regex_format(
+    text: str, meta: Mapping[str, Any], *, pattern: str, full_match: bool = False
+) -> float:
+    """1.0 if the response matches ``pattern`` (``re.search``, or ``re.fullmatch`` with
+    ``full_match``; DOTALL, so ``.`` spans lines), else 0.0. ``meta`` is not read."""
+    match = re.fullmatch if full_match else re.search
+    return float(match(pattern, text, flags=re.DOTALL) is not None)
+
+
+class RuleReward(RewardNode):
+    """Scores each sample with a user function ``fn(text, meta, **params) -> float | dict``.
+
+    Args:
+        fn: a module-level function, or its reference ``"package.module:function"`` (imported,
+            never evaluated). It returns a number (bools count as 0/1) or a dict
+            ``{"score": x, "token_rewards": [...]?, ...}``; other dict keys are ignored.
+        params: keyword arguments passed to ``fn`` (JSON values), e.g. ``{"pattern": "..."}``.
+        token_level, on_bad_sample, emit_bad_mask: see the module docstring.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any] | str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        token_level: bool = False,
+        on_bad_sample: str = "raise",
+        emit_bad_mask: bool = False,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(
+            token_level=token_level,
+            on_bad_sample=on_bad_sample,
+            emit_bad_mask=emit_bad_mask,
+            name=name,
+        )
+        if isinstance(fn, str):
+            fn = import_ref(fn)
+        if not callable(fn):
+            raise TypeError(
+                f"node {self.name!r}: fn must be callable or 'module:function', got {fn!r}"
+            )
+        if "<" in getattr(fn, "__qualname__", "<"):
+            raise TypeError(
+                f"node {self.name!r}: fn {getattr(fn, '__qualname__', fn)!r} is a lambda or a local "
+                "function; define it at module level so that a plan can rebuild this node elsewhere"
+            )
+        self.fn = fn
+        self.params = dict(params or {})
+        self._fn_name = f"{getattr(fn, '__module__', '?')}:{fn.__qualname__}"
+
+    def score_samples(self, texts, meta, prompts, images):
+        out = []
+        for i, (text, m) in enumerate(zip(texts, meta)):
+            try:
+                out.append(self.fn(text, m if m is not None else {}, **self.params))
+            except Exception as exc:
+                raise ValueError(
+                    f"node {self.name!r}: reward function {self._fn_name} failed on sample {i}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+        return out

@@ -1,0 +1,32 @@
+"""Update nodes: one PPO or GRPO optimization step per batch, publishing versioned weights.
+
+* :class:`PPOUpdate`: clipped policy loss (``nodes.rl.losses.ppo_policy_loss``), clipped value loss
+  on a separate critic (``value_loss``), an optional entropy bonus and an optional k3
+  KL-to-reference loss term. Trains its own copy of the policy and its own value model, built
+  from the same specs as the rollout and critic nodes so that all start identical, and emits
+  their weights for those nodes' ``weights`` inputs.
+* :class:`GRPOUpdate`: ``nodes.rl.losses.grpo_loss`` (group advantages, no critic).
+
+Each call runs ``epochs`` optimizer steps over the whole batch. With ``micro_batch_size > 0``
+the batch is cut into micro-batches whose gradients are accumulated before each step; every
+micro-batch loss is weighted by its share of the batch's real tokens (token-mean terms) or of
+its non-empty samples (seq-mean-token-mean terms), so the accumulated gradient equals the
+full-batch gradient (up to float rounding). When image inputs come one row per prompt (B = N *
+n), micro-batches hold whole groups of n rows (the size is rounded up to a multiple of n).
+Gradients are freed after the last step of a call. Every call publishes new weight versions,
+also when its steps were skipped.
+
+A non-finite policy logprob, value, loss or gradient (norm) skips the step: gradients are
+zeroed, no optimizer steps, ``metrics["skipped_nonfinite"]`` is 1.0 and the remaining epochs
+of the call are dropped (they would see the same batch and weights as the failed one). With
+``on_nonfinite="error"`` a ValueError names the node and the quantity instead. Non-finite
+*inputs* (advantages, returns, ...) at real tokens are bad data and always a ValueError.
+
+The models run in eval mode (dropout off), as the rollout samples: a PPO ratio must compare the
+very function that sampled the tokens.
+"""
+
+from nodes.update.grpo import GRPOUpdate
+from nodes.update.ppo import PPOUpdate
+
+__all__ = ["GRPOUpdate", "PPOUpdate"]

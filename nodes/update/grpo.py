@@ -1,0 +1,168 @@
+"""The GRPO update: group advantages and a KL term to the reference, no critic."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from nodes.rl.losses import (
+    aggregate_token_loss,
+    grpo_loss,
+)
+from nodes.update.base import _AGGREGATIONS, _INPUTS, _item, _snapshot, _Update
+from yatt_graph import ANY, BatchPolicy, Port, Resources
+
+__all__ = ["GRPOUpdate"]
+
+
+class GRPOUpdate(_Update):
+    """GRPO (``nodes.rl.losses.grpo_loss``): the clipped surrogate with group advantages plus
+    ``kl_coef`` * k3 KL to the reference, minus ``entropy_coef`` * entropy; no critic.
+
+    Inputs: the rollout's ``prompt_ids``, ``prompt_mask``, ``response_ids``, ``response_mask``,
+    ``logprobs`` (old), ``advantages`` float32[B, R] (from GroupAdvantage), optionally
+    ``ref_logprobs`` (required when ``kl_coef > 0``) and ``image_embeds`` / ``images``.
+    Outputs: ``weights`` (a WeightUpdate of the policy) and ``metrics`` (loss, pg_loss, entropy,
+    clip_fraction, approx_kl, kl_ref (with kl_coef > 0), grad_norm, lr, skipped_nonfinite).
+
+    Args:
+        aggregation: ``"seq-mean-token-mean"`` (the paper's ``1/G sum_i 1/|o_i| sum_t``) or
+            ``"token-mean"``; it also aggregates the entropy term.
+        kl_coef: GRPO's beta (the paper uses 0.04; 0 disables the term and the input).
+        The others are as in :class:`PPOUpdate`.
+    """
+
+    _metric_keys = ("loss", "pg_loss", "entropy", "clip_fraction", "approx_kl", "grad_norm")
+    inputs = _INPUTS
+    outputs = {  # noqa: RUF012
+        "weights": Port(ANY, doc="WeightUpdate of the policy"),
+        "metrics": Port(ANY, doc="dict[str, float]"),
+    }
+
+    def __init__(
+        self,
+        policy: str | Mapping[str, Any] = "tiny-prefix-vlm",
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        clip_eps: float = 0.2,
+        clip_eps_high: float | None = None,
+        kl_coef: float = 0.0,
+        entropy_coef: float = 0.0,
+        aggregation: str = "seq-mean-token-mean",
+        epochs: int = 1,
+        micro_batch_size: int = 0,
+        max_grad_norm: float | None = 1.0,
+        temperature: float = 1.0,
+        seed: int = 0,
+        on_nonfinite: str = "skip",
+        device: str = "cpu",
+        name: str | None = None,
+        *,
+        placement: str | int | None = None,
+        batch_policy: BatchPolicy | None = None,
+        resources: Resources | None = None,
+    ) -> None:
+        super().__init__(name, placement=placement, batch_policy=batch_policy, resources=resources)
+        if aggregation not in _AGGREGATIONS:
+            raise ValueError(
+                f"node {self.name!r}: aggregation={aggregation!r}; choose one of {_AGGREGATIONS}"
+            )
+        self.aggregation = aggregation
+        self._init_common(
+            policy,
+            lr,
+            weight_decay,
+            clip_eps,
+            clip_eps_high,
+            entropy_coef,
+            kl_coef,
+            epochs,
+            micro_batch_size,
+            max_grad_norm,
+            temperature,
+            seed,
+            device,
+            on_nonfinite,
+        )
+
+    def forward(
+        self,
+        prompt_ids,
+        prompt_mask,
+        response_ids,
+        response_mask,
+        logprobs,
+        advantages,
+        ref_logprobs,
+        image_embeds,
+        images,
+    ) -> dict[str, Any]:
+        t, real, group = self._check_inputs(
+            {
+                "prompt_ids": prompt_ids,
+                "prompt_mask": prompt_mask,
+                "response_ids": response_ids,
+                "response_mask": response_mask,
+                "logprobs": logprobs,
+                "advantages": advantages,
+                "ref_logprobs": ref_logprobs,
+            },
+            image_embeds,
+            images,
+        )
+        n_tokens = int(real.sum())
+        n_seqs = int(real.any(dim=1).sum())
+        per_seq = self.aggregation == "seq-mean-token-mean"
+
+        def micro_loss(rows: slice) -> tuple[Tensor, dict[str, float]] | None:
+            r, mask, ids = real[rows], t["response_mask"][rows], t["response_ids"][rows]
+            n = int(r.sum())
+            if n == 0:
+                return None
+            w_tok = n / n_tokens  # share of the batch's tokens (token-mean stats)
+            w = int(r.any(dim=1).sum()) / n_seqs if per_seq else w_tok  # share of the loss
+            batch = self._prompt_batch(self.policy, t, rows, group, image_embeds, images)
+            new_logprobs, token_entropy = self._policy_terms(batch, ids, mask, r)  # (b, R)
+            ref = t["ref_logprobs"][rows] if self.kl_coef > 0 else None
+            loss, stats = grpo_loss(
+                new_logprobs,
+                t["logprobs"][rows],
+                ref,
+                t["advantages"][rows],
+                mask,
+                self.clip_eps,
+                self.clip_eps_high,
+                beta=self.kl_coef,
+                aggregation=self.aggregation,
+            )
+            entropy = aggregate_token_loss(token_entropy, mask, self.aggregation)  # ()
+            loss = loss - self.entropy_coef * entropy  # ()
+            out = {
+                "loss": w * _item(loss),
+                "pg_loss": w * _item(stats["pg_loss"]),
+                "entropy": w * _item(entropy),
+                "clip_fraction": w_tok * _item(stats["clip_fraction"]),
+                "approx_kl": w_tok * _item(stats["approx_kl"]),
+            }
+            if self.kl_coef > 0:
+                out["kl_ref"] = w * _item(stats["ref_kl"])
+            return loss * w, out
+
+        metrics = self._train(self._slices(real.shape[0], group), micro_loss)
+        return {"weights": self._publish(), "metrics": metrics}
+
+    # --- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The policy, its optimizer, the weight version and the update counter."""
+        return {
+            "policy": _snapshot(self.policy),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "version": self.version,
+            "updates": self.updates,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._load_checked(state, {"policy", "optimizer", "version", "updates"})

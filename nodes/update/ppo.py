@@ -1,0 +1,256 @@
+"""The PPO update: a clipped policy loss and a clipped value loss on a separate critic."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nodes.models.policy import build_policy
+from nodes.reference import ValueModel
+from nodes.rl.losses import (
+    aggregate_token_loss,
+    kl_loss,
+    ppo_policy_loss,
+    value_loss,
+)
+from nodes.sync import WeightUpdate
+from nodes.update.base import _INPUTS, _TOKENS, _item, _require_finite, _snapshot, _Update
+from yatt_graph import ANY, BatchPolicy, Port, Resources
+
+__all__ = ["PPOUpdate"]
+
+
+class PPOUpdate(_Update):
+    """PPO on the policy and a separate critic: ``loss = pg + vf_coef * vf - entropy_coef * H
+    + kl_coef * KL_k3(pi || pi_ref)``; one AdamW per model.
+
+    Inputs (B responses of up to R tokens, P prompt tokens): the rollout's ``prompt_ids``,
+    ``prompt_mask``, ``response_ids``, ``response_mask``, ``logprobs`` (old), the advantage
+    node's ``advantages`` and ``returns``, the critic node's ``values`` (old), optionally
+    ``ref_logprobs`` (required when ``kl_coef > 0``) and ``image_embeds`` / ``images`` (one
+    row per response, or one per prompt: repeated to B).
+
+    Outputs: ``weights`` and ``critic_weights`` (:class:`nodes.sync.WeightUpdate` snapshots of
+    the policy's and the value model's state dicts, versions 1, 2, ...; feed them to the
+    Rollout's and the Critic's ``weights`` inputs) and ``metrics`` (floats, the mean over the
+    call's epochs: loss, pg_loss, vf_loss, entropy, clip_fraction, approx_kl, kl_ref (with
+    kl_coef > 0), value_clip_fraction, grad_norm, critic_grad_norm (before clipping), lr,
+    critic_lr, skipped_nonfinite).
+
+    Args:
+        policy: a :func:`nodes.models.policy.build_policy` spec, the same as the rollout's.
+        critic: a spec for the critic trunk, the same as the Critic node's ``critic``.
+        detach_trunk, head_seed: as in :class:`nodes.reference.Critic` (with ``detach_trunk``
+            only the value head is trained).
+        lr, critic_lr: AdamW learning rates (``critic_lr=None``: ``lr``).
+        weight_decay: AdamW weight decay of both optimizers.
+        clip_eps, clip_eps_high: policy ratio clip range (``clip_eps_high``: DAPO's upper one).
+        value_clip_eps: value clip range around the old values; None disables it.
+        vf_coef, entropy_coef: weights of the value loss and the entropy bonus.
+        kl_coef: weight of the k3 KL-to-reference loss term; 0 disables it (KL in the reward
+            is GAEAdvantage's ``kl_coef``).
+        epochs: optimizer steps per call, each over the whole batch.
+        micro_batch_size: samples per gradient-accumulation micro-batch; 0 = whole batch.
+        max_grad_norm: clip each model's gradient norm to this; 0 or None = no clipping.
+        temperature: the rollout's sampling temperature (logprobs are of ``logits / T``).
+        seed: seeds randomness inside a step (dropout, if a model has any); the global RNG is
+            left as it was.
+        on_nonfinite: ``"skip"`` or ``"error"`` (see the module docstring).
+        device: where the models train; outputs come back on the CPU.
+    """
+
+    _metric_keys = (
+        "loss",
+        "pg_loss",
+        "vf_loss",
+        "entropy",
+        "clip_fraction",
+        "approx_kl",
+        "value_clip_fraction",
+        "grad_norm",
+        "critic_grad_norm",
+    )
+    inputs = {  # noqa: RUF012
+        **_INPUTS,
+        "returns": _TOKENS,
+        "values": Port(_TOKENS, doc="old values, from the Critic node"),
+    }
+    outputs = {  # noqa: RUF012
+        "weights": Port(ANY, doc="WeightUpdate of the policy"),
+        "critic_weights": Port(ANY, doc="WeightUpdate of the value model"),
+        "metrics": Port(ANY, doc="dict[str, float]"),
+    }
+
+    def __init__(
+        self,
+        policy: str | Mapping[str, Any] = "tiny-prefix-vlm",
+        critic: str | Mapping[str, Any] = "tiny-prefix-vlm",
+        detach_trunk: bool = False,
+        head_seed: int = 0,
+        lr: float = 1e-4,
+        critic_lr: float | None = None,
+        weight_decay: float = 0.0,
+        clip_eps: float = 0.2,
+        clip_eps_high: float | None = None,
+        value_clip_eps: float | None = 0.2,
+        vf_coef: float = 0.5,
+        entropy_coef: float = 0.0,
+        kl_coef: float = 0.0,
+        epochs: int = 1,
+        micro_batch_size: int = 0,
+        max_grad_norm: float | None = 1.0,
+        temperature: float = 1.0,
+        seed: int = 0,
+        on_nonfinite: str = "skip",
+        device: str = "cpu",
+        name: str | None = None,
+        *,
+        placement: str | int | None = None,
+        batch_policy: BatchPolicy | None = None,
+        resources: Resources | None = None,
+    ) -> None:
+        super().__init__(name, placement=placement, batch_policy=batch_policy, resources=resources)
+        where = f"node {self.name!r}"
+        if critic_lr is not None and not critic_lr > 0:
+            raise ValueError(f"{where}: critic_lr={critic_lr}; it must be > 0 (or None for lr)")
+        if value_clip_eps is not None and not value_clip_eps > 0:
+            raise ValueError(
+                f"{where}: value_clip_eps={value_clip_eps}; it must be > 0 (or None: no clip)"
+            )
+        if vf_coef < 0:
+            raise ValueError(f"{where}: vf_coef={vf_coef}; it must be >= 0")
+        self._init_common(
+            policy,
+            lr,
+            weight_decay,
+            clip_eps,
+            clip_eps_high,
+            entropy_coef,
+            kl_coef,
+            epochs,
+            micro_batch_size,
+            max_grad_norm,
+            temperature,
+            seed,
+            device,
+            on_nonfinite,
+        )
+        self.value_clip_eps = None if value_clip_eps is None else float(value_clip_eps)
+        self.vf_coef = float(vf_coef)
+        # built exactly as nodes.reference.Critic builds it, so both start identical
+        trunk = build_policy(critic).to(self.device)
+        self.value_model = ValueModel(trunk, detach_trunk=detach_trunk, seed=head_seed)
+        self.value_model.eval()
+        critic_params = list(
+            (self.value_model.head if detach_trunk else self.value_model).parameters()
+        )
+        self.critic_optimizer = torch.optim.AdamW(
+            critic_params,
+            lr=float(critic_lr if critic_lr is not None else lr),
+            weight_decay=float(weight_decay),
+        )
+        self._trained.append(
+            ("critic_grad_norm", "value model", critic_params, self.critic_optimizer)
+        )
+        self.critic_version = 0
+
+    def forward(
+        self,
+        prompt_ids,
+        prompt_mask,
+        response_ids,
+        response_mask,
+        logprobs,
+        advantages,
+        ref_logprobs,
+        image_embeds,
+        images,
+        returns,
+        values,
+    ) -> dict[str, Any]:
+        t, real, group = self._check_inputs(
+            {
+                "prompt_ids": prompt_ids,
+                "prompt_mask": prompt_mask,
+                "response_ids": response_ids,
+                "response_mask": response_mask,
+                "logprobs": logprobs,
+                "advantages": advantages,
+                "returns": returns,
+                "values": values,
+                "ref_logprobs": ref_logprobs,
+            },
+            image_embeds,
+            images,
+        )
+        n_tokens = int(real.sum())
+
+        def micro_loss(rows: slice) -> tuple[Tensor, dict[str, float]] | None:
+            r, mask, ids = real[rows], t["response_mask"][rows], t["response_ids"][rows]
+            n = int(r.sum())
+            if n == 0:
+                return None
+            w = n / n_tokens  # this micro-batch's share of the token-mean
+            batch = self._prompt_batch(self.policy, t, rows, group, image_embeds, images)
+            new_logprobs, token_entropy = self._policy_terms(batch, ids, mask, r)  # (b, R)
+            pg_loss, pg_stats = ppo_policy_loss(
+                new_logprobs,
+                t["logprobs"][rows],
+                t["advantages"][rows],
+                mask,
+                self.clip_eps,
+                self.clip_eps_high,
+            )
+            entropy = aggregate_token_loss(token_entropy, mask)  # ()
+            trunk = self.value_model.trunk
+            critic_batch = self._prompt_batch(trunk, t, rows, group, image_embeds, images)
+            new_values = self.value_model(critic_batch, ids, mask)  # (b, R)
+            _require_finite("values of the value model", new_values, r)
+            vf_loss, vf_stats = value_loss(
+                new_values, t["values"][rows], t["returns"][rows], mask, self.value_clip_eps
+            )
+            loss = pg_loss + self.vf_coef * vf_loss - self.entropy_coef * entropy  # ()
+            stats = {
+                "pg_loss": _item(pg_loss),
+                "vf_loss": _item(vf_loss),
+                "entropy": _item(entropy),
+                "clip_fraction": _item(pg_stats["clip_fraction"]),
+                "approx_kl": _item(pg_stats["approx_kl"]),
+                "value_clip_fraction": _item(vf_stats["value_clip_fraction"]),
+            }
+            if self.kl_coef > 0:
+                kl_ref = kl_loss(new_logprobs, t["ref_logprobs"][rows], mask, "k3")  # ()
+                loss = loss + self.kl_coef * kl_ref  # ()
+                stats["kl_ref"] = _item(kl_ref)
+            stats["loss"] = _item(loss)
+            return loss * w, {k: w * v for k, v in stats.items()}
+
+        metrics = self._train(self._slices(real.shape[0], group), micro_loss)
+        metrics["critic_lr"] = float(self.critic_optimizer.param_groups[0]["lr"])
+        self.critic_version += 1
+        critic_weights = WeightUpdate(_snapshot(self.value_model), self.critic_version)
+        return {"weights": self._publish(), "critic_weights": critic_weights, "metrics": metrics}
+
+    # --- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Both models, both optimizers, the weight versions and the update counter."""
+        return {
+            "policy": _snapshot(self.policy),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "value_model": _snapshot(self.value_model),
+            "critic_optimizer": copy.deepcopy(self.critic_optimizer.state_dict()),
+            "version": self.version,
+            "critic_version": self.critic_version,
+            "updates": self.updates,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        keys = {"policy", "optimizer", "value_model", "critic_optimizer", "version"}
+        self._load_checked(state, keys | {"critic_version", "updates"})
+        self.value_model.load_state_dict(state["value_model"])
+        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        self.critic_version = int(state["critic_version"])
