@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "GraphError",
     "GraphLookupError",
+    "GraphValidationError",
     "PortTypeError",
     "CycleError",
     "MissingInputError",
@@ -50,6 +51,20 @@ class DuplicateNodeError(GraphError):
 
 class ShapeError(GraphError):
     """Symbolic dimensions cannot be unified across the graph."""
+
+
+class GraphValidationError(GraphError, ValueError):
+    """Every error ``Graph.validate`` found, at once: ``errors`` holds one message each, and
+    ``problems`` the errors themselves (a ``PortTypeError``, a ``CycleError``, ...)."""
+
+    def __init__(self, graph: str, problems: list[GraphError]):
+        self.graph = graph
+        self.problems = list(problems)
+        self.errors = [str(p) for p in self.problems]
+        count = f"{len(self.errors)} error{'s' if len(self.errors) != 1 else ''}"
+        lines = [f"graph {graph!r} has {count}:"]
+        lines += [f"  {i}. {msg}" for i, msg in enumerate(self.errors, 1)]
+        super().__init__("\n".join(lines))
 
 
 class UnusedOutputWarning(UserWarning):

@@ -28,17 +28,16 @@ from typing import Any
 import msgspec
 import networkx as nx
 
+from yatt_graph import checks
 from yatt_graph.errors import (
     CycleError,
     DuplicateNodeError,
-    GraphLookupError,
-    MissingInputError,
-    PortTypeError,
-    ShapeError,
+    GraphError,
+    GraphValidationError,
     UnusedOutputWarning,
 )
 from yatt_graph.node import Node
-from yatt_graph.types import PortSpec, TensorSpec, compatible
+from yatt_graph.types import PortSpec
 
 __all__ = ["Edge", "Graph", "Handle", "Outputs"]
 
@@ -106,6 +105,9 @@ class Graph:
         self.graph_outputs: dict[str, Handle] = {}
         self.discarded: list[Handle] = []
         self._token: contextvars.Token[tuple[Graph, ...]] | None = None
+        # Connections refused while declaring, kept for validate() to report all at once:
+        # (the error, the input it was meant to feed).
+        self._refused: list[tuple[GraphError, tuple[str, str]]] = []
 
     # --- declaration ----------------------------------------------------------------
     @staticmethod
@@ -142,9 +144,15 @@ class Graph:
                 f"node {node.name!r} takes {len(names)} inputs {names}, {len(args)} were given"
             )
         bound = dict(zip(names, args))
+        unknown = []
         for key, value in kwargs.items():
             if key not in node.inputs:
-                raise TypeError(f"node {node.name!r} has no input {key!r}; its inputs are {names}")
+                if not (self._declaring and isinstance(value, Handle)):
+                    raise TypeError(
+                        f"node {node.name!r} has no input {key!r}; its inputs are {names}"
+                    )
+                unknown.append((value, key))
+                continue
             if key in bound:
                 raise TypeError(f"node {node.name!r}: input {key!r} given twice")
             bound[key] = value
@@ -157,6 +165,8 @@ class Graph:
         except Exception:
             self.remove(node.name)
             raise
+        for handle, key in unknown:
+            self._refuse(checks.connection_problem(self, handle, node.name, key, 0), node.name, key)
         handles = {p: Handle(node.name, p, port.spec) for p, port in node.outputs.items()}
         if len(handles) == 1:
             return next(iter(handles.values()))
@@ -167,48 +177,26 @@ class Graph:
         if name in self.dag:
             self.dag.remove_node(name)
 
-    def connect(self, src: Handle, dst: Node | str, port: str, *, delay: int = 0) -> Edge:
-        """Connect an output handle to ``dst``'s input ``port``; type errors are raised here."""
+    def connect(self, src: Handle, dst: Node | str, port: str, *, delay: int = 0) -> Edge | None:
+        """Connect an output handle to ``dst``'s input ``port``.
+
+        Outside a ``with`` block a bad connection raises at once. Inside one it is refused
+        (None is returned) and reported by ``validate()`` with every other error of the graph.
+        """
         if not isinstance(src, Handle):
             raise TypeError(
                 f"input {port!r} of node {getattr(dst, 'name', dst)!r} must be a Handle returned by "
                 f"a node call in this graph, got {type(src).__name__}"
             )
         dst_name = dst if isinstance(dst, str) else dst.name
-        if src.node not in self.nodes:
-            raise GraphLookupError(f"node {src.node!r} is not in graph {self.name!r}")
-        if dst_name not in self.nodes:
-            raise GraphLookupError(f"node {dst_name!r} is not in graph {self.name!r}; add it first")
-        dst_node = self.nodes[dst_name]
-        if port not in dst_node.inputs:
-            raise GraphLookupError(
-                f"node {dst_name!r} has no input {port!r}; its inputs are {sorted(dst_node.inputs)}"
-            )
-        src_port = self.nodes[src.node].outputs.get(src.port)
-        if src_port is None:
-            raise GraphLookupError(f"node {src.node!r} has no output {src.port!r}")
-        dst_port = dst_node.inputs[port]
-        why = compatible(src_port.spec, dst_port.spec)
-        if why:
-            raise PortTypeError(
-                f"cannot connect {src.node}.{src.port} ({src_port.spec}) to "
-                f"{dst_name}.{port} ({dst_port.spec}): {why}. Fix: make {src.node!r} produce "
-                f"{dst_port.spec}, or convert the value with a node in between"
-            )
-        for _, _, data in self.dag.in_edges(dst_name, data=True):
-            if data["edge"].dst_port == port:
-                other = data["edge"]
-                raise PortTypeError(
-                    f"input {dst_name}.{port} is already fed by {other.src}.{other.src_port}; "
-                    f"an input takes one edge, so {src.node}.{src.port} cannot feed it too"
-                )
         if delay not in (0, 1):
             raise ValueError(f"edge delay must be 0 or 1, got {delay}")
-        if delay and dst_port.required:
-            raise MissingInputError(
-                f"delayed edge {src.node}.{src.port} -> {dst_name}.{port}: the input is empty at "
-                f"step 0, so {dst_name}.{port} must be optional (Port(spec, required=False))"
-            )
+        problem = checks.connection_problem(self, src, dst_name, port, delay)
+        if problem is not None:
+            if not self._declaring:
+                raise problem
+            self._refuse(problem, dst_name, port)
+            return None
         edge = Edge(src.node, src.port, dst_name, port, delay)
         self.dag.add_edge(src.node, dst_name, key=(src.port, port), edge=edge)
         return edge
@@ -274,79 +262,36 @@ class Graph:
             names,
         )
 
+    @property
+    def _declaring(self) -> bool:
+        return self._token is not None
+
+    def _refuse(self, problem: GraphError | None, dst: str, port: str) -> None:
+        if problem is not None:
+            self._refused.append((problem, (dst, port)))
+
+    def problems(self) -> list[GraphError]:
+        """Every error of the graph, in declaration order: refused connections, cycles without a
+        delay, required inputs fed by nothing, and shape conflicts."""
+        refused = [p for p, _ in self._refused]
+        skip = {where for _, where in self._refused}
+        return [
+            *refused,
+            *checks.find_cycles(self),
+            *checks.find_missing_inputs(self, skip),
+            *checks.find_shape_conflicts(self),
+        ]
+
     def validate(self) -> list[str]:
-        """Check the whole graph; raise on errors, warn (and return the warnings) on unused outputs."""
-        self._check_acyclic()
-        for name, node in self.nodes.items():
-            fed = {e.dst_port for e in self.inputs_of(name)}
-            for port, spec in node.inputs.items():
-                if spec.required and port not in fed:
-                    raise MissingInputError(
-                        f"node {name!r}: required input {port!r} ({spec.spec}) is not connected. "
-                        f"Fix: pass a handle for it, e.g. {name}({port}=other.out), or make it optional"
-                    )
-        self._unify_shapes()
-        consumed = {(e.src, e.src_port) for e in self.edges}
-        consumed |= {(h.node, h.port) for h in self.graph_outputs.values()}
-        consumed |= {(h.node, h.port) for h in self.discarded}
-        messages = []
-        for name, node in self.nodes.items():
-            for port, spec in node.outputs.items():
-                if (name, port) not in consumed:
-                    msg = (
-                        f"graph {self.name!r}: output {name}.{port} ({spec.spec}) is consumed by nothing; "
-                        f"connect it, mark it with g.output('{port}', handle), or g.discard(handle)"
-                    )
-                    messages.append(msg)
-                    warnings.warn(msg, UnusedOutputWarning, stacklevel=3)
+        """Check the whole graph and raise one ``GraphValidationError`` listing every error;
+        warn about (and return) the outputs that feed nothing."""
+        problems = self.problems()
+        if problems:
+            raise GraphValidationError(self.name, problems)
+        messages = checks.unused_outputs(self)
+        for msg in messages:
+            warnings.warn(msg, UnusedOutputWarning, stacklevel=3)
         return messages
-
-    def _unify_shapes(self) -> None:
-        """Union-find over (node, symbol) with concrete sizes: a symbol may bind one int only."""
-        parent: dict[tuple[str, str], tuple[str, str]] = {}
-        size: dict[tuple[str, str], tuple[int, str]] = {}
-
-        def find(x: tuple[str, str]) -> tuple[str, str]:
-            parent.setdefault(x, x)
-            while parent[x] != x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
-
-        def bind(sym: tuple[str, str], value: int, where: str) -> None:
-            root = find(sym)
-            if root in size and size[root][0] != value:
-                raise ShapeError(
-                    f"graph {self.name!r}: dimension {sym[1]} of node {sym[0]!r} is {value} at {where} "
-                    f"but {size[root][0]} at {size[root][1]}. Fix: make the shapes agree"
-                )
-            size.setdefault(root, (value, where))
-
-        def union(a: tuple[str, str], b: tuple[str, str], where: str) -> None:
-            ra, rb = find(a), find(b)
-            if ra == rb:
-                return
-            parent[ra] = rb
-            if ra in size:
-                bind(rb, size[ra][0], size[ra][1])
-                if rb in size and size[rb][0] != size[ra][0]:
-                    bind(rb, size[ra][0], where)
-
-        for e in self.edges:
-            s = self.nodes[e.src].outputs[e.src_port].spec
-            d = self.nodes[e.dst].inputs[e.dst_port].spec
-            if not (isinstance(s, TensorSpec) and isinstance(d, TensorSpec)):
-                continue
-            where = f"{e.src}.{e.src_port} -> {e.dst}.{e.dst_port}"
-            for a, b in zip(s.shape, d.shape):
-                if a == "*" or b == "*":
-                    continue
-                if isinstance(a, str) and isinstance(b, str):
-                    union((e.src, a), (e.dst, b), where)
-                elif isinstance(a, str):
-                    bind((e.src, a), b, where)  # type: ignore[arg-type]
-                elif isinstance(b, str):
-                    bind((e.dst, b), a, where)
 
     # --- planning, pictures, serialization -------------------------------------------------
     def wiring_digest(self) -> str:
