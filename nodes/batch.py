@@ -1,4 +1,4 @@
-"""A batch of samples as it moves between nodes, and its pickle-free wire form.
+"""A batch of samples as it moves between nodes.
 
 A :class:`SampleBatch` holds two kinds of per-sample data, with the sample index first:
 
@@ -8,201 +8,21 @@ A :class:`SampleBatch` holds two kinds of per-sample data, with the sample index
   PIL images, variable-length tensors).
 
 Every tensor and field must have the same length B; construction names the one that does not.
-
-Wire form (:meth:`SampleBatch.to_wire` / :meth:`SampleBatch.from_wire`): a msgpack header
-(:class:`BatchHeader`, a msgspec Struct) plus a list of raw byte buffers, one per tensor and
-one per image. A tensor's buffer is its contiguous bytes, handed out zero-copy when the tensor
-is already a contiguous CPU tensor (otherwise one copy is made); it comes back through
-``torch.frombuffer``, sharing memory with a writable buffer (a zmq frame, a bytearray) and
-copying a read-only one (``bytes``). Field values must be msgpack values (None, bool, int,
-float, str, bytes, lists, dicts); PIL images and tensors may appear anywhere inside them and
-travel as msgpack extension values that point at a buffer (an image as mode, size, palette and
-raw pixel bytes; ``Image.info`` metadata is not carried). Tuples come back as lists. No pickle.
 """
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import msgspec
 import torch
-from PIL import Image
 
-__all__ = [
-    "BatchHeader",
-    "SampleBatch",
-    "TensorMeta",
-    "WIRE_FORMAT",
-    "inverse_permutation",
-    "tensor_from_buffer",
-    "tensor_to_buffer",
-]
-
-#: Bumped when the wire layout changes; :meth:`SampleBatch.from_wire` refuses other formats.
-WIRE_FORMAT = 1
-
-_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "bool",
-        "uint8",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float16",
-        "bfloat16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-    )
-}
-
-_EXT_IMAGE = 1
-_EXT_TENSOR = 2
-
-Buffer = bytes | bytearray | memoryview
-
-
-class TensorMeta(msgspec.Struct, array_like=True, frozen=True):
-    """Where one tensor lies in the buffer list, and how to rebuild it."""
-
-    name: str
-    dtype: str
-    """torch's dtype name without ``torch.``, e.g. ``"bfloat16"``."""
-    shape: tuple[int, ...]
-    buffer: int
-    """Index into the buffer list."""
-
-
-class BatchHeader(msgspec.Struct, array_like=True, frozen=True, tag="batch"):
-    """The msgpack header of a :class:`SampleBatch` on the wire."""
-
-    length: int
-    """B, the number of samples (kept for batches with no tensors and no fields)."""
-    tensors: list[TensorMeta]
-    fields: dict[str, msgspec.Raw]
-    """Each field's list, msgpack-encoded on its own (so an error names the field)."""
-    nbuffers: int
-    format: int = WIRE_FORMAT
-
-
-# ---------------------------------------------------------------------------------------------
-# tensors <-> buffers
-# ---------------------------------------------------------------------------------------------
+__all__ = ["SampleBatch", "inverse_permutation"]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def tensor_to_buffer(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes in C order as a flat ``memoryview`` (zero-copy for contiguous CPU tensors).
-
-    The view keeps the tensor's storage alive. Any dtype works (bfloat16 and bool included),
-    since the bytes are read through a uint8 view of the flattened tensor.
-    """
-    t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    t = t.cpu().contiguous()  # a copy only if it was on a device or strided
-    flat = t.reshape(-1).view(torch.uint8)  # (numel * itemsize,)
-    return memoryview(flat.numpy())
-
-
-def tensor_from_buffer(
-    buffer: Any,
-    dtype: str | torch.dtype,
-    shape: Sequence[int],
-    *,
-    copy: bool = False,
-    where: str = "",
-) -> torch.Tensor:
-    """Rebuild a tensor from raw bytes (``torch.frombuffer``).
-
-    Shares memory with ``buffer`` when it is writable and ``copy`` is False; copies a read-only
-    buffer (writing into it through a tensor would corrupt an immutable object).
-    """
-    where = where or "tensor_from_buffer"
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"{where}: unknown dtype {dtype!r}; known: {sorted(_DTYPES)}")
-        dtype = _DTYPES[dtype]
-    shape = tuple(int(s) for s in shape)
-    view = memoryview(buffer)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = math.prod(shape) * itemsize
-    if view.nbytes != expected:
-        raise ValueError(
-            f"{where}: buffer holds {view.nbytes} bytes but a {_dtype_name(dtype)} tensor of shape "
-            f"{shape} needs {expected}; the header and buffers do not belong together"
-        )
-    if expected == 0:
-        return torch.empty(shape, dtype=dtype)
-    if copy or view.readonly:
-        view = memoryview(bytearray(view))
-    return torch.frombuffer(view, dtype=dtype).reshape(shape)
-
-
-# ---------------------------------------------------------------------------------------------
-# field values (msgpack with extension types for images and tensors)
-# ---------------------------------------------------------------------------------------------
-
-
-def _field_encoder(buffers: list[Buffer], where: str) -> msgspec.msgpack.Encoder:
-    def enc_hook(obj: Any) -> Any:
-        if isinstance(obj, Image.Image):
-            palette = None
-            if obj.palette is not None and obj.mode in ("P", "PA"):
-                palette = [obj.palette.mode, bytes(obj.getpalette(obj.palette.mode) or [])]
-            buffers.append(obj.tobytes())
-            data = msgspec.msgpack.encode([obj.mode, list(obj.size), len(buffers) - 1, palette])
-            return msgspec.msgpack.Ext(_EXT_IMAGE, data)
-        if isinstance(obj, torch.Tensor):
-            buffers.append(tensor_to_buffer(obj))
-            meta = [_dtype_name(obj.dtype), list(obj.shape), len(buffers) - 1]
-            return msgspec.msgpack.Ext(_EXT_TENSOR, msgspec.msgpack.encode(meta))
-        raise TypeError(
-            f"{where}: a {type(obj).__name__} cannot go on the wire; field values must be msgpack "
-            "values (None, bool, int, float, str, bytes, list, dict), PIL images or tensors"
-        )
-
-    return msgspec.msgpack.Encoder(enc_hook=enc_hook)
-
-
-def _field_decoder(buffers: Sequence[Any], copy: bool, where: str) -> msgspec.msgpack.Decoder:
-    def ext_hook(code: int, data: memoryview) -> Any:
-        if code == _EXT_IMAGE:
-            mode, size, index, palette = msgspec.msgpack.decode(data)
-            image = Image.frombytes(mode, tuple(size), bytes(_buffer(buffers, index, where)))
-            if palette is not None:
-                image.putpalette(palette[1], rawmode=palette[0])
-            return image
-        if code == _EXT_TENSOR:
-            dtype, shape, index = msgspec.msgpack.decode(data)
-            return tensor_from_buffer(
-                _buffer(buffers, index, where), dtype, shape, copy=copy, where=where
-            )
-        raise ValueError(f"{where}: unknown msgpack extension code {code}")
-
-    return msgspec.msgpack.Decoder(list, ext_hook=ext_hook)
-
-
-def _buffer(buffers: Sequence[Any], index: int, where: str) -> Any:
-    if not 0 <= index < len(buffers):
-        raise ValueError(f"{where}: buffer index {index} is out of range ({len(buffers)} buffers)")
-    return buffers[index]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,57 +293,3 @@ class SampleBatch:
         """Tensors moved to ``device``; fields are shared, unchanged."""
         tensors = {k: t.to(device, non_blocking=non_blocking) for k, t in self.tensors.items()}
         return SampleBatch(tensors, dict(self.fields), length=self._len)
-
-    # --- wire ---------------------------------------------------------------------------------
-    def to_wire(self) -> tuple[bytes, list[Buffer]]:
-        """Encode as ``(header, buffers)``: a msgpack :class:`BatchHeader` and raw byte buffers
-        (send them as separate frames). No pickle; see the module docstring for what may travel."""
-        buffers: list[Buffer] = []
-        metas = []
-        for name, t in self.tensors.items():
-            buffers.append(tensor_to_buffer(t))
-            metas.append(TensorMeta(name, _dtype_name(t.dtype), tuple(t.shape), len(buffers) - 1))
-        fields = {}
-        for name, values in self.fields.items():
-            encoder = _field_encoder(buffers, f"SampleBatch.to_wire: field {name!r}")
-            fields[name] = msgspec.Raw(encoder.encode(values))
-        header = BatchHeader(self._len, metas, fields, len(buffers))
-        return msgspec.msgpack.encode(header), buffers
-
-    @classmethod
-    def from_wire(
-        cls, header: Buffer, buffers: Sequence[Any], *, copy: bool = False
-    ) -> SampleBatch:
-        """Decode what :meth:`to_wire` made. Tensors share memory with writable buffers unless
-        ``copy`` is True (read-only buffers are always copied)."""
-        try:
-            head = msgspec.msgpack.decode(header, type=BatchHeader)
-        except msgspec.DecodeError as exc:
-            raise ValueError(
-                f"SampleBatch.from_wire: the header is not a SampleBatch header ({exc})"
-            ) from exc
-        if head.format != WIRE_FORMAT:
-            raise ValueError(
-                f"SampleBatch.from_wire: wire format {head.format} is not this version's "
-                f"{WIRE_FORMAT}; sender and receiver run different yatt-graph versions"
-            )
-        if len(buffers) != head.nbuffers:
-            raise ValueError(
-                f"SampleBatch.from_wire: the header lists {head.nbuffers} buffers but "
-                f"{len(buffers)} were given"
-            )
-        tensors = {
-            m.name: tensor_from_buffer(
-                _buffer(buffers, m.buffer, "SampleBatch.from_wire"),
-                m.dtype,
-                m.shape,
-                copy=copy,
-                where=f"SampleBatch.from_wire: tensor {m.name!r}",
-            )
-            for m in head.tensors
-        }
-        fields = {}
-        for name, raw in head.fields.items():
-            where = f"SampleBatch.from_wire: field {name!r}"
-            fields[name] = _field_decoder(buffers, copy, where).decode(raw)
-        return cls(tensors, fields, length=head.length)

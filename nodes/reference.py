@@ -197,7 +197,7 @@ class Critic(Node):
 
     def _load(self, weights: Any) -> None:
         """Load a weight-sync payload into the value model (``PPOUpdate``'s ``critic_weights``:
-        a versioned WeightUpdate, a WirePayload or a plain state dict), as the Rollout loads
+        a versioned WeightUpdate or a plain state dict), as the Rollout loads
         its ``weights``: a version not newer than the one loaded is skipped, and the same
         object twice is loaded once."""
         if weights is None or weights is self._last_weights:

@@ -215,7 +215,7 @@ class Rollout(Node):
 
     def _load(self, weights: Any) -> None:
         """Load a weight-sync payload: a state dict, or what :class:`nodes.sync.WeightSync`
-        publishes (a versioned ``WeightUpdate`` or a ``WirePayload``). A version not newer
+        publishes (a versioned ``WeightUpdate``). A version not newer
         than the one loaded is skipped; the same object twice is loaded once."""
         if weights is None or weights is self._last_weights:
             return

@@ -3,20 +3,15 @@
 ``WeightSync`` sits between the update node and the rollout node's ``weights`` input::
 
     in:  state    ANY  a state dict {name: tensor} (or a dict holding one under ``key``,
-                       or an ``nn.Module``)
-    out: weights  ANY  a :class:`WeightUpdate` (same process) or a :class:`WirePayload`
-                       (``mode="wire"``, for a runtime that ships it to another process)
+                       an ``nn.Module``, or an update node's :class:`WeightUpdate`)
+    out: weights  ANY  a :class:`WeightUpdate`
 
 A :class:`WeightUpdate` is a msgspec Struct: ``weights`` (``dict[str, Tensor]``), ``version``
 (1, 2, ... per publish; a consumer skips anything not newer than what it has) and ``complete``
 (False when only some keys were sent: load it with ``strict=False``). Being a Struct, it
-crosses controllers whole: the receiver's codec rebuilds it because every node that reads
-weights imports this module. :func:`apply_weights` does all of that for a consumer.
-
-A :class:`WirePayload` carries ``header`` (msgpack bytes) and ``buffers`` (raw tensor bytes, one
-per tensor, zero-copy where possible): no pickle, the same tensor encoding as
-:class:`nodes.batch.SampleBatch`. :func:`state_dict_to_wire` / :func:`state_dict_from_wire` are
-the same encoding without the node.
+crosses controllers whole, through the runtime's one data-plane codec (no pickle): the
+receiver rebuilds it because every node that reads weights imports this module.
+:func:`apply_weights` loads one into a module.
 """
 
 from __future__ import annotations
@@ -28,28 +23,9 @@ from typing import Any
 import msgspec
 import torch
 
-from nodes.batch import WIRE_FORMAT, TensorMeta, _dtype_name, tensor_from_buffer, tensor_to_buffer
 from yatt_graph import ANY, Node, Port
 
-__all__ = [
-    "StateHeader",
-    "WeightSync",
-    "WeightUpdate",
-    "WirePayload",
-    "apply_weights",
-    "decode_weights",
-    "state_dict_from_wire",
-    "state_dict_to_wire",
-]
-
-
-class StateHeader(msgspec.Struct, array_like=True, frozen=True, tag="state"):
-    """The msgpack header of a state dict on the wire."""
-
-    version: int
-    complete: bool
-    tensors: list[TensorMeta]
-    format: int = WIRE_FORMAT
+__all__ = ["WeightSync", "WeightUpdate", "apply_weights", "decode_weights"]
 
 
 class WeightUpdate(msgspec.Struct, frozen=True):
@@ -70,19 +46,6 @@ class WeightUpdate(msgspec.Struct, frozen=True):
         )
 
 
-class WirePayload:
-    """A state dict encoded for another process: send ``header`` then each of ``buffers``."""
-
-    __slots__ = ("buffers", "header", "version")
-
-    def __init__(self, header: bytes, buffers: list[Any], version: int):
-        self.header, self.buffers, self.version = header, buffers, version
-
-    def __repr__(self) -> str:
-        size = sum(memoryview(b).nbytes for b in self.buffers)
-        return f"WirePayload(version={self.version}, {len(self.buffers)} buffers, {size} bytes)"
-
-
 def _check_state(state: Mapping[str, Any], where: str) -> None:
     for k, v in state.items():
         if not isinstance(k, str):
@@ -94,66 +57,11 @@ def _check_state(state: Mapping[str, Any], where: str) -> None:
             )
 
 
-def state_dict_to_wire(
-    state: Mapping[str, torch.Tensor], *, version: int = 0, complete: bool = True
-) -> tuple[bytes, list[memoryview]]:
-    """Encode a state dict as ``(header, buffers)``; any dtype and any shape (0-d included).
-
-    Contiguous CPU tensors are not copied: the buffers are views of their memory, so a payload
-    must be sent before those tensors change in place (:class:`WeightSync` snapshots by default).
-    """
-    _check_state(state, "state_dict_to_wire")
-    buffers: list[memoryview] = []
-    metas = []
-    for name, t in state.items():
-        buffers.append(tensor_to_buffer(t))
-        metas.append(TensorMeta(name, _dtype_name(t.dtype), tuple(t.shape), len(buffers) - 1))
-    return msgspec.msgpack.encode(StateHeader(version, complete, metas)), buffers
-
-
-def state_dict_from_wire(
-    header: bytes | memoryview, buffers: Sequence[Any], *, copy: bool = False
-) -> WeightUpdate:
-    """Decode what :func:`state_dict_to_wire` made (tensors share writable buffers unless
-    ``copy``; read-only buffers are copied)."""
-    try:
-        head = msgspec.msgpack.decode(header, type=StateHeader)
-    except msgspec.DecodeError as exc:
-        raise ValueError(
-            f"state_dict_from_wire: the header is not a state-dict header ({exc})"
-        ) from exc
-    if head.format != WIRE_FORMAT:
-        raise ValueError(
-            f"state_dict_from_wire: wire format {head.format} is not this version's {WIRE_FORMAT}"
-        )
-    if len(buffers) != len(head.tensors):
-        raise ValueError(
-            f"state_dict_from_wire: the header lists {len(head.tensors)} tensors but "
-            f"{len(buffers)} buffers were given"
-        )
-    state = {
-        m.name: tensor_from_buffer(
-            buffers[m.buffer],
-            m.dtype,
-            m.shape,
-            copy=copy,
-            where=f"state_dict_from_wire: {m.name!r}",
-        )
-        for m in head.tensors
-    }
-    return WeightUpdate(state, head.version, head.complete)
-
-
 def decode_weights(weights: Any) -> WeightUpdate:
     """A :class:`WeightUpdate` from whatever reached a consumer's ``weights`` input: a
-    WeightUpdate, a :class:`WirePayload`, a ``(header, buffers)`` pair, or a plain state dict
-    (version 0, complete)."""
+    WeightUpdate, or a plain state dict (version 0, complete)."""
     if isinstance(weights, WeightUpdate):
         return weights
-    if isinstance(weights, WirePayload):
-        return state_dict_from_wire(weights.header, weights.buffers)
-    if isinstance(weights, tuple) and len(weights) == 2:
-        return state_dict_from_wire(*weights)
     if isinstance(weights, Mapping):
         _check_state(weights, "decode_weights")
         return WeightUpdate(dict(weights), version=0, complete=True)
@@ -185,8 +93,6 @@ class WeightSync(Node):
     """Publishes updated policy weights, with a version, for a rollout node to load.
 
     Args:
-        mode: ``"local"`` (a :class:`WeightUpdate` for a consumer in this process) or ``"wire"``
-            (a :class:`WirePayload` for another process; no pickle).
         key: take the state dict from ``state[key]`` (e.g. ``"model"``) instead of ``state``.
         include: regexes (``re.search``); only keys matching one are sent (e.g. LoRA adapters,
             the trainable part). The update is then partial (``complete=False``).
@@ -196,16 +102,15 @@ class WeightSync(Node):
             halve the bytes); None keeps each tensor's dtype.
         snapshot: copy the tensors at publish time, so that later in-place optimizer steps do not
             change an already published version. Turn off only when the consumer always loads
-            before the next update (and with ``mode="local"`` the consumer then shares memory).
+            before the next update (a consumer in this process then shares memory).
     """
 
     kind = "sync"
     inputs = {"state": Port(ANY, doc="the updated state dict (name -> tensor)")}
-    outputs = {"weights": Port(ANY, doc="WeightUpdate or WirePayload, with a version")}
+    outputs = {"weights": Port(ANY, doc="a WeightUpdate, with a version")}
 
     def __init__(
         self,
-        mode: str = "local",
         *,
         key: str | None = None,
         include: Sequence[str] | None = None,
@@ -215,14 +120,12 @@ class WeightSync(Node):
         name: str | None = None,
     ) -> None:
         super().__init__(name=name)
-        if mode not in ("local", "wire"):
-            raise ValueError(f"node {self.name!r}: mode must be 'local' or 'wire', got {mode!r}")
         if dtype is not None and not (
             isinstance(getattr(torch, dtype, None), torch.dtype)
             and getattr(torch, dtype).is_floating_point
         ):
             raise ValueError(f"node {self.name!r}: dtype {dtype!r} is not a floating torch dtype")
-        self.mode, self.key, self.only_changed, self.snapshot = mode, key, only_changed, snapshot
+        self.key, self.only_changed, self.snapshot = key, only_changed, snapshot
         self.dtype = None if dtype is None else getattr(torch, dtype)
         self.include = [re.compile(p) for p in (include or [])]
         self.version = 0
@@ -231,6 +134,8 @@ class WeightSync(Node):
     def _state_of(self, state: Any) -> Mapping[str, torch.Tensor]:
         if isinstance(state, torch.nn.Module):
             state = state.state_dict()
+        elif isinstance(state, WeightUpdate):  # an update node's output
+            state = state.weights
         if self.key is not None:
             if not isinstance(state, Mapping) or self.key not in state:
                 keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
@@ -262,10 +167,7 @@ class WeightSync(Node):
             self._last.update({k: t.clone() for k, t in out.items()})
         complete = len(out) == len(full)
         self.version += 1
-        if self.mode == "local":
-            return {"weights": WeightUpdate(out, self.version, complete)}
-        header, buffers = state_dict_to_wire(out, version=self.version, complete=complete)
-        return {"weights": WirePayload(header, buffers, self.version)}
+        return {"weights": WeightUpdate(out, self.version, complete)}
 
     def state_dict(self) -> dict[str, Any]:
         # The version survives a checkpoint, so that consumers never see it go backwards.

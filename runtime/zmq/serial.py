@@ -40,6 +40,7 @@ import msgspec
 
 __all__ = [
     "INLINE_BYTES",
+    "TENSOR_DTYPES",
     "DecodeError",
     "UnsupportedValueError",
     "decode_value",
@@ -81,8 +82,14 @@ _TORCH_DTYPES = [
     "float8_e4m3fnuz",
     "float8_e5m2fnuz",
 ]
+"""The one table of tensor dtypes the data plane carries (torch's names); an index into it is a
+small tensor's dtype byte, so entries are only ever appended."""
+_NO_NUMPY = frozenset(n for n in _TORCH_DTYPES if n in ("bfloat16", "complex32") or "float8" in n)
+"""The dtypes that ``Tensor.numpy()`` refuses: they take the general tensor path."""
 _NUMPY_KINDS = "biufc"
 
+TENSOR_DTYPES: tuple[str, ...] = tuple(_TORCH_DTYPES)
+"""Every tensor dtype the codec carries, by torch's name without ``torch.``."""
 _DTYPE_INDEX = {name: i for i, name in enumerate(_TORCH_DTYPES)}
 _NUMPY_TORCH: dict[Any, str] = {}
 """torch dtype -> name, for the dtypes ``Tensor.numpy()`` takes (filled on first use)."""
@@ -159,9 +166,9 @@ class _Packer:
         self.inline, self.shm, self.any_keys = inline, shm, any_keys
         self.torch = sys.modules.get("torch")
         if self.torch is not None and not _NUMPY_TORCH:
-            for n in ("float16", "float32", "float64", "complex64", "complex128", "int8",
-                      "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"):  # fmt: skip
-                if isinstance(dtype := getattr(self.torch, n, None), self.torch.dtype):
+            for n in _TORCH_DTYPES:
+                dtype = getattr(self.torch, n, None)
+                if n not in _NO_NUMPY and isinstance(dtype, self.torch.dtype):
                     _NUMPY_TORCH[dtype] = n
         self.np = sys.modules.get("numpy")
         pil = sys.modules.get("PIL.Image")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from nodes.batch import BatchHeader, SampleBatch, inverse_permutation, tensor_from_buffer
+from nodes.batch import SampleBatch, inverse_permutation
 
 
 def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -235,68 +234,3 @@ def wire_batch() -> SampleBatch:
             "ragged": [torch.arange(2), torch.zeros(0), torch.ones(2, 2).bfloat16()],
         },
     )
-
-
-def test_wire_round_trip_all_dtypes_images_and_ragged_tensors():
-    b = wire_batch()
-    assert not b["strided"].is_contiguous()
-    header, buffers = b.to_wire()
-    assert isinstance(header, bytes)
-    assert b"pickle" not in header
-    head = msgspec.msgpack.decode(header, type=BatchHeader)
-    assert {m.name: m.dtype for m in head.tensors}["bf16"] == "bfloat16"
-    c = SampleBatch.from_wire(header, buffers)
-    assert_batches_equal(b, c)
-    assert c["images"][2].getpixel((1, 1)) == 7 and c["images"][0].getpixel((0, 0)) == (10, 20, 30)
-
-
-def test_wire_round_trip_through_bytes_and_bytearray():
-    b = wire_batch()
-    header, buffers = b.to_wire()
-    as_bytes = [bytes(x) for x in buffers]  # read-only: copied on decode
-    as_bytearray = [bytearray(x) for x in buffers]  # writable: shared
-    assert_batches_equal(b, SampleBatch.from_wire(header, as_bytes))
-    shared = SampleBatch.from_wire(header, as_bytearray)
-    assert_batches_equal(b, shared)
-    shared["u8"][0, 0] = 99  # the tensor is a view of the received buffer
-    idx = next(
-        m.buffer for m in msgspec.msgpack.decode(header, type=BatchHeader).tensors if m.name == "u8"
-    )
-    assert as_bytearray[idx][0] == 99
-    copied = SampleBatch.from_wire(header, [bytearray(x) for x in buffers], copy=True)
-    assert_batches_equal(b, copied)
-
-
-def test_wire_zero_copy_for_contiguous_cpu_tensors():
-    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    _, buffers = SampleBatch({"x": x}).to_wire()
-    x[0, 0] = 42.0
-    assert torch.frombuffer(bytearray(buffers[0]), dtype=torch.float32)[0] == 42.0
-
-
-def test_wire_empty_batch():
-    b = SampleBatch({"x": torch.zeros(0, 3), "y": torch.zeros(0, dtype=torch.bfloat16)}, {"t": []})
-    c = SampleBatch.from_wire(*b.to_wire())
-    assert len(c) == 0
-    assert_batches_equal(b, c)
-    nothing = SampleBatch(length=4)
-    assert len(SampleBatch.from_wire(*nothing.to_wire())) == 4
-
-
-def test_wire_errors():
-    b = make_batch(2)
-    header, buffers = b.to_wire()
-    with pytest.raises(ValueError, match="lists 3 buffers but 2 were given"):
-        SampleBatch.from_wire(header, buffers[:2])
-    with pytest.raises(ValueError, match="tensor 'x': buffer holds 4 bytes"):
-        SampleBatch.from_wire(header, [b"abcd", *buffers[1:]])
-    with pytest.raises(ValueError, match="not a SampleBatch header"):
-        SampleBatch.from_wire(b"\x00garbage", buffers)
-
-    class Opaque:
-        pass
-
-    with pytest.raises(TypeError, match="field 'meta': a Opaque cannot go on the wire"):
-        SampleBatch(fields={"meta": [Opaque()]}).to_wire()
-    with pytest.raises(ValueError, match="unknown dtype"):
-        tensor_from_buffer(b"", "float99", (0,))

@@ -175,24 +175,30 @@ def test_weights_input_is_loaded_before_sampling(embeds):
 
 def test_weights_from_weight_sync_node_are_versioned(embeds):
     from nodes.sync import WeightSync
+    from runtime.zmq.serial import decode_value, encode_value
+
+    def ship(update, mode):
+        if mode == "local":
+            return update
+        return decode_value([bytes(memoryview(f).cast("B")) for f in encode_value(update)])
 
     target, stale = tiny_prefix_vlm(seed=4), tiny_prefix_vlm(seed=6)
     expected = Rollout(model=target, max_new_tokens=8, seed=0).run(
         prompts=PROMPTS, image_embeds=embeds
     )
-    for mode in ("local", "wire"):
-        sync = WeightSync(mode=mode)
+    for mode in ("local", "across the codec"):
+        sync = WeightSync()
         node = Rollout(model=tiny_prefix_vlm(seed=0), max_new_tokens=8, seed=0)
-        v1 = sync.run(state=target.state_dict())["weights"]
+        v1 = ship(sync.run(state=target.state_dict())["weights"], mode)
         out = node.run(prompts=PROMPTS, image_embeds=embeds, weights=v1)
         assert torch.equal(out["response_ids"], expected["response_ids"]), mode
         assert node.weights_version == 1
         # resumed at version 2: version 2 arriving again is skipped, version 3 is loaded
-        v2 = sync.run(state=stale.state_dict())["weights"]
+        v2 = ship(sync.run(state=stale.state_dict())["weights"], mode)
         node.load_state_dict({"step": 0, "next_group": 0, "weights_version": 2})
         again = node.run(prompts=PROMPTS, image_embeds=embeds, weights=v2)
         assert torch.equal(again["response_ids"], expected["response_ids"]), mode
-        v3 = sync.run(state=stale.state_dict())["weights"]
+        v3 = ship(sync.run(state=stale.state_dict())["weights"], mode)
         node.load_state_dict({"step": 0, "next_group": 0, "weights_version": 2})
         newer = node.run(prompts=PROMPTS, image_embeds=embeds, weights=v3)
         assert node.weights_version == 3

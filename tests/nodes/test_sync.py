@@ -1,4 +1,4 @@
-"""Weight sync: exact state-dict wire round trips, versions, partial updates, loading."""
+"""Weight sync: versions, partial updates, loading, and exact round trips through the codec."""
 
 from __future__ import annotations
 
@@ -6,15 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from nodes.sync import (
-    WeightSync,
-    WeightUpdate,
-    WirePayload,
-    apply_weights,
-    decode_weights,
-    state_dict_from_wire,
-    state_dict_to_wire,
-)
+from nodes.sync import WeightSync, WeightUpdate, apply_weights
+from runtime.zmq.serial import decode_value, encode_value
 
 
 class TinyNet(nn.Module):
@@ -48,7 +41,12 @@ def _exact(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def test_state_dict_wire_round_trip_is_exact_for_all_dtypes():
+def _across_controllers(value, **kw):
+    """What a consumer on another controller receives: the data-plane codec, frames as bytes."""
+    return decode_value([bytes(memoryview(f).cast("B")) for f in encode_value(value, **kw)])
+
+
+def test_an_update_crosses_the_codec_exactly_for_all_dtypes():
     net = make_net(0)
     sd = dict(net.state_dict())
     sd["bf16"] = torch.randn(4, 5).to(torch.bfloat16)
@@ -57,9 +55,9 @@ def test_state_dict_wire_round_trip_is_exact_for_all_dtypes():
     sd["strided"] = torch.randn(4, 6)[:, ::2]  # not contiguous
     sd["scalar"] = torch.tensor(3.5)
     sd["empty"] = torch.zeros(0, 4)
-    header, buffers = state_dict_to_wire(sd, version=5, complete=False)
-    for bufs in (buffers, [bytes(b) for b in buffers], [bytearray(b) for b in buffers]):
-        back = state_dict_from_wire(header, bufs)
+    sd["big"] = torch.randn(64, 64)  # past the inline limit: a frame of its own
+    for inline in (0, 1024):
+        back = _across_controllers(WeightUpdate(sd, 5, complete=False), inline=inline)
         assert isinstance(back, WeightUpdate) and back.version == 5 and back.complete is False
         assert list(back.weights) == list(sd)
         for k in sd:
@@ -70,8 +68,8 @@ def test_loading_the_round_trip_into_a_fresh_model_reproduces_outputs():
     trained, fresh = make_net(0), make_net(1)
     ids = torch.randint(0, 11, (4, 6))
     assert not torch.allclose(trained(ids), fresh(ids))
-    header, buffers = state_dict_to_wire(trained.state_dict())
-    fresh.load_state_dict(state_dict_from_wire(header, [bytes(b) for b in buffers]).weights)
+    update = _across_controllers(WeightSync().run(state=trained)["weights"])
+    assert apply_weights(fresh, update) == 1
     assert torch.equal(fresh(ids), trained(ids))
     assert fresh.norm.num_batches_tracked.item() == 7
 
@@ -79,7 +77,7 @@ def test_loading_the_round_trip_into_a_fresh_model_reproduces_outputs():
 def test_bf16_model_round_trip_reproduces_outputs():
     trained, fresh = make_net(0).to(torch.bfloat16), make_net(1).to(torch.bfloat16)
     ids = torch.randint(0, 11, (2, 3))
-    apply_weights(fresh, WirePayload(*state_dict_to_wire(trained.state_dict()), version=1))
+    apply_weights(fresh, _across_controllers(WeightSync().run(state=trained)["weights"]))
     assert fresh.head.weight.dtype == torch.bfloat16
     assert torch.equal(fresh(ids), trained(ids))
 
@@ -103,17 +101,19 @@ def test_weight_sync_local_mode_versions_and_snapshot():
     assert shared.weights["head.weight"].data_ptr() == net.head.weight.data_ptr()
 
 
-def test_weight_sync_wire_mode_round_trip():
+def test_weight_sync_takes_a_key_a_module_or_an_update_nodes_output():
     net = make_net(0)
     with pytest.raises(ValueError, match="entry 'optimizer' is a dict; only tensors"):
-        WeightSync("wire").run(state={"optimizer": {}})
-    payload = WeightSync("wire", key="model").run(state={"model": net.state_dict(), "step": 3})
-    wire = payload["weights"]
-    assert isinstance(wire, WirePayload) and wire.version == 1
-    update = decode_weights((wire.header, [bytes(b) for b in wire.buffers]))
-    assert update.version == 1 and update.complete
+        WeightSync().run(state={"optimizer": {}})
+    by_key = WeightSync(key="model").run(state={"model": net.state_dict(), "step": 3})["weights"]
+    by_module = WeightSync().run(state=net)["weights"]
+    published = WeightUpdate(dict(net.state_dict()), version=9)
+    by_update = WeightSync().run(state=published)["weights"]
+    for update in (by_key, by_module, by_update):
+        assert update.version == 1 and update.complete
+        assert list(update.weights) == list(net.state_dict())
     fresh = make_net(1)
-    assert apply_weights(fresh, wire) == 1
+    assert apply_weights(fresh, by_update) == 1
     ids = torch.randint(0, 11, (3, 4))
     assert torch.equal(fresh(ids), net(ids))
 
@@ -154,28 +154,19 @@ def test_weight_sync_dtype_cast_and_checkpointed_version():
 
 
 def test_weight_sync_errors():
-    with pytest.raises(ValueError, match="mode must be 'local' or 'wire'"):
-        WeightSync("ipc")
     with pytest.raises(ValueError, match="not a floating torch dtype"):
         WeightSync(dtype="int8")
     with pytest.raises(ValueError, match="node 'ws': input 'state' has no key 'model'"):
         WeightSync(key="model", name="ws").run(state={"policy": {}})
     with pytest.raises(ValueError, match="node 'ws': input 'state' must be a state dict"):
         WeightSync(name="ws").run(state=[1, 2])
-    with pytest.raises(ValueError, match="lists 1 tensors but 0 buffers"):
-        state_dict_from_wire(state_dict_to_wire({"a": torch.ones(1)})[0], [])
+    with pytest.raises(TypeError, match="cannot read weights from a list"):
+        apply_weights(make_net(0), [torch.ones(1)])
     with pytest.raises(ValueError, match="unexpected keys \\['extra'\\]"):
         apply_weights(make_net(0), {**make_net(0).state_dict(), "extra": torch.ones(1)})
     incomplete = WeightUpdate({"head.bias": torch.zeros(3)}, version=1, complete=True)
     with pytest.raises(ValueError, match="missing keys"):
         apply_weights(make_net(0), incomplete)
-
-
-def _across_controllers(value):
-    """What a consumer on another controller receives: the data-plane codec, frames as bytes."""
-    from runtime.zmq.serial import decode_value, encode_value
-
-    return decode_value([bytes(memoryview(f).cast("B")) for f in encode_value(value)])
 
 
 def test_a_partial_update_keeps_version_complete_and_keys_across_the_codec():
