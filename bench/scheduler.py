@@ -162,7 +162,8 @@ def _dynamic(
     sched.add(
         "work",
         work,
-        policy=BatchPolicy(max_batch_size=max_batch, max_queue_delay_s=0.002),
+        policy=BatchPolicy(max_batch_size=max_batch),
+        max_queue_delay_s=0.002,
         cost=lambda batch: batch["cost"],
     )
     with sched:
@@ -345,7 +346,8 @@ def _rollout_run(
     sched.add(
         "reward",
         reward,
-        policy=BatchPolicy(max_batch_size=16, max_queue_delay_s=0.05),
+        policy=BatchPolicy(max_batch_size=16),
+        max_queue_delay_s=0.05,
         cost=lambda b: [float(x) for x in b["length"]],
     )
     sched.connect("rollout", "reward")

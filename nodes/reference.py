@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from nodes.models.policy import Policy, PromptBatch, build_policy
 from nodes.sync import apply_weights, decode_weights
-from yatt_graph import ANY, BatchPolicy, Node, Port, Resources
+from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
 
 __all__ = ["Critic", "ReferenceLogprobs", "ValueModel"]
@@ -93,9 +93,8 @@ class ReferenceLogprobs(Node):
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
-        resources: Resources | None = None,
     ) -> None:
-        super().__init__(name, placement=placement, batch_policy=batch_policy, resources=resources)
+        super().__init__(name, placement=placement, batch_policy=batch_policy)
         if temperature <= 0:
             raise ValueError(f"node {self.name!r}: temperature={temperature}; it must be > 0")
         self.temperature = float(temperature)
@@ -185,9 +184,8 @@ class Critic(Node):
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
-        resources: Resources | None = None,
     ) -> None:
-        super().__init__(name, placement=placement, batch_policy=batch_policy, resources=resources)
+        super().__init__(name, placement=placement, batch_policy=batch_policy)
         self.device = torch.device(device)
         self.shared = model is not None
         trunk = model if model is not None else build_policy(critic).to(self.device)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from nodes.models.policy import Generation, HFVisionLanguagePolicy, Policy, PrefixVLM, build_policy
 from nodes.sync import decode_weights
-from yatt_graph import ANY, BatchPolicy, Node, Port, Resources
+from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
 
 __all__ = ["Rollout", "vllm_unavailable_reason"]
@@ -137,9 +137,8 @@ class Rollout(Node):
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
-        resources: Resources | None = None,
     ) -> None:
-        super().__init__(name, placement=placement, batch_policy=batch_policy, resources=resources)
+        super().__init__(name, placement=placement, batch_policy=batch_policy)
         where = f"node {self.name!r}"
         if backend not in _BACKENDS:
             raise ValueError(f"{where}: backend={backend!r}; choose one of {_BACKENDS}")

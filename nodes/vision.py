@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from yatt_graph import ANY, BatchPolicy, Node, Resources
+from yatt_graph import ANY, BatchPolicy, Node
 from yatt_graph import Tensor as TensorPort
 
 __all__ = ["TINY_OPEN_CLIP_CFG", "VisionEncoder", "tiny_vision_encoder"]
@@ -73,9 +73,8 @@ class VisionEncoder(Node):
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
-        resources: Resources | None = None,
     ) -> None:
-        super().__init__(name, placement=placement, batch_policy=batch_policy, resources=resources)
+        super().__init__(name, placement=placement, batch_policy=batch_policy)
         import open_clip
 
         if pretrained is not None and not os.path.isfile(pretrained):

@@ -19,7 +19,7 @@ from yatt_graph.errors import (
     UnusedOutputWarning,
 )
 from yatt_graph.graph import Edge, Graph, Handle, Outputs
-from yatt_graph.node import BatchPolicy, FunctionNode, Node, Port, Resources, node
+from yatt_graph.node import BatchPolicy, FunctionNode, Node, Port, node
 from yatt_graph.plan import Channel, Plan, Subgraph
 from yatt_graph.types import ANY, AnySpec, PortSpec, StructSpec, Tensor, TensorSpec
 
@@ -47,7 +47,6 @@ __all__ = [
     "Port",
     "PortSpec",
     "PortTypeError",
-    "Resources",
     "ShapeError",
     "StructSpec",
     "Subgraph",

@@ -40,7 +40,7 @@ from yatt_graph.errors import NodeInputError, NodeOutputError
 from yatt_graph.stream import Piece, check_piece, join_pieces
 from yatt_graph.types import AnySpec, PortSpec, StructSpec, TensorSpec, spec_of
 
-__all__ = ["BatchPolicy", "Node", "FunctionNode", "Port", "Resources", "node", "check_value"]
+__all__ = ["BatchPolicy", "Node", "FunctionNode", "Port", "node", "check_value"]
 
 
 class BatchPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -50,37 +50,15 @@ class BatchPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
     """Most samples in one call; 0 means no limit."""
     max_tokens: int = 0
     """Most tokens (by the node's cost function) in one call; 0 means no limit."""
-    max_queue_delay_s: float = 0.0
-    """Longest a request waits for others to fuse with before it runs alone."""
     splittable: bool = True
     """Whether a batch may be cut into micro-batches across devices."""
     timeout_s: float = 0.0
     """Longest one call may run before it is reported as hung; 0 means no limit."""
 
     def verify(self) -> BatchPolicy:
-        for field in ("max_batch_size", "max_tokens", "max_queue_delay_s", "timeout_s"):
+        for field in ("max_batch_size", "max_tokens", "timeout_s"):
             if getattr(self, field) < 0:
                 raise ValueError(f"BatchPolicy.{field} must be >= 0, got {getattr(self, field)}")
-        return self
-
-
-class Resources(msgspec.Struct, frozen=True, omit_defaults=True):
-    """What a node asks of the device it runs on."""
-
-    device: str = "cpu"
-    """``"cpu"``, ``"cuda"`` or ``"any"`` (cuda when present, else cpu)."""
-    count: int = 1
-    """How many devices of that kind one replica of the node uses."""
-    memory_gb: float = 0.0
-    """A hint for placement; 0 means unknown."""
-
-    def verify(self) -> Resources:
-        if self.device not in ("cpu", "cuda", "any"):
-            raise ValueError(
-                f"Resources.device must be 'cpu', 'cuda' or 'any', got {self.device!r}"
-            )
-        if self.count < 1:
-            raise ValueError(f"Resources.count must be >= 1, got {self.count}")
         return self
 
 
@@ -158,7 +136,6 @@ class Node:
     inputs: dict[str, Port] = {}
     outputs: dict[str, Port] = {}
     batch_policy: BatchPolicy = BatchPolicy()
-    resources: Resources = Resources()
     placement: str | int | None = None
     """A controller hint: an int controller index or a group name; None lets the plan decide."""
     step: int = 0
@@ -179,7 +156,6 @@ class Node:
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
-        resources: Resources | None = None,
     ) -> None:
         if name is not None:
             if not isinstance(name, str) or not name.isidentifier():
@@ -189,8 +165,6 @@ class Node:
             self.placement = placement
         if batch_policy is not None:
             self.batch_policy = batch_policy.verify()
-        if resources is not None:
-            self.resources = resources.verify()
 
     # --- the work -----------------------------------------------------------------
     def forward(self, **inputs: Any) -> Mapping[str, Any]:
@@ -371,13 +345,10 @@ class FunctionNode(Node):
         params: Mapping[str, Any] | None = None,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
-        resources: Resources | None = None,
     ) -> None:
         self.fn = fn
         self.kind = kind
-        super().__init__(
-            name or fn.__name__, placement=placement, batch_policy=batch_policy, resources=resources
-        )
+        super().__init__(name or fn.__name__, placement=placement, batch_policy=batch_policy)
         sig = inspect.signature(fn, eval_str=True)
         self.inputs, self.params = {}, dict(params or {})
         self._param_names: set[str] = set()
@@ -452,7 +423,6 @@ def node(
     name: str | None = None,
     placement: str | int | None = None,
     batch_policy: BatchPolicy | None = None,
-    resources: Resources | None = None,
 ) -> Any:
     """Make a :class:`FunctionNode` from a function. Ports come from the annotations."""
 
@@ -464,7 +434,6 @@ def node(
             name=name,
             placement=placement,
             batch_policy=batch_policy,
-            resources=resources,
         )
 
     return wrap(fn) if fn is not None else wrap

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from yatt_graph.graph import Edge, Graph, Handle
-from yatt_graph.node import BatchPolicy, Node, Port, Resources
+from yatt_graph.node import BatchPolicy, Node, Port
 from yatt_graph.refs import import_ref, ref_of
 
 __all__ = ["GraphSpec", "NodeSpec", "PlanSpec", "encode", "graph_spec", "plan_spec"]
@@ -28,7 +28,6 @@ class NodeSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     inputs: dict[str, Port]
     outputs: dict[str, Port]
     batch_policy: BatchPolicy = BatchPolicy()
-    resources: Resources = Resources()
     placement: int | str | None = None
 
 
@@ -97,7 +96,6 @@ def node_spec(node: Node) -> NodeSpec:
         inputs=node.inputs,
         outputs=node.outputs,
         batch_policy=node.batch_policy,
-        resources=node.resources,
         placement=node.placement,
     )
 
@@ -114,11 +112,7 @@ def build_node(spec: NodeSpec) -> Node:
         node = target(**config)
     else:
         raise TypeError(f"node {spec.name!r}: reference {spec.ref!r} is not a Node class or node")
-    node.batch_policy, node.resources, node.placement = (
-        spec.batch_policy,
-        spec.resources,
-        spec.placement,
-    )
+    node.batch_policy, node.placement = spec.batch_policy, spec.placement
     return node
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from yatt_graph import ANY, BatchPolicy, Node, Port, Resources, Tensor
+from yatt_graph import ANY, BatchPolicy, Node, Port, Tensor
 
 __all__ = ["RewardNode", "place_on_last_token"]
 
@@ -118,8 +118,7 @@ class RewardNode(Node):
     ) -> None:
         if on_bad_sample not in _BAD_POLICIES:
             raise ValueError(f"on_bad_sample must be one of {_BAD_POLICIES}, got {on_bad_sample!r}")
-        kind = "cuda" if str(device).startswith("cuda") else "cpu"
-        super().__init__(name=name, resources=Resources(device=kind))
+        super().__init__(name=name)
         self.token_level = token_level
         self.on_bad_sample = on_bad_sample
         self.emit_bad_mask = emit_bad_mask

@@ -13,7 +13,7 @@ from nodes.rl.losses import (
     grpo_loss,
 )
 from nodes.update.base import _AGGREGATIONS, _INPUTS, _item, _snapshot, _Update
-from yatt_graph import ANY, BatchPolicy, Port, Resources
+from yatt_graph import ANY, BatchPolicy, Port
 
 __all__ = ["GRPOUpdate"]
 
@@ -63,9 +63,8 @@ class GRPOUpdate(_Update):
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
-        resources: Resources | None = None,
     ) -> None:
-        super().__init__(name, placement=placement, batch_policy=batch_policy, resources=resources)
+        super().__init__(name, placement=placement, batch_policy=batch_policy)
         if aggregation not in _AGGREGATIONS:
             raise ValueError(
                 f"node {self.name!r}: aggregation={aggregation!r}; choose one of {_AGGREGATIONS}"

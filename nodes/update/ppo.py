@@ -19,7 +19,7 @@ from nodes.rl.losses import (
 )
 from nodes.sync import WeightUpdate
 from nodes.update.base import _INPUTS, _TOKENS, _item, _require_finite, _snapshot, _Update
-from yatt_graph import ANY, BatchPolicy, Port, Resources
+from yatt_graph import ANY, BatchPolicy, Port
 
 __all__ = ["PPOUpdate"]
 
@@ -111,9 +111,8 @@ class PPOUpdate(_Update):
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
-        resources: Resources | None = None,
     ) -> None:
-        super().__init__(name, placement=placement, batch_policy=batch_policy, resources=resources)
+        super().__init__(name, placement=placement, batch_policy=batch_policy)
         where = f"node {self.name!r}"
         if critic_lr is not None and not critic_lr > 0:
             raise ValueError(f"{where}: critic_lr={critic_lr}; it must be > 0 (or None for lr)")

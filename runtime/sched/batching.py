@@ -1,13 +1,14 @@
 """Fuse, split and partition batches: the pure functions under the batching scheduler.
 
-A *batch* is a ``dict`` from port name to value, in the form nodes take. A value is
+A *batch* (:data:`Batch`) is a ``dict`` from port name to value, in the form nodes take: the
+project's one batch type. A value is
 *batched* when it has one entry per sample along its first axis: a ``torch.Tensor``
 (``[B, ...]``) or a ``list``/``tuple`` of length B. Anything else (``None``, a number, a
 weight-sync state dict) is *shared*: carried unchanged into every part and required to be
 the same object (or equal) when batches are fused. A port may also be named shared
 explicitly, for a tensor whose first axis is not the batch axis.
 
-* :func:`fuse` / :func:`unfuse`: many requests become one batch and back (by spans).
+* :func:`fuse`: many requests become one batch (with each request's span).
 * :func:`split` / :func:`merge`: one batch is cut into micro-batches by index lists and the
   results are put back in the original order with the inverse permutation (as verl's
   ``seqlen_balancing`` does).
@@ -41,7 +42,6 @@ __all__ = [
     "sample_costs",
     "split",
     "take",
-    "unfuse",
 ]
 
 Batch = dict[str, Any]
@@ -185,13 +185,6 @@ def fuse(
         spans.append((start, start + n))
         start += n
     return concat(requests, shared, pad_values, left_pad), spans
-
-
-def unfuse(
-    outputs: Mapping[str, Any], spans: Sequence[tuple[int, int]], shared: Collection[str] = ()
-) -> list[Batch]:
-    """Cut a fused batch's outputs back into one batch per request, by the spans of :func:`fuse`."""
-    return [take(outputs, range(a, b), shared) for a, b in spans]
 
 
 def split(

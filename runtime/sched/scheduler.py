@@ -6,7 +6,7 @@ devices, and streaming finished samples downstream.
     pool = DevicePool.detect(cpu_slots=2)
     sched = Scheduler(pool, placement=colocated(["rollout", "reward"], len(pool)))
     sched.add("rollout", generate, policy=BatchPolicy(max_batch_size=16), streaming=True)
-    sched.add("reward", score, policy=BatchPolicy(max_batch_size=32, max_queue_delay_s=0.02))
+    sched.add("reward", score, policy=BatchPolicy(max_batch_size=32), max_queue_delay_s=0.02)
     sched.connect("rollout", "reward", ports={"texts": "texts"}, carry={"meta": "meta"})
     with sched:
         ticket = sched.submit("rollout", {"prompts": prompts, "meta": meta})
@@ -20,8 +20,8 @@ How a request moves (the knobs are those of Triton's dynamic batcher):
    images / 1 by :func:`~runtime.sched.batching.default_costs`).
 2. **Fuse.** The dispatcher thread merges queued requests, first come first served, into one
    batch of at most ``max_batch_size`` samples and ``max_tokens`` cost *per serving device*.
-   It sends a batch when it is full, when its oldest request has waited
-   ``max_queue_delay_s`` (so a lone request is never held longer while a device could take
+   It sends a batch when it is full, when its oldest request has waited the node's
+   ``max_queue_delay_s`` (an argument of :meth:`Scheduler.add`; so a lone request is never held longer while a device could take
    it), or when no more can come (every upstream node is idle, or :meth:`Scheduler.flush`).
    While no serving device could start it anyway (each already has a micro-batch of the node
    queued, or the placement group is running another role) it keeps fusing instead.
@@ -30,7 +30,7 @@ How a request moves (the knobs are those of Triton's dynamic batcher):
    go on the node's ready queue heaviest first; each device's worker thread takes the next
    one when it is free, so a slow micro-batch never holds the others.
 4. **Stream.** A node function may be a generator yielding ``(rows, outputs)`` as samples
-   finish (``streaming=True``); each piece goes to the downstream queues at once, so the
+   finish (``streaming=True``); each :class:`Chunk` goes to the downstream queues at once, so the
    next node starts before the slowest sample of the batch is done.
 5. **Gather.** Results reach a :class:`Ticket` per submitted request, put back in the
    submitted order (the inverse permutation of every fuse and split).
@@ -69,7 +69,7 @@ from runtime.sched.devices import Device, DevicePool
 from runtime.sched.placement import Placement
 from yatt_graph import BatchPolicy
 
-__all__ = ["NodeFn", "Piece", "Scheduler", "SchedulerError", "Ticket", "summary_text"]
+__all__ = ["Chunk", "NodeFn", "Scheduler", "SchedulerError", "Ticket", "summary_text"]
 
 NodeFn = Callable[[Batch, Device], Any]
 """``fn(inputs, device) -> outputs`` (a dict with one entry per sample for batched ports), or
@@ -86,8 +86,9 @@ class SchedulerError(RuntimeError):
 
 
 @dataclass
-class Piece:
-    """Some samples of one submitted request, finished by one node."""
+class Chunk:
+    """Some samples of one submitted request, finished by one node (what a streaming node
+    yields at a time, or a whole micro-batch)."""
 
     node: str
     root: int
@@ -100,12 +101,12 @@ class Piece:
 
 
 class _Root:
-    """One submitted request: collects its pieces at the nodes whose results are kept."""
+    """One submitted request: collects its chunks at the nodes whose results are kept."""
 
     def __init__(self, rid: int, size: int, kept: Collection[str]):
         self.id, self.size = rid, size
         self.futures: dict[str, Future[Batch]] = {n: Future() for n in kept}
-        self.pieces: dict[str, list[tuple[list[int], Batch]]] = {n: [] for n in kept}
+        self.chunks: dict[str, list[tuple[list[int], Batch]]] = {n: [] for n in kept}
         self.count = dict.fromkeys(kept, 0)
         self.failed: BaseException | None = None
 
@@ -185,6 +186,7 @@ class _Node:
     name: str
     fn: NodeFn
     policy: BatchPolicy
+    max_queue_delay_s: float
     cost: CostFn | None
     streaming: bool
     devices: list[Device]
@@ -249,7 +251,7 @@ class Scheduler:
         self._ids = itertools.count()
         self._role: dict[str, str | None] = {d.name: None for d in pool}
         self._active: dict[str, str | None] = {}
-        self._subscribers: dict[str, list[Callable[[Piece], None]]] = {}
+        self._subscribers: dict[str, list[Callable[[Chunk], None]]] = {}
         self._live: dict[int, _Root] = {}  # submitted requests not finished yet
 
     # --- declaring ---------------------------------------------------------------------------
@@ -259,6 +261,7 @@ class Scheduler:
         fn: NodeFn,
         *,
         policy: BatchPolicy | None = None,
+        max_queue_delay_s: float = 0.0,
         cost: CostFn | None = None,
         streaming: bool = False,
         devices: Sequence[int] | None = None,
@@ -269,7 +272,8 @@ class Scheduler:
     ) -> None:
         """Register a node function.
 
-        ``devices`` (pool indices) overrides the placement. ``keep`` keeps this node's results
+        ``max_queue_delay_s`` is the longest a request waits for others to fuse with before it
+        goes alone. ``devices`` (pool indices) overrides the placement. ``keep`` keeps this node's results
         in tickets even though it has downstream nodes. ``shared``, ``pad_values`` and
         ``left_pad`` tell fusing which ports are not per sample and how to pad ragged ones.
         """
@@ -277,6 +281,11 @@ class Scheduler:
         if name in self._nodes:
             raise ValueError(f"Scheduler.add: node {name!r} was already added")
         policy = (policy or BatchPolicy()).verify()
+        if not max_queue_delay_s >= 0:
+            raise ValueError(
+                f"Scheduler.add: node {name!r}: max_queue_delay_s must be >= 0 seconds, got "
+                f"{max_queue_delay_s!r}"
+            )
         group = None
         if devices is None:
             if self.placement is not None and name in self.placement.nodes:
@@ -294,6 +303,7 @@ class Scheduler:
             name,
             fn,
             policy,
+            float(max_queue_delay_s),
             cost,
             streaming,
             [self.pool[d] for d in devices],
@@ -342,8 +352,8 @@ class Scheduler:
         )
         self._nodes[dst].upstream.append(src)
 
-    def subscribe(self, node: str, callback: Callable[[Piece], None]) -> None:
-        """Call ``callback(piece)`` (on a worker thread) whenever ``node`` finishes samples."""
+    def subscribe(self, node: str, callback: Callable[[Chunk], None]) -> None:
+        """Call ``callback(chunk)`` (on a worker thread) whenever ``node`` finishes samples."""
         if node not in self._nodes:
             raise KeyError(f"Scheduler.subscribe: node {node!r} was not added")
         self._subscribers.setdefault(node, []).append(callback)
@@ -543,7 +553,7 @@ class Scheduler:
             # No device could start it now: keep fusing (as Triton's batcher does while every
             # model instance is busy); a worker's pick or finish wakes the dispatcher.
             return math.inf
-        due = st.pending[0].arrived + st.policy.max_queue_delay_s
+        due = st.pending[0].arrived + st.max_queue_delay_s
         return None if now >= due else due
 
     def _blocked(self, st: _Node) -> bool:
@@ -794,47 +804,47 @@ class Scheduler:
             if root.failed is not None:
                 continue
             whole = len(positions) == len(rows)
-            piece_out = outputs if whole else take(outputs, positions)
-            piece_in = (
+            chunk_out = outputs if whole else take(outputs, positions)
+            chunk_in = (
                 take(work.inputs, [rows[p] for p in positions], st.shared)
                 if self._subscribers.get(st.name) or any(link.carry for link in st.downstream)
                 else {}
             )
-            piece = Piece(st.name, root.id, root_rows, piece_out, piece_in)
+            chunk = Chunk(st.name, root.id, root_rows, chunk_out, chunk_in)
             for cb in self._subscribers.get(st.name, ()):
-                cb(piece)
+                cb(chunk)
             if st.name in root.futures:
-                self._gather(st, root, piece)
+                self._gather(st, root, chunk)
             for link in st.downstream:
-                self._forward(st, link, piece, root)
+                self._forward(st, link, chunk, root)
 
-    def _forward(self, st: _Node, link: _Link, piece: Piece, root: _Root) -> None:
+    def _forward(self, st: _Node, link: _Link, chunk: Chunk, root: _Root) -> None:
         dst = self._nodes[link.dst]
         try:
-            ports = link.ports or {p: p for p in piece.outputs}
-            inputs = {d: piece.outputs[s] for s, d in ports.items()}
-            inputs.update({d: piece.inputs[s] for s, d in link.carry.items()})
+            ports = link.ports or {p: p for p in chunk.outputs}
+            inputs = {d: chunk.outputs[s] for s, d in ports.items()}
+            inputs.update({d: chunk.inputs[s] for s, d in link.carry.items()})
             inputs.update(link.constants)
             costs = sample_costs(inputs, dst.cost, where=f"node {dst.name!r}")
         except KeyError as exc:
             raise ValueError(
                 f"connect {st.name!r} -> {dst.name!r}: port {exc} is not among "
-                f"{st.name!r}'s outputs {sorted(piece.outputs)} / inputs {sorted(piece.inputs)}"
+                f"{st.name!r}'s outputs {sorted(chunk.outputs)} / inputs {sorted(chunk.inputs)}"
             ) from None
         with self._cond:
-            self._enqueue(dst, _Request(root, piece.rows, inputs, costs, time.monotonic()))
+            self._enqueue(dst, _Request(root, chunk.rows, inputs, costs, time.monotonic()))
 
-    def _gather(self, st: _Node, root: _Root, piece: Piece) -> None:
+    def _gather(self, st: _Node, root: _Root, chunk: Chunk) -> None:
         with self._cond:
-            root.pieces[st.name].append((piece.rows, piece.outputs))
-            root.count[st.name] += len(piece.rows)
+            root.chunks[st.name].append((chunk.rows, chunk.outputs))
+            root.count[st.name] += len(chunk.rows)
             if root.count[st.name] < root.size:
                 return
-            pieces = root.pieces.pop(st.name, None)
-        if pieces is None:
+            chunks = root.chunks.pop(st.name, None)
+        if chunks is None:
             return
         try:
-            merged = _merge_outputs(pieces, st)
+            merged = _merge_outputs(chunks, st)
         except Exception as exc:
             self._fail_root(
                 root,
@@ -872,10 +882,10 @@ def _oldest(nodes: list[_Node]) -> _Node:
     return min(nodes, key=lambda st: min(st.ready[0].arrivals))
 
 
-def _merge_outputs(pieces: list[tuple[list[int], Batch]], st: _Node) -> Batch:
-    """Reassemble pieces in request order; a non-per-sample output is kept once if all pieces
-    agree, else as the list of the pieces' values."""
-    outs = [o for _, o in pieces]
+def _merge_outputs(chunks: list[tuple[list[int], Batch]], st: _Node) -> Batch:
+    """Reassemble chunks in request order; a non-per-sample output is kept once if all chunks
+    agree, else as the list of the chunks' values."""
+    outs = [o for _, o in chunks]
     ports = list(outs[0])
     shared = {p for p in ports if not _per_sample(outs[0][p])}
     extra: Batch = {}
@@ -889,7 +899,7 @@ def _merge_outputs(pieces: list[tuple[list[int], Batch]], st: _Node) -> Batch:
     batched = [{p: o[p] for p in ports if p not in shared} for o in outs]
     if not batched[0]:
         return extra
-    merged = merge(batched, [rows for rows, _ in pieces], (), st.pad_values, st.left_pad)
+    merged = merge(batched, [rows for rows, _ in chunks], (), st.pad_values, st.left_pad)
     return {p: merged[p] if p in merged else extra[p] for p in ports}
 
 

@@ -22,7 +22,6 @@ from runtime.sched.batching import (
     sample_costs,
     split,
     take,
-    unfuse,
 )
 
 
@@ -181,7 +180,7 @@ def test_split_then_merge_restores_the_original_order():
     assert merged["texts"] == [f"t{i}" for i in range(10)]
 
 
-def test_fuse_pads_ragged_tensors_right_or_left_and_unfuse_returns_each_request():
+def test_fuse_pads_ragged_tensors_right_or_left_and_its_spans_take_each_request_back():
     a = {
         "response_ids": torch.tensor([[1, 2, 3], [4, 5, 6]]),
         "prompt_ids": torch.tensor([[7, 8]] * 2),
@@ -191,7 +190,7 @@ def test_fuse_pads_ragged_tensors_right_or_left_and_unfuse_returns_each_request(
     assert spans == [(0, 2), (2, 3)]
     assert fused["response_ids"].tolist() == [[1, 2, 3, -1, -1], [4, 5, 6, -1, -1], [9] * 5]
     assert fused["prompt_ids"].tolist() == [[0, 7, 8], [0, 7, 8], [1, 2, 3]]
-    back = unfuse(fused, spans)
+    back = [take(fused, range(a, b)) for a, b in spans]
     assert back[1]["response_ids"].tolist() == [[9] * 5]
     assert back[0]["response_ids"][:, :3].tolist() == a["response_ids"].tolist()
 
@@ -272,3 +271,12 @@ def test_no_sample_is_lost_or_duplicated_under_any_fuse_split_sequence(sizes, op
         assert ids == list(range(total))
         for b in pool:  # rows stay whole: the text and the tensor row of a sample travel together
             assert b["texts"] == [f"t{i}" for i in b["ids"].tolist()]
+
+
+def test_inverse_permutation_puts_each_sample_back():
+    perm = [2, 0, 4, 1, 3]
+    inv = inverse_permutation(perm)
+    assert inv == [1, 3, 0, 4, 2]
+    assert [perm[i] for i in inv] == list(range(5))
+    with pytest.raises(ValueError, match="not a permutation of 0..1"):
+        inverse_permutation([0, 2])

@@ -47,7 +47,7 @@ def test_a_lone_request_waits_the_queue_delay_but_not_longer():
 
     delay = 0.3
     sched = Scheduler(DevicePool.cpu(1))
-    sched.add("echo", echo, policy=BatchPolicy(max_batch_size=8, max_queue_delay_s=delay))
+    sched.add("echo", echo, policy=BatchPolicy(max_batch_size=8), max_queue_delay_s=delay)
     with sched:
         t0 = time.monotonic()
         ticket = sched.submit("echo", ids_batch([5]))
@@ -68,7 +68,7 @@ def test_requests_from_several_producers_fuse_into_one_call_and_come_back_in_ord
         return {"out": inputs["ids"] * 10, "texts": inputs["texts"]}
 
     sched = Scheduler(DevicePool.cpu(1))
-    sched.add("echo", echo, policy=BatchPolicy(max_batch_size=16, max_queue_delay_s=0.5))
+    sched.add("echo", echo, policy=BatchPolicy(max_batch_size=16), max_queue_delay_s=0.5)
     tickets = {}
     with sched:
         producers = [
@@ -97,7 +97,7 @@ def test_a_full_batch_goes_without_waiting_the_delay():
         return {"out": inputs["ids"]}
 
     sched = Scheduler(DevicePool.cpu(1))
-    sched.add("echo", echo, policy=BatchPolicy(max_batch_size=4, max_queue_delay_s=30.0))
+    sched.add("echo", echo, policy=BatchPolicy(max_batch_size=4), max_queue_delay_s=30.0)
     with sched:
         a = sched.submit("echo", ids_batch([0, 1]))
         b = sched.submit("echo", ids_batch([2, 3]))
@@ -157,7 +157,7 @@ def test_early_finishers_reach_the_next_node_before_the_slowest_sample_finishes(
 
     sched = Scheduler(DevicePool.cpu(2))
     sched.add("rollout", rollout, streaming=True, policy=BatchPolicy(splittable=False), devices=[0])
-    sched.add("reward", reward, policy=BatchPolicy(max_queue_delay_s=0.0), devices=[1])
+    sched.add("reward", reward, devices=[1])
     sched.connect("rollout", "reward")
     with sched:
         ticket = sched.submit("rollout", {"length": torch.tensor([3, 1, 9, 2])})
@@ -314,9 +314,9 @@ def test_no_sample_is_lost_or_duplicated_through_fuse_split_and_stream(
         return {"ids": inputs["ids"], "texts": inputs["texts"]}
 
     sched = Scheduler(DevicePool.cpu(2), partition=method)
-    policy = BatchPolicy(max_batch_size=max_bs, max_queue_delay_s=delay)
-    sched.add("src", src, streaming=True, policy=policy)
-    sched.add("dst", dst, policy=policy)
+    policy = BatchPolicy(max_batch_size=max_bs)
+    sched.add("src", src, streaming=True, policy=policy, max_queue_delay_s=delay)
+    sched.add("dst", dst, policy=policy, max_queue_delay_s=delay)
     sched.connect("src", "dst")
     start, tickets = 0, []
     with sched:
