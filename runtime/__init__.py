@@ -1,7 +1,7 @@
 """Executors for yatt-graph plans: in-process (the reference semantics) and ZeroMQ.
 
 The ZeroMQ names load on first use, so that ``import runtime`` stays light and a
-controller process started with ``python -m runtime.zmq.controller`` is not imported twice.
+controller process started with ``python -m runtime.zmq.controller_main`` is not imported twice.
 """
 
 from typing import Any

@@ -231,7 +231,7 @@ def _pull_node_states(executor: Any, graph: Any) -> None:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
-    from runtime.zmq.controller import main as controller_main
+    from runtime.zmq.controller_main import main as controller_main
 
     argv = ["--connect", args.connect, "--index", str(args.index)]
     argv += ["--keys", args.keys] if args.keys else []

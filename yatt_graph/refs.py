@@ -8,11 +8,37 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["import_ref", "load_graph", "load_module", "ref_of"]
+__all__ = ["import_ref", "import_roots", "load_graph", "load_module", "ref_of"]
 
 
 def ref_of(obj: Any) -> str:
-    return f"{obj.__module__}:{obj.__qualname__}"
+    """``"module:qualname"``; for an object of a script run as ``python path/file.py`` (module
+    ``__main__``), ``"/abs/path/file.py:qualname"``, which another process imports by path."""
+    module = obj.__module__
+    if module == "__main__":
+        path = getattr(sys.modules.get("__main__"), "__file__", None)
+        if path:
+            return f"{Path(path).resolve()}:{obj.__qualname__}"
+    return f"{module}:{obj.__qualname__}"
+
+
+def import_roots() -> list[str]:
+    """Folders another process needs on its ``sys.path`` to import the modules loaded here from
+    files outside this process's ``sys.path`` (a graph file named by path, and what it imports
+    from its own folder)."""
+    here = {str(Path(p or ".").resolve()) for p in sys.path}
+    roots: dict[str, None] = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not path or name == "__main__" or not path.endswith(".py"):
+            continue
+        root = Path(path).resolve().parent
+        depth = name.count(".") + (Path(path).name == "__init__.py")
+        for _ in range(depth):
+            root = root.parent
+        if str(root) not in here and "site-packages" not in root.parts:
+            roots[str(root)] = None
+    return list(roots)
 
 
 def import_ref(ref: str) -> Any:

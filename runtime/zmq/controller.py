@@ -1,60 +1,46 @@
-"""A controller process: runs the nodes a plan assigns it, as soon as their inputs arrive.
+"""A controller process: the step engine of the nodes a plan assigns it, plus sockets.
 
-    python -m runtime.zmq.controller --connect ipc:///tmp/yatt-x/driver      # started by the driver
-    yatt-graph controller --connect tcp://HOST:PORT                      # joining from another host
+    python -m runtime.zmq.controller_main --connect ipc:///tmp/yatt-x/driver   # started by the driver
+    yatt-graph controller --connect tcp://HOST:PORT                        # joining from another host
 
-Two threads:
+The nodes run in a :class:`~runtime.engine.engine.StepEngine`, the one the in-process executor
+uses, so both runtimes decide alike what runs when. Around it, two threads:
 
-* the **IO thread** owns the control DEALER to the driver: heartbeats both ways and
-  SHUTDOWN. It watches the node call in progress, and ends the process if the driver goes
-  silent or the parent process dies (a node stuck past SHUTDOWN gets 2 s, then the process
-  exits anyway). What it hears for the compute thread it queues and signals on an
-  ``inproc://`` pair.
+* the **IO thread** (:mod:`runtime.zmq.control_link`) owns the control DEALER to the driver:
+  heartbeats both ways, SHUTDOWN, the watchdog over the node call in progress.
 * the **compute thread** (the main thread) owns the work DEALER to the driver (RUN and
   STATE_* in; READY, STEP_DONE, errors and state out), the PULL that peers push data into
   and a PUSH per peer (DATA and shared-memory RELEASEs out). It waits on those sockets
-  itself, so a RUN or a peer's DATA wakes the thread that acts on it with no hand-off
-  between Python threads (libzmq's own IO thread moves the bytes while a node runs;
-  decoding is zero-copy). It keeps, per step, the inputs that have arrived, and runs a node
-  for step k once the driver allowed step k, the node has finished step k-1, and all of its
-  inputs for step k are in (a delayed edge's input is the producer's value from step
-  k-1-max_staleness, None before that). Among ready nodes the lowest step goes first.
-  Outputs go to local consumers directly and to each remote controller once.
+  itself, so a RUN or a peer's DATA reaches the engine with no hand-off between Python
+  threads (libzmq's own IO thread moves the bytes while a node runs; decoding is zero-copy).
+  The controller is the engine's outbox: an output that another controller reads goes to it
+  once, as DATA.
 
-Faults: the IO thread watches the node call in progress and reports one that runs past its
-``BatchPolicy.timeout_s`` (or the run's ``node_timeout_s``) with the stack it is stuck in;
-between steps the compute thread sends its nodes' state to the driver (STATE_REQUEST) or
-restores it (STATE_LOAD; :mod:`runtime.zmq.controller_state`). A message that does not
+Between steps the compute thread sends its nodes' state to the driver (STATE_REQUEST) or
+restores it (STATE_LOAD), through the engine's ``state``/``restore``. A message that does not
 decode, is over ``max_message_bytes``, names an edge no node here reads, or a step outside
 the window being run is dropped and logged; the run goes on.
 """
 
 from __future__ import annotations
 
-import argparse
-import collections
 import contextlib
 import gc
-import logging
 import os
-import signal
 import socket
 import sys
 import threading
 import time
 import traceback
-import types
-from collections import defaultdict
-from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import zmq
 
+from runtime.engine.engine import StateNotReady, StepEngine
 from runtime.errors import SendError
 from runtime.zmq import messages as m
-from runtime.zmq.controller_state import StateMixin
-from runtime.zmq.controller_streams import StreamingMixin
+from runtime.zmq.control_link import ControlLink, IoFailed, ShutdownRequested, thread_stacks
 from runtime.zmq.keys import is_loopback, load_keys, start_authenticator
 from runtime.zmq.serial import DecodeError, UnsupportedValueError, decode_value, encode_value
 from runtime.zmq.transport import (
@@ -62,22 +48,23 @@ from runtime.zmq.transport import (
     Drops,
     ShmPool,
     ShmReader,
+    advertised_host,
     largest_frame,
     make_socket,
     recv,
     send,
 )
+from yatt_graph import NodeExecutionError
+from yatt_graph.stream import Piece
 
-__all__ = ["Controller", "main"]
-
-_EXIT_GRACE_S = 2.0
+__all__ = ["Controller"]
 
 
 class _Stop(Exception):
     pass
 
 
-class Controller(StreamingMixin, StateMixin):
+class Controller:
     """One controller process. :meth:`serve` runs it to the end and returns an exit code."""
 
     def __init__(
@@ -98,7 +85,7 @@ class Controller(StreamingMixin, StateMixin):
         self.keys = load_keys(keys, "controller") if keys else None
         host = ""
         if not bind and connect.startswith("tcp://"):
-            host = _advertised_host(connect)
+            host = advertised_host(connect)
             if not is_loopback(f"tcp://{host}:0") and not allow_remote:
                 raise ValueError(
                     f"controller: the driver at {connect} is on another host, so this controller's "
@@ -107,6 +94,8 @@ class Controller(StreamingMixin, StateMixin):
                 )
         self.ctx = zmq.Context()
         self.auth = start_authenticator(self.ctx, self.keys) if self.keys is not None else None
+        # Both links to the driver carry no data limit: only the driver talks on them, and
+        # SETUP and checkpoint state may be larger than the data plane's max_message_bytes.
         self.driver = self._driver_socket()
         # The work link: the compute thread's own DEALER to the driver (messages.py). Its
         # identity is random, so that no other peer can claim it, and announced in HELLO.
@@ -127,25 +116,18 @@ class Controller(StreamingMixin, StateMixin):
             )
             self.data_address = f"ipc://{path}"
             self.inbox.bind(self.data_address)
-        self.events: collections.deque[tuple[Any, ...]] = collections.deque()
-        """What the compute thread has still to handle (the IO thread appends and wakes it)."""
-        self._wake_address = f"inproc://wake-{id(self)}"
-        self._wake_rx = self.ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(self._wake_address)
-        self._wake_tx = self.ctx.socket(zmq.PAIR)
-        self._wake_tx.setsockopt(zmq.LINGER, 0)
-        self._wake_tx.connect(self._wake_address)
         self.index = -1
-        self.reported = 0
         self.epoch = 0
-        self.current: tuple[str, int, float, float] | None = None
-        """(node, step, monotonic start, limit_s) of the call in progress, read by the IO thread."""
         self._releases: list[tuple[int, str]] = []
         self.pool: ShmPool | None = None
         self.reader: ShmReader | None = None
-        self._stopped = threading.Event()
+        self.splitter: Any = None
+        self.link: ControlLink | None = None
         self.drops = Drops("controller")
-        self.driver_lost = False
+        self._building = ""
+        self._failed = False
+        self._state_wanted: int | None = None
+        self._longest: dict[str, float] = {}
 
     def _driver_socket(self, identity: bytes | None = None, linger_ms: int = 0) -> zmq.Socket:
         keys = self.keys
@@ -155,7 +137,6 @@ class Controller(StreamingMixin, StateMixin):
             self.connect,
             identity=identity,
             linger_ms=linger_ms,
-            max_message_bytes=self.max_message_bytes,
             curve=keys,
             curve_server_key=keys.driver_public if keys is not None else None,
         )
@@ -171,14 +152,24 @@ class Controller(StreamingMixin, StateMixin):
             self.work_identity,
         )
         send(self.driver, hello)
-        deadline = time.monotonic() + self.startup_timeout_s
+        remote = self.parent_pid is None
+        if remote:
+            print(
+                f"yatt-graph controller: waiting for the driver at {self.connect} (up to "
+                f"{self.startup_timeout_s:.0f}s; start it with `yatt-graph run ... --no-spawn "
+                f"--listen {self.connect}`)",
+                file=sys.stderr,
+                flush=True,
+            )
+        start = time.monotonic()
+        deadline = start + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._parent_gone():
                 return None
             if not self.driver.poll(200):
                 continue
             try:
-                _, kind, msg, _ = recv(self.driver, limit=self.max_message_bytes)
+                _, kind, msg, _ = recv(self.driver)
             except m.ProtocolError as exc:
                 self.drops.drop("the driver link", exc)
                 continue
@@ -193,32 +184,27 @@ class Controller(StreamingMixin, StateMixin):
             if kind is m.Kind.SHUTDOWN:
                 return None
         hint = (
-            " (it uses CURVE keys: do the driver and this controller use the same --keys folder?)"
+            " It uses CURVE keys: do the driver and this controller use the same --keys folder? "
+            "(A driver holding other keys drops this controller's handshake and logs it.)"
             if self.keys is not None
-            else "; if it was started with --keys, pass --keys DIR here too"
+            else " If the driver was started with --keys, pass --keys DIR here too."
             if self.connect.startswith("tcp://")
             else ""
         )
         print(
-            f"yatt-graph controller: no SETUP from the driver at {self.connect} within "
-            f"{self.startup_timeout_s:.0f}s; is the driver running?{hint}",
+            f"yatt-graph controller: error: no SETUP from the driver at {self.connect} within "
+            f"{self.startup_timeout_s:.0f}s (--startup-timeout); is the driver running and "
+            f"listening there?{hint}",
             file=sys.stderr,
         )
         return None
 
     def _setup(self, setup: m.Setup) -> None:
-        from runtime.engine.local import run_node
-
-        self.run_node = run_node
         self.index = setup.controller
         self._data_where = f"controller {self.index}'s data socket"
-        self.lag = 1 + setup.max_staleness
-        self.pipeline_depth = max(1, setup.pipeline_depth)
         if setup.max_message_bytes:
             self.max_message_bytes = setup.max_message_bytes
             self.inbox.setsockopt(zmq.MAXMSGSIZE, setup.max_message_bytes)  # peers connect later
-        self.heartbeat_interval_s = setup.heartbeat_interval_s
-        self.heartbeat_timeout_s = setup.heartbeat_timeout_s
         if setup.num_threads > 0:
             import torch
 
@@ -226,318 +212,87 @@ class Controller(StreamingMixin, StateMixin):
         if setup.shm_threshold > 0 and setup.run_id and os.path.isdir("/dev/shm"):
             self.pool = ShmPool(setup.run_id, self.index, setup.shm_threshold)
             self.reader = ShmReader(setup.run_id, self._queue_release)
-        self.nodes, self.edges, self.outputs = self._build(setup)
+        nodes, edges, outputs, assignment = self._build(setup)
         from runtime.sched.splitting import NodeSplitter, device_pool
 
         pool = device_pool({0: None, -1: "auto"}.get(setup.devices, setup.devices))
-        self.splitter = NodeSplitter(self.nodes, pool) if pool is not None else None
-        self.order = [n for n in setup.order if n in self.nodes]
-        self.limits = {
-            name: node.batch_policy.timeout_s or setup.node_timeout_s
-            for name, node in self.nodes.items()
+        self.splitter = NodeSplitter(nodes, pool) if pool is not None else None
+        limits = {
+            n: node.batch_policy.timeout_s or setup.node_timeout_s for n, node in nodes.items()
         }
+        self.engine = StepEngine(
+            nodes,
+            edges,
+            outputs,
+            setup.order,
+            assignment,
+            here=self.index,
+            max_staleness=setup.max_staleness,
+            window=setup.pipeline_depth,
+            outbox=self,
+            splitter=self.splitter,
+            check_finite=setup.check_finite,
+            limits=limits,
+        )
+        for name in self.engine.order:  # build each node's models here, in the plan's order
+            self._building = name
+            setup_node = getattr(nodes[name], "setup", None)
+            if setup_node is not None:
+                setup_node()
+        self._building = ""
         # One PUSH per peer, the compute thread's: DATA and shared-memory RELEASEs.
-        self.out_peers: dict[int, zmq.Socket] = {}
         keys = self.keys
         peer_key = keys.controller_public if keys is not None else None
-        for c, address in enumerate(setup.peers):
-            if c != self.index:
-                self.out_peers[c] = make_socket(
-                    self.ctx,
-                    zmq.PUSH,
-                    address,
-                    linger_ms=2000,
-                    curve=keys,
-                    curve_server_key=peer_key,
-                )
-        self.in_edges: dict[str, list[Any]] = {n: [] for n in self.nodes}
-        self.local_out: dict[tuple[str, str], list[Any]] = defaultdict(list)
-        self.remote_out: dict[tuple[str, str], list[int]] = defaultdict(list)
-        self.remote_in: dict[tuple[str, str], list[Any]] = defaultdict(list)
-        for e in self.edges:
-            dst_here, src_here = e.dst in self.nodes, e.src in self.nodes
-            if dst_here:
-                self.in_edges[e.dst].append(e)
-            if src_here and dst_here:
-                self.local_out[(e.src, e.src_port)].append(e)
-            elif dst_here:
-                self.remote_in[(e.src, e.src_port)].append(e)
-            elif src_here:
-                c = self.assignment[e.dst]
-                if c not in self.remote_out[(e.src, e.src_port)]:
-                    self.remote_out[(e.src, e.src_port)].append(c)
-        self.graph_outputs = {
-            k: (h.node, h.port) for k, h in self.outputs.items() if h.node in self.nodes
+        self.out_peers = {
+            c: make_socket(
+                self.ctx, zmq.PUSH, address, linger_ms=2000, curve=keys, curve_server_key=peer_key
+            )
+            for c, address in enumerate(setup.peers)
+            if c != self.index
         }
-        self.delayed_in = [e for e in self.edges if e.delay and e.dst in self.nodes]
-        self._setup_streams()
 
-    def _build(self, setup: m.Setup) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
+    def _build(self, setup: m.Setup) -> tuple[dict[str, Any], list[Any], dict[str, Any], dict]:
+        """This controller's nodes (constructed, not yet set up), the edges, outputs and assignment."""
         from yatt_graph.serialize import PlanSpec, build_node
 
         if setup.plan_json:
             spec = msgspec.json.decode(setup.plan_json, type=PlanSpec)
-            self.assignment = dict(spec.assignment)
+            assignment = dict(spec.assignment)
             specs = {ns.name: ns for ns in spec.graph.nodes}
             nodes = {}
             for name in setup.order:
-                if self.assignment[name] == setup.controller:
+                if assignment[name] == setup.controller:
                     self._building = name
                     nodes[name] = build_node(specs[name])
-            return nodes, list(spec.graph.edges), dict(spec.graph.outputs)
+            self._building = ""
+            return nodes, list(spec.graph.edges), dict(spec.graph.outputs), assignment
         from yatt_graph.refs import load_graph
 
-        self.assignment = dict(setup.assignment)
-        self._building = ""
+        assignment = dict(setup.assignment)
         graph = load_graph(setup.graph_ref, **msgspec.json.decode(setup.graph_options_json))
         digest = graph.wiring_digest()
-        if setup.digest and digest != setup.digest or set(graph.nodes) != set(self.assignment):
+        if setup.digest and digest != setup.digest or set(graph.nodes) != set(assignment):
             raise RuntimeError(
                 f"the graph rebuilt from {setup.graph_ref!r} here is wired differently from the driver's "
-                f"(nodes {sorted(graph.nodes)} vs {sorted(self.assignment)}); pass the same graph_options "
+                f"(nodes {sorted(graph.nodes)} vs {sorted(assignment)}); pass the same graph_options "
                 "and run the same code on every host"
             )
-        nodes = {n: graph.nodes[n] for n in setup.order if self.assignment[n] == setup.controller}
-        return nodes, graph.edges, dict(graph.graph_outputs)
+        nodes = {n: graph.nodes[n] for n in setup.order if assignment[n] == setup.controller}
+        return nodes, graph.edges, dict(graph.graph_outputs), assignment
 
-    # --- the IO thread ----------------------------------------------------------------------
-    def _queue_release(self, owner: int, name: str) -> None:
-        self._releases.append((owner, name))
+    # --- the engine's outbox ----------------------------------------------------------------
+    def value(self, step: int, src: str, port: str, value: Any, dests: list[int]) -> None:
+        self._send_data(step, src, port, value, dests)
 
-    def _post(self, event: tuple[Any, ...]) -> None:
-        """From the IO thread: queue an event for the compute thread and wake it."""
-        self.events.append(event)
-        with contextlib.suppress(zmq.ZMQError):  # a full pipe: it is awake already
-            self._wake_tx.send(b"", zmq.NOBLOCK)
+    def piece(
+        self, step: int, src: str, port: str, index: int, piece: Piece, dests: list[int]
+    ) -> None:
+        self._send_data(step, src, port, piece.outputs[port], dests, index, piece.rows, piece.size)
 
-    def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.driver, zmq.POLLIN)
-        next_beat = 0.0
-        last_driver = time.monotonic()
-        exit_by: float | None = (
-            None  # after SHUTDOWN or a lost driver: the compute thread's deadline
-        )
-        timed_out: Any = None
-        try:
-            while not self._stopped.is_set():
-                now = time.monotonic()
-                if exit_by is not None and now > exit_by:
-                    self._close_resources(destroy=False)
-                    os._exit(0)  # the compute thread is stuck in a node; nobody waits for it
-                current = self.current
-                if current is not None and current is not timed_out and exit_by is None:
-                    name, step, t0, limit = current
-                    if limit > 0 and now - t0 > limit:
-                        timed_out = current
-                        self._report_timeout(name, step, now - t0, limit)
-                if now >= next_beat:
-                    next_beat = now + self.heartbeat_interval_s
-                    if exit_by is None:
-                        send(self.driver, self._heartbeat(now))
-                        why = None
-                        if now - last_driver > self.heartbeat_timeout_s:
-                            why = f"the driver has been silent for {now - last_driver:.1f}s"
-                        elif self._parent_gone():
-                            why = "the driver process is gone"
-                        if why:
-                            print(
-                                f"yatt-graph controller {self.index}: {why}; exiting",
-                                file=sys.stderr,
-                            )
-                            self.driver_lost = True  # nobody to say GOODBYE to: no linger
-                            self._post(("shutdown", why))
-                            exit_by = now + _EXIT_GRACE_S
-                if poller.poll(max(1, min(100, int((next_beat - now) * 1000)))):
-                    last_driver = time.monotonic()
-                    if self._receive_control(self.driver, self._post):
-                        exit_by = time.monotonic() + _EXIT_GRACE_S
-        except Exception:
-            self._post(("io_error", traceback.format_exc()))
-
-    def _heartbeat(self, now: float) -> m.Heartbeat:
-        current = self.current
-        if current is None:
-            return m.Heartbeat(self.index, self.reported)
-        name, step, t0, _ = current
-        return m.Heartbeat(self.index, self.reported, name, now - t0, step)
-
-    def _report_timeout(self, name: str, step: int, seconds: float, limit: float) -> None:
-        """Tell the driver a node call ran past its limit, with the stack it is stuck in."""
-        frames = sys._current_frames()
-        frame = frames.get(self._compute_ident)
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
-        if self.splitter is not None and name in self.splitter.split_nodes:
-            # The compute thread only waits for the micro-batches: show the device workers too.
-            for t in threading.enumerate():
-                worker = frames.get(t.ident or -1)
-                if t.name.startswith(("yatt-cpu", "yatt-cuda")) and worker is not None:
-                    stack += f"--- device worker {t.name} ---\n"
-                    stack += "".join(traceback.format_stack(worker))
-        own = self.nodes[name].batch_policy.timeout_s
-        source = "its BatchPolicy.timeout_s" if own else "the run's node_timeout_s"
-        message = (
-            f"node {name!r} ({type(self.nodes[name]).__name__}) on controller {self.index} has run "
-            f"step {step} for {seconds:.1f}s, over {source} of {limit:g}s; the run was stopped. "
-            "It is hung (a deadlock, a stuck collective, an endless generate) or needs more time: "
-            "raise BatchPolicy(timeout_s=...) on the node, or --node-timeout / node_timeout_s"
-        )
-        if stack:
-            message += f"\n--- where node {name!r} was, on controller {self.index} ---\n{stack}"
-        send(
-            self.driver, m.Error(self.index, message, name, step, stack, "timeout", seconds, limit)
-        )
-
-    def _receive_control(self, sock: zmq.Socket, post: Any) -> bool:
-        """One message from the driver (on either link) handed to ``post``; True for SHUTDOWN."""
-        try:
-            _, kind, msg, value = recv(sock, limit=self.max_message_bytes)
-        except m.ProtocolError as exc:
-            self.drops.drop("the driver link", exc)
-            return False
-        if kind is m.Kind.SHUTDOWN:
-            post(("shutdown", msg.reason))
-            return True
-        if kind is m.Kind.RUN:
-            post(("run", msg.until))
-        elif kind is m.Kind.STATE_REQUEST:
-            post(("state_request", msg.step))
-        elif kind is m.Kind.STATE_LOAD:
-            try:
-                state = decode_value(value, where=f"the state sent to controller {self.index}")
-            except DecodeError as exc:
-                post(("bad_state", str(exc)))
-            else:
-                post(("state_load", msg, state))
-        elif kind is not m.Kind.HEARTBEAT:
-            self.drops.drop(
-                "the driver link", f"a {kind.name} message, which the driver does not send"
-            )
-        return False
-
-    def _send_releases(self) -> None:
-        while self._releases:
-            owner, name = self._releases.pop()
-            if owner == self.index and self.pool is not None:
-                self.pool.release(name)
-            elif owner in self.out_peers:
-                send(self.out_peers[owner], m.Release(name))
-
-    def _receive_data(self, sock: zmq.Socket) -> None:
-        """One message from a peer."""
-        where = self._data_where
-        try:
-            _, kind, msg, value = recv(sock, limit=self.max_message_bytes)
-        except m.ProtocolError as exc:
-            self.drops.drop(where, exc)
-            return
-        if kind is m.Kind.RELEASE:
-            if self.pool is not None:
-                self.pool.release(msg.segment)
-            return
-        if kind is not m.Kind.DATA:
-            self.drops.drop(where, f"a {kind.name} message, which peers do not send")
-            return
-        if (msg.src, msg.port) not in self.remote_in:
-            self.drops.drop(where, f"data for {msg.src}.{msg.port}, which no node here reads")
-            return
-        if msg.epoch != self.epoch:
-            if msg.epoch > self.epoch:
-                self.drops.drop(
-                    where, f"data of epoch {msg.epoch}; this controller is at {self.epoch}"
-                )
-            return  # sent before the last restore: stale by design, dropped quietly
-        if msg.end:
-            self.events.append(("end", msg.step, msg.src, msg.port, msg.piece, msg.epoch))
-            return
-        try:
-            decoded = decode_value(value, where="", shm=self.reader)
-        except DecodeError as exc:
-            what = f"data {msg.src}.{msg.port} of step {msg.step} from controller {msg.sender}"
-            self.events.append(("bad_data", msg, f"{what}{exc}"))
-            return
-        if msg.piece >= 0:
-            self.events.append(
-                ("piece", msg.step, msg.src, msg.port, msg.piece, msg.rows, decoded)
-                + (None if msg.size < 0 else msg.size, msg.epoch)
-            )
-            return
-        self.events.append(("data", msg.step, msg.src, msg.port, decoded, msg.epoch))
-
-    def _parent_gone(self) -> bool:
-        return self.parent_pid is not None and os.getppid() != self.parent_pid
-
-    # --- the compute thread -----------------------------------------------------------------
-    def _send(self, dest: int, msg: Any, value: list[Any] | None = None) -> None:
-        """To controller ``dest``'s data socket."""
-        send(self.out_peers[dest], msg, value)
-
-    def _to_driver(self, msg: Any, value: list[Any] | None = None) -> None:
-        """On the work link: READY, STEP_DONE, errors, state replies, GOODBYE."""
-        send(self.work, msg, value)
-
-    def _ready(self, name: str) -> bool:
-        step = self.next_step[name]
-        if step >= self.until:
-            return False
-        have = self.pending.get((step, name), {})
-        for e in self.in_edges[name]:
-            if e.dst_port in have:
-                continue
-            if e.delay and step < self.lag:
-                continue
-            return bool(self.book) and self._stream_ready(name, step)
-        return True
-
-    def _run_one(self) -> bool:
-        """Run the ready node with the lowest (step, topological index); False if none is ready."""
-        best = None
-        for name in self.order:
-            if self._ready(name) and (best is None or self.next_step[name] < self.next_step[best]):
-                best = name
-        if best is None:
-            return False
-        step = self.next_step[best]
-        consumer = self.consumers.get((step, best))
-        if consumer is not None:
-            self._run_piece(best, step, consumer)
-            return True
-        inputs = self.pending.pop((step, best), {})
-        for e in self.in_edges[best]:
-            inputs.setdefault(e.dst_port, None)
-        self.starts[step][best] = time.time()
-        t0 = time.perf_counter()
-        self.current = (best, step, time.monotonic(), self.limits[best])
-        streaming = self.nodes[best].streaming
-        try:
-            if streaming:
-                out = self._run_stream(best, step, inputs)
-            else:
-                out = self.run_node(self.shim.nodes[best], inputs, step, self.index, self.splitter)
-        finally:
-            self.current = None
-        self.seconds[step][best] = time.perf_counter() - t0
-        self._finish(best, step, out, streaming)
-        return True
-
-    def _finish(self, best: str, step: int, out: dict[str, Any], streamed: bool = False) -> None:
-        """A node's call for ``step`` is done: hand its outputs on (those of a streaming node
-        went as pieces, except along delayed edges, which get the joined value)."""
-        self.next_step[best] = step + 1
-        for port, value in out.items():
-            for e in self.local_out.get((best, port), ()):
-                if streamed and not e.delay:
-                    continue
-                target = step + (self.lag if e.delay else 0)
-                self.pending.setdefault((target, e.dst), {})[e.dst_port] = value
-            dests = self.remote_out.get((best, port))
-            if dests and not streamed:
-                self._send_data(step, best, port, value, dests)
-        for key, (node, port) in self.graph_outputs.items():
-            if node == best:
-                self.step_outputs[step][key] = out[port]
-        if self.book:
-            self._prune_streams()
+    def end(self, step: int, src: str, port: str, count: int, dests: list[int]) -> None:
+        header = m.Data(step, src, port, self.index, self.epoch, count, end=True)
+        for c in dests:
+            send(self.out_peers[c], header)
 
     def _send_data(
         self,
@@ -564,17 +319,11 @@ class Controller(StreamingMixin, StateMixin):
             raise SendError(src, step, f"{where()}{exc}") from None
         self._check_size(frames, where, src, step)
         header = m.Data(
-            step,
-            src,
-            port,
-            self.index,
-            self.epoch,
-            piece,
-            rows or [],
+            step, src, port, self.index, self.epoch, piece, rows or [],
             size=-1 if size is None else size,
-        )
+        )  # fmt: skip
         for c in dests:
-            self._send(c, header, frames)
+            send(self.out_peers[c], header, frames)
 
     def _check_size(self, frames: list[Any], where: Any, node: str, step: int) -> None:
         """``where()`` names the value, for the error."""
@@ -588,64 +337,179 @@ class Controller(StreamingMixin, StateMixin):
                 "yatt-graph run --max-message-mb) or send less",
             )
 
-    def _report_done_steps(self) -> None:
-        while self.reported < self.until and min(self.next_step.values()) > self.reported:
-            step = self.reported
-            outputs = self.step_outputs.pop(step, {})
+    # --- what arrives -----------------------------------------------------------------------
+    def _on_data(self, sock: zmq.Socket) -> None:
+        """One message from a peer, handed to the engine (or dropped, and logged)."""
+        where = self._data_where
+        try:
+            _, kind, msg, value = recv(sock, limit=self.max_message_bytes)
+        except m.ProtocolError as exc:
+            self.drops.drop(where, exc)
+            return
+        if kind is m.Kind.RELEASE:
+            if self.pool is not None:
+                self.pool.release(msg.segment)
+            return
+        if kind is not m.Kind.DATA:
+            self.drops.drop(where, f"a {kind.name} message, which peers do not send")
+            return
+        if not self.engine.reads(msg.src, msg.port):
+            self.drops.drop(where, f"data for {msg.src}.{msg.port}, which no node here reads")
+            return
+        if msg.epoch != self.epoch:
+            if msg.epoch > self.epoch:
+                self.drops.drop(
+                    where, f"data of epoch {msg.epoch}; this controller is at {self.epoch}"
+                )
+            return  # sent before the last restore: stale by design, dropped quietly
+        if msg.end:
+            dropped = self.engine.end_stream(msg.step, msg.src, msg.port, msg.piece)
+        else:
+            try:
+                decoded = decode_value(value, where="", shm=self.reader)
+            except DecodeError as exc:
+                what = f"data {msg.src}.{msg.port} of step {msg.step} from controller {msg.sender}"
+                self._to_driver(m.Error(self.index, f"{what}{exc}", msg.src, msg.step, during="io"))
+                self._failed = True
+                return
+            if msg.piece >= 0:
+                size = None if msg.size < 0 else msg.size
+                piece = Piece(msg.rows, {msg.port: decoded}, size)
+                dropped = self.engine.deliver_piece(msg.step, msg.src, msg.port, msg.piece, piece)
+            else:
+                dropped = self.engine.deliver(msg.step, msg.src, msg.port, decoded)
+        for why in dropped:
+            self.drops.drop(where, why)
+
+    def _on_work(self, sock: zmq.Socket) -> None:
+        """One message on the work link: RUN, STATE_REQUEST or STATE_LOAD."""
+        try:
+            _, kind, msg, value = recv(sock)
+        except m.ProtocolError as exc:
+            self.drops.drop("the driver link", exc)
+            return
+        if kind is m.Kind.RUN:
+            self.engine.allow(msg.until)
+        elif kind is m.Kind.STATE_REQUEST:
+            self._state_wanted = msg.step
+        elif kind is m.Kind.STATE_LOAD:
+            if self._failed:
+                return
+            try:
+                state = decode_value(value, where=f"the state sent to controller {self.index}")
+            except DecodeError as exc:
+                self._to_driver(m.Error(self.index, str(exc), during="io"))
+                self._failed = True
+                return
+            self.engine.restore(msg.step, state)
+            self.epoch = msg.epoch
+            self._to_driver(m.StateLoaded(self.index, msg.step))
+        elif kind is m.Kind.SHUTDOWN:
+            raise _Stop
+        elif kind is not m.Kind.HEARTBEAT:
+            self.drops.drop("the driver link", f"a {kind.name} message on the work link")
+
+    def _queue_release(self, owner: int, name: str) -> None:
+        self._releases.append((owner, name))
+
+    def _send_releases(self) -> None:
+        while self._releases:
+            owner, name = self._releases.pop()
+            if owner == self.index and self.pool is not None:
+                self.pool.release(name)
+            elif owner in self.out_peers:
+                send(self.out_peers[owner], m.Release(name))
+
+    def _parent_gone(self) -> bool:
+        return self.parent_pid is not None and os.getppid() != self.parent_pid
+
+    # --- the compute thread -----------------------------------------------------------------
+    def _to_driver(self, msg: Any, value: list[Any] | None = None) -> None:
+        """On the work link: READY, STEP_DONE, errors, state replies, GOODBYE."""
+        send(self.work, msg, value)
+
+    def _report_finished(self) -> None:
+        for result in self.engine.finished():
+            step, outputs = result.step, result.outputs
+            for name, seconds in result.node_seconds.items():
+                self._longest[name] = max(seconds, self._longest.get(name, 0.0))
 
             def where(outputs: dict[str, Any] = outputs) -> str:  # only for errors: hot path
                 return f"graph outputs {sorted(outputs)} of controller {self.index}"
 
-            node = next(iter(self.graph_outputs.values()), ("", ""))[0]
+            node = next(iter(self.engine.graph_outputs.values()), ("", ""))[0]
             try:
                 frames = encode_value(outputs, where="")
             except UnsupportedValueError as exc:
                 raise SendError(node, step, f"{where()}{exc}") from None
             self._check_size(frames, where, node, step)
             self._to_driver(
-                m.StepDone(self.index, step, self.seconds.pop(step, {}), self.starts.pop(step, {})),
-                frames,
+                m.StepDone(self.index, step, result.node_seconds, result.node_start), frames
             )
-            self.reported += 1
 
-    def _compute_loop(self) -> None:
-        self.shim = types.SimpleNamespace(nodes=self.nodes)
-        self.next_step = dict.fromkeys(self.order, 0)
-        self.pending: dict[tuple[int, str], dict[str, Any]] = {}
-        self.seconds: dict[int, dict[str, float]] = defaultdict(dict)
-        self.starts: dict[int, dict[str, float]] = defaultdict(dict)
-        self.step_outputs: dict[int, dict[str, Any]] = defaultdict(dict)
-        self.until = 0
-        self._failed = False
-        self._state_wanted: int | None = None
-        self._compute_ident = threading.get_ident()
+    def _send_state(self) -> None:
+        """Answer a STATE_REQUEST once the engine has every value its state holds."""
+        step = self._state_wanted
+        assert step is not None
+        try:
+            state = self.engine.state(step)
+        except StateNotReady:
+            return  # still finishing the step before
+        if state is None:
+            return  # a peer's delayed value is still on its way
+        self._state_wanted = None
+        where = f"the state of controller {self.index}"
+        try:
+            frames = encode_value(state, where=where, any_keys=True)
+        except UnsupportedValueError as exc:
+            bad = next((n for n in state["nodes"] if f"['nodes'][{n!r}]" in str(exc)), "")
+            raise SendError(
+                bad, step, f"{exc}; a checkpoint of a ZeroMQ run needs node state that the wire "
+                "carries (tensors, numbers, strings, lists, tuples, dicts)", "state",
+            ) from None  # fmt: skip
+        first = next(iter(state["nodes"]), "")
+        try:
+            self._check_size(frames, lambda: where, first, step)
+        except SendError as exc:
+            raise SendError(exc.node, step, exc.message, "state") from None
+        self._to_driver(m.StateReply(self.index, step), frames)
+
+    def _loop(self) -> None:
+        assert self.link is not None
         poller = zmq.Poller()
-        for sock in (self.work, self.inbox, self._wake_rx):
+        for sock in (self.work, self.inbox, self.link.wake):
             poller.register(sock, zmq.POLLIN)
         while True:
             ran = False
             if not self._failed:
                 try:
-                    ran = self._run_one()
-                    self._report_done_steps()
+                    ran = self.engine.run_one()
+                    self._report_finished()
                 except Exception as exc:
                     self._fail(exc)
             self._send_releases()
-            if not self.events:
-                try:
-                    self._receive(poller, 0 if ran else 500)
-                except Exception as exc:  # a receive that broke: tell the driver, once
-                    if not self._failed:
-                        self._fail(exc)
-                    time.sleep(0.05)
-            while self.events:
-                try:
-                    self._handle(self.events.popleft())
-                except _Stop:
+            try:
+                self._receive(poller, 0 if ran else 500)
+            except _Stop:
+                return
+            except Exception as exc:  # a receive that broke: tell the driver, once
+                if not self._failed:
+                    self._fail(exc)
+                time.sleep(0.05)
+            while self.link.events:
+                event = self.link.events.popleft()
+                if isinstance(event, IoFailed):
+                    # Nothing reaches the driver any more: its heartbeat check reports us.
+                    print(
+                        f"yatt-graph controller {self.index}: IO thread failed:\n{event.traceback}",
+                        file=sys.stderr,
+                    )
+                    return
+                if isinstance(event, ShutdownRequested):
                     return
             if not self._failed:
                 try:
-                    self._report_done_steps()
+                    self._report_finished()
                     if self._state_wanted is not None:
                         self._send_state()
                 except Exception as exc:
@@ -657,85 +521,31 @@ class Controller(StreamingMixin, StateMixin):
         # poll(0) takes the rest): cheaper than reading on until zmq.Again.
         for sock, _ in poller.poll(timeout_ms):
             if sock is self.inbox:
-                self._receive_data(sock)
+                self._on_data(sock)
             elif sock is self.work:
-                self._receive_control(sock, self.events.append)
+                try:
+                    self._on_work(sock)
+                except _Stop:
+                    raise
+                except Exception as exc:
+                    self._fail(exc)
             else:
                 sock.recv()
 
     def _fail(self, exc: BaseException) -> None:
         """Tell the driver, then wait for SHUTDOWN (the driver stops the whole run)."""
-        from yatt_graph import NodeExecutionError
-
         self._failed = True
         if isinstance(exc, NodeExecutionError):
-            error = m.Error(
-                self.index,
-                str(exc),
-                exc.node,
-                int(exc.context.get("step", -1)),
-                exc.remote_traceback,
-            )
+            step = int(exc.context.get("step", -1))
+            during = str(exc.context.get("during", "step"))
+            error = m.Error(self.index, str(exc), exc.node, step, exc.remote_traceback, during)
         elif isinstance(exc, SendError):
-            error = m.Error(
-                self.index, exc.message, exc.node, exc.step, traceback.format_exc(), exc.during
-            )
+            tb = traceback.format_exc()
+            error = m.Error(self.index, exc.message, exc.node, exc.step, tb, exc.during)
         else:
-            error = m.Error(
-                self.index,
-                f"{type(exc).__name__}: {exc}",
-                traceback=traceback.format_exc(),
-                during="io",
-            )
+            text = f"{type(exc).__name__}: {exc}"
+            error = m.Error(self.index, text, traceback=traceback.format_exc(), during="io")
         self._to_driver(error)
-
-    def _handle(self, event: tuple[Any, ...]) -> None:
-        kind = event[0]
-        if kind == "data":
-            _, step, src, port, value, epoch = event
-            if epoch != self.epoch:
-                return  # queued before the last restore
-            for e in self.remote_in.get((src, port), ()):
-                target = step + (self.lag if e.delay else 0)
-                horizon = self.until + self.lag + 2 * self.pipeline_depth
-                slot = self.pending.setdefault((target, e.dst), {})
-                if not self.next_step[e.dst] <= target < horizon or e.dst_port in slot:
-                    why = "a second copy" if e.dst_port in slot else "outside the steps being run"
-                    self.drops.drop(
-                        f"controller {self.index}'s data socket",
-                        f"data {src}.{port} of step {step} for {e.dst}.{e.dst_port}: {why}",
-                    )
-                    if not slot:
-                        del self.pending[(target, e.dst)]
-                    continue
-                slot[e.dst_port] = value
-        elif kind in ("piece", "end"):
-            self._handle_stream(event)
-        elif kind == "run":
-            self.until = max(self.until, event[1])
-        elif kind == "shutdown":
-            raise _Stop
-        elif kind == "state_request":
-            self._state_wanted = event[1]
-        elif kind == "state_load":
-            if not self._failed:
-                try:
-                    self._load_state(event[1], event[2])
-                except Exception as exc:
-                    self._fail(exc)
-        elif kind in ("bad_data", "bad_state"):
-            msg = event[1] if kind == "bad_data" else None
-            text = event[-1]
-            node, step = (msg.src, msg.step) if msg is not None else ("", -1)
-            self._to_driver(m.Error(self.index, text, node, step, during="io"))
-            self._failed = True
-        elif kind == "io_error":
-            # The IO thread is gone, so nothing reaches the driver: its heartbeat check reports us.
-            print(
-                f"yatt-graph controller {self.index}: IO thread failed:\n{event[1]}",
-                file=sys.stderr,
-            )
-            raise _Stop
 
     # --- the whole life ---------------------------------------------------------------------
     def serve(self) -> int:
@@ -746,40 +556,58 @@ class Controller(StreamingMixin, StateMixin):
             try:
                 self._setup(setup)
             except Exception as exc:
-                node = getattr(self, "_building", "")
-                text = f"controller {setup.controller} could not build its nodes: {type(exc).__name__}: {exc}"
-                if node:
-                    text = f"node {node!r} could not be built on controller {setup.controller}: {type(exc).__name__}: {exc}"
-                send(
-                    self.driver,
-                    m.Error(setup.controller, text, node, -1, traceback.format_exc(), "setup"),
-                )
+                self._report_setup_error(setup, exc)
                 self._wait_for_shutdown()
                 return 1
             # Everything built so far (torch, the models) lives as long as the process: keep
             # it out of the cyclic collector's generations, so a collection scans only what
             # the steps allocate.
             gc.freeze()
+            compute = threading.get_ident()
+            splitter = self.splitter
+            nodes = self.engine.nodes
+            self.link = ControlLink(
+                self.ctx, self.driver, self.index, setup,
+                running=lambda: self.engine.running,
+                reported=lambda: self.engine.reported,
+                longest=self._longest.get,
+                stacks=lambda name: thread_stacks(
+                    compute, splitter is not None and name in splitter.split_nodes
+                ),
+                describe=lambda name: type(nodes[name]).__name__,
+                parent_gone=self._parent_gone,
+                on_exit=lambda: self._close_resources(destroy=False),
+                max_message_bytes=0,
+                drops=self.drops,
+            )  # fmt: skip
             # READY on the work link: once the driver has it, its ROUTER can route RUN there.
-            self._to_driver(m.Ready(self.index, list(self.order)))
-            io = threading.Thread(target=self._io_loop, name="yatt-io", daemon=True)
-            io.start()
-            self._compute_loop()
-            self._stopped.set()
-            if not self.driver_lost:
+            self._to_driver(m.Ready(self.index, list(self.engine.order)))
+            self.link.start()
+            self._loop()
+            self.link.stop(timeout_s=0)
+            if not self.link.driver_lost:
                 self._to_driver(m.Goodbye(self.index))
-            io.join(timeout=1.0)
             return 0
         finally:
-            self._stopped.set()
+            if self.link is not None:
+                self.link.stop()
             self._close_resources()
+
+    def _report_setup_error(self, setup: m.Setup, exc: Exception) -> None:
+        node = self._building
+        what = f"{type(exc).__name__}: {exc}"
+        text = f"controller {setup.controller} could not build its nodes: {what}"
+        if node:
+            text = f"node {node!r} could not be built on controller {setup.controller}: {what}"
+        error = m.Error(setup.controller, text, node, -1, traceback.format_exc(), "setup")
+        send(self.driver, error)
 
     def _wait_for_shutdown(self) -> None:
         deadline = time.monotonic() + 60.0
         while time.monotonic() < deadline and not self._parent_gone():
             if self.driver.poll(200):
                 try:
-                    _, kind, _, _ = recv(self.driver, limit=self.max_message_bytes)
+                    _, kind, _, _ = recv(self.driver)
                 except m.ProtocolError as exc:
                     self.drops.drop("the driver link", exc)
                     continue
@@ -787,7 +615,7 @@ class Controller(StreamingMixin, StateMixin):
                     return
 
     def _close_resources(self, destroy: bool = True) -> None:
-        if getattr(self, "splitter", None) is not None:
+        if self.splitter is not None:
             self.splitter.close()
         if self.pool is not None:
             self.pool.close()
@@ -797,93 +625,6 @@ class Controller(StreamingMixin, StateMixin):
             with contextlib.suppress(Exception):
                 self.auth.stop()
         if destroy:  # each socket's own linger: GOODBYE and errors still go out
+            lost = self.link is not None and self.link.driver_lost
             with contextlib.suppress(Exception):
-                self.ctx.destroy(linger=0 if self.driver_lost else None)
-
-
-def _advertised_host(connect: str) -> str:
-    """This host's address as seen from the driver (the interface that routes to it)."""
-    host = connect.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostname()
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="yatt-graph controller", description="run one controller of a ZeroMQ run"
-    )
-    p.add_argument(
-        "--connect", required=True, help="the driver's address, ipc://PATH or tcp://HOST:PORT"
-    )
-    p.add_argument(
-        "--index", type=int, default=-1, help="controller index (default: the driver assigns one)"
-    )
-    p.add_argument("--bind", default=None, help="address of this controller's data socket")
-    p.add_argument(
-        "--parent-pid",
-        type=int,
-        default=None,
-        help="exit when this process is no longer the parent",
-    )
-    p.add_argument(
-        "--spawned",
-        action="store_true",
-        help="started by a local driver: ignore Ctrl-C (the driver stops us)",
-    )
-    p.add_argument("--startup-timeout", type=float, default=120.0)
-    p.add_argument(
-        "--keys", default=None, metavar="DIR", help="CURVE keys from `yatt-graph keys DIR`"
-    )
-    p.add_argument(
-        "--allow-remote",
-        action="store_true",
-        help="let the data socket listen on a non-loopback interface (a driver on another host)",
-    )
-    p.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=DEFAULT_MAX_MESSAGE_BYTES,
-        help="largest frame accepted (the driver's limit applies once it is known)",
-    )
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.spawned:
-        # Ctrl-C in a terminal reaches the whole process group; the driver shuts us down.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(
-        level=logging.WARNING, format=f"yatt-graph controller (pid {os.getpid()}): %(message)s"
-    )
-    try:
-        controller = Controller(
-            args.connect,
-            args.index,
-            args.bind,
-            args.parent_pid,
-            args.startup_timeout,
-            keys=args.keys,
-            allow_remote=args.allow_remote,
-            max_message_bytes=args.max_message_bytes,
-        )
-    except ValueError as exc:  # refused address or keys: say why, no traceback
-        print(f"yatt-graph controller: error: {exc}", file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(2)
-    try:
-        code = controller.serve()
-    except KeyboardInterrupt:
-        code = 130
-    # Everything is closed; skip interpreter teardown (torch's can take most of a second).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+                self.ctx.destroy(linger=0 if lost else None)

@@ -23,6 +23,7 @@ Conversation (driver D, controllers C0..Cn-1)::
     C -> C  RELEASE(segment)                                        a shared-memory slot is free again
     C -> D  STEP_DONE(step, node_seconds) + graph outputs           per controller per step
     C -> D  ERROR(node, step, message, traceback)                   a node raised or timed out
+    C -> D  WARN(node, step, message)                               a node runs far past its usual time
     C <-> D HEARTBEAT                                               both ways, every interval
     D -> C  STATE_REQUEST(step); C -> D STATE_REPLY + state         between steps: checkpoint
     D -> C  STATE_LOAD(step, epoch) + state; C -> D STATE_LOADED    between steps: restore
@@ -67,13 +68,14 @@ __all__ = [
     "StateReply",
     "StateRequest",
     "StepDone",
+    "Warn",
     "MAX_HEADER_BYTES",
     "decode_header",
     "encode_header",
     "hello_protocol",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped on any change to the messages below other than an appended field with a default.
 2: STATE_* messages (checkpoints of a ZeroMQ run), Data.epoch, node timeouts.
 3: the work link: HELLO announces a second DEALER (``work_identity``) that receives RUN and
@@ -81,7 +83,8 @@ STATE_* and sends READY, STEP_DONE, STATE_* replies and GOODBYE; READY lost ``re
 the kind byte and the header share one frame (``head``). A protocol-2 HELLO (kind and header
 in two frames) is still read, so that such a peer is refused with the reason.
 4: streamed outputs: DATA carries ``piece``, ``rows``, ``end`` and ``size`` (a protocol-3 peer
-would take a piece for the whole value)."""
+would take a piece for the whole value).
+5: WARN (a node call far past its usual time, with its stack; the run goes on)."""
 
 MAX_HEADER_BYTES = 16 << 20
 """A header frame (the Struct, not the value frames) larger than this is refused undecoded."""
@@ -106,6 +109,7 @@ class Kind(enum.IntEnum):
     STATE_REPLY = 14
     STATE_LOAD = 15
     STATE_LOADED = 16
+    WARN = 17
 
     @property
     def frame(self) -> bytes:
@@ -192,6 +196,11 @@ class Setup(_Msg):
     devices: int = 0
     """CPU slots that splittable nodes' calls are cut across (runtime.sched.splitting); 0: none,
     -1: ``$YATT_CPU_SLOTS`` or the usable cores."""
+    check_finite: bool = False
+    """Stop at a node whose float tensor output holds NaN/inf (runtime.engine.calls)."""
+    hang_warning_s: float = 0.0
+    """Warn (WARN, with the stack) when a call without a time limit runs this long; 0: when it
+    runs past ``max(60 s, 10 x`` the node's longest earlier call), or 300 s for a first call."""
 
 
 class Ready(_Msg):
@@ -295,6 +304,16 @@ class StateLoaded(_Msg):
     step: int
 
 
+class Warn(_Msg):
+    """Controller -> driver: a node call runs far past its usual time (the stack follows in
+    ``message``); the run goes on."""
+
+    controller: int
+    message: str
+    node: str = ""
+    step: int = -1
+
+
 class Shutdown(_Msg):
     reason: str = ""
 
@@ -320,6 +339,7 @@ _TYPES: dict[Kind, type[_Msg]] = {
     Kind.STATE_REPLY: StateReply,
     Kind.STATE_LOAD: StateLoad,
     Kind.STATE_LOADED: StateLoaded,
+    Kind.WARN: Warn,
 }
 _KIND_OF = {cls: kind for kind, cls in _TYPES.items()}
 _encoder = msgspec.msgpack.Encoder()

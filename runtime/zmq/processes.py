@@ -135,13 +135,17 @@ def spawn_controllers(
     max_message_bytes: int,
     keys_dir: str | None,
 ) -> None:
-    """Start ``python -m runtime.zmq.controller`` for each controller (plain subprocesses: no fork
+    """Start ``python -m runtime.zmq.controller_main`` for each controller (plain subprocesses: no fork
     of a process that has torch loaded), with Ctrl-C ignored in them (the driver stops them).
 
     ``output="capture"`` writes each one's output to ``run_dir/controller-N.log``; ``res``
     keeps the processes, so they are stopped at close whatever happens.
     """
-    paths = [p or os.getcwd() for p in sys.path]
+    from yatt_graph.refs import import_roots
+
+    # The driver's sys.path, then the folders of graph files it loaded by path: a controller
+    # imports the user's graph module and node classes whatever the working folder.
+    paths = [p or os.getcwd() for p in sys.path] + import_roots()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
     if num_threads > 0:
         env.setdefault("OMP_NUM_THREADS", str(num_threads))
@@ -152,7 +156,7 @@ def spawn_controllers(
     try:
         for c in controllers:
             cmd = [
-                sys.executable, "-m", "runtime.zmq.controller", "--connect", address,
+                sys.executable, "-m", "runtime.zmq.controller_main", "--connect", address,
                 "--index", str(c.index), "--bind", f"ipc://{run_dir}/c{c.index}",
                 "--parent-pid", str(os.getpid()), "--spawned",
                 "--startup-timeout", str(startup_timeout_s),

@@ -22,6 +22,7 @@ import glob
 import logging
 import mmap
 import os
+import socket
 import threading
 import weakref
 from typing import Any
@@ -31,6 +32,7 @@ import zmq
 from runtime.zmq.messages import Kind, ProtocolError, decode_header, encode_header
 
 __all__ = [
+    "advertised_host",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "Drops",
     "ShmPool",
@@ -54,6 +56,17 @@ on one host, so only a tensor sent between hosts comes near it. ``max_message_by
 
 log = logging.getLogger("yatt_graph.runtime")
 _MORE = zmq.SNDMORE
+
+
+def advertised_host(connect: str) -> str:
+    """This host's address as seen from a peer at ``connect`` (the interface that routes to it)."""
+    host = connect.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
 
 
 def make_socket(

@@ -182,7 +182,7 @@ def test_a_controller_not_started_by_the_driver_exits_when_the_driver_is_killed(
         [sys.executable, "-c", _DRIVER, address], stdout=subprocess.PIPE, text=True, env=env
     )
     controller = subprocess.Popen(
-        [sys.executable, "-m", "runtime.zmq.controller", "--connect", address, "--index", "0"],
+        [sys.executable, "-m", "runtime.zmq.controller_main", "--connect", address, "--index", "0"],
         env=env,
         stderr=subprocess.PIPE,
         text=True,

@@ -28,6 +28,7 @@ _SAMPLES = [
     m.Heartbeat(1, 3, "a", 0.2, 3),
     m.Shutdown("bye"),
     m.Goodbye(1),
+    m.Warn(0, "node slow has run step 3 for 61.0s", "slow", 3),
     m.StateRequest(4),
     m.StateReply(1, 4),
     m.StateLoad(4, 2),

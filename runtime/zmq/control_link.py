@@ -1,0 +1,249 @@
+"""A controller's IO thread: the control link to the driver, heartbeats, and the watchdog.
+
+The thread owns the control DEALER (heartbeats both ways, SHUTDOWN). It watches the node call
+in progress (the engine's :class:`~runtime.engine.engine.Running`): a call past its time limit
+is reported as an ERROR with the stack it is stuck in (the driver then stops the run); a call
+without a limit that runs far past its usual time gets one WARN with its stack (the run goes
+on). It ends the process if the driver goes silent or the parent process dies, and after
+SHUTDOWN gives a node stuck in a call :data:`EXIT_GRACE_S` before the process exits anyway.
+
+What the compute thread must act on reaches it as a typed event (:class:`ShutdownRequested`,
+:class:`IoFailed`) through :meth:`ControlLink.events` and a wake-up on an ``inproc://`` pair.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from runtime.engine.engine import Running
+from runtime.zmq import messages as m
+from runtime.zmq.transport import Drops, recv, send
+
+__all__ = [
+    "EXIT_GRACE_S",
+    "ControlLink",
+    "IoFailed",
+    "ShutdownRequested",
+    "hang_threshold",
+    "thread_stacks",
+]
+
+EXIT_GRACE_S = 2.0
+"""After SHUTDOWN (or a lost driver), how long a node stuck in a call may delay the exit."""
+
+
+@dataclass(frozen=True)
+class ShutdownRequested:
+    """The driver said SHUTDOWN, or it is gone: stop."""
+
+    reason: str
+    driver_lost: bool = False
+
+
+@dataclass(frozen=True)
+class IoFailed:
+    """The IO thread broke (nothing reaches the driver any more); its traceback."""
+
+    traceback: str
+
+
+def hang_threshold(longest_s: float | None, fixed_s: float = 0.0) -> float:
+    """How long a call without a time limit may run before it is reported as possibly hung:
+    ``fixed_s`` when set, else ``max(60 s, 10 x`` the node's longest earlier call), 300 s for
+    a first call (which may compile or warm caches)."""
+    if fixed_s > 0:
+        return fixed_s
+    return 300.0 if longest_s is None else max(60.0, 10.0 * longest_s)
+
+
+class ControlLink:
+    """The IO thread of a controller (see the module docstring).
+
+    Args:
+        ctx: the process's zmq context; driver: the control DEALER (owned by this thread once
+            :meth:`start` is called).
+        running: returns the call in progress (or None), from the compute thread.
+        longest: node -> its longest finished call so far, in seconds (None before the first).
+        describe: node -> a short description for messages (its class name).
+        stacks: node -> the stack of the compute thread (and its device workers).
+        on_exit: called just before ``os._exit`` when the compute thread does not stop in time.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        driver: zmq.Socket,
+        index: int,
+        setup: m.Setup,
+        *,
+        running: Callable[[], Running | None],
+        reported: Callable[[], int],
+        longest: Callable[[str], float | None],
+        stacks: Callable[[str], str],
+        describe: Callable[[str], str],
+        parent_gone: Callable[[], bool],
+        on_exit: Callable[[], None],
+        max_message_bytes: int,
+        drops: Drops,
+    ):
+        self.driver, self.index, self.setup = driver, index, setup
+        self.running, self.reported, self.longest = running, reported, longest
+        self.stacks, self.describe = stacks, describe
+        self.parent_gone, self.on_exit = parent_gone, on_exit
+        self.max_message_bytes, self.drops = max_message_bytes, drops
+        self.events: collections.deque[ShutdownRequested | IoFailed] = collections.deque()
+        address = f"inproc://wake-{id(self)}"
+        self.wake = ctx.socket(zmq.PAIR)
+        self.wake.bind(address)
+        self._wake_tx = ctx.socket(zmq.PAIR)
+        self._wake_tx.setsockopt(zmq.LINGER, 0)
+        self._wake_tx.connect(address)
+        self.driver_lost = False
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="yatt-io", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout_s)
+
+    def _post(self, event: ShutdownRequested | IoFailed) -> None:
+        self.events.append(event)
+        with contextlib.suppress(zmq.ZMQError):  # a full pipe: it is awake already
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+
+    def _loop(self) -> None:
+        try:
+            self._watch()
+        except Exception:
+            self._post(IoFailed(traceback.format_exc()))
+
+    def _watch(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.driver, zmq.POLLIN)
+        interval, timeout = self.setup.heartbeat_interval_s, self.setup.heartbeat_timeout_s
+        next_beat, last_driver = 0.0, time.monotonic()
+        exit_by: float | None = (
+            None  # after SHUTDOWN or a lost driver: the compute thread's deadline
+        )
+        reported: set[Running] = set()  # calls already reported (timeout or warning)
+        while not self._stopped.is_set():
+            now = time.monotonic()
+            if exit_by is not None and now > exit_by:
+                self.on_exit()
+                os._exit(0)  # the compute thread is stuck in a node; nobody waits for it
+            call = self.running()
+            if call is not None and call not in reported and exit_by is None:
+                self._check_call(call, now, reported)
+            if now >= next_beat:
+                next_beat = now + interval
+                if exit_by is None:
+                    send(self.driver, self._heartbeat(call, now))
+                    why = None
+                    if now - last_driver > timeout:
+                        why = f"the driver has been silent for {now - last_driver:.1f}s"
+                    elif self.parent_gone():
+                        why = "the driver process is gone"
+                    if why:
+                        print(
+                            f"yatt-graph controller {self.index}: {why}; exiting", file=sys.stderr
+                        )
+                        self.driver_lost = True  # nobody to say GOODBYE to: no linger
+                        self._post(ShutdownRequested(why, driver_lost=True))
+                        exit_by = now + EXIT_GRACE_S
+            if poller.poll(max(1, min(100, int((next_beat - now) * 1000)))):
+                last_driver = time.monotonic()
+                if self._receive():
+                    exit_by = time.monotonic() + EXIT_GRACE_S
+
+    def _receive(self) -> bool:
+        """One message on the control link; True for SHUTDOWN."""
+        try:
+            _, kind, msg, _ = recv(self.driver, limit=self.max_message_bytes)
+        except m.ProtocolError as exc:
+            self.drops.drop("the driver link", exc)
+            return False
+        if kind is m.Kind.SHUTDOWN:
+            self._post(ShutdownRequested(msg.reason))
+            return True
+        if kind is not m.Kind.HEARTBEAT:
+            self.drops.drop("the driver link", f"a {kind.name} message on the control link")
+        return False
+
+    def _heartbeat(self, call: Running | None, now: float) -> m.Heartbeat:
+        if call is None:
+            return m.Heartbeat(self.index, self.reported())
+        return m.Heartbeat(self.index, self.reported(), call.node, now - call.started, call.step)
+
+    def _check_call(self, call: Running, now: float, reported: set[Running]) -> None:
+        seconds = now - call.started
+        if call.limit_s > 0:
+            if seconds > call.limit_s:
+                reported.add(call)
+                self._report_timeout(call, seconds)
+            return
+        longest = self.longest(call.node)
+        if seconds > hang_threshold(longest, self.setup.hang_warning_s):
+            reported.add(call)
+            usual = (
+                f"its calls so far took at most {longest:.2f}s"
+                if longest is not None
+                else "it is its first call"
+            )
+            message = (
+                f"node {call.node!r} ({self.describe(call.node)}) on controller {self.index} has "
+                f"run step {call.step} for {seconds:.1f}s ({usual}); it may be hung. The run goes "
+                "on; to stop such a call instead, give the run a limit (yatt-graph run "
+                "--node-timeout SECONDS, or BatchPolicy(timeout_s=...) on the node)"
+            )
+            stack = self.stacks(call.node)
+            if stack:
+                message += (
+                    f"\n--- where node {call.node!r} is, on controller {self.index} ---\n{stack}"
+                )
+            send(self.driver, m.Warn(self.index, message, call.node, call.step))
+
+    def _report_timeout(self, call: Running, seconds: float) -> None:
+        """Tell the driver a node call ran past its limit, with the stack it is stuck in."""
+        name, limit = call.node, call.limit_s
+        stack = self.stacks(name)
+        own = self.setup.node_timeout_s != limit
+        source = "its BatchPolicy.timeout_s" if own else "the run's node_timeout_s"
+        message = (
+            f"node {name!r} ({self.describe(name)}) on controller {self.index} has run "
+            f"step {call.step} for {seconds:.1f}s, over {source} of {limit:g}s; the run was "
+            "stopped. It is hung (a deadlock, a stuck collective, an endless generate) or needs "
+            "more time: raise BatchPolicy(timeout_s=...) on the node, or --node-timeout / "
+            "node_timeout_s"
+        )
+        if stack:
+            message += f"\n--- where node {name!r} was, on controller {self.index} ---\n{stack}"
+        error = m.Error(self.index, message, name, call.step, stack, "timeout", seconds, limit)
+        send(self.driver, error)
+
+
+def thread_stacks(ident: int | None, workers: bool) -> str:
+    """The stack of thread ``ident`` and, with ``workers``, of the device worker threads."""
+    frames = sys._current_frames()
+    frame = frames.get(ident or -1)
+    stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+    if workers:
+        for t in threading.enumerate():
+            worker = frames.get(t.ident or -1)
+            if t.name.startswith(("yatt-cpu", "yatt-cuda")) and worker is not None:
+                stack += f"--- device worker {t.name} ---\n"
+                stack += "".join(traceback.format_stack(worker))
+    return stack

@@ -1,0 +1,102 @@
+"""The controller process's entry point: ``python -m runtime.zmq.controller_main``.
+
+python -m runtime.zmq.controller_main --connect ipc:///tmp/yatt-x/driver   # started by the driver
+yatt-graph controller --connect tcp://HOST:PORT                        # joining from another host
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from runtime.zmq.transport import DEFAULT_MAX_MESSAGE_BYTES
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="yatt-graph controller", description="run one controller of a ZeroMQ run"
+    )
+    p.add_argument(
+        "--connect", required=True, help="the driver's address, ipc://PATH or tcp://HOST:PORT"
+    )
+    p.add_argument(
+        "--index", type=int, default=-1, help="controller index (default: the driver assigns one)"
+    )
+    p.add_argument("--bind", default=None, help="address of this controller's data socket")
+    p.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="exit when this process is no longer the parent",
+    )
+    p.add_argument(
+        "--spawned",
+        action="store_true",
+        help="started by a local driver: ignore Ctrl-C (the driver stops us)",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the driver's SETUP (default 120)",
+    )
+    p.add_argument(
+        "--keys", default=None, metavar="DIR", help="CURVE keys from `yatt-graph keys DIR`"
+    )
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="let the data socket listen on a non-loopback interface (a driver on another host)",
+    )
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="largest data frame accepted from peers (the driver's limit applies once it is known)",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.spawned:
+        # Ctrl-C in a terminal reaches the whole process group; the driver shuts us down.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=logging.WARNING, format=f"yatt-graph controller (pid {os.getpid()}): %(message)s"
+    )
+    from runtime.zmq.controller import Controller
+
+    try:
+        controller = Controller(
+            args.connect,
+            args.index,
+            args.bind,
+            args.parent_pid,
+            args.startup_timeout,
+            keys=args.keys,
+            allow_remote=args.allow_remote,
+            max_message_bytes=args.max_message_bytes,
+        )
+    except ValueError as exc:  # refused address or keys: say why, no traceback
+        print(f"yatt-graph controller: error: {exc}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(2)
+    try:
+        code = controller.serve()
+    except KeyboardInterrupt:
+        code = 130
+    # Everything is closed; skip interpreter teardown (torch's can take most of a second).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
