@@ -21,12 +21,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nodes.models.policy import Policy, PromptBatch, build_policy
+from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
 from nodes.sync import apply_weights, decode_weights
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
+from yatt_graph.node import Built
 
-__all__ = ["Critic", "ReferenceLogprobs", "ValueModel"]
+__all__ = ["Critic", "ReferenceLogprobs", "ValueModel", "build_value_model"]
 
 _INPUTS = {
     "prompt_ids": TensorPort("int64", "B", "P"),
@@ -82,6 +83,7 @@ class ReferenceLogprobs(Node):
     inputs = _INPUTS
     outputs = {"ref_logprobs": TensorPort("float32", "B", "R")}  # noqa: RUF012
     batch_policy = BatchPolicy(max_batch_size=64)
+    policy = Built("the frozen reference policy, built by setup()")
 
     def __init__(
         self,
@@ -97,9 +99,16 @@ class ReferenceLogprobs(Node):
         super().__init__(name, placement=placement, batch_policy=batch_policy)
         if temperature <= 0:
             raise ValueError(f"node {self.name!r}: temperature={temperature}; it must be > 0")
+        if model is None:
+            check_policy_spec(policy)
         self.temperature = float(temperature)
         self.device = torch.device(device)
-        reference = copy.deepcopy(model) if model is not None else build_policy(policy)
+        self.policy_spec = policy
+        # copied now: later training of the live model must not reach the reference
+        self._model = copy.deepcopy(model) if model is not None else None
+
+    def build(self) -> None:
+        reference = self._model if self._model is not None else build_policy(self.policy_spec)
         self.policy = reference.to(self.device).eval().requires_grad_(False)
 
     @torch.no_grad()
@@ -143,6 +152,24 @@ class ValueModel(nn.Module):
         return torch.where(real, values, 0.0)  # (B, R)
 
 
+def build_value_model(
+    critic: str | Mapping[str, Any],
+    *,
+    detach_trunk: bool = False,
+    head_seed: int = 0,
+    device: torch.device | str = "cpu",
+    trunk: Policy | None = None,
+) -> ValueModel:
+    """The value model of a :class:`Critic` (and of :class:`nodes.update.PPOUpdate`'s copy):
+    a trunk from the ``critic`` spec (or the live ``trunk``) and a head seeded with
+    ``head_seed``. The same arguments give the same weights, whatever the global RNG holds."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(head_seed)
+        if trunk is None:
+            trunk = build_policy(critic).to(device)
+        return ValueModel(trunk, detach_trunk=detach_trunk, seed=head_seed)
+
+
 class Critic(Node):
     """``values: float32[B, R]`` from a value head on a policy trunk (0 at padding).
 
@@ -172,6 +199,7 @@ class Critic(Node):
     }
     outputs = {"values": TensorPort("float32", "B", "R")}  # noqa: RUF012
     batch_policy = BatchPolicy(max_batch_size=64)
+    value_model = Built("the ValueModel (trunk and head), built by setup()")
 
     def __init__(
         self,
@@ -186,12 +214,23 @@ class Critic(Node):
         batch_policy: BatchPolicy | None = None,
     ) -> None:
         super().__init__(name, placement=placement, batch_policy=batch_policy)
+        if model is None:
+            check_policy_spec(critic)
         self.device = torch.device(device)
         self.shared = model is not None
-        trunk = model if model is not None else build_policy(critic).to(self.device)
-        self.value_model = ValueModel(trunk, detach_trunk=detach_trunk, seed=head_seed)
+        self.critic_spec, self._model = critic, model
+        self.detach_trunk, self.head_seed = bool(detach_trunk), int(head_seed)
         self.weights_version = 0
         self._last_weights: Any = None
+
+    def build(self) -> None:
+        self.value_model = build_value_model(
+            self.critic_spec,
+            detach_trunk=self.detach_trunk,
+            head_seed=self.head_seed,
+            device=self.device,
+            trunk=self._model,
+        )
 
     def _load(self, weights: Any) -> None:
         """Load a weight-sync payload into the value model (``PPOUpdate``'s ``critic_weights``:

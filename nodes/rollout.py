@@ -24,10 +24,18 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from nodes.models.policy import Generation, HFVisionLanguagePolicy, Policy, PrefixVLM, build_policy
+from nodes.models.policy import (
+    Generation,
+    HFVisionLanguagePolicy,
+    Policy,
+    PrefixVLM,
+    build_policy,
+    check_policy_spec,
+)
 from nodes.sync import decode_weights
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
+from yatt_graph.node import Built
 
 __all__ = ["Rollout", "vllm_unavailable_reason"]
 
@@ -115,6 +123,7 @@ class Rollout(Node):
     batch_policy = BatchPolicy(max_batch_size=64, splittable=False)
     """Not splittable: a call draws from one random stream seeded by the call count, so two
     halves of a batch would not sample what the whole batch samples."""
+    policy = Built("the policy that samples, built from the ``policy`` spec by setup()")
 
     def __init__(
         self,
@@ -158,6 +167,8 @@ class Rollout(Node):
                 f"{recompute_logprobs}, stream_every={stream_every}): a recomputed or vLLM "
                 "batch is only known whole"
             )
+        if model is None:
+            check_policy_spec(policy)
         if backend == "vllm" and (why := vllm_unavailable_reason()):
             raise RuntimeError(f"{where}: backend='vllm' is unavailable: {why}; use backend='hf'")
         self.backend = backend
@@ -174,13 +185,19 @@ class Rollout(Node):
         self.stream, self.stream_every = bool(stream), int(stream_every)
         self.recompute_logprobs = bool(recompute_logprobs) or backend == "vllm"
         self.device = torch.device(device)
-        self.policy = (model if model is not None else build_policy(policy)).to(self.device)
-        self.policy.eval()
+        self.policy_spec = policy
+        self._model = model
         self.step = 0
         self.next_group = 0
         self.weights_version = 0
         self._last_weights: Any = None
-        self._vllm = _VLLMEngine(self, policy) if backend == "vllm" else None
+        self._vllm: _VLLMEngine | None = None
+
+    def build(self) -> None:
+        model = self._model if self._model is not None else build_policy(self.policy_spec)
+        self.policy = model.to(self.device).eval()
+        if self.backend == "vllm":
+            self._vllm = _VLLMEngine(self, self.policy_spec)
 
     # --- inputs ------------------------------------------------------------------------------
     def _check(self, prompts: Any, images: Any, image_embeds: Tensor | None) -> int:

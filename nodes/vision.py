@@ -19,6 +19,7 @@ from torch import Tensor
 
 from yatt_graph import ANY, BatchPolicy, Node
 from yatt_graph import Tensor as TensorPort
+from yatt_graph.node import Built
 
 __all__ = ["TINY_OPEN_CLIP_CFG", "VisionEncoder", "tiny_vision_encoder"]
 
@@ -38,6 +39,9 @@ _CONVERTIBLE_MODES = frozenset({"RGB", "RGBA", "RGBX", "L", "LA", "P", "PA", "CM
 
 class VisionEncoder(Node):
     """PIL images -> ``image_embeds: float32[B, D]`` with an open_clip image tower.
+
+    The constructor checks the options and reads the architecture's config (``embed_dim``,
+    ``image_size``); the tower is built by :meth:`setup`, in the process that runs the node.
 
     Images are preprocessed by the model's own evaluation transforms (resize, center crop,
     normalize). Modes L/LA/P/PA/RGBA/RGBX/CMYK/YCbCr/1 are converted to RGB (alpha dropped);
@@ -59,6 +63,8 @@ class VisionEncoder(Node):
     inputs = {"images": ANY}  # noqa: RUF012 - list[PIL.Image.Image]
     outputs = {"image_embeds": TensorPort("float32", "B", "D")}  # noqa: RUF012
     batch_policy = BatchPolicy(max_batch_size=64)
+    tower = Built("the open_clip image tower (the text tower is dropped)")
+    preprocess = Built("the model's evaluation transforms, PIL image -> float32[3, H, W]")
 
     def __init__(
         self,
@@ -88,27 +94,45 @@ class VisionEncoder(Node):
                 f"node {self.name!r}: unknown open_clip model {model_name!r}; "
                 f"choose one of open_clip.list_models() (e.g. {known[:4]})"
             )
-        overrides = copy.deepcopy(dict(model_cfg or {}))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model, _, preprocess = open_clip.create_model_and_transforms(
-                model_name, pretrained=pretrained, device=device, **overrides
-            )
         self.model_name = model_name
-        self.tower = model.visual  # the text tower is not needed
-        del model
-        self.preprocess = preprocess
-        self.embed_dim = int(self.tower.output_dim)
+        self.pretrained = pretrained
+        self.overrides = copy.deepcopy(dict(model_cfg or {}))
+        # open_clip replaces top-level config keys with the overrides (a shallow update)
+        config = {**open_clip.get_model_config(model_name), **self.overrides}
+        self.embed_dim = int(config["embed_dim"])
+        size = dict(config.get("vision_cfg") or {}).get("image_size", 224)
+        self.image_size = tuple(size) if isinstance(size, tuple | list) else (size, size)
+        self.seed = int(seed)
         self.device = torch.device(device)
         self.trainable = bool(trainable)
         self.normalize = bool(normalize)
-        self.tower.train(self.trainable)
-        self.tower.requires_grad_(self.trainable)
 
-    @property
-    def image_size(self) -> tuple[int, int]:
-        size = self.tower.image_size
-        return tuple(size) if isinstance(size, tuple | list) else (size, size)
+    def build(self) -> None:
+        import open_clip
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            try:
+                model, _, preprocess = open_clip.create_model_and_transforms(
+                    self.model_name,
+                    pretrained=self.pretrained,
+                    device=self.device,
+                    **copy.deepcopy(self.overrides),
+                )
+            except Exception as exc:
+                if self.pretrained is None:
+                    raise
+                why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise ValueError(
+                    f"node {self.name!r}: open_clip weights file {self.pretrained!r} could not be "
+                    f"loaded into {self.model_name!r} ({type(exc).__name__}: {why}); give an "
+                    "open_clip checkpoint of that architecture, or no file for random weights"
+                ) from exc
+        tower = model.visual  # the text tower is not needed
+        del model
+        tower.train(self.trainable)
+        tower.requires_grad_(self.trainable)
+        self.tower, self.preprocess = tower, preprocess
 
     # --- the work ----------------------------------------------------------------------------
     def _to_rgb(self, image: Any, index: int) -> Any:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import inspect
 import re
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -40,7 +41,7 @@ from yatt_graph.errors import NodeInputError, NodeOutputError
 from yatt_graph.stream import Piece, check_piece, join_pieces
 from yatt_graph.types import AnySpec, PortSpec, StructSpec, TensorSpec, spec_of
 
-__all__ = ["BatchPolicy", "Node", "FunctionNode", "Port", "node", "check_value"]
+__all__ = ["BatchPolicy", "Built", "Node", "FunctionNode", "Port", "node", "check_value"]
 
 
 class BatchPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -69,6 +70,44 @@ class Port(msgspec.Struct, frozen=True, omit_defaults=True):
     required: bool = True
     """An input that must be connected (outputs are always required to be produced)."""
     doc: str = ""
+
+
+class Built:
+    """A node attribute that :meth:`Node.build` sets; reading it sets the node up first.
+
+    Declare a node's models, optimizers and tokenizers with it (``policy = Built("the
+    policy")``): a constructed node then holds none of them, and code that reads
+    ``node.policy`` (a test, a notebook, the node's own ``forward``) gets the built one.
+    The value lives in the instance's ``__dict__`` under the same name.
+    """
+
+    def __init__(self, doc: str = "") -> None:
+        self.__doc__ = doc
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        values = obj.__dict__
+        if self.name not in values:
+            if values.get("_building"):
+                raise AttributeError(
+                    f"node {obj.name!r}: build() read {self.name!r} before setting it"
+                )
+            obj.setup()
+            if self.name not in values:
+                raise AttributeError(f"{type(obj).__name__}.build() did not set {self.name!r}")
+        return values[self.name]
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.name] = value
+
+
+# One lock for every node's setup: two threads that run one node at once build it once.
+_setup_lock = threading.RLock()
 
 
 def _as_port(decl: Any) -> Port:
@@ -166,6 +205,40 @@ class Node:
         if batch_policy is not None:
             self.batch_policy = batch_policy.verify()
 
+    # --- building -------------------------------------------------------------------
+    def setup(self) -> None:
+        """Build what the node needs to run (models, optimizers, tokenizers): :meth:`build`.
+
+        Idempotent: the first call builds, later ones return at once. The executor that owns
+        the node calls it; :meth:`run`, :meth:`run_stream` and every :class:`Built`
+        attribute call it too, so a node made in a test or a notebook runs as it is.
+        """
+        if self.__dict__.get("_built"):
+            return
+        with _setup_lock:
+            if self.__dict__.get("_built"):
+                return
+            self._building = True
+            try:
+                self.build()
+            finally:
+                del self._building
+            self._built = True
+
+    def build(self) -> None:
+        """Build the node's models from the configuration ``__init__`` recorded.
+
+        Called once, by :meth:`setup`. A node with models overrides it and keeps ``__init__``
+        cheap (record and check the options, build nothing), so that declaring a graph, or
+        holding it in a process that runs none of its nodes, costs no model. Nodes without
+        models keep this one, which does nothing.
+        """
+
+    @property
+    def is_set_up(self) -> bool:
+        """Whether :meth:`setup` has built the node."""
+        return bool(self.__dict__.get("_built"))
+
     # --- the work -----------------------------------------------------------------
     def forward(self, **inputs: Any) -> Mapping[str, Any]:
         raise NotImplementedError(f"{type(self).__name__} must define forward(**inputs)")
@@ -222,6 +295,7 @@ class Node:
 
         A streaming node without its own ``forward`` runs its stream and joins the pieces.
         """
+        self.setup()
         if type(self).forward is Node.forward and self.streaming:
             pieces = list(self.run_stream(inputs, check=check, **kw))
             return self._check_outputs(join_pieces(pieces, self.name), None)
@@ -232,6 +306,7 @@ class Node:
         self, inputs: Mapping[str, Any] | None = None, /, *, check: bool = True, **kw: Any
     ) -> Iterator[Piece]:
         """Run a streaming node: check the inputs, then yield its checked pieces in order."""
+        self.setup()
         values, _ = self._inputs(inputs, kw, check)
         seen: set[int] = set()
         stream = self._call(self.forward_stream, values)
@@ -316,9 +391,7 @@ class Node:
 
     @property
     def ref(self) -> str:
-        from yatt_graph.refs import ref_of
-
-        return ref_of(type(self))
+        return f"{type(self).__module__}:{type(self).__qualname__}"
 
     @property
     def label(self) -> str:
@@ -410,9 +483,7 @@ class FunctionNode(Node):
 
     @property
     def ref(self) -> str:
-        from yatt_graph.refs import ref_of
-
-        return ref_of(self.fn)
+        return f"{self.fn.__module__}:{self.fn.__qualname__}"
 
     @property
     def label(self) -> str:

@@ -37,9 +37,12 @@ Nothing here downloads: tiny models come from configs and a character tokenizer 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from nodes.models.hf_vlm import HFVisionLanguagePolicy, tiny_qwen2_vl
 from nodes.models.policy_base import (
@@ -63,6 +66,7 @@ __all__ = [
     "ResponseForward",
     "build_policy",
     "char_tokenizer",
+    "check_policy_spec",
     "load_policy",
     "tiny_prefix_vlm",
     "tiny_qwen2_vl",
@@ -86,6 +90,45 @@ def load_policy(path: str | Path, *, dtype: str = "float32") -> Policy:
     return HFVisionLanguagePolicy.from_pretrained(path, dtype=dtype)
 
 
+def _spec_dict(spec: str | Mapping[str, Any]) -> dict[str, Any]:
+    """The spec as a dict with one of 'name', 'path' or 'builder' (checked, not built)."""
+    if isinstance(spec, Policy):
+        raise ValueError("build_policy: got a live Policy; pass it as model= instead of a spec")
+    if isinstance(spec, str):
+        spec = {"name": spec} if spec in _BUILDERS else {"path": spec}
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"build_policy: spec must be a str or dict, got {type(spec).__name__}")
+    kwargs = dict(spec)
+    if sum(key in kwargs for key in ("name", "path", "builder")) != 1:
+        raise ValueError(
+            f"build_policy: spec {kwargs!r} needs one of 'name', 'path' or 'builder' (exactly one)"
+        )
+    return kwargs
+
+
+def check_policy_spec(spec: str | Mapping[str, Any]) -> None:
+    """Check a :func:`build_policy` spec without building anything (what a node's constructor
+    does): a known tiny builder with arguments it takes, a local directory, or a
+    ``"module:function"`` builder reference. Raises ValueError saying what is wrong."""
+    kwargs = _spec_dict(spec)
+    if "name" in kwargs:
+        name = kwargs.pop("name")
+        if name not in _BUILDERS:
+            raise ValueError(f"build_policy: unknown name {name!r}; known: {sorted(_BUILDERS)}")
+        try:
+            inspect.signature(_BUILDERS[name]).bind(**kwargs)
+        except TypeError as exc:
+            raise ValueError(f"build_policy: {name!r} {exc}; spec {dict(spec)!r}") from None
+    elif "path" in kwargs:
+        _local_dir("load_policy", kwargs["path"])
+    else:
+        module, sep, qualname = str(kwargs["builder"]).partition(":")
+        if not (sep and module and qualname):
+            raise ValueError(
+                f"build_policy: builder {kwargs['builder']!r} must be 'package.module:function'"
+            )
+
+
 def build_policy(spec: str | Mapping[str, Any]) -> Policy:
     """Build a policy from a JSON-able spec.
 
@@ -94,29 +137,28 @@ def build_policy(spec: str | Mapping[str, Any]) -> Policy:
     * ``"/local/dir"`` or ``{"path": "/local/dir", "dtype": "bfloat16"}``: :func:`load_policy`;
     * ``{"builder": "package.module:function", ...}``: any function returning a Policy.
     """
-    if isinstance(spec, Policy):
-        raise ValueError("build_policy: got a live Policy; pass it as model= instead of a spec")
-    if isinstance(spec, str):
-        spec = {"name": spec} if spec in _BUILDERS else {"path": spec}
-    if not isinstance(spec, Mapping):
-        raise ValueError(f"build_policy: spec must be a str or dict, got {type(spec).__name__}")
-    kwargs = dict(spec)
+    kwargs = _spec_dict(spec)
+    # Seeded from the spec and isolated from the global generator: a build gives the same
+    # weights whatever was built before it, and leaves the global state as it found it.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(kwargs.get("seed", 0)))
+        return _build(kwargs, spec)
+
+
+def _build(kwargs: dict[str, Any], spec: str | Mapping[str, Any]) -> Policy:
     if "name" in kwargs:
-        name = kwargs.pop("name")
-        if name not in _BUILDERS:
-            raise ValueError(f"build_policy: unknown name {name!r}; known: {sorted(_BUILDERS)}")
-        return _BUILDERS[name](**kwargs)
+        check_policy_spec(spec)
+        return _BUILDERS[kwargs.pop("name")](**kwargs)
     if "path" in kwargs:
         return load_policy(kwargs.pop("path"), **kwargs)
-    if "builder" in kwargs:
-        module, _, qualname = str(kwargs.pop("builder")).partition(":")
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        policy = obj(**kwargs)
-        if not isinstance(policy, Policy):
-            raise ValueError(
-                f"build_policy: builder {spec['builder']!r} returned {type(policy).__name__}, not a Policy"
-            )
-        return policy
-    raise ValueError(f"build_policy: spec {dict(spec)!r} needs one of 'name', 'path' or 'builder'")
+    builder = kwargs.pop("builder")
+    module, _, qualname = str(builder).partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    policy = obj(**kwargs)
+    if not isinstance(policy, Policy):
+        raise ValueError(
+            f"build_policy: builder {builder!r} returned {type(policy).__name__}, not a Policy"
+        )
+    return policy

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nodes.models.files import _check_checkpoint_dir, _loading, _read_json
 from nodes.models.policy_base import (
     _PREFIX_MARKER,
     Policy,
@@ -144,10 +145,22 @@ class PrefixVLM(Policy):
         """Load what :meth:`save_pretrained` wrote (local files only)."""
         from safetensors.torch import load_file
 
+        fn = "PrefixVLM.from_pretrained"
         path = Path(path)
-        meta = json.loads((path / _PREFIX_MARKER).read_text())
+        marker = path / _PREFIX_MARKER
+        meta = _read_json(fn, marker, "saved PrefixVLM")
+        for key in ("image_dim", "num_prefix_tokens"):
+            if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool):
+                raise ValueError(
+                    f"{fn}: {str(marker)!r} needs an integer {key!r} (got {meta.get(key)!r}); "
+                    "it is written by PrefixVLM.save_pretrained"
+                )
+        projector = path / "projector.safetensors"
+        if not projector.is_file():
+            raise ValueError(f"{fn}: {str(projector)!r} is missing; save the policy again")
         policy = cls.from_lm(path / "lm", meta["image_dim"], meta["num_prefix_tokens"], dtype=dtype)
-        policy.projector.load_state_dict(load_file(path / "projector.safetensors"))
+        with _loading(fn, projector):
+            policy.projector.load_state_dict(load_file(projector))
         return policy
 
     @classmethod
@@ -162,11 +175,14 @@ class PrefixVLM(Policy):
         """A local HF causal LM and its tokenizer, with a fresh projector."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        lm_path = _local_dir("PrefixVLM.from_lm", lm_path)
-        lm = AutoModelForCausalLM.from_pretrained(
-            lm_path, dtype=getattr(torch, dtype), local_files_only=True
-        )
-        tokenizer = AutoTokenizer.from_pretrained(lm_path, local_files_only=True)
+        fn = "PrefixVLM.from_lm"
+        lm_path = _local_dir(fn, lm_path)
+        _check_checkpoint_dir(fn, lm_path)
+        with _loading(fn, lm_path):
+            lm = AutoModelForCausalLM.from_pretrained(
+                lm_path, dtype=getattr(torch, dtype), local_files_only=True
+            )
+            tokenizer = AutoTokenizer.from_pretrained(lm_path, local_files_only=True)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         return cls(lm, tokenizer, image_dim, num_prefix_tokens)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nodes.models.policy import Policy, PromptBatch, build_policy
+from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
 from nodes.reference import _prompt_batch
 from nodes.rl.losses import (
     logprobs_from_logits,
@@ -22,6 +22,7 @@ from nodes.rollout import _step_seed
 from nodes.sync import WeightUpdate
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
+from yatt_graph.node import Built
 
 __all__: list[str] = []  # private: the updates are public in nodes.update
 
@@ -67,6 +68,9 @@ class _Update(Node):
     _metric_keys: tuple[str, ...] = ()
     # an update must see its whole batch: two halves on two devices would be two updates
     batch_policy = BatchPolicy(splittable=False)
+    policy = Built("the policy this node trains, built from the ``policy`` spec by setup()")
+    optimizer = Built("the policy's AdamW")
+    _trained = Built("(metric name, what it is in messages, parameters, optimizer) per model")
 
     # --- construction --------------------------------------------------------------------
     def _init_common(
@@ -124,13 +128,18 @@ class _Update(Node):
         self.seed = int(seed)
         self.on_nonfinite = on_nonfinite
         self.device = torch.device(device)
-        self.policy: Policy = build_policy(policy).to(self.device).eval()
-        self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=self.lr, weight_decay=float(weight_decay)
-        )
+        check_policy_spec(policy)
+        self.policy_spec = policy
+        self.weight_decay = float(weight_decay)
         self.version = 0
         self.updates = 0
-        # (metric name, what it is in messages, parameters, optimizer), stepped in this order
+
+    def build(self) -> None:
+        self.policy = build_policy(self.policy_spec).to(self.device).eval()
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=self.lr, weight_decay=self.weight_decay
+        )
+        # stepped in this order
         self._trained: list[tuple[str, str, list[nn.Parameter], torch.optim.Optimizer]] = [
             ("grad_norm", "policy", list(self.policy.parameters()), self.optimizer)
         ]

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nodes.models.policy import build_policy
-from nodes.reference import ValueModel
+from nodes.models.policy import check_policy_spec
+from nodes.reference import build_value_model
 from nodes.rl.losses import (
     aggregate_token_loss,
     kl_loss,
@@ -20,6 +20,7 @@ from nodes.rl.losses import (
 from nodes.sync import WeightUpdate
 from nodes.update.base import _INPUTS, _TOKENS, _item, _require_finite, _snapshot, _Update
 from yatt_graph import ANY, BatchPolicy, Port
+from yatt_graph.node import Built
 
 __all__ = ["PPOUpdate"]
 
@@ -79,6 +80,8 @@ class PPOUpdate(_Update):
         "returns": _TOKENS,
         "values": Port(_TOKENS, doc="old values, from the Critic node"),
     }
+    value_model = Built("the value model this node trains, built as the Critic builds it")
+    critic_optimizer = Built("the value model's AdamW")
     outputs = {  # noqa: RUF012
         "weights": Port(ANY, doc="WeightUpdate of the policy"),
         "critic_weights": Port(ANY, doc="WeightUpdate of the value model"),
@@ -138,24 +141,31 @@ class PPOUpdate(_Update):
             device,
             on_nonfinite,
         )
+        check_policy_spec(critic)
         self.value_clip_eps = None if value_clip_eps is None else float(value_clip_eps)
         self.vf_coef = float(vf_coef)
+        self.critic_spec = critic
+        self.detach_trunk, self.head_seed = bool(detach_trunk), int(head_seed)
+        self.critic_lr = float(critic_lr if critic_lr is not None else lr)
+        self.critic_version = 0
+
+    def build(self) -> None:
+        super().build()
         # built exactly as nodes.reference.Critic builds it, so both start identical
-        trunk = build_policy(critic).to(self.device)
-        self.value_model = ValueModel(trunk, detach_trunk=detach_trunk, seed=head_seed)
-        self.value_model.eval()
-        critic_params = list(
-            (self.value_model.head if detach_trunk else self.value_model).parameters()
-        )
+        self.value_model = build_value_model(
+            self.critic_spec,
+            detach_trunk=self.detach_trunk,
+            head_seed=self.head_seed,
+            device=self.device,
+        ).eval()
+        model = self.value_model
+        critic_params = list((model.head if self.detach_trunk else model).parameters())
         self.critic_optimizer = torch.optim.AdamW(
-            critic_params,
-            lr=float(critic_lr if critic_lr is not None else lr),
-            weight_decay=float(weight_decay),
+            critic_params, lr=self.critic_lr, weight_decay=self.weight_decay
         )
         self._trained.append(
             ("critic_grad_norm", "value model", critic_params, self.critic_optimizer)
         )
-        self.critic_version = 0
 
     def forward(
         self,

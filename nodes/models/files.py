@@ -1,0 +1,63 @@
+"""Checks on model directories before they load, so that a missing, truncated or corrupt
+file is one ``ValueError`` line naming the file (not a deserializer's traceback)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__: list[str] = []  # private helpers of the policy families
+
+
+def _read_json(fn: str, path: Path, what: str) -> dict[str, Any]:
+    """A JSON object file, or a ValueError naming the file and what is wrong with it."""
+    if not path.is_file():
+        raise ValueError(f"{fn}: {str(path)!r} is missing; a {what} needs it")
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{fn}: {str(path)!r} is not valid JSON ({exc}); rewrite it") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{fn}: {str(path)!r} holds a {type(value).__name__}, not a JSON object")
+    return value
+
+
+def _check_checkpoint_dir(fn: str, path: Path) -> None:
+    """Check what a transformers checkpoint directory needs before loading it: a readable
+    ``config.json`` and readable ``*.safetensors`` headers (each error names its file)."""
+    from safetensors import safe_open
+
+    if not (path / "config.json").is_file():
+        found = sorted(p.name for p in path.iterdir())[:6]
+        raise ValueError(
+            f"{fn}: {str(path)!r} has no config.json (it holds {found or 'nothing'}); give a "
+            "directory written by save_pretrained"
+        )
+    _read_json(fn, path / "config.json", "model checkpoint")
+    for weights in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), "pt"):
+                pass
+        except Exception as exc:  # safetensors raises its own error class
+            raise ValueError(
+                f"{fn}: {str(weights)!r} cannot be read ({exc}); the file is truncated or "
+                "corrupt: save the model again"
+            ) from exc
+
+
+@contextlib.contextmanager
+def _loading(fn: str, path: Path) -> Iterator[None]:
+    """Turn a loader's error (transformers, safetensors, torch) into one ValueError line
+    naming ``path``."""
+    try:
+        yield
+    except ValueError:
+        raise
+    except Exception as exc:
+        why = (str(exc).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"{fn}: the model in {str(path)!r} could not be loaded ({type(exc).__name__}: {why})"
+        ) from exc
