@@ -25,18 +25,45 @@ Dicts with keys other than str (an optimizer's ``state_dict()`` has int keys) tr
 with ``encode_value(..., any_keys=True)``: the runtime uses it for node state (checkpoints
 of a ZeroMQ run), not for data between nodes. Keys may then be None, bool, int, float, str,
 bytes or tuples of those. The decoder accepts such dicts always: decoding never runs code.
+
+This module is the codec's API and its encoder; the decoder is :mod:`runtime.zmq.serial_decode`
+and what both sides share (extension codes, the dtype table, errors) is
+:mod:`runtime.zmq.serial_format`.
 """
 
 from __future__ import annotations
 
-import math
 import struct
 import sys
-import threading
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
+
+from runtime.zmq.serial_decode import decode_value
+from runtime.zmq.serial_format import (
+    _BYTES,
+    _BYTES_FRAME,
+    _DTYPE_INDEX,
+    _IMAGE,
+    _MAP,
+    _NDARRAY,
+    _NO_NUMPY,
+    _NUMPY_KINDS,
+    _NUMPY_TORCH,
+    _SMALL,
+    _SMALL_HEAD,
+    _STRUCT,
+    _TENSOR,
+    _TORCH_DTYPES,
+    _TUPLE,
+    INLINE_BYTES,
+    TENSOR_DTYPES,
+    DecodeError,
+    ShmWriter,
+    UnsupportedValueError,
+    _plain_key,
+    register_struct,
+)
 
 __all__ = [
     "INLINE_BYTES",
@@ -48,106 +75,7 @@ __all__ = [
     "register_struct",
 ]
 
-INLINE_BYTES = 1024
-"""Tensors and arrays of at most this many bytes travel inside the header (one copy, no frame)."""
-
-_BYTES_FRAME = 64 * 1024
-"""bytes values of at least this size get a frame of their own."""
-
-_TENSOR, _NDARRAY, _STRUCT, _TUPLE, _IMAGE, _BYTES, _MAP, _SMALL = 1, 2, 3, 4, 5, 6, 7, 8
-_SMALL_HEAD = struct.Struct("<BB")
-"""A small CPU tensor's extension: dtype index (in _TORCH_DTYPES), ndim, then ndim little-endian
-uint64 sizes and the raw bytes: read with struct, no nested msgpack (the dispatch path)."""
-_MAX_DIMS = 64
-
-_TORCH_DTYPES = [
-    "float16",
-    "float32",
-    "float64",
-    "bfloat16",
-    "complex32",
-    "complex64",
-    "complex128",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "bool",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-]
-"""The one table of tensor dtypes the data plane carries (torch's names); an index into it is a
-small tensor's dtype byte, so entries are only ever appended."""
-_NO_NUMPY = frozenset(n for n in _TORCH_DTYPES if n in ("bfloat16", "complex32") or "float8" in n)
-"""The dtypes that ``Tensor.numpy()`` refuses: they take the general tensor path."""
-_NUMPY_KINDS = "biufc"
-
-TENSOR_DTYPES: tuple[str, ...] = tuple(_TORCH_DTYPES)
-"""Every tensor dtype the codec carries, by torch's name without ``torch.``."""
-_DTYPE_INDEX = {name: i for i, name in enumerate(_TORCH_DTYPES)}
-_NUMPY_TORCH: dict[Any, str] = {}
-"""torch dtype -> name, for the dtypes ``Tensor.numpy()`` takes (filled on first use)."""
-
-_structs: dict[str, type] = {}
-_local = threading.local()
 _encoder = msgspec.msgpack.Encoder()
-
-
-class UnsupportedValueError(TypeError):
-    """A value the data plane cannot carry (it would need pickle)."""
-
-
-class DecodeError(ValueError):
-    """Frames that do not decode to a value: garbage, truncation, or an unknown type."""
-
-
-class ShmWriter(Protocol):
-    """Puts large tensor bytes in shared memory; see :class:`runtime.zmq.transport.ShmPool`."""
-
-    threshold: int
-
-    def put(self, flat: Any) -> list[Any]: ...
-
-
-class ShmReader(Protocol):
-    def read(self, handle: list[Any], nbytes: int) -> Any: ...
-
-    def read_tensor(self, handle: list[Any], nbytes: int) -> Any: ...
-
-
-def register_struct(cls: type) -> type:
-    """Allow a msgspec Struct class to be decoded even where its module is not yet imported."""
-    if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
-        raise TypeError(f"register_struct expects a msgspec.Struct class, got {cls!r}")
-    _structs[f"{cls.__module__}:{cls.__qualname__}"] = cls
-    return cls
-
-
-def _torch_dtypes() -> dict[str, Any]:
-    import torch
-
-    return {
-        n: getattr(torch, n)
-        for n in _TORCH_DTYPES
-        if isinstance(getattr(torch, n, None), torch.dtype)
-    }
-
-
-_dtype_cache: dict[str, Any] = {}
-
-
-def _torch_dtype(name: Any) -> Any:
-    if not _dtype_cache:
-        _dtype_cache.update(_torch_dtypes())
-    if not isinstance(name, str) or name not in _dtype_cache:
-        raise DecodeError(f"unknown tensor dtype {name!r}")
-    return _dtype_cache[name]
 
 
 class _Unsupported(Exception):
@@ -344,12 +272,6 @@ class _Packer:
         return msgspec.msgpack.Ext(_IMAGE, _encoder.encode([v.mode, list(v.size), where, palette]))
 
 
-def _plain_key(k: Any) -> bool:
-    if k is None or type(k) in (bool, int, float, str, bytes):
-        return True
-    return type(k) is tuple and all(_plain_key(x) for x in k)
-
-
 def encode_value(
     value: Any,
     *,
@@ -374,213 +296,3 @@ def encode_value(
             f"{where}: the value is nested too deeply (or contains itself)"
         ) from None
     return [_encoder.encode(tree), *packer.buffers]
-
-
-# --- decoding ------------------------------------------------------------------------------
-def _buffer(frame: Any) -> memoryview:
-    mv = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
-    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-
-
-def _shape(shape: Any) -> tuple[int, ...]:
-    if (
-        not isinstance(shape, list)
-        or len(shape) > _MAX_DIMS
-        or not all(type(d) is int and 0 <= d < 2**62 for d in shape)
-    ):
-        raise DecodeError(f"bad shape {shape!r}")
-    return tuple(shape)
-
-
-class _Unpacker:
-    def __init__(self) -> None:
-        self.frames: Sequence[Any] = ()
-        self.shm: ShmReader | None = None
-        self.decoder = msgspec.msgpack.Decoder(ext_hook=self.ext)
-
-    def frame(self, index: Any) -> memoryview:
-        if type(index) is not int or not 0 <= index < len(self.frames):
-            raise DecodeError(
-                f"frame index {index!r} out of range (the message has {len(self.frames)} buffers)"
-            )
-        return _buffer(self.frames[index])
-
-    def raw(self, where: Any, nbytes: int) -> Any:
-        """Writable bytes of a tensor/array: an inline copy, a frame (no copy), or shared memory."""
-        if isinstance(where, bytes):
-            data: Any = memoryview(bytearray(where))
-        elif isinstance(where, list):
-            if self.shm is None:
-                raise DecodeError("a shared-memory handle arrived on a link without shared memory")
-            data = self.shm.read(where, nbytes)
-        else:
-            data = self.frame(where)
-            if data.readonly:
-                data = memoryview(bytearray(data))
-        if len(data) != nbytes:
-            raise DecodeError(f"buffer holds {len(data)} bytes, the header says {nbytes}")
-        return data
-
-    def ext(self, code: int, payload: memoryview) -> Any:
-        if code == _SMALL:
-            return self.small_tensor(payload)
-        fields = self.decoder.decode(payload)
-        if code == _TENSOR:
-            return self.tensor(*_fields(fields, 4, "tensor"))
-        if code == _NDARRAY:
-            return self.ndarray(*_fields(fields, 4, "ndarray"))
-        if code == _TUPLE:
-            if not isinstance(fields, list):
-                raise DecodeError("bad tuple")
-            return tuple(fields)
-        if code == _STRUCT:
-            return self.struct(*_fields(fields, 2, "struct"))
-        if code == _IMAGE:
-            return self.image(*_fields(fields, 4, "image"))
-        if code == _BYTES:
-            return bytes(self.frame(fields))
-        if code == _MAP:
-            if not isinstance(fields, list) or not all(
-                isinstance(p, list) and len(p) == 2 and _plain_key(p[0]) for p in fields
-            ):
-                raise DecodeError("bad map")
-            return {k: x for k, x in fields}
-        raise DecodeError(f"unknown extension type {code}")
-
-    def small_tensor(self, payload: memoryview) -> Any:
-        import torch
-
-        if len(payload) < 2:
-            raise DecodeError("bad small-tensor header")
-        index, ndim = _SMALL_HEAD.unpack_from(payload)
-        if index >= len(_TORCH_DTYPES) or ndim > _MAX_DIMS or len(payload) < 2 + 8 * ndim:
-            raise DecodeError(f"bad small-tensor header (dtype {index}, {ndim} dims)")
-        dtype = _torch_dtype(_TORCH_DTYPES[index])
-        dims = _shape(list(struct.unpack_from(f"<{ndim}Q", payload, 2)))
-        data = payload[2 + 8 * ndim :]
-        nbytes = math.prod(dims) * dtype.itemsize
-        if len(data) != nbytes:
-            raise DecodeError(f"buffer holds {len(data)} bytes, the header says {nbytes}")
-        if nbytes == 0:
-            return torch.empty(dims, dtype=dtype)
-        t = torch.frombuffer(bytearray(data), dtype=dtype)  # one copy into a fresh buffer
-        return t if ndim == 1 else t.reshape(dims)
-
-    def tensor(self, name: Any, shape: Any, device: Any, where: Any) -> Any:
-        import torch
-
-        dtype = _torch_dtype(name)
-        dims = _shape(shape)
-        nbytes = math.prod(dims) * dtype.itemsize
-        if nbytes == 0:
-            t = torch.empty(dims, dtype=dtype)
-        elif isinstance(where, bytes):  # inline: one copy into a fresh (aligned) buffer
-            if len(where) != nbytes:
-                raise DecodeError(f"buffer holds {len(where)} bytes, the header says {nbytes}")
-            t = torch.frombuffer(bytearray(where), dtype=dtype)
-            if len(dims) != 1:
-                t = t.reshape(dims)
-        else:
-            if (
-                isinstance(where, list)
-                and self.shm is not None
-                and hasattr(self.shm, "read_tensor")
-            ):
-                t = self.shm.read_tensor(where, nbytes)
-            else:
-                t = torch.frombuffer(
-                    self.raw(where, nbytes), dtype=torch.uint8
-                )  # (nbytes,) no copy
-            if t.numel() != nbytes:
-                raise DecodeError(f"buffer holds {t.numel()} bytes, the header says {nbytes}")
-            if dtype.itemsize > 1 and t.data_ptr() % min(dtype.itemsize, 8):
-                t = t.clone()  # unaligned frame (small messages share a receive buffer)
-            t = t.view(dtype).reshape(dims)
-        if device == "cuda" and torch.cuda.is_available():
-            t = t.to("cuda", non_blocking=False)
-        return t
-
-    def ndarray(self, dtype: Any, shape: Any, where: Any, scalar: Any) -> Any:
-        import numpy as np
-
-        if not isinstance(dtype, str):
-            raise DecodeError(f"bad numpy dtype {dtype!r}")
-        dt = np.dtype(dtype)
-        if dt.kind not in _NUMPY_KINDS or dt.fields is not None:
-            raise DecodeError(f"numpy dtype {dtype!r} is not allowed on the wire")
-        dims = _shape(shape)
-        nbytes = math.prod(dims) * dt.itemsize
-        a = (
-            np.empty(dims, dt)
-            if nbytes == 0
-            else np.frombuffer(self.raw(where, nbytes), dtype=dt).reshape(dims)
-        )
-        return a[()] if scalar and a.ndim == 0 else a
-
-    def struct(self, ref: Any, fields: Any) -> Any:
-        if not isinstance(ref, str) or not isinstance(fields, dict):
-            raise DecodeError("bad struct")
-        cls = _structs.get(ref) or _imported(ref)
-        if cls is None:
-            raise DecodeError(
-                f"Struct type {ref!r} is neither registered nor imported in this process; import its "
-                "module in the receiving node's module, or call runtime.zmq.serial.register_struct(cls)"
-            )
-        return cls(**fields)
-
-    def image(self, mode: Any, size: Any, where: Any, palette: Any) -> Any:
-        from PIL import Image
-
-        dims = _shape(size)
-        if not isinstance(mode, str) or len(dims) != 2:
-            raise DecodeError(f"bad image mode/size {mode!r} {size!r}")
-        data = bytes(where) if isinstance(where, bytes) else bytes(self.frame(where))
-        if dims[0] * dims[1] > 8 * len(data):  # never let a header allocate more than the data
-            raise DecodeError(f"image size {dims} needs more than the {len(data)} bytes sent")
-        image = Image.frombytes(mode, dims, data)
-        if palette is not None:
-            image.putpalette(palette)
-        return image
-
-
-def _fields(fields: Any, n: int, what: str) -> list[Any]:
-    if not isinstance(fields, list) or len(fields) != n:
-        raise DecodeError(f"bad {what} header {fields!r:.80}")
-    return fields
-
-
-def _imported(ref: str) -> type | None:
-    module_name, _, qualname = ref.partition(":")
-    obj: Any = sys.modules.get(module_name)
-    for part in qualname.split("."):
-        if obj is None or part.startswith("_") and part != qualname.split(".")[-1]:
-            return None
-        obj = getattr(obj, part, None)
-    if isinstance(obj, type) and issubclass(obj, msgspec.Struct):
-        return obj
-    return None
-
-
-def decode_value(
-    frames: Sequence[Any], *, where: str = "value", shm: ShmReader | None = None
-) -> Any:
-    """The value :func:`encode_value` made ``frames`` from; DecodeError (naming ``where``) if garbage.
-
-    Tensors read from frames share the frames' memory (kept alive by the tensor).
-    """
-    if not frames:
-        raise DecodeError(f"{where}: no frames")
-    unpacker = getattr(_local, "unpacker", None)
-    if unpacker is None:
-        unpacker = _local.unpacker = _Unpacker()  # one per thread: a Decoder is costly to make
-    unpacker.frames, unpacker.shm = frames[1:], shm
-    try:
-        return unpacker.decoder.decode(_buffer(frames[0]))
-    except DecodeError as exc:
-        raise DecodeError(f"{where}: {exc}") from None
-    except Exception as exc:  # garbage may fail anywhere: msgspec, numpy, PIL, torch
-        raise DecodeError(
-            f"{where}: cannot decode the value: {type(exc).__name__}: {exc}"
-        ) from None
-    finally:
-        unpacker.frames, unpacker.shm = (), None  # hold no frame past the call

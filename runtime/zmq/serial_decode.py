@@ -1,0 +1,249 @@
+"""Decoding for the data-plane codec (:mod:`runtime.zmq.serial` has the format and the encoder):
+frames back to a value, zero-copy for tensors in frames; garbage raises DecodeError, never
+anything else, and decoding never runs code (a Struct class is looked up only among those
+registered or already imported)."""
+
+from __future__ import annotations
+
+import math
+import struct
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from runtime.zmq.serial_format import (
+    _BYTES,
+    _IMAGE,
+    _MAP,
+    _MAX_DIMS,
+    _NDARRAY,
+    _NUMPY_KINDS,
+    _SMALL,
+    _SMALL_HEAD,
+    _STRUCT,
+    _TENSOR,
+    _TORCH_DTYPES,
+    _TUPLE,
+    DecodeError,
+    ShmReader,
+    _plain_key,
+    _structs,
+    _torch_dtype,
+)
+
+__all__ = ["decode_value"]
+
+_local = threading.local()
+
+
+# --- decoding ------------------------------------------------------------------------------
+def _buffer(frame: Any) -> memoryview:
+    mv = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+def _shape(shape: Any) -> tuple[int, ...]:
+    if (
+        not isinstance(shape, list)
+        or len(shape) > _MAX_DIMS
+        or not all(type(d) is int and 0 <= d < 2**62 for d in shape)
+    ):
+        raise DecodeError(f"bad shape {shape!r}")
+    return tuple(shape)
+
+
+class _Unpacker:
+    def __init__(self) -> None:
+        self.frames: Sequence[Any] = ()
+        self.shm: ShmReader | None = None
+        self.decoder = msgspec.msgpack.Decoder(ext_hook=self.ext)
+
+    def frame(self, index: Any) -> memoryview:
+        if type(index) is not int or not 0 <= index < len(self.frames):
+            raise DecodeError(
+                f"frame index {index!r} out of range (the message has {len(self.frames)} buffers)"
+            )
+        return _buffer(self.frames[index])
+
+    def raw(self, where: Any, nbytes: int) -> Any:
+        """Writable bytes of a tensor/array: an inline copy, a frame (no copy), or shared memory."""
+        if isinstance(where, bytes):
+            data: Any = memoryview(bytearray(where))
+        elif isinstance(where, list):
+            if self.shm is None:
+                raise DecodeError("a shared-memory handle arrived on a link without shared memory")
+            data = self.shm.read(where, nbytes)
+        else:
+            data = self.frame(where)
+            if data.readonly:
+                data = memoryview(bytearray(data))
+        if len(data) != nbytes:
+            raise DecodeError(f"buffer holds {len(data)} bytes, the header says {nbytes}")
+        return data
+
+    def ext(self, code: int, payload: memoryview) -> Any:
+        if code == _SMALL:
+            return self.small_tensor(payload)
+        fields = self.decoder.decode(payload)
+        if code == _TENSOR:
+            return self.tensor(*_fields(fields, 4, "tensor"))
+        if code == _NDARRAY:
+            return self.ndarray(*_fields(fields, 4, "ndarray"))
+        if code == _TUPLE:
+            if not isinstance(fields, list):
+                raise DecodeError("bad tuple")
+            return tuple(fields)
+        if code == _STRUCT:
+            return self.struct(*_fields(fields, 2, "struct"))
+        if code == _IMAGE:
+            return self.image(*_fields(fields, 4, "image"))
+        if code == _BYTES:
+            return bytes(self.frame(fields))
+        if code == _MAP:
+            if not isinstance(fields, list) or not all(
+                isinstance(p, list) and len(p) == 2 and _plain_key(p[0]) for p in fields
+            ):
+                raise DecodeError("bad map")
+            return {k: x for k, x in fields}
+        raise DecodeError(f"unknown extension type {code}")
+
+    def small_tensor(self, payload: memoryview) -> Any:
+        import torch
+
+        if len(payload) < 2:
+            raise DecodeError("bad small-tensor header")
+        index, ndim = _SMALL_HEAD.unpack_from(payload)
+        if index >= len(_TORCH_DTYPES) or ndim > _MAX_DIMS or len(payload) < 2 + 8 * ndim:
+            raise DecodeError(f"bad small-tensor header (dtype {index}, {ndim} dims)")
+        dtype = _torch_dtype(_TORCH_DTYPES[index])
+        dims = _shape(list(struct.unpack_from(f"<{ndim}Q", payload, 2)))
+        data = payload[2 + 8 * ndim :]
+        nbytes = math.prod(dims) * dtype.itemsize
+        if len(data) != nbytes:
+            raise DecodeError(f"buffer holds {len(data)} bytes, the header says {nbytes}")
+        if nbytes == 0:
+            return torch.empty(dims, dtype=dtype)
+        t = torch.frombuffer(bytearray(data), dtype=dtype)  # one copy into a fresh buffer
+        return t if ndim == 1 else t.reshape(dims)
+
+    def tensor(self, name: Any, shape: Any, device: Any, where: Any) -> Any:
+        import torch
+
+        dtype = _torch_dtype(name)
+        dims = _shape(shape)
+        nbytes = math.prod(dims) * dtype.itemsize
+        if nbytes == 0:
+            t = torch.empty(dims, dtype=dtype)
+        elif isinstance(where, bytes):  # inline: one copy into a fresh (aligned) buffer
+            if len(where) != nbytes:
+                raise DecodeError(f"buffer holds {len(where)} bytes, the header says {nbytes}")
+            t = torch.frombuffer(bytearray(where), dtype=dtype)
+            if len(dims) != 1:
+                t = t.reshape(dims)
+        else:
+            if (
+                isinstance(where, list)
+                and self.shm is not None
+                and hasattr(self.shm, "read_tensor")
+            ):
+                t = self.shm.read_tensor(where, nbytes)
+            else:
+                t = torch.frombuffer(
+                    self.raw(where, nbytes), dtype=torch.uint8
+                )  # (nbytes,) no copy
+            if t.numel() != nbytes:
+                raise DecodeError(f"buffer holds {t.numel()} bytes, the header says {nbytes}")
+            if dtype.itemsize > 1 and t.data_ptr() % min(dtype.itemsize, 8):
+                t = t.clone()  # unaligned frame (small messages share a receive buffer)
+            t = t.view(dtype).reshape(dims)
+        if device == "cuda" and torch.cuda.is_available():
+            t = t.to("cuda", non_blocking=False)
+        return t
+
+    def ndarray(self, dtype: Any, shape: Any, where: Any, scalar: Any) -> Any:
+        import numpy as np
+
+        if not isinstance(dtype, str):
+            raise DecodeError(f"bad numpy dtype {dtype!r}")
+        dt = np.dtype(dtype)
+        if dt.kind not in _NUMPY_KINDS or dt.fields is not None:
+            raise DecodeError(f"numpy dtype {dtype!r} is not allowed on the wire")
+        dims = _shape(shape)
+        nbytes = math.prod(dims) * dt.itemsize
+        a = (
+            np.empty(dims, dt)
+            if nbytes == 0
+            else np.frombuffer(self.raw(where, nbytes), dtype=dt).reshape(dims)
+        )
+        return a[()] if scalar and a.ndim == 0 else a
+
+    def struct(self, ref: Any, fields: Any) -> Any:
+        if not isinstance(ref, str) or not isinstance(fields, dict):
+            raise DecodeError("bad struct")
+        cls = _structs.get(ref) or _imported(ref)
+        if cls is None:
+            raise DecodeError(
+                f"Struct type {ref!r} is neither registered nor imported in this process; import its "
+                "module in the receiving node's module, or call runtime.zmq.serial.register_struct(cls)"
+            )
+        return cls(**fields)
+
+    def image(self, mode: Any, size: Any, where: Any, palette: Any) -> Any:
+        from PIL import Image
+
+        dims = _shape(size)
+        if not isinstance(mode, str) or len(dims) != 2:
+            raise DecodeError(f"bad image mode/size {mode!r} {size!r}")
+        data = bytes(where) if isinstance(where, bytes) else bytes(self.frame(where))
+        if dims[0] * dims[1] > 8 * len(data):  # never let a header allocate more than the data
+            raise DecodeError(f"image size {dims} needs more than the {len(data)} bytes sent")
+        image = Image.frombytes(mode, dims, data)
+        if palette is not None:
+            image.putpalette(palette)
+        return image
+
+
+def _fields(fields: Any, n: int, what: str) -> list[Any]:
+    if not isinstance(fields, list) or len(fields) != n:
+        raise DecodeError(f"bad {what} header {fields!r:.80}")
+    return fields
+
+
+def _imported(ref: str) -> type | None:
+    module_name, _, qualname = ref.partition(":")
+    obj: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        if obj is None or part.startswith("_") and part != qualname.split(".")[-1]:
+            return None
+        obj = getattr(obj, part, None)
+    if isinstance(obj, type) and issubclass(obj, msgspec.Struct):
+        return obj
+    return None
+
+
+def decode_value(
+    frames: Sequence[Any], *, where: str = "value", shm: ShmReader | None = None
+) -> Any:
+    """The value :func:`encode_value` made ``frames`` from; DecodeError (naming ``where``) if garbage.
+
+    Tensors read from frames share the frames' memory (kept alive by the tensor).
+    """
+    if not frames:
+        raise DecodeError(f"{where}: no frames")
+    unpacker = getattr(_local, "unpacker", None)
+    if unpacker is None:
+        unpacker = _local.unpacker = _Unpacker()  # one per thread: a Decoder is costly to make
+    unpacker.frames, unpacker.shm = frames[1:], shm
+    try:
+        return unpacker.decoder.decode(_buffer(frames[0]))
+    except DecodeError as exc:
+        raise DecodeError(f"{where}: {exc}") from None
+    except Exception as exc:  # garbage may fail anywhere: msgspec, numpy, PIL, torch
+        raise DecodeError(
+            f"{where}: cannot decode the value: {type(exc).__name__}: {exc}"
+        ) from None
+    finally:
+        unpacker.frames, unpacker.shm = (), None  # hold no frame past the call
