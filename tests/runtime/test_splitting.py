@@ -7,6 +7,7 @@ import torch
 from sample_nodes import Rows, RowWork, row_sum
 
 from runtime.engine.local import LocalExecutor
+from runtime.sched.batching import micro_batches
 from runtime.sched.splitting import device_pool, shared_ports
 from runtime.zmq.driver import ZmqExecutor
 from yatt_graph import BatchPolicy, Graph, Node, NodeExecutionError, Tensor
@@ -29,11 +30,15 @@ def test_a_splittable_node_is_cut_across_the_devices_and_put_back_in_order():
         got = split.run(3)
         assert split.splitter.split_nodes == ["work"]  # the source and row_sum run whole
         work = split.graph.nodes["work"]
-        # 12 rows, 2 devices, at most 8 per call: every call is part of a batch.
-        assert len(work.seen) >= 6 and max(work.seen) <= 8 and sum(work.seen) == 36
+        # The cut is a pure function of the batch (12 rows of cost 1), the device count and the
+        # budget (8 per call): at least one micro-batch per device, none above 8. Which worker
+        # thread takes which micro-batch is up to the machine, so only the cut is asserted.
+        parts = micro_batches([1.0] * 12, devices=2, max_batch_size=8)
+        assert len(parts) >= 2 and max(len(p) for p in parts) <= 8
+        assert sorted(work.seen) == sorted([len(p) for p in parts] * 3)  # 3 steps
         summary = split.splitter.summary()
-        assert all(d["busy_s"] > 0 for d in summary["devices"].values())
-        assert summary["nodes"]["work"]["calls"] >= 6
+        assert len(summary["nodes"]["work"]["devices"]) == 2  # both devices serve the node
+        assert summary["nodes"]["work"]["calls"] == 3 * len(parts)
     for a, b in zip(want, got, strict=True):
         assert torch.allclose(a.outputs["y"], b.outputs["y"], atol=1e-6)
         assert torch.equal(a.outputs["n"], b.outputs["n"])  # row order restored exactly
