@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from yatt_graph import ANY, Node, Port, Tensor, node
+from yatt_graph.node import Built
 
 __all__ = [
     "FakeEncoder",
@@ -81,8 +82,9 @@ class ToyPolicy(nn.Module):
 
     def __init__(self, dim: int = 16, vocab: int = 8, seed: int = 0):
         super().__init__()
-        torch.manual_seed(seed)
-        self.net = nn.Sequential(nn.Linear(dim, 32), nn.Tanh(), nn.Linear(32, vocab))
+        with torch.random.fork_rng(devices=[]):  # the same weights whatever ran before
+            torch.manual_seed(seed)
+            self.net = nn.Sequential(nn.Linear(dim, 32), nn.Tanh(), nn.Linear(32, vocab))
 
     def forward(self, emb: torch.Tensor) -> torch.Tensor:
         return self.net(emb)  # (B, V)
@@ -94,12 +96,16 @@ class ToyRollout(Node):
     kind = "rollout"
     inputs = {"image_embeds": Tensor("float32", "B", "D"), "weights": Port(ANY, required=False)}
     outputs = {"tokens": Tensor("int64", "B", "T"), "logprobs": Tensor("float32", "B", "T")}
+    policy = Built("the ToyPolicy, built by setup()")
 
     def __init__(
         self, dim: int = 16, vocab: int = 8, length: int = 6, seed: int = 0, name: str | None = None
     ):
         super().__init__(name=name)
-        self.policy, self.length, self.seed = ToyPolicy(dim, vocab, seed), length, seed
+        self.dim, self.vocab, self.length, self.seed = dim, vocab, length, seed
+
+    def build(self) -> None:
+        self.policy = ToyPolicy(self.dim, self.vocab, self.seed)
 
     @torch.no_grad()
     def forward(
@@ -152,6 +158,8 @@ class ToyUpdate(Node):
         "advantages": Tensor("float32", "B"),
     }
     outputs = {"weights": ANY, "metrics": ANY}
+    policy = Built("the ToyPolicy it trains, built by setup()")
+    optimizer = Built("its Adam")
 
     def __init__(
         self,
@@ -164,9 +172,12 @@ class ToyUpdate(Node):
         name: str | None = None,
     ):
         super().__init__(name=name)
-        self.policy = ToyPolicy(dim, vocab, seed)
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=lr)
+        self.dim, self.vocab, self.lr, self.seed = dim, vocab, lr, seed
         self.clip, self.epochs = clip, epochs
+
+    def build(self) -> None:
+        self.policy = ToyPolicy(self.dim, self.vocab, self.seed)
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.lr)
 
     def forward(self, image_embeds, tokens, logprobs, advantages) -> dict[str, Any]:
         for _ in range(self.epochs):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from nodes.models.files import _check_checkpoint_dir, _loading
 from nodes.rewards.base import RewardNode
 from yatt_graph import ANY, Port
+from yatt_graph.node import Built
 
 __all__ = ["ClipScoreReward", "RewardModel", "char_tokenizer", "clip_score"]
 
@@ -24,14 +27,19 @@ def char_tokenizer(extra_chars: str = "") -> Any:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2}
-    for c in [chr(i) for i in range(32, 127)] + ["\t", "\n"] + list(extra_chars):
-        vocab.setdefault(c, len(vocab))
+    vocab = _char_vocab(extra_chars)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>"
     )
+
+
+def _char_vocab(extra_chars: str = "") -> dict[str, int]:
+    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2}
+    for c in [chr(i) for i in range(32, 127)] + ["\t", "\n"] + list(extra_chars):
+        vocab.setdefault(c, len(vocab))
+    return vocab
 
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,6 +64,9 @@ class RewardModel(RewardNode):
         micro_batch_size: samples per forward pass.
         device, dtype: where and in what precision the model runs (``"float32"``, ``"bfloat16"``).
     """
+
+    model = Built("the sequence classifier, built by setup()")
+    tokenizer = Built("its tokenizer")
 
     def __init__(
         self,
@@ -98,51 +109,65 @@ class RewardModel(RewardNode):
             max_length,
             micro_batch_size,
         )
-        if model is not None:
-            if tokenizer is None:
-                raise ValueError(f"node {self.name!r}: model= needs tokenizer= too")
-            self.model, self.tokenizer = model, tokenizer
-        elif path is not None:
-            self.model, self.tokenizer = self._load(path)
-        else:
-            self.model, self.tokenizer = self._build(dict(config), seed)
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.tokenizer.padding_side = "right"
-        self.tokenizer.truncation_side = "left"
-        self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        if getattr(self.model.config, "num_labels", 1) != 1:
-            raise ValueError(
-                f"node {self.name!r}: the model has num_labels={self.model.config.num_labels}; "
-                "a reward model needs a single-logit head (num_labels=1)"
-            )
-        self.model.to(device=self.device, dtype=_TORCH_DTYPES[dtype]).eval()
-
-    def _load(self, path: str) -> tuple[Any, Any]:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        if not os.path.isdir(path):
+        if model is not None and tokenizer is None:
+            raise ValueError(f"node {self.name!r}: model= needs tokenizer= too")
+        if path is not None and not os.path.isdir(path):
             raise FileNotFoundError(
                 f"node {self.name!r}: reward model path {path!r} is not a directory; pass a local "
                 "directory written by save_pretrained (nothing is downloaded)"
             )
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
+        if config is not None:
+            if "model_type" not in config:
+                raise ValueError(f"node {self.name!r}: config needs 'model_type' (e.g. 'gpt2')")
+            vocab = len(_char_vocab())
+            if config.get("vocab_size", vocab) < vocab:
+                raise ValueError(
+                    f"node {self.name!r}: config vocab_size={config['vocab_size']} is smaller "
+                    f"than the character tokenizer's {vocab}"
+                )
+        self.path, self.model_config, self.seed, self.dtype = path, config, int(seed), dtype
+        self._given = (model, tokenizer) if model is not None else None
+        if model is not None:
+            self._check_head(model)
+
+    def _check_head(self, model: Any) -> None:
+        if getattr(model.config, "num_labels", 1) != 1:
+            raise ValueError(
+                f"node {self.name!r}: the model has num_labels={model.config.num_labels}; "
+                "a reward model needs a single-logit head (num_labels=1)"
+            )
+
+    def build(self) -> None:
+        if self._given is not None:
+            model, tokenizer = self._given
+        elif self.path is not None:
+            model, tokenizer = self._load(self.path)
+        else:
+            model, tokenizer = self._build(dict(self.model_config), self.seed)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "right"
+        tokenizer.truncation_side = "left"
+        model.config.pad_token_id = tokenizer.pad_token_id
+        self._check_head(model)
+        self.model = model.to(device=self.device, dtype=_TORCH_DTYPES[self.dtype]).eval()
+        self.tokenizer = tokenizer
+
+    def _load(self, path: str) -> tuple[Any, Any]:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        fn = f"node {self.name!r}"
+        _check_checkpoint_dir(fn, Path(path))
+        with _loading(fn, Path(path)):
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
         return model, tokenizer
 
     def _build(self, config: dict[str, Any], seed: int) -> tuple[Any, Any]:
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
-        if "model_type" not in config:
-            raise ValueError(f"node {self.name!r}: config needs 'model_type' (e.g. 'gpt2')")
         tokenizer = char_tokenizer()
-        vocab = len(tokenizer)
-        config.setdefault("vocab_size", vocab)
-        if config["vocab_size"] < vocab:
-            raise ValueError(
-                f"node {self.name!r}: config vocab_size={config['vocab_size']} is smaller than the "
-                f"character tokenizer's {vocab}"
-            )
+        config.setdefault("vocab_size", len(tokenizer))
         ids = {"pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 2}
         cfg = AutoConfig.for_model(config.pop("model_type"), num_labels=1, **{**ids, **config})
         with torch.random.fork_rng(devices=[]):
@@ -215,6 +240,9 @@ class ClipScoreReward(RewardNode):
     """
 
     inputs = {**RewardNode.inputs, "images": Port(ANY, doc="list[PIL.Image.Image]: B images")}
+    model = Built("the open_clip model, built by setup()")
+    preprocess = Built("its image transforms")
+    tokenizer = Built("its text tokenizer")
 
     def __init__(
         self,
@@ -240,7 +268,6 @@ class ClipScoreReward(RewardNode):
             name=name,
             device=device,
         )
-        import open_clip
 
         if text_source not in ("texts", "prompts"):
             raise ValueError(f"node {self.name!r}: text_source must be 'texts' or 'prompts'")
@@ -256,28 +283,44 @@ class ClipScoreReward(RewardNode):
             )
         self.text_source, self.scale, self.clamp_negative = text_source, scale, clamp_negative
         self.micro_batch_size = micro_batch_size
+        self.model_name, self.pretrained, self.seed = model_name, pretrained, int(seed)
+        self.overrides = dict(model_overrides or {})
+
+    def build(self) -> None:
+        import open_clip
+
+        name = self.model_name
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model, _, preprocess = open_clip.create_model_and_transforms(
-                model_name, pretrained=pretrained, device=self.device, **dict(model_overrides or {})
-            )
-        self.model, self.preprocess = model.eval(), preprocess
+            torch.manual_seed(self.seed)
+            try:
+                model, _, preprocess = open_clip.create_model_and_transforms(
+                    name, pretrained=self.pretrained, device=self.device, **self.overrides
+                )
+            except Exception as exc:
+                if self.pretrained is None:
+                    raise
+                raise ValueError(
+                    f"node {self.name!r}: open_clip weights file {self.pretrained!r} could not be "
+                    f"loaded into {name!r} ({type(exc).__name__}: "
+                    f"{(str(exc).strip().splitlines() or [''])[0]})"
+                ) from exc
         try:
-            self.tokenizer = open_clip.get_tokenizer(
-                model_name, context_length=getattr(model, "context_length", None)
+            tokenizer = open_clip.get_tokenizer(
+                name, context_length=getattr(model, "context_length", None)
             )
         except Exception as exc:  # HF-hub tokenizers fail offline in many ways
             raise ValueError(
-                f"node {self.name!r}: the tokenizer of {model_name!r} could not be made offline "
+                f"node {self.name!r}: the tokenizer of {name!r} could not be made offline "
                 f"({type(exc).__name__}: {exc}); use a model with open_clip's built-in "
                 "SimpleTokenizer (e.g. ViT-B-32, ViT-S-32)"
             ) from exc
-        vocab = len(getattr(self.tokenizer, "encoder", ()))
+        vocab = len(getattr(tokenizer, "encoder", ()))
         if vocab and getattr(model, "vocab_size", vocab) < vocab:
             raise ValueError(
                 f"node {self.name!r}: the text tower's vocab_size {model.vocab_size} is smaller than "
                 f"the tokenizer's {vocab}; keep text_cfg.vocab_size at {vocab}"
             )
+        self.model, self.preprocess, self.tokenizer = model.eval(), preprocess, tokenizer
 
     def embed(
         self, images: Sequence[Any], texts: Sequence[str]
