@@ -1,4 +1,4 @@
-"""Options shared by the ready graphs: which policy, vision tower and reward to use.
+"""The front half of the ready graphs, and how their policy, vision and reward options load.
 
 Defaults build tiny models from configs in code (nothing downloads), sized for the
 synthetic shapes task; real models come from local paths:
@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from graphs.config import RLConfig
 from nodes.data import ShapesSource, task_vocabulary
 from nodes.reference import ReferenceLogprobs
 from nodes.rewards import RuleReward
@@ -69,14 +70,12 @@ def vision_encoder(vision: str, seed: int) -> VisionEncoder:
     return VisionEncoder(name, pretrained=weights or None, seed=seed, name="vision")
 
 
-def reward_node(reward: str, on_bad_sample: str = "error") -> RuleReward:
-    """The rule reward; ``on_bad_sample``: ``"error"`` (a NaN/inf score stops the run, naming the
+def reward_node(reward: str, on_bad_sample: str = "raise") -> RuleReward:
+    """The rule reward; ``on_bad_sample``: ``"raise"`` (a NaN/inf score stops the run, naming the
     sample) or ``"skip"`` (the sample scores 0, and a ``bad_samples`` output counts it)."""
-    if on_bad_sample not in ("error", "skip"):
-        raise ValueError(f"on_bad_sample must be 'error' or 'skip', got {on_bad_sample!r}")
     if on_bad_sample == "skip":
         return RuleReward(reward, on_bad_sample="skip", emit_bad_mask=True, name="reward")
-    return RuleReward(reward, on_bad_sample="raise", name="reward")
+    return RuleReward(reward, on_bad_sample=on_bad_sample, name="reward")
 
 
 class Sampled(NamedTuple):
@@ -96,51 +95,45 @@ class Sampled(NamedTuple):
 
 
 def sample_and_score(
-    g: Graph,
-    *,
-    batch_size: int,
-    task: str,
-    seed: int,
-    policy: str,
-    reward: str,
-    on_bad_sample: str,
-    max_new_tokens: int,
-    temperature: float,
-    vision: str = "tiny",
-    n: int = 1,
-    text_only: bool = False,
-    stream: bool = False,
+    g: Graph, config: RLConfig, *, vision: str | None = None, n: int = 1
 ) -> Sampled:
     """Declare data -> (vision) -> rollout -> reward, and the reference logprobs, in ``g``.
 
-    ``stream``: the rollout hands out responses as they end (``Rollout(stream=True)``); with
-    one sample per prompt the reward, the reference and the critic then take them piece by
-    piece (runtime/engine/streams.py), which overlaps generation when they run on another controller
-    (``--placement partial``).
+    ``vision``: the vision tower (``config.vision`` of a graph with images), or None for a
+    text-only graph; ``n``: samples per prompt.
+    ``config.stream``: the rollout hands out responses as they end (``Rollout(stream=True)``);
+    with one sample per prompt the reward, the reference and the critic then take them piece by
+    piece (runtime/engine/streams.py), which overlaps generation when they run on another
+    controller (``--placement partial``).
     """
+    text_only = vision is None
     data = ShapesSource(
-        batch_size=batch_size, task=task, seed=seed, text_hint=text_only, name="data"
+        batch_size=config.batch_size,
+        task=config.task,
+        seed=config.seed,
+        text_hint=text_only,
+        name="data",
     )()
     if text_only:
         g.discard(data.images)
-        spec, image_port = policy_spec(policy, seed, None), {}
+        spec, image_port = policy_spec(config.policy, config.seed, None), {}
     else:
-        encoder = vision_encoder(vision, seed)
-        spec = policy_spec(policy, seed, encoder.embed_dim)
+        encoder = vision_encoder(vision, config.seed)
+        spec = policy_spec(config.policy, config.seed, encoder.embed_dim)
         prefix = is_prefix_policy(spec)
         image_port = {"image_embeds": encoder(data.images)} if prefix else {"images": data.images}
     rollout = Rollout(
         policy=spec,
         n=n,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        seed=seed,
-        stream=stream,
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        seed=config.seed,
+        stream=config.stream,
         name="rollout",
     )
     sample = rollout(prompts=data.prompts, **image_port)
-    scores = reward_node(reward, on_bad_sample)(texts=sample.texts, meta=data.meta)
-    if on_bad_sample == "skip":  # the reward has a second output: which samples it skipped
+    scores = reward_node(config.reward, config.on_bad_sample)(texts=sample.texts, meta=data.meta)
+    if config.on_bad_sample == "skip":  # the reward has a second output: which samples it skipped
         scores, skipped = scores
         g.output("bad_samples", skipped)
     tensors = {
@@ -149,7 +142,7 @@ def sample_and_score(
         "response_ids": sample.response_ids,
         "response_mask": sample.response_mask,
     }
-    reference = ReferenceLogprobs(policy=spec, temperature=temperature, name="reference")
+    reference = ReferenceLogprobs(policy=spec, temperature=config.temperature, name="reference")
     ref = reference(**tensors, **image_port)
     g.output("response_lengths", sample.response_lengths)
     return Sampled(spec, rollout, sample, scores, tensors, image_port, ref)

@@ -1,0 +1,155 @@
+"""The typed options of the ready graphs: one msgspec Struct per graph, shared fields in a base.
+
+``RLConfig`` holds what every ready graph takes (data, models, reward, optimizer, sampling);
+``PPOConfig`` adds the critic and GAE (``text_ppo``); ``MultimodalPPOConfig`` adds the vision
+tower (``mm_ppo``); ``GRPOConfig`` adds the vision tower and the groups (``mm_grpo``).
+
+Each graph module names its config as ``CONFIG``, and its ``build_graph(**options)`` builds
+it with :meth:`RLConfig.from_options`: an unknown option or a value of the wrong type is a
+TypeError, a value out of range a ValueError, each naming the option, the value and what is
+allowed. ``yatt-graph ... --set key=value`` parses text by these fields' types, and
+``yatt-graph show GRAPH --options`` lists them with their defaults and the first line of the
+docstring under each.
+
+The defaults are the ones the learning tests and the README's figures were measured with.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Self
+
+import msgspec
+
+from nodes.data import TASKS
+from yatt_graph.options import check_options, config_options
+
+__all__ = ["GRPOConfig", "MultimodalPPOConfig", "PPOConfig", "RLConfig"]
+
+
+class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The options every ready graph takes."""
+
+    batch_size: int = 32
+    """Prompts per step (>= 1); the README's figures for the PPO graphs were measured at 32."""
+    task: str = "color"
+    """The shapes question: color, shape or count; color is the one the figures are for."""
+    seed: int = 0
+    """Seed (>= 0) of the data, the models' weights and the sampling; runs with one seed repeat."""
+    policy: str | dict[str, Any] = "tiny"
+    """'tiny' (a 2-layer prefix-VLM built in code), a local model directory, or a policy spec.
+
+    A directory holds a saved prefix-VLM or a Hugging Face image-text-to-text checkpoint;
+    nothing is downloaded. A spec is a :func:`nodes.models.policy.build_policy` dict."""
+    reward: str = "nodes.data:answer_reward"
+    """A rule reward fn(text, meta) -> float, as module:function or path/to/file.py:function."""
+    on_bad_sample: Literal["raise", "skip"] = "raise"
+    """A NaN/inf/non-number score: raise (stop the run, naming the sample) or skip (score 0).
+
+    With skip the graph also outputs ``bad_samples`` and the metrics count them; raise is
+    the default because a reward that breaks should be seen, not averaged away."""
+    lr: float = 1e-3
+    """The policy's Adam learning rate (> 0); the figures were measured at 1e-3."""
+    max_new_tokens: int = 2
+    """Longest response in tokens (>= 1); the shapes answers are one word and an end token."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0), also used for the logprobs of the update and the reference."""
+    kl_coef: float = 0.05
+    """Weight (>= 0) of the KL penalty to the reference policy; 0 turns it off.
+
+    With 0.05 the ready graphs ended higher and closer together across seeds than without
+    the penalty (README)."""
+    entropy_coef: float = 0.01
+    """Weight (>= 0) of the entropy bonus in the policy loss; the figures were measured at 0.01."""
+    epochs: int = 2
+    """Optimizer passes over each step's batch (>= 1); the figures were measured at 2."""
+    stream: bool = False
+    """Hand out each response as it ends, so later nodes take them piece by piece.
+
+    Off by default: with the tiny CPU models it costs more than it overlaps
+    (docs/PERFORMANCE.md, "Streaming between controllers")."""
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            _refuse("task", self.task, f"one of {', '.join(TASKS)}")
+        _at_least("batch_size", self.batch_size, 1)
+        _at_least("seed", self.seed, 0)
+        _at_least("max_new_tokens", self.max_new_tokens, 1)
+        _at_least("epochs", self.epochs, 1)
+        _positive("lr", self.lr)
+        _positive("temperature", self.temperature)
+        _at_least("kl_coef", self.kl_coef, 0.0)
+        _at_least("entropy_coef", self.entropy_coef, 0.0)
+        if self.on_bad_sample not in ("raise", "skip"):
+            _refuse("on_bad_sample", self.on_bad_sample, "'raise' or 'skip'")
+
+    @classmethod
+    def from_options(cls, graph: str, options: dict[str, Any]) -> Self:
+        """The config of ``graph`` from ``build_graph``'s keyword options, checked."""
+        values = check_options(options, config_options(cls), False, graph)
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            raise ValueError(f"{graph}: {exc}") from None
+
+
+class PPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
+    """PPO: a critic trained beside the policy, advantages by GAE."""
+
+    critic_lr: float = 1e-3
+    """The critic's Adam learning rate (> 0); as the policy's."""
+    gamma: float = 1.0
+    """GAE discount per token, in [0, 1]; 1 because the only reward comes at the end."""
+    lam: float = 0.95
+    """GAE lambda, in [0, 1]: 0 trusts the critic's next value, 1 the whole return."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive("critic_lr", self.critic_lr)
+        _within("gamma", self.gamma, 0.0, 1.0)
+        _within("lam", self.lam, 0.0, 1.0)
+
+
+class MultimodalPPOConfig(PPOConfig, kw_only=True, forbid_unknown_fields=True):
+    """PPO with images: a vision tower in front of a prefix-VLM policy."""
+
+    vision: str = "tiny"
+    """'tiny' or open_clip:NAME[:WEIGHTS_FILE]; only a prefix-VLM policy reads it."""
+
+
+class GRPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
+    """GRPO with images: several samples per prompt, advantages within each group, no critic."""
+
+    batch_size: int = 16
+    """Prompts per step (>= 1); 16 prompts of 4 samples (64 responses), as in the figures."""
+    vision: str = "tiny"
+    """'tiny' or open_clip:NAME[:WEIGHTS_FILE]; only a prefix-VLM policy reads it."""
+    group_size: int = 4
+    """Samples per prompt (>= 2: a group's advantages compare its samples with each other)."""
+    estimator: Literal["grpo", "rloo"] = "grpo"
+    """grpo (group mean and std) or rloo (the mean of the other samples)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _at_least("group_size", self.group_size, 2)
+        if self.estimator not in ("grpo", "rloo"):
+            _refuse("estimator", self.estimator, "'grpo' or 'rloo'")
+
+
+def _refuse(name: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"option {name}={value!r}: must be {allowed}")
+
+
+def _at_least(name: str, value: float, low: float) -> None:
+    if not (value >= low and math.isfinite(value)):  # also refuses NaN
+        _refuse(name, value, f">= {low}" if isinstance(value, int) else f"a finite number >= {low}")
+
+
+def _positive(name: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        _refuse(name, value, "a finite number > 0")
+
+
+def _within(name: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        _refuse(name, value, f"in [{low}, {high}]")

@@ -1,0 +1,134 @@
+"""The ready graphs' typed configs: defaults, checks, and every field reaching its node."""
+
+import math
+
+import pytest
+
+from graphs.config import GRPOConfig, MultimodalPPOConfig, PPOConfig, RLConfig
+from yatt_graph.options import config_options
+from yatt_graph.refs import load_graph
+
+# The defaults the learning tests and the README's figures were measured with (the keyword
+# defaults of build_graph before the configs existed).
+PPO_DEFAULTS = {
+    "batch_size": 32,
+    "task": "color",
+    "seed": 0,
+    "policy": "tiny",
+    "reward": "nodes.data:answer_reward",
+    "on_bad_sample": "raise",
+    "lr": 1e-3,
+    "critic_lr": 1e-3,
+    "max_new_tokens": 2,
+    "temperature": 1.0,
+    "kl_coef": 0.05,
+    "entropy_coef": 0.01,
+    "epochs": 2,
+    "gamma": 1.0,
+    "lam": 0.95,
+    "stream": False,
+}
+
+
+def as_dict(config) -> dict:
+    return {f.name: getattr(config, f.name) for f in config_options(type(config))}
+
+
+def test_defaults_are_the_measured_ones():
+    assert as_dict(PPOConfig()) == PPO_DEFAULTS
+    assert as_dict(MultimodalPPOConfig()) == {**PPO_DEFAULTS, "vision": "tiny"}
+    grpo = {k: v for k, v in PPO_DEFAULTS.items() if k not in ("critic_lr", "gamma", "lam")}
+    assert as_dict(GRPOConfig()) == {
+        **grpo,
+        "batch_size": 16,
+        "vision": "tiny",
+        "group_size": 4,
+        "estimator": "grpo",
+    }
+
+
+@pytest.mark.parametrize("config", [MultimodalPPOConfig, PPOConfig, GRPOConfig])
+def test_every_field_has_a_docstring(config):
+    missing = [o.name for o in config_options(config) if not o.doc]
+    assert not missing, f"{config.__name__} fields without a docstring: {missing}"
+
+
+@pytest.mark.parametrize(
+    ("config", "field", "value", "allowed"),
+    [
+        (RLConfig, "batch_size", 0, ">= 1"),
+        (RLConfig, "seed", -1, ">= 0"),
+        (RLConfig, "task", "colour", "one of color, shape, count"),
+        (RLConfig, "lr", -1e-3, "> 0"),
+        (RLConfig, "lr", math.nan, "> 0"),
+        (RLConfig, "temperature", 0.0, "> 0"),
+        (RLConfig, "kl_coef", -0.1, ">= 0"),
+        (RLConfig, "epochs", 0, ">= 1"),
+        (RLConfig, "on_bad_sample", "error", "'raise' or 'skip'"),
+        (PPOConfig, "gamma", 1.5, "in [0.0, 1.0]"),
+        (PPOConfig, "lam", -0.1, "in [0.0, 1.0]"),
+        (PPOConfig, "critic_lr", math.inf, "> 0"),
+        (GRPOConfig, "group_size", 1, ">= 2"),
+        (GRPOConfig, "estimator", "ppo", "'grpo' or 'rloo'"),
+    ],
+)
+def test_a_bad_value_names_the_field_the_value_and_what_is_allowed(config, field, value, allowed):
+    with pytest.raises(ValueError) as info:
+        config(**{field: value})
+    message = str(info.value)
+    assert f"option {field}={value!r}" in message and allowed in message
+
+
+def test_build_graph_refuses_unknown_options_and_wrong_types_naming_them():
+    with pytest.raises(TypeError, match=r"unknown option 'batch_sise' for mm_ppo; valid: "):
+        load_graph("graphs.mm_ppo", batch_sise=4)
+    with pytest.raises(TypeError, match=r"unknown option 'vision' for text_ppo"):
+        load_graph("graphs.text_ppo", vision="tiny")  # a text graph has no vision tower
+    with pytest.raises(TypeError, match=r"unknown option 'critic_lr' for mm_grpo"):
+        load_graph("graphs.mm_grpo", critic_lr=1e-3)  # GRPO has no critic
+    with pytest.raises(TypeError, match=r"option 'batch_size' of mm_ppo: '4' is not int"):
+        load_graph("graphs.mm_ppo", batch_size="4")
+    with pytest.raises(TypeError, match=r"option 'stream' of mm_grpo: 'no' is not bool"):
+        load_graph("graphs.mm_grpo", stream="no")
+    with pytest.raises(ValueError, match=r"mm_grpo: option group_size=1: must be >= 2"):
+        load_graph("graphs.mm_grpo", group_size=1)
+
+
+def test_every_option_reaches_the_node_that_uses_it():
+    ppo = load_graph(
+        "graphs.mm_ppo",
+        batch_size=4,
+        seed=3,
+        lr=2e-3,
+        critic_lr=3e-3,
+        max_new_tokens=5,
+        temperature=0.7,
+        kl_coef=0.2,
+        entropy_coef=0.02,
+        epochs=3,
+        gamma=0.9,
+        lam=0.8,
+        stream=True,
+        task="shape",
+    )
+    config = {name: node.config() for name, node in ppo.nodes.items()}
+    assert config["data"]["batch_size"] == 4 and config["data"]["task"] == "shape"
+    assert config["data"]["seed"] == 3
+    rollout = config["rollout"]
+    assert (rollout["max_new_tokens"], rollout["temperature"], rollout["stream"]) == (5, 0.7, True)
+    assert config["gae"] == {"gamma": 0.9, "lam": 0.8, "kl_coef": 0.2, "name": "gae"}
+    update = config["ppo"]
+    assert (update["lr"], update["critic_lr"], update["entropy_coef"]) == (2e-3, 3e-3, 0.02)
+    assert (update["epochs"], update["temperature"], update["seed"]) == (3, 0.7, 3)
+
+    grpo = load_graph("graphs.mm_grpo", batch_size=2, group_size=3, estimator="rloo", lr=5e-4)
+    assert grpo.nodes["rollout"].config()["n"] == 3
+    assert grpo.nodes["group_advantage"].config()["estimator"] == "rloo"
+    assert grpo.nodes["grpo"].config()["lr"] == 5e-4
+    text = load_graph("graphs.text_ppo", batch_size=2, on_bad_sample="skip")
+    assert "vision" not in text.nodes and "bad_samples" in text.graph_outputs
+
+
+def test_a_python_int_is_accepted_for_a_float_option():
+    graph = load_graph("graphs.mm_ppo", batch_size=2, kl_coef=0)
+    assert graph.nodes["gae"].config()["kl_coef"] == 0.0

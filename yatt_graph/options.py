@@ -1,0 +1,314 @@
+"""The options a graph module's ``build_graph(**options)`` takes: names, types, defaults, docs.
+
+A module may name the msgspec Struct its ``build_graph`` builds from the options as
+``CONFIG`` (the ready graphs do, see ``graphs/config.py``); the options are its fields, each
+documented by the string under it. Without one, they come from ``build_graph``'s signature:
+the annotation, else the default's type; a parameter with neither takes any value.
+
+Text values (``yatt-graph run ... --set key=value``) are parsed by the option's type:
+booleans from ``true/false/yes/no/on/off/1/0``, numbers refuse what is not one, and an
+unknown key or a value of the wrong type is refused naming the key, the value, the type and
+the valid options. Python values are checked the same way, without parsing.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import json
+import sys
+import textwrap
+import traceback
+import types
+import typing
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from yatt_graph.refs import load_module
+
+__all__ = [
+    "REQUIRED",
+    "Option",
+    "check_config",
+    "check_options",
+    "config_options",
+    "field_docs",
+    "format_options",
+    "graph_file",
+    "load_graph_module",
+    "located",
+    "module_options",
+    "option_table",
+    "parse_options",
+    "signature_options",
+]
+
+REQUIRED: Any = inspect.Parameter.empty
+"""The default of an option that has none."""
+
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+
+
+class Option(msgspec.Struct, frozen=True):
+    """One option of a graph's ``build_graph``."""
+
+    name: str
+    type: Any
+    """The declared type; ``typing.Any`` when the option declares none."""
+    default: Any = REQUIRED
+    doc: str = ""
+    """The first line of the option's docstring, or empty."""
+
+    @property
+    def label(self) -> str:
+        return type_label(self.type)
+
+
+def type_label(tp: Any) -> str:
+    """``int``, ``raise|skip`` (a Literal), ``str | dict``, ``any``: how a type reads in a message."""
+    if tp is Any:
+        return "any"
+    if typing.get_origin(tp) is typing.Literal:
+        return "|".join(str(v) for v in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(type_label(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "none"
+    origin = typing.get_origin(tp)
+    return getattr(origin or tp, "__name__", str(tp))
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each annotated attribute of ``cls`` and its bases, by name."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body
+        if not body or not isinstance(body[0], ast.ClassDef):
+            continue
+        stmts = body[0].body
+        for stmt, after in zip(stmts, stmts[1:]):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def config_options(config: type[msgspec.Struct]) -> list[Option]:
+    """The fields of a msgspec Struct as options, with their docstrings' first lines."""
+    docs = field_docs(config)
+    options = []
+    for f in msgspec.structs.fields(config):
+        default = f.default if f.default is not msgspec.NODEFAULT else REQUIRED
+        if f.default_factory is not msgspec.NODEFAULT:
+            default = f.default_factory()
+        options.append(Option(f.name, f.type, default, docs.get(f.name, "").split("\n")[0]))
+    return options
+
+
+def signature_options(build: Callable[..., Any]) -> tuple[list[Option], bool]:
+    """The named parameters of ``build`` as options, and whether it takes ``**kwargs`` too."""
+    try:
+        sig = inspect.signature(build, eval_str=True)
+    except (NameError, TypeError, SyntaxError):  # an annotation that does not evaluate
+        sig = inspect.signature(build)
+    options, more = [], False
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            more = True
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            continue
+        tp = p.annotation
+        if tp is p.empty or isinstance(tp, str):
+            simple = (bool, int, float, str)
+            tp = type(p.default) if type(p.default) in simple else Any
+        options.append(Option(p.name, tp, p.default))  # p.empty is REQUIRED
+    return options, more
+
+
+def module_options(module: Any) -> tuple[list[Option], bool]:
+    """A graph module's options (its ``CONFIG`` Struct, else ``build_graph``'s signature) and
+    whether it takes other keys too. A module with no ``build_graph`` takes no options."""
+    config = getattr(module, "CONFIG", None)
+    if isinstance(config, type) and issubclass(config, msgspec.Struct):
+        return config_options(config), False
+    build = getattr(module, "build_graph", None)
+    return signature_options(build) if callable(build) else ([], False)
+
+
+def check_config(module: Any, values: Mapping[str, Any], where: str) -> None:
+    """Build the module's ``CONFIG`` from ``values`` (checked already) to run its range and
+    choice checks, which raise ValueError; nothing when the module has no typed config."""
+    config = getattr(module, "CONFIG", None)
+    if isinstance(config, type) and issubclass(config, msgspec.Struct):
+        try:
+            config(**values)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+
+def format_options(options: list[Option]) -> str:
+    """``batch_size (int), lr (float), ...``"""
+    return ", ".join(f"{o.name} ({o.label})" for o in options) or "none"
+
+
+def _unknown(key: str, where: str, options: list[Option]) -> TypeError:
+    return TypeError(f"unknown option {key!r} for {where}; valid: {format_options(options)}")
+
+
+def _wrong(option: Option, value: Any, where: str, options: list[Option]) -> TypeError:
+    return TypeError(
+        f"option {option.name!r} of {where}: {value!r} is not {option.label}; "
+        f"valid: {format_options(options)}"
+    )
+
+
+def _parse(option: Option, text: str) -> Any:
+    """The value ``text`` stands for, as the option's type; ValueError if it is none."""
+    tp = option.type
+    if tp is bool:
+        word = text.strip().lower()
+        if word in _TRUE or word in _FALSE:
+            return word in _TRUE
+        raise ValueError(text)
+    if tp is str:
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = text
+    if tp is Any:
+        return value
+    try:  # a JSON value of the declared type (3 for a float, {...} for a dict) ...
+        return msgspec.convert(value, tp)
+    except msgspec.ValidationError:
+        pass
+    try:  # ... or the text read as that type ("3" for an int, 'raise' for a Literal)
+        return msgspec.convert(text, tp, strict=False)
+    except msgspec.ValidationError:
+        raise ValueError(text) from None
+
+
+def parse_options(
+    pairs: Mapping[str, str], options: list[Option], more: bool, where: str
+) -> dict[str, Any]:
+    """Text values (``--set key=value``) parsed by each option's type; TypeError naming the
+    key, the value and the type for an unknown key or a value of the wrong type."""
+    by_name = {o.name: o for o in options}
+    parsed: dict[str, Any] = {}
+    for key, text in pairs.items():
+        option = by_name.get(key, Option(key, Any) if more else None)
+        if option is None:
+            raise _unknown(key, where, options)
+        try:
+            parsed[key] = _parse(option, text)
+        except ValueError:
+            raise _wrong(option, text, where, options) from None
+    return parsed
+
+
+def check_options(
+    values: Mapping[str, Any], options: list[Option], more: bool, where: str
+) -> dict[str, Any]:
+    """Python values checked against the options' types (ints pass as floats); TypeError
+    naming the key, the value and the type for an unknown key or a wrong type."""
+    by_name = {o.name: o for o in options}
+    checked: dict[str, Any] = {}
+    for key, value in values.items():
+        option = by_name.get(key, Option(key, Any) if more else None)
+        if option is None:
+            raise _unknown(key, where, options)
+        try:
+            checked[key] = value if option.type is Any else msgspec.convert(value, option.type)
+        except msgspec.ValidationError:
+            raise _wrong(option, value, where, options) from None
+    return checked
+
+
+def graph_file(target: str) -> Path | None:
+    """The file a graph reference (``graphs/toy.py`` or ``graphs.toy``) names, if any."""
+    if target.endswith(".py") or Path(target).exists():
+        return Path(target).resolve()
+    try:
+        spec = importlib.util.find_spec(target)
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin).resolve() if spec is not None and spec.origin else None
+
+
+def located(target: str, exc: BaseException) -> str | None:
+    """``file:line (code): Type: message`` for the innermost place in the graph file of
+    ``target`` that ``exc`` (or an exception it came from) passed through; None if none did."""
+    path = graph_file(target)
+    if path is None:
+        return None
+    chain: list[BaseException] = []
+    err: BaseException | None = exc
+    while err is not None and err not in chain:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    for err in chain:
+        frames = traceback.extract_tb(err.__traceback__)
+        inside = [f for f in frames if Path(f.filename).resolve() == path]
+        if inside:
+            at = f"{_shown(path)}:{inside[-1].lineno} ({inside[-1].line})"
+            last = frames[-1]
+            if Path(last.filename).resolve() != path and not _installed(last.filename):
+                at += f", raised at {_shown(Path(last.filename))}:{last.lineno}"
+            return f"{at}: {type(err).__name__}: {err}"
+        if isinstance(err, SyntaxError) and err.filename and Path(err.filename).resolve() == path:
+            return f"{_shown(path)}:{err.lineno}: SyntaxError: {err.msg}"
+    return None
+
+
+def load_graph_module(target: str) -> Any:
+    """:func:`yatt_graph.refs.load_module`, with an import error located in the graph's file."""
+    try:
+        return load_module(target)
+    except ImportError as exc:
+        where = located(target, exc)
+        if where is None:
+            raise
+        raise ImportError(f"importing {target} failed at {where}") from exc
+
+
+def option_table(options: list[Option], more: bool) -> str:
+    """One line an option: name, type, default and the first line of its docstring."""
+    rows = [
+        (o.name, o.label, "(required)" if o.default is REQUIRED else repr(o.default), o.doc)
+        for o in options
+    ]
+    widths = [max([len(r[i]) for r in rows] + [1]) for i in range(3)]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(r[:3], widths)) + ("  " + r[3] if r[3] else "")
+        for r in rows
+    ]
+    if more:
+        lines.append("(other keys are passed through: build_graph takes **kwargs)")
+    return "\n".join(line.rstrip() for line in lines) if lines else "(no options)"
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _installed(filename: str) -> bool:
+    """Whether a file belongs to Python or an installed package (not worth naming to a user)."""
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix}
+    return "site-packages" in filename or any(filename.startswith(r) for r in roots)
