@@ -1,0 +1,181 @@
+"""``--set`` values parsed by the graph's option types, ``show --options``, and errors that
+name the place in the user's graph file."""
+
+import json
+import textwrap
+
+import pytest
+
+from runtime.cli import _graph_options, build_parser, main
+from yatt_graph.refs import load_graph
+
+# A user's graph: typed, untyped-with-default and untyped parameters; it records what it got.
+RECORDING_GRAPH = """
+import json
+from pathlib import Path
+
+from graphs.toy import build_graph as toy
+
+
+def build_graph(flag: bool = True, count: int = 1, rate: float = 0.5, name: str = "a",
+                inferred=3, anything=None, fail: str = ""):
+    Path(__file__).with_suffix(".json").write_text(json.dumps(dict(
+        flag=flag, count=count, rate=rate, name=name, inferred=inferred, anything=anything)))
+    if fail == "zero":
+        return 1 / 0
+    if fail == "node":
+        return toy(batch_size=count, colour=3)
+    return toy(batch_size=count)
+"""
+
+
+@pytest.fixture
+def user_graph(tmp_path):
+    path = tmp_path / "my_graph.py"
+    path.write_text(RECORDING_GRAPH)
+    return path
+
+
+def options_of(*argv: str) -> dict:
+    return _graph_options(build_parser().parse_args(["show", *argv]))
+
+
+def received(path, *sets: str) -> dict:
+    argv = ["show", str(path)]
+    for pair in sets:
+        argv += ["--set", pair]
+    assert main(argv) == 0
+    return json.loads(path.with_suffix(".json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("word", "value"),
+    [("no", False), ("OFF", False), ("false", False), ("0", False), ("yes", True), ("On", True)],
+)
+def test_booleans_read_yes_no_on_off_as_words(word, value):
+    options = options_of("graphs/mm_ppo.py", "--set", f"stream={word}", "--set", "batch_size=2")
+    assert options == {"stream": value, "batch_size": 2}
+    graph = load_graph("graphs.mm_ppo", **options)
+    assert graph.nodes["rollout"].config()["stream"] is value
+
+
+def test_numbers_are_parsed_by_their_declared_type():
+    options = options_of("graphs/mm_grpo.py", "--set", "lr=3", "--set", "group_size=2")
+    assert options == {"lr": 3.0, "group_size": 2}
+    assert isinstance(options["lr"], float)
+    assert options_of("graphs/mm_ppo.py", "--set", "policy=/no/such/dir") == {
+        "policy": "/no/such/dir"
+    }
+    spec = '{"name": "tiny-prefix-vlm", "seed": 1}'
+    assert options_of("graphs/mm_ppo.py", "--set", f"policy={spec}") == {"policy": json.loads(spec)}
+
+
+@pytest.mark.parametrize(
+    ("pair", "expected"),
+    [
+        ("batch_size=abc", "option 'batch_size' of graphs/mm_ppo.py: 'abc' is not int"),
+        ("batch_size=2.5", "option 'batch_size' of graphs/mm_ppo.py: '2.5' is not int"),
+        ("lr=abc", "option 'lr' of graphs/mm_ppo.py: 'abc' is not float"),
+        ("stream=maybe", "option 'stream' of graphs/mm_ppo.py: 'maybe' is not bool"),
+        ("on_bad_sample=error", "'error' is not raise|skip"),
+        (
+            "batch_sise=4",
+            "unknown option 'batch_sise' for graphs/mm_ppo.py; valid: batch_size (int), ",
+        ),
+        ("lr=-1", "option lr=-1.0: must be a finite number > 0"),
+    ],
+)
+def test_a_wrong_key_or_value_is_refused_in_one_line_with_exit_code_2(pair, expected, capsys):
+    assert main(["show", "graphs/mm_ppo.py", "--set", pair]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1
+    if "valid:" in expected:
+        assert "stream (bool)" in err and "on_bad_sample (raise|skip)" in err
+
+
+def test_a_named_model_flag_the_graph_lacks_is_refused(capsys):
+    assert main(["show", "graphs/text_ppo.py", "--vision", "tiny"]) == 2
+    assert "--vision: graphs/text_ppo.py takes no 'vision' option" in capsys.readouterr().err
+
+
+def test_a_user_graph_gets_types_from_its_signature(user_graph, capsys):
+    got = received(user_graph, "flag=off", "count=2", "rate=1", "name=42", "inferred=7")
+    assert got == {
+        "flag": False,
+        "count": 2,
+        "rate": 1.0,
+        "name": "42",
+        "inferred": 7,
+        "anything": None,
+    }
+    got = received(user_graph, "anything=[1, 2]")
+    assert got["anything"] == [1, 2]  # no annotation, no typed default: JSON ...
+    assert received(user_graph, "anything=plain words")["anything"] == "plain words"  # ... or text
+    for pair, expected in [
+        ("count=2.5", "option 'count' of"),
+        ("inferred=x", "option 'inferred' of"),  # typed by its default 3
+        ("flag=maybe", "'maybe' is not bool"),
+        ("colour=red", "unknown option 'colour' for"),
+    ]:
+        assert main(["show", str(user_graph), "--set", pair]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and "my_graph.py" in err and "valid: flag (bool), count (int)" in err
+
+
+def test_a_user_graph_with_kwargs_takes_other_keys_as_json_or_text(tmp_path, capsys):
+    path = tmp_path / "open_graph.py"
+    path.write_text(
+        "from graphs.toy import build_graph as toy\n\n\n"
+        "def build_graph(size: int, **options):\n    return toy(batch_size=size, **options)\n"
+    )
+    assert options_of(str(path), "--set", "size=2", "--set", "seed=3") == {"size": 2, "seed": 3}
+    assert main(["show", str(path), "--set", "size=x"]) == 2
+    assert "option 'size' of" in capsys.readouterr().err
+    assert main(["show", str(path), "--options"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["size", "int", "(required)"]
+    assert "other keys are passed through" in out
+
+
+def test_on_bad_sample_is_spelled_raise_or_skip():
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["run", "graphs/mm_ppo.py", "--on-bad-sample", "error"])
+    assert info.value.code == 2
+    args = build_parser().parse_args(["run", "graphs/mm_ppo.py", "--on-bad-sample", "raise"])
+    assert args.on_bad_sample == "raise"
+
+
+def test_an_exception_in_build_graph_names_the_file_and_line(user_graph, capsys):
+    assert main(["show", str(user_graph), "--set", "fail=zero"]) == 2
+    err = capsys.readouterr().err
+    assert "my_graph.py:13 (return 1 / 0): ZeroDivisionError: division by zero" in err
+    assert err.count("\n") == 1
+    assert main(["show", str(user_graph), "--set", "fail=node"]) == 2  # a TypeError inside it
+    err = capsys.readouterr().err
+    assert "my_graph.py:15 (return toy(batch_size=count, colour=3)): TypeError: " in err
+    assert "'colour'" in err and err.count("\n") == 1
+
+
+def test_a_graph_file_that_fails_to_import_names_the_file_and_line(tmp_path, capsys):
+    broken = tmp_path / "broken.py"
+    broken.write_text("import os\n\nimport not_a_module_anywhere\n")
+    assert main(["show", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert "broken.py:3 (import not_a_module_anywhere): ModuleNotFoundError" in err
+    bad_syntax = tmp_path / "bad_syntax.py"
+    bad_syntax.write_text("def build_graph(:\n    pass\n")
+    assert main(["show", str(bad_syntax), "--options"]) == 2
+    assert "bad_syntax.py:1: SyntaxError" in capsys.readouterr().err
+
+
+def test_show_options_lists_types_defaults_and_docs_without_building(user_graph, capsys):
+    assert main(["show", "graphs/mm_grpo.py", "--options"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    group = next(line for line in lines if line.startswith("group_size"))
+    assert group.split()[:3] == ["group_size", "int", "4"] and "Samples per prompt" in group
+    assert any(line.split()[:3] == ["on_bad_sample", "raise|skip", "'raise'"] for line in lines)
+    assert not any(line.startswith("critic_lr") for line in lines)
+    assert main(["show", str(user_graph), "--options"]) == 0
+    table = textwrap.dedent(capsys.readouterr().out)
+    assert table.splitlines()[0].split() == ["flag", "bool", "True"]
+    assert not user_graph.with_suffix(".json").exists()  # build_graph was not called
