@@ -4,6 +4,8 @@ yatt-graph viz graphs/toy.py -o toy.svg [--controllers 3]
 yatt-graph show graphs/toy.py [--mermaid]
 yatt-graph run graphs/toy.py --steps 30 --seed 0
 yatt-graph run graphs/toy.py --controllers 3 --out runs/x --checkpoint-every 10 --restart on-failure
+yatt-graph run graphs/toy.py --resume runs/x --steps 60      # continue it, in its folder
+yatt-graph export runs/x/checkpoints/step_000030 policy/       # a checkpoint's policy
 yatt-graph keys DIR
 yatt-graph demo
 """
@@ -11,103 +13,82 @@ yatt-graph demo
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from runtime.train.checkpoint import CheckpointError
-from yatt_graph import GraphError, NodeExecutionError
-from yatt_graph.options import (
-    Option,
-    check_config,
-    format_options,
-    load_graph_module,
-    located,
-    module_options,
-    option_table,
-    parse_options,
+from runtime.train.errors import Terminated, UsageError
+from runtime.train.export import export_checkpoint
+from runtime.train.run_folder import (
+    check_new_path,
 )
-from yatt_graph.refs import load_graph
+from yatt_graph import GraphError, NodeExecutionError
+from yatt_graph.refs import load_graph, load_module
 
 __all__ = ["main"]
 
 
-def _options(
-    pairs: Sequence[str], options: list[Option], more: bool, target: str
-) -> dict[str, Any]:
-    """``--set key=value`` pairs, each value parsed by the option's declared type (the graph's
-    ``CONFIG`` or ``build_graph`` signature, see yatt_graph/options.py); an unknown key or a
-    value of the wrong type is a TypeError naming the key, the value and the valid options."""
-    texts: dict[str, str] = {}
+def _options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``--set key=value`` pairs; values are parsed as JSON when they can be."""
+    import json
+
+    options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key:
+        if not sep:
             raise SystemExit(f"--set {pair!r}: expected KEY=VALUE")
-        texts[key] = value
-    return parse_options(texts, options, more, target)
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
 
 
 def _graph_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``--set`` pairs plus the named model options, for the graph's ``build_graph``, checked
-    against its options before anything is built (a bad value of a typed config included)."""
-    module = load_graph_module(args.graph)
-    known, more = module_options(module)
-    values = _options(args.set, known, more, args.graph)
-    names = {o.name for o in known}
+    """``--set`` pairs plus the named model options, for the graph's ``build_graph``."""
+    options = _options(args.set)
     for key in ("policy", "vision", "reward", "seed"):
         value = getattr(args, key, None)
-        if value is None:
-            continue
-        if key not in names and not more:
-            raise TypeError(
-                f"--{key}: {args.graph} takes no {key!r} option; valid: {format_options(known)}"
-            )
-        values[key] = value
-    check_config(module, values, args.graph)  # ranges and choices, before models are built
-    return values
+        if value is not None:
+            options[key] = value
+    return options
 
 
-def _load(args: argparse.Namespace, options: dict[str, Any] | None = None) -> Any:
-    """The graph, built with ``options`` (default: from the flags); an exception raised while
-    building it names the place in the graph's file it came from."""
-    options = _graph_options(args) if options is None else options
-    try:
-        return load_graph(args.graph, **options)
-    except Exception as exc:
-        where = located(args.graph, exc)
-        if where is None:
-            raise
-        raise GraphError(f"building {args.graph} failed at {where}") from exc
+def _load(args: argparse.Namespace) -> Any:
+    return load_graph(args.graph, **_graph_options(args))
 
 
 def cmd_viz(args: argparse.Namespace) -> int:
-    graph = _load(args)
-    target = graph.plan(args.controllers) if args.controllers > 1 else graph
     suffix = Path(args.output).suffix.lstrip(".").lower()
     if suffix not in ("svg", "png"):
-        raise SystemExit(f"viz: -o must end in .svg or .png, got {args.output!r}")
+        raise UsageError(f"viz: -o must end in .svg or .png, got {args.output!r}")
+    with _graph_input(args.graph):
+        graph = _load(args)
+    target = graph.plan(args.controllers) if args.controllers > 1 else graph
     target.draw(args.output)
     print(f"wrote {args.output} ({len(graph.nodes)} nodes, {len(graph.edges)} edges)")
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    if args.options:
-        print(option_table(*module_options(load_graph_module(args.graph))))
-        return 0
-    graph = _load(args)
+    with _graph_input(args.graph):
+        graph = _load(args)
     target = graph.plan(args.controllers) if args.controllers > 1 else graph
     print(target.to_mermaid() if args.mermaid else target.to_text())
     return 0
 
 
 def _on_bad_sample(args: argparse.Namespace, options: dict[str, Any]) -> None:
-    """Pass ``--on-bad-sample`` to a graph whose options include ``on_bad_sample``."""
+    """Pass ``--on-bad-sample`` to a graph whose ``build_graph`` takes ``on_bad_sample``."""
     if args.on_bad_sample is None:
         return
-    known, _ = module_options(load_graph_module(args.graph))
-    if any(o.name == "on_bad_sample" for o in known):
+    build = getattr(load_module(args.graph), "build_graph", None)
+    takes = callable(build) and "on_bad_sample" in inspect.signature(build).parameters
+    if takes:
         options["on_bad_sample"] = args.on_bad_sample
     elif args.on_bad_sample == "skip":
         raise SystemExit(
@@ -117,67 +98,46 @@ def _on_bad_sample(args: argparse.Namespace, options: dict[str, Any]) -> None:
         )
 
 
-def _check_run_flags(args: argparse.Namespace, distributed: bool) -> None:
-    if args.restart == "on-failure":
-        if not distributed:
-            raise SystemExit(
-                "run: --restart on-failure restarts controller processes; it needs --controllers N "
-                "(N > 1) or --listen"
-            )
-        if not args.out:
-            raise SystemExit(
-                "run: --restart on-failure needs --out DIR, where checkpoints are kept"
-            )
-        if not args.checkpoint_every:
-            print(
-                "yatt-graph run: --restart on-failure without --checkpoint-every: a restart runs "
-                "again from the first step",
-                file=sys.stderr,
-            )
-    if args.placement == "partial" and args.controllers < 2:
-        raise SystemExit(
-            "run: --placement partial puts the rollout side and the training side on separate "
-            "controllers; it needs --controllers 2 or more"
-        )
-    if not distributed and (args.keys or args.allow_remote or args.node_timeout):
-        raise SystemExit(
-            "run: --keys, --allow-remote and --node-timeout apply to controller processes; add "
-            "--controllers N (N > 1) or --listen"
-        )
-
-
-def _devices(value: str | None) -> int | str | None:
-    if value is None or value == "auto":
-        return value
+@contextmanager
+def _graph_input(graph: str) -> Iterator[None]:
+    """While the graph's options are read and the graph is built, a ValueError or TypeError
+    (an unknown option, a node constructor refusing a value) is the user's to fix: one line."""
     try:
-        n = int(value)
-    except ValueError:
-        n = -1
-    if n < 1:
-        raise SystemExit(f"run: --devices takes a CPU slot count >= 1 or 'auto', got {value!r}")
-    return n
+        yield
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"{graph}: {type(exc).__name__}: {exc}") from exc
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def _build(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+    with _graph_input(args.graph):
+        options = _graph_options(args)
+        _on_bad_sample(args, options)
+        return options, load_graph(args.graph, **options)
+
+
+def _executor_factory(
+    args: argparse.Namespace, graph: Any, options: dict, devices: Any, distributed: bool
+) -> Any:
     from runtime.engine.local import LocalExecutor
-    from runtime.train.faults import Accounting, train_with_restarts
-
-    devices = _devices(args.devices)  # bad flags fail before the graph (and its models) is built
-    options = _graph_options(args)
-    _on_bad_sample(args, options)
-    graph = _load(args, options)
-    if args.show_graph:
-        print(graph.to_text(), "\n", flush=True)
-    out = Path(args.out) if args.out else None
-    distributed = args.controllers > 1 or bool(args.listen)
-    _check_run_flags(args, distributed)
+    from runtime.train.faults import Accounting
 
     def make_executor() -> Any:
+        check_finite = not args.no_check_finite
         if not distributed:
-            return Accounting(LocalExecutor(graph, devices=devices))
+            return Accounting(
+                LocalExecutor(
+                    graph,
+                    devices=devices,
+                    max_staleness=args.max_staleness,
+                    check_finite=check_finite,
+                )
+            )
         from runtime.sched.placement import controller_assignment
         from runtime.zmq.driver import ZmqExecutor
 
+        extra = {}
+        if "check_finite" in inspect.signature(ZmqExecutor).parameters:
+            extra["check_finite"] = check_finite
         hints = controller_assignment(graph, args.controllers, args.placement)
         return Accounting(
             ZmqExecutor(
@@ -194,69 +154,24 @@ def cmd_run(args: argparse.Namespace) -> int:
                 node_timeout_s=args.node_timeout,
                 max_message_bytes=int(args.max_message_mb * (1 << 20)),
                 devices=devices,
+                **extra,
             )
         )
 
-    device_lines: list[str] = []
+    return make_executor
 
-    def on_done(ex: Any) -> None:
-        if args.export and distributed:
-            _pull_node_states(ex, graph)
-        splitter = getattr(ex, "splitter", None)
-        summary = splitter.summary() if splitter is not None else {}
-        if summary:
-            shares = ", ".join(
-                f"{name} {100 * d['utilization']:.0f}%" for name, d in summary["devices"].items()
-            )
-            device_lines.append(
-                f"devices (nodes {', '.join(splitter.split_nodes)} split across them): {shares} busy"
-            )
 
-    rows, restarts = train_with_restarts(
-        make_executor,
-        args.steps,
-        out,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
-        progress=not args.quiet,
-        restart=args.restart,
-        max_restarts=args.max_restarts,
-        on_done=on_done,
-    )
-    if restarts:
-        print(f"the run completed after {restarts} restart(s); see {out / 'events.jsonl'}")
-    if args.export:
-        print(
-            f"exported the policy of node {export_policy(graph, Path(args.export))!r} to {args.export}"
-        )
-    rewards = [r["scores/mean"] for r in rows if "scores/mean" in r]
-    if rewards:
-        window = max(1, min(args.window, len(rewards) // 2))
-        first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
-        print(f"mean reward: first {window} steps {first:.3f} -> last {window} steps {last:.3f}")
-    util_keys = sorted({k for r in rows for k in r if k.startswith("util/")})
-    if util_keys:
-        shares = [
-            f"{k.removeprefix('util/').replace('_', ' ')} {100 * sum(r.get(k, 0.0) for r in rows) / len(rows):.0f}%"
-            for k in util_keys
-        ]
-        print("utilization (busy share of each step): " + ", ".join(shares))
-    for line in device_lines:
-        print(line)
-    skipped = rows[-1].get("skipped_samples_total") if rows else None
-    if skipped:
-        print(f"skipped samples: {int(skipped)} of {int(rows[-1]['samples_total'])} (bad scores)")
-    if out is not None:
-        print(f"metrics: {out / 'metrics.jsonl'}  trace: {out / 'trace.json'}")
+def cmd_run(args: argparse.Namespace) -> int:
+    from runtime.train.run_command import run_command
+
+    return run_command(args, _build, _executor_factory)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    check_new_path(Path(args.path), "export: PATH")
+    checkpoint, name = export_checkpoint(args.checkpoint, Path(args.path))
+    print(f"exported the policy of node {name!r} in {checkpoint} to {args.path}")
     return 0
-
-
-def _pull_node_states(executor: Any, graph: Any) -> None:
-    """Copy the trained node states of a finished ZeroMQ run into this process's graph."""
-    state = executor.state_dict()
-    for name, node in graph.nodes.items():
-        if state["nodes"].get(name):
-            node.load_state_dict(state["nodes"][name])
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
@@ -286,27 +201,18 @@ def cmd_keys(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from runtime.train.plot import plot_run
 
-    path = plot_run(args.run_dir, args.output)
+    try:
+        path = plot_run(args.run_dir, args.output)
+    except ValueError as exc:  # no rows, no curves, a line that is not JSON: the folder's
+        raise UsageError(str(exc)) from exc
     print(f"wrote {path}")
     return 0
-
-
-def export_policy(graph: Any, path: Path) -> str:
-    """Save the trained policy of the graph's update node with ``save_pretrained``."""
-    for name, node in graph.nodes.items():
-        policy = getattr(node, "policy", None)
-        if node.kind == "update" and hasattr(policy, "save_pretrained"):
-            policy.save_pretrained(path)
-            return name
-    raise ValueError(
-        f"graph {graph.name!r} has no update node holding a policy with save_pretrained()"
-    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     run = ["run", "graphs.mm_ppo", "--steps", str(args.steps), "--seed", "0", "--out", str(out)]
-    run += ["--window", "20", "--export", str(out / "policy"), "--show-graph"]
+    run += ["--window", "20", "--export", str(out / "policy"), "--show-graph", "--overwrite"]
     run += ["--quiet"] if args.quiet else []
     print("yatt-graph demo: multimodal PPO on the shapes task (tiny models, in-process, CPU)")
     print("The policy must name the colour of the shape in the image. An image-blind policy")
@@ -331,8 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
             action="append",
             default=[],
             metavar="KEY=VALUE",
-            help="an option of the graph's build_graph(), parsed by its type (booleans: "
-            "true/false/yes/no/on/off/1/0); repeatable; `show GRAPH --options` lists them",
+            help="an option for the graph's build_graph(); repeatable",
         )
         p.add_argument("--policy", help="'tiny' or a local model directory (graphs that take one)")
         p.add_argument("--vision", help="'tiny' or open_clip:NAME[:WEIGHTS_FILE]")
@@ -347,9 +252,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = graph_command("show", "print a graph (or its plan) as text or Mermaid")
     p.add_argument("--controllers", type=int, default=1)
     p.add_argument("--mermaid", action="store_true")
-    p.add_argument(
-        "--options", action="store_true", help="list the graph's options instead (builds nothing)"
-    )
     p.set_defaults(func=cmd_show)
 
     p = graph_command("run", "run a graph for some steps in this process")
@@ -357,12 +259,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps", type=int, default=30, help="total steps (a resumed run counts restored ones)"
     )
     p.add_argument("--seed", type=int, default=None, help="passed to build_graph(seed=...)")
-    p.add_argument("--out", default=None, help="folder for metrics.jsonl, trace.json, checkpoints")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="the run folder: metrics.jsonl, trace.json, checkpoints/ (one run at a time; "
+        "default with --resume: the folder it resumes)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in an --out that holds a run: its files move into "
+        "OUT/previous-<time>/ (nothing is deleted)",
+    )
     p.add_argument(
         "--checkpoint-every", type=int, default=0, metavar="K", help="checkpoint every K steps"
     )
     p.add_argument(
-        "--resume", default=None, metavar="DIR", help="continue from the newest good checkpoint"
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="continue a run folder from its newest good checkpoint (or DIR/checkpoints/step_N); "
+        "the checkpoint must be of this graph with the same options",
     )
     p.add_argument(
         "--controllers", type=int, default=1, help="run the plan on N controller processes"
@@ -410,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
+        "--no-check-finite",
+        action="store_true",
+        help="do not stop the run at a node output holding NaN or inf (checked by default)",
+    )
+    p.add_argument(
         "--show-graph", action="store_true", help="print the graph's text form before running"
     )
     faults = p.add_argument_group("faults and bad input (docs/RELIABILITY.md)")
@@ -433,10 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     faults.add_argument(
         "--on-bad-sample",
-        choices=["raise", "skip"],
+        choices=["error", "skip"],
         default=None,
-        help="passed to a graph that has the on_bad_sample option: a NaN/inf/non-number "
-        "reward stops the run (raise) or scores 0 and is counted (skip)",
+        help="passed to a graph whose build_graph takes on_bad_sample: a NaN/inf/non-number "
+        "reward stops the run (error) or scores 0 and is counted (skip)",
     )
     faults.add_argument(
         "--max-message-mb",
@@ -479,6 +401,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default=None, help="PNG path (default RUN_DIR/curves.png)")
     p.set_defaults(func=cmd_plot)
 
+    p = sub.add_parser(
+        "export", help="save the policy of a checkpoint (rebuilds the graph it records)"
+    )
+    p.add_argument(
+        "checkpoint", help="a run folder (its newest good checkpoint) or checkpoints/step_N"
+    )
+    p.add_argument("path", help="a new folder for save_pretrained")
+    p.set_defaults(func=cmd_export)
+
     p = sub.add_parser("demo", help="train the multimodal PPO example on the CPU")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--out", default="runs/demo", help="folder for metrics, curves, trace, policy")
@@ -497,14 +428,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The run stopped cleanly (every controller is gone); say what failed, where, once.
         print(f"yatt-graph {args.command}: the run stopped: {exc}", file=sys.stderr)
         return 1
-    except (
-        GraphError,
-        ImportError,
-        FileNotFoundError,
-        FileExistsError,
-        ValueError,
-        TypeError,
-        CheckpointError,
-    ) as exc:
+    except (UsageError, GraphError, ImportError, FileNotFoundError, FileExistsError) as exc:
         print(f"yatt-graph {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        print(f"yatt-graph {args.command}: error: {exc.code}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as exc:
+        what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
+        print(f"yatt-graph {args.command}: stopped by {what}", file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
+    except Exception:
+        traceback.print_exc()
+        print(
+            f"yatt-graph {args.command}: this is a bug in yatt-graph (not in your input): please "
+            "report it with the traceback above",
+            file=sys.stderr,
+        )
+        return 1

@@ -44,8 +44,8 @@ def test_a_graph_file_that_fails_to_import_names_the_file(tmp_path, capsys):
 
 
 def test_bad_output_suffix_and_missing_file(capsys):
-    with pytest.raises(SystemExit, match=r"must end in .svg or .png"):
-        main(["viz", "graphs.toy", "-o", "toy.pdf"])
+    assert main(["viz", "graphs.toy", "-o", "toy.pdf"]) == 2
+    assert "must end in .svg or .png" in capsys.readouterr().err
     assert main(["show", "graphs/missing.py"]) == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -87,22 +87,57 @@ def test_run_on_three_controllers_matches_the_in_process_run(tmp_path, capsys):
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1, 2}
 
 
-def test_fault_flags_that_cannot_apply_are_refused_clearly():
-    # Checkpoints and --resume work with --controllers (tests/runtime/test_faults.py); a
-    # restart needs controllers to restart and a folder for the checkpoints.
-    with pytest.raises(SystemExit, match="--restart on-failure restarts controller processes"):
-        main(["run", "graphs.toy", "--restart", "on-failure", "--out", "x"])
-    with pytest.raises(SystemExit, match="needs --out DIR"):
-        main(["run", "graphs.toy", "--controllers", "2", "--restart", "on-failure"])
-    with pytest.raises(SystemExit, match="apply to controller processes"):
-        main(["run", "graphs.toy", "--node-timeout", "5"])
-    with pytest.raises(SystemExit, match="takes no on_bad_sample option"):
-        main(["run", "graphs.toy", "--on-bad-sample", "skip"])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        # Checkpoints and --resume work with --controllers (tests/runtime/test_faults.py); a
+        # restart needs controllers to restart and a folder for the checkpoints.
+        (["--restart", "on-failure", "--out", "x"], "--restart on-failure restarts controller"),
+        (["--controllers", "2", "--restart", "on-failure"], "needs --out DIR"),
+        (["--node-timeout", "5"], "apply to controller processes"),
+        (["--on-bad-sample", "skip"], "takes no on_bad_sample option"),
+        (["--devices", "0"], "--devices takes a CPU slot count"),
+        (["--steps", "0"], "--steps must be 1 or more, got 0"),
+        (["--steps", "-3"], "--steps must be 1 or more, got -3"),
+        (["--controllers", "0"], "--controllers must be 1 or more"),
+        (["--controllers", "-1"], "--controllers must be 1 or more"),
+        (["--checkpoint-every", "-1"], "--checkpoint-every must be 0 or more"),
+        (["--max-staleness", "-1"], "--max-staleness must be 0 or more"),
+        (["--controllers", "2", "--no-spawn"], "--no-spawn waits for controllers started by hand"),
+        (["--resume", "x", "--overwrite"], "choose one"),
+    ],
+)
+def test_bad_flags_are_refused_in_one_line_with_exit_code_2_before_training(
+    tmp_path, monkeypatch, capsys, flags, message
+):
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "graphs.toy", "--quiet", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []  # nothing ran, no folder was made
+
+
+def test_a_bug_shows_its_traceback_and_says_it_is_a_bug(monkeypatch, capsys):
+    import runtime.train.run_command
+
+    def broken(*args, **kwargs):
+        raise KeyError("an internal slip")
+
+    monkeypatch.setattr(runtime.train.run_command, "print_summary", broken)
+    assert main(["run", "graphs.toy", "--steps", "1", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "KeyError: 'an internal slip'" in err
+    assert "this is a bug in yatt-graph" in err
+
+
+def test_a_bad_option_value_is_the_users_error_not_a_bug(capsys):
+    assert main(["run", "graphs.toy", "--set", "nope=1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "'nope'" in err and "Traceback" not in err
 
 
 def test_devices_splits_the_per_sample_models_and_prints_their_utilization(capsys):
-    with pytest.raises(SystemExit, match="--devices takes a CPU slot count"):
-        main(["run", "graphs.toy", "--devices", "0"])
     args = ["run", "graphs/mm_ppo.py", "--steps", "2", "--devices", "2", "--quiet"]
     assert main([*args, "--set", "batch_size=8"]) == 0
     out = capsys.readouterr().out

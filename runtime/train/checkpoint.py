@@ -2,8 +2,10 @@
 
 Layout: ``DIR/checkpoints/step_000010/{state.pt, meta.json}``. A checkpoint is written
 into a temporary folder and renamed into place, so a crash never leaves half of one;
-``meta.json`` holds the SHA-256 of ``state.pt``, and a checkpoint whose file does not
-match is refused (with the reason) in favour of the newest one that does.
+``meta.json`` holds the SHA-256 of ``state.pt``, the step, and (when written by
+:func:`runtime.train.loop.train`) the graph's identity and how to rebuild it. A checkpoint
+whose file does not match, whose ``meta.json`` is not the expected object, or whose graph
+is another one, is refused (with the reason) in favour of the newest one that is good.
 
 ``state.pt`` is a torch file and is loaded with ``weights_only=False``: it holds
 optimizer states and carried values, not just tensors. Load only checkpoints you wrote.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -21,17 +24,23 @@ from typing import Any
 
 import torch
 
+from runtime.train.errors import UsageError
+from runtime.train.identity import identity_differences
+
 __all__ = [
     "CheckpointError",
+    "checkpoint_step",
     "checkpoints",
+    "find_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
 ]
 
 FORMAT = 1
+_NAME = re.compile(r"step_(\d+)")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UsageError, RuntimeError):
     """No usable checkpoint: each candidate and why it was refused."""
 
 
@@ -43,14 +52,30 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The step in a checkpoint folder's name (``step_000010`` -> 10); None for other names."""
+    match = _NAME.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
 def checkpoints(out_dir: str | Path) -> list[Path]:
-    """Checkpoint folders under ``DIR/checkpoints``, oldest first."""
+    """Checkpoint folders under ``DIR/checkpoints``, oldest (lowest step) first."""
     root = Path(out_dir) / "checkpoints"
-    return sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
+    return sorted(found, key=checkpoint_step)
 
 
-def save_checkpoint(out_dir: str | Path, step: int, state: dict[str, Any], keep: int = 3) -> Path:
-    """Write ``state`` as the checkpoint after ``step`` steps; keep the newest ``keep``."""
+def save_checkpoint(
+    out_dir: str | Path,
+    step: int,
+    state: dict[str, Any],
+    keep: int = 3,
+    meta: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``state`` as the checkpoint after ``step`` steps (``meta`` joins ``meta.json``);
+    keep the newest ``keep`` by step, and always the one just written."""
     root = Path(out_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -58,51 +83,87 @@ def save_checkpoint(out_dir: str | Path, step: int, state: dict[str, Any], keep:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     torch.save(state, tmp / "state.pt")
-    meta = {"format": FORMAT, "step": step, "sha256": _sha256(tmp / "state.pt")}
-    (tmp / "meta.json").write_text(json.dumps(meta))
+    record = {**(meta or {}), "format": FORMAT, "step": step, "sha256": _sha256(tmp / "state.pt")}
+    (tmp / "meta.json").write_text(json.dumps(record))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    for old in checkpoints(out_dir)[:-keep] if keep > 0 else []:
+    others = [p for p in checkpoints(out_dir) if p != final]
+    for old in others[: max(0, len(others) - (keep - 1))] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def _verify(path: Path) -> str | None:
+def _read_meta(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(meta, None) for a good checkpoint folder, else (None, why not)."""
     meta_path, state_path = path / "meta.json", path / "state.pt"
     if not meta_path.is_file() or not state_path.is_file():
-        return "meta.json or state.pt is missing"
+        return None, "meta.json or state.pt is missing"
     try:
         meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as exc:
-        return f"meta.json is not JSON ({exc})"
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return None, f"meta.json is not JSON ({exc})"
+    if not isinstance(meta, dict):
+        return None, f"meta.json holds a {type(meta).__name__}, not an object"
     if meta.get("format") != FORMAT:
-        return f"format {meta.get('format')} is not {FORMAT}"
+        return None, f"format {meta.get('format')!r} is not {FORMAT}"
+    if not isinstance(meta.get("step"), int) or isinstance(meta.get("step"), bool):
+        return None, f"meta.json's step {meta.get('step')!r} is not a whole number"
     if _sha256(state_path) != meta.get("sha256"):
-        return "state.pt does not match its checksum (truncated or corrupted)"
-    return None
+        return None, "state.pt does not match its checksum (truncated or corrupted)"
+    return meta, None
 
 
-def load_checkpoint(source: str | Path) -> tuple[Path, dict[str, Any]]:
-    """Load the newest good checkpoint of a run folder (or the given checkpoint folder)."""
+def find_checkpoint(
+    source: str | Path, identity: dict[str, Any] | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """The newest good checkpoint of a run folder (or the given checkpoint folder) and its
+    meta, without loading ``state.pt``. With ``identity`` (:func:`graph_identity`), a
+    checkpoint recorded for another graph is refused, naming what differs."""
     source = Path(source)
+    if source.is_file():
+        raise CheckpointError(
+            f"{source} is a file; --resume takes a run folder or one of its "
+            "checkpoints/step_N folders"
+        )
     candidates = [source] if (source / "meta.json").exists() else checkpoints(source)[::-1]
     if not candidates:
         raise CheckpointError(
             f"no checkpoints in {source}: a run writes them with --checkpoint-every K"
         )
-    refused = []
+    refused: dict[str, list[str]] = {}  # why -> checkpoints refused for it
     for path in candidates:
-        why = _verify(path)
-        if why is None:
+        meta, why = _read_meta(path)
+        if meta is not None and identity is not None and "graph" in meta:
+            diffs = identity_differences(meta["graph"], identity)
+            if diffs:
+                meta, why = None, "written by another graph or other options: " + "; ".join(diffs)
+        if meta is not None:
             if refused:
                 warnings.warn(
-                    "skipped bad checkpoint(s): "
-                    + "; ".join(refused)
-                    + f"; resuming from {path.name}",
+                    f"skipped bad checkpoint(s): {_reasons(refused)}; resuming from {path.name}",
                     RuntimeWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
-            return path, torch.load(path / "state.pt", weights_only=False)
-        refused.append(f"{path.name}: {why}")
-    raise CheckpointError(f"no usable checkpoint in {source}: " + "; ".join(refused))
+            return path, meta
+        refused.setdefault(why, []).append(path.name)
+    raise CheckpointError(f"no usable checkpoint in {source}: {_reasons(refused)}")
+
+
+def _reasons(refused: dict[str, list[str]]) -> str:
+    return "; ".join(f"{', '.join(names)}: {why}" for why, names in refused.items())
+
+
+def load_checkpoint(
+    source: str | Path, identity: dict[str, Any] | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """Load the newest good checkpoint (see :func:`find_checkpoint`): (its folder, its state)."""
+    path, _ = find_checkpoint(source, identity)
+    try:
+        return path, torch.load(path / "state.pt", weights_only=False)
+    except (
+        Exception
+    ) as exc:  # it matched its checksum, so it was written damaged or by another torch
+        raise CheckpointError(
+            f"{path / 'state.pt'} does not load ({type(exc).__name__}: {exc})"
+        ) from exc

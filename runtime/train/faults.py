@@ -19,15 +19,17 @@ restarted run ends with the totals of an uninterrupted one: no sample counted tw
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runtime.train.checkpoint import checkpoints, load_checkpoint
+from runtime.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
+from runtime.train.identity import graph_identity
 from runtime.train.loop import train
+from runtime.train.metrics import truncate_metrics
 
 __all__ = ["Accounting", "train_with_restarts"]
 
@@ -84,32 +86,23 @@ class Accounting:
         self.totals.update(state.get("accounting") or {})
 
 
-def _keep_rows_before(out: Path, step: int) -> list[dict[str, Any]]:
-    """Rewrite ``metrics.jsonl`` without rows of steps >= ``step``; the rows kept."""
-    path = out / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    kept, lines = [], []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by the crash
-        if int(row.get("step", -1)) < step:
-            kept.append(row)
-            lines.append(line)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(x + "\n" for x in lines), encoding="utf-8")
-    os.replace(tmp, path)
-    return kept
-
-
 def _event(out: Path | None, **fields: Any) -> None:
     if out is None:
         return
     out.mkdir(parents=True, exist_ok=True)
     with (out / "events.jsonl").open("a", encoding="utf-8") as f:
         f.write(json.dumps({"time": time.time(), **fields}, sort_keys=True) + "\n")
+
+
+def _has_checkpoint_of(out: Path, graph: Any) -> bool:
+    """A good checkpoint of this graph in ``out`` (never one of another run's graph)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the load that follows warns about skipped ones
+            find_checkpoint(out, graph_identity(graph))
+    except CheckpointError:
+        return False
+    return True
 
 
 def train_with_restarts(
@@ -123,12 +116,14 @@ def train_with_restarts(
     restart: str = "never",
     max_restarts: int = 3,
     on_done: Callable[[Any], None] | None = None,
+    meta: dict[str, Any] | None = None,
 ) -> tuple[list[dict[str, Any]], int]:
     """``train()`` that survives dead controllers; returns (metric rows of this run, restarts).
 
     ``restart``: ``"never"`` (a dead controller stops the run with its error) or
     ``"on-failure"``. Each restart is printed and appended to ``OUT/events.jsonl``.
-    ``on_done(executor)`` runs after the last step, before the executor is closed.
+    ``on_done(executor)`` runs after the last step, before the executor is closed. A restart
+    resumes only from a checkpoint of this graph (see :func:`runtime.train.loop.train`).
     """
     from runtime.errors import ControllerError, HandshakeError
 
@@ -143,15 +138,22 @@ def train_with_restarts(
         start = 0
         try:
             if source is not None:
-                path, state = load_checkpoint(source)
+                path, state = load_checkpoint(source, graph_identity(executor.graph))
                 executor.load_state_dict(state)
                 start = executor.next_step
                 print(f"resumed from {path} at step {start}", file=sys.stderr)
             if restarts and out is not None:
-                kept = _keep_rows_before(out, start)
+                kept = truncate_metrics(out, start)
             elif restarts:
                 kept = [r for r in kept if r["step"] < start]
-            rows = train(executor, steps, out, checkpoint_every=checkpoint_every, progress=progress)
+            rows = train(
+                executor,
+                steps,
+                out,
+                checkpoint_every=checkpoint_every,
+                progress=progress,
+                meta=meta,
+            )
             if on_done is not None:
                 on_done(executor)
             return kept + rows, restarts
@@ -165,7 +167,7 @@ def train_with_restarts(
                     exc.nodes,
                 ) from exc
             restarts += 1
-            if out is not None and checkpoints(out):
+            if out is not None and _has_checkpoint_of(out, executor.graph):
                 source = out
             where = (
                 f"the newest good checkpoint in {source}" if source else "step 0 (no checkpoint)"

@@ -4,6 +4,13 @@ It runs an executor (``run()``, so that a ZeroMQ run keeps steps in flight betwe
 checkpoints), writes a metrics row per step, checkpoints every K steps (and at
 the end), records node spans for a Chrome trace, and shows a progress bar with steps,
 samples/s, reward and KL.
+
+A run folder holds one run: ``train()`` continues it from the executor's step, dropping
+the metric rows and trace spans of that step and later (a resumed run repeats none), and
+each checkpoint records the graph's identity (:mod:`runtime.train.identity`), so resuming
+with another graph or other options is refused. A SIGTERM under
+:func:`runtime.train.signals.sigterm_as_interrupt` stops an in-process run after the step in
+progress, with a checkpoint when ``checkpoint_every`` is set.
 """
 
 from __future__ import annotations
@@ -13,8 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runtime.train.checkpoint import load_checkpoint, save_checkpoint
-from runtime.train.metrics import CURVES, MetricsWriter, curve_key, summarize
+from runtime.train import signals
+from runtime.train.checkpoint import checkpoints, load_checkpoint, save_checkpoint
+from runtime.train.errors import Terminated
+from runtime.train.identity import graph_identity
+from runtime.train.metrics import CURVES, MetricsWriter, curve_key, summarize, truncate_metrics
 from runtime.train.trace import Tracer
 
 __all__ = ["train", "utilization"]
@@ -48,18 +58,27 @@ def train(
     checkpoint_every: int = 0,
     resume: str | Path | None = None,
     progress: bool = True,
+    meta: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Run until ``steps`` steps are done in all (a resumed run counts the steps it restored).
 
-    Returns the metric rows of the steps run here.
+    ``meta`` joins each checkpoint's ``meta.json`` (``yatt-graph run`` records the graph
+    reference and options there, for ``yatt-graph export``). Returns the metric rows of the
+    steps run here. A SIGTERM raises :class:`Terminated` with ``step`` and ``checkpoint`` set.
     """
+    identity = graph_identity(executor.graph)
     if resume is not None:
-        path, state = load_checkpoint(resume)
+        path, state = load_checkpoint(resume, identity)
         executor.load_state_dict(state)
         print(f"resumed from {path} at step {executor.next_step}", file=sys.stderr)
     out = Path(out_dir) if out_dir is not None else None
-    writer = MetricsWriter(out) if out is not None else None
     tracer = Tracer()
+    if out is not None:
+        truncate_metrics(out, executor.next_step)
+        if executor.next_step > 0:
+            tracer.keep_earlier(out / "trace.json", executor.next_step)
+    writer = MetricsWriter(out) if out is not None else None
+    record_meta = {**(meta or {}), "graph": identity}
     rows: list[dict[str, Any]] = []
     remaining = max(0, steps - executor.next_step)
     from tqdm import tqdm
@@ -91,21 +110,35 @@ def train(
             writer.write(row)
         bar.set_postfix(_progress_fields(row, row["samples_per_s"]), refresh=False)
         bar.update(1)
+        signals.check()
 
     saving = out is not None and checkpoint_every > 0
+
+    def save() -> Path:
+        return save_checkpoint(out, executor.next_step, executor.state_dict(), meta=record_meta)
+
     try:
         left = remaining
-        while left > 0:
-            # Whole stretches between checkpoints go to run(), which keeps steps in flight
-            # (ZmqExecutor pipelines them); a checkpoint needs the executor between steps.
-            n = left
-            if saving:
-                n = min(n, checkpoint_every - executor.next_step % checkpoint_every)
-            executor.run(n, on_step=record)
-            left -= n
-            if saving and executor.next_step % checkpoint_every == 0:
-                save_checkpoint(out, executor.next_step, executor.state_dict())
-                last[0] = time.perf_counter()
+        # In one process the state between steps is whole: a SIGTERM waits for the step's end.
+        with signals.at_step_boundary(_in_process(executor)):
+            while left > 0:
+                # Whole stretches between checkpoints go to run(), which keeps steps in flight
+                # (ZmqExecutor pipelines them); a checkpoint needs the executor between steps.
+                n = left
+                if saving:
+                    n = min(n, checkpoint_every - executor.next_step % checkpoint_every)
+                executor.run(n, on_step=record)
+                left -= n
+                if saving and executor.next_step % checkpoint_every == 0:
+                    save()
+                    last[0] = time.perf_counter()
+    except Terminated as exc:
+        exc.step, exc.checkpoint = executor.next_step, None
+        newest = checkpoints(out)[-1] if saving and checkpoints(out) else None
+        if saving and _in_process(executor):
+            newest = save()  # the state after the last whole step
+        exc.checkpoint = newest
+        raise
     finally:
         bar.close()
         if writer is not None:
@@ -118,5 +151,11 @@ def train(
         and checkpoint_every > 0
         and executor.next_step % checkpoint_every
     ):
-        save_checkpoint(out, executor.next_step, executor.state_dict())
+        save()
     return rows
+
+
+def _in_process(executor: Any) -> bool:
+    from runtime.engine.local import LocalExecutor
+
+    return isinstance(getattr(executor, "executor", executor), LocalExecutor)

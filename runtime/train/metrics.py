@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CURVES", "MetricsWriter", "curve_key", "read_metrics", "summarize"]
+__all__ = [
+    "CURVES",
+    "MetricsWriter",
+    "curve_key",
+    "read_metrics",
+    "summarize",
+    "truncate_metrics",
+]
 
 #: The curves a run is followed by, each with the metric names that can carry it, in order of
 #: preference: the progress bar shows them and ``yatt-graph plot`` draws them. approx_kl, the
@@ -126,3 +134,25 @@ def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path}:{number}: not a JSON line ({exc})") from exc
         rows[int(row["step"])] = row
     return [rows[k] for k in sorted(rows)]
+
+
+def truncate_metrics(out_dir: str | Path, step: int) -> list[dict[str, Any]]:
+    """Rewrite ``DIR/metrics.jsonl`` without the rows of steps >= ``step`` (and lines cut short
+    by a crash), before a run continues from ``step``; returns the rows kept."""
+    path = Path(out_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    kept, lines = [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+            before = int(row["step"]) < step
+        except (json.JSONDecodeError, TypeError, KeyError, ValueError):
+            continue
+        if before:
+            kept.append(row)
+            lines.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(x + "\n" for x in lines), encoding="utf-8")
+    os.replace(tmp, path)
+    return kept

@@ -51,9 +51,32 @@ class Tracer:
             }
         )
 
+    def keep_earlier(self, path: str | Path, before_step: int) -> None:
+        """Start from the spans of steps before ``before_step`` in an earlier ``trace.json``
+        (a resumed run continues its trace); a missing or unreadable file is skipped."""
+        try:
+            data = json.loads(Path(path).read_text())
+            events, origin = data["traceEvents"], data.get("otherData", {}).get("origin_s")
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return
+        if not isinstance(events, list) or not isinstance(origin, int | float):
+            return
+        for event in events:
+            if not isinstance(event, dict):
+                continue
+            if event.get("ph") == "M":
+                self._named.add(event.get("pid"))
+            elif (event.get("args") or {}).get("step", before_step) >= before_step:
+                continue
+            self.events.append(event)
+        self._origin = float(origin)
+
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"}))
+        data = {"traceEvents": self.events, "displayTimeUnit": "ms"}
+        if self._origin is not None:
+            data["otherData"] = {"origin_s": self._origin}  # where a resumed run goes on
+        tmp.write_text(json.dumps(data))
         os.replace(tmp, path)
         return path

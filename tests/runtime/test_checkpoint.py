@@ -61,3 +61,13 @@ def test_only_the_newest_checkpoints_are_kept_and_none_is_a_clear_error(tmp_path
     assert [p.name for p in checkpoints(tmp_path)] == ["step_000003", "step_000004"]
     with pytest.raises(CheckpointError, match="no checkpoints in"):
         load_checkpoint(tmp_path / "empty")
+
+
+def test_rotation_orders_by_step_and_never_deletes_the_checkpoint_just_written(tmp_path):
+    for step in (999_998, 999_999, 1_000_000, 1_000_001):  # names past 6 digits sort wrongly
+        save_checkpoint(tmp_path, step, {"step": step}, keep=2)
+    assert [p.name for p in checkpoints(tmp_path)] == ["step_1000000", "step_1000001"]
+    assert load_checkpoint(tmp_path)[1] == {"step": 1_000_001}
+    just_written = save_checkpoint(tmp_path, 5, {"step": 5}, keep=2)  # below the others
+    assert just_written.is_dir()
+    assert [p.name for p in checkpoints(tmp_path)] == ["step_000005", "step_1000001"]

@@ -1,0 +1,69 @@
+"""Export a trained policy: from a finished run's graph, or later from a checkpoint.
+
+``yatt-graph run --export DIR`` saves the policy of the graph's update node with
+``save_pretrained``; ``yatt-graph export CHECKPOINT DIR`` rebuilds the graph recorded in the
+checkpoint's ``meta.json`` (its module or file and its ``build_graph`` options), checks that
+it is the graph the checkpoint was written by, loads the node states and saves the policy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from runtime.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
+from runtime.train.errors import UsageError
+from runtime.train.identity import graph_identity, identity_differences
+
+__all__ = ["export_checkpoint", "export_policy", "load_node_states", "policy_node"]
+
+
+def policy_node(graph: Any) -> str:
+    """The update node whose policy ``--export`` saves; a UsageError when there is none."""
+    for name, node in graph.nodes.items():
+        policy = getattr(node, "policy", None)
+        if node.kind == "update" and hasattr(policy, "save_pretrained"):
+            return name
+    raise UsageError(
+        f"--export: graph {graph.name!r} has no update node holding a policy with "
+        "save_pretrained(); run it without --export"
+    )
+
+
+def export_policy(graph: Any, path: Path) -> str:
+    """Save the trained policy of the graph's update node with ``save_pretrained``."""
+    name = policy_node(graph)
+    graph.nodes[name].policy.save_pretrained(path)
+    return name
+
+
+def load_node_states(graph: Any, state: dict[str, Any]) -> None:
+    """Load the node states of an executor's ``state_dict()`` into the graph's nodes."""
+    for name, node in graph.nodes.items():
+        if state["nodes"].get(name):
+            node.load_state_dict(state["nodes"][name])
+
+
+def export_checkpoint(source: str | Path, path: Path) -> tuple[Path, str]:
+    """Rebuild the graph a checkpoint records, load it, export its policy to ``path``;
+    returns (the checkpoint used, the node exported)."""
+    from yatt_graph.refs import load_graph
+
+    checkpoint, meta = find_checkpoint(source)
+    ref, options = meta.get("graph_ref"), meta.get("graph_options", {})
+    if not isinstance(ref, str) or not isinstance(options, dict):
+        raise CheckpointError(
+            f"{checkpoint / 'meta.json'} does not record its graph (written by an older "
+            "yatt-graph, or not by `yatt-graph run`); load it with the graph in Python "
+            "(runtime.train.checkpoint.load_checkpoint) and call save_pretrained"
+        )
+    graph = load_graph(ref, **options)
+    diffs = identity_differences(meta.get("graph"), graph_identity(graph))
+    if diffs:
+        raise CheckpointError(
+            f"{checkpoint}: the graph {ref!r} builds today is not the one that wrote it: "
+            + "; ".join(diffs)
+        )
+    _, state = load_checkpoint(checkpoint)
+    load_node_states(graph, state)
+    return checkpoint, export_policy(graph, path)

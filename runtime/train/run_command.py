@@ -1,0 +1,267 @@
+"""``yatt-graph run`` from its parsed flags: every check before the first step, then the run.
+
+Order: flags and numbers (:func:`check_flags`), the run folder (writable, locked, not holding
+another run unless ``--resume`` or ``--overwrite``), the export path, the graph, the resumed
+checkpoint (good, of this graph, not past ``--steps``); then training under
+:func:`runtime.train.signals.sigterm_as_interrupt`, and the export, which, when it fails,
+leaves the policy in a checkpoint and says how to export it. The executors are made by the
+caller (``runtime.cli``), so that this package stays free of the ZeroMQ runtime.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from runtime.train.checkpoint import checkpoint_step, checkpoints, find_checkpoint, save_checkpoint
+from runtime.train.errors import Terminated, UsageError
+from runtime.train.export import export_policy, load_node_states, policy_node
+from runtime.train.identity import graph_identity
+from runtime.train.run_folder import (
+    RunLock,
+    check_folder,
+    check_new_path,
+    move_aside,
+    prepare_run_folder,
+    run_folder_of,
+)
+from runtime.train.signals import sigterm_as_interrupt
+
+__all__ = ["check_flags", "parse_devices", "print_summary", "resume_point", "run_command"]
+
+
+def _check_numbers(args: Any) -> None:
+    """Numbers and flag pairs that cannot work, refused before anything is built."""
+    least = {"--steps": (args.steps, 1), "--controllers": (args.controllers, 1)}
+    least |= {"--checkpoint-every": (args.checkpoint_every, 0)}
+    least |= {"--max-staleness": (args.max_staleness, 0), "--max-restarts": (args.max_restarts, 0)}
+    least |= {"--window": (args.window, 1)}
+    for flag, (value, low) in least.items():
+        if value < low:
+            raise UsageError(f"{flag} must be {low} or more, got {value}")
+    if args.node_timeout < 0 or args.max_message_mb < 0:
+        raise UsageError("--node-timeout and --max-message-mb take 0 (no limit) or more")
+    if args.no_spawn and not args.listen:
+        raise UsageError(
+            "--no-spawn waits for controllers started by hand, which join a driver on tcp; "
+            "add --listen tcp://HOST:PORT (or drop --no-spawn)"
+        )
+    if args.resume and args.overwrite and (not args.out or _same(args.out, args.resume)):
+        raise UsageError(
+            "--resume continues the run in its folder and --overwrite starts it afresh; "
+            "choose one (or --out ANOTHER_DIR to continue into another folder)"
+        )
+
+
+def _same(out: str, resume: str) -> bool:
+    return run_folder_of(Path(resume)).resolve() == Path(out).resolve()
+
+
+def _check_run_flags(args: Any, distributed: bool) -> None:
+    if args.restart == "on-failure":
+        if not distributed:
+            raise UsageError(
+                "--restart on-failure restarts controller processes; it needs --controllers N "
+                "(N > 1) or --listen"
+            )
+        if not args.out and not args.resume:
+            raise UsageError("--restart on-failure needs --out DIR, where checkpoints are kept")
+        if not args.checkpoint_every:
+            print(
+                "yatt-graph run: --restart on-failure without --checkpoint-every: a restart runs "
+                "again from the first step",
+                file=sys.stderr,
+            )
+    if args.placement == "partial" and args.controllers < 2:
+        raise UsageError(
+            "--placement partial puts the rollout side and the training side on separate "
+            "controllers; it needs --controllers 2 or more"
+        )
+    if not distributed and (args.keys or args.allow_remote or args.node_timeout):
+        raise UsageError(
+            "--keys, --allow-remote and --node-timeout apply to controller processes; add "
+            "--controllers N (N > 1) or --listen"
+        )
+
+
+def parse_devices(value: str | None) -> int | str | None:
+    if value is None or value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 1:
+        raise UsageError(f"--devices takes a CPU slot count >= 1 or 'auto', got {value!r}")
+    return n
+
+
+def check_flags(args: Any) -> tuple[Any, bool]:
+    """Every flag that cannot work, refused before anything is built; (devices, distributed)."""
+    _check_numbers(args)
+    devices = parse_devices(args.devices)
+    distributed = args.controllers > 1 or bool(args.listen)
+    _check_run_flags(args, distributed)
+    return devices, distributed
+
+
+def run_command(args: Any, build: Callable, executor_factory: Callable) -> int:
+    """``yatt-graph run``: check every flag and path, take the run folder, build the graph
+    (``build(args) -> (options, graph)``), train on ``executor_factory(args, graph, options,
+    devices, distributed)()``, export. Returns the exit code."""
+
+    devices, distributed = check_flags(args)  # before the graph (and its models) is built
+    out = (
+        Path(args.out) if args.out else (run_folder_of(Path(args.resume)) if args.resume else None)
+    )
+    if out is not None:
+        check_folder(out, "--out")
+    lock = RunLock(out).acquire() if out is not None else None
+    try:
+        with sigterm_as_interrupt():
+            return _run_in_folder(args, out, devices, distributed, build, executor_factory)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_in_folder(
+    args: Any, out: Path | None, devices: Any, distributed: bool, build: Any, executor_factory: Any
+) -> int:
+    from runtime.train.faults import train_with_restarts
+
+    resuming_here = bool(args.resume) and out is not None and _same(str(out), args.resume)
+    if out is not None:
+        note = prepare_run_folder(out, resuming_here=resuming_here, overwrite=args.overwrite)
+        if note:
+            print(f"yatt-graph run: {note}", file=sys.stderr)
+    export = Path(args.export) if args.export else None
+    if export is not None:
+        check_new_path(export, "--export")
+    options, graph = build(args)
+    if export is not None:
+        policy_node(graph)
+    if args.show_graph:
+        print(graph.to_text(), "\n", flush=True)
+    resume = resume_point(args, graph, out if resuming_here else None)
+    meta = {"graph_ref": args.graph, "graph_options": options}
+
+    make_executor = executor_factory(args, graph, options, devices, distributed)
+
+    device_lines: list[str] = []
+    final: dict[str, Any] = {}
+
+    def on_done(ex: Any) -> None:
+        if export is not None:
+            final.update(step=ex.next_step, state=ex.state_dict())
+            load_node_states(graph, final["state"])  # a ZeroMQ run trained other processes' copies
+        splitter = getattr(ex, "splitter", None)
+        summary = splitter.summary() if splitter is not None else {}
+        if summary:
+            shares = ", ".join(
+                f"{name} {100 * d['utilization']:.0f}%" for name, d in summary["devices"].items()
+            )
+            device_lines.append(
+                f"devices (nodes {', '.join(splitter.split_nodes)} split across them): {shares} busy"
+            )
+
+    try:
+        rows, restarts = train_with_restarts(
+            make_executor,
+            args.steps,
+            out,
+            checkpoint_every=args.checkpoint_every,
+            resume=resume,
+            progress=not args.quiet,
+            restart=args.restart,
+            max_restarts=args.max_restarts,
+            on_done=on_done,
+            meta=meta,
+        )
+    except KeyboardInterrupt as exc:
+        return _interrupted(exc, out)
+    if restarts:
+        print(f"the run completed after {restarts} restart(s); see {out / 'events.jsonl'}")
+    code = 0
+    if export is not None:
+        code = _export(graph, export, out, final, {**meta, "graph": graph_identity(graph)})
+    print_summary(args, rows, device_lines, out)
+    return code
+
+
+def resume_point(args: Any, graph: Any, here: Path | None) -> Path | None:
+    """The checkpoint ``--resume`` continues from, checked before any step runs: good, of this
+    graph, not past ``--steps``. Resuming into its own folder moves later checkpoints aside."""
+    if not args.resume:
+        return None
+    path, meta = find_checkpoint(args.resume, graph_identity(graph))
+    if meta["step"] > args.steps:
+        raise UsageError(
+            f"--steps {args.steps} is below the step of {path} ({meta['step']}); --steps "
+            "counts the restored steps too: pass --steps above it"
+        )
+    later = [p for p in checkpoints(here) if checkpoint_step(p) > meta["step"]] if here else []
+    if later:
+        moved = move_aside(here, [f"checkpoints/{p.name}" for p in later])
+        print(
+            f"yatt-graph run: moved checkpoints after step {meta['step']} into {moved}",
+            file=sys.stderr,
+        )
+    return path
+
+
+def _interrupted(exc: KeyboardInterrupt, out: Path | None) -> int:
+    """One line for Ctrl-C or SIGTERM, saying where the run stopped and what was kept."""
+    step = getattr(exc, "step", None)
+    what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
+    where = f" after step {step}" if step is not None else ""
+    kept = f"; metrics and trace are in {out}" if out is not None else ""
+    checkpoint = getattr(exc, "checkpoint", None)
+    if checkpoint is not None:
+        kept += f"; checkpoint {checkpoint} (continue with --resume {out})"
+    print(f"yatt-graph run: stopped by {what}{where}{kept}", file=sys.stderr)
+    return 143 if isinstance(exc, Terminated) else 130
+
+
+def print_summary(args: Any, rows: list[dict], device_lines: list[str], out: Any) -> None:
+    rewards = [r["scores/mean"] for r in rows if "scores/mean" in r]
+    if rewards:
+        window = max(1, min(args.window, len(rewards) // 2))
+        first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
+        print(f"mean reward: first {window} steps {first:.3f} -> last {window} steps {last:.3f}")
+    util_keys = sorted({k for r in rows for k in r if k.startswith("util/")})
+    if util_keys:
+        shares = [
+            f"{k.removeprefix('util/').replace('_', ' ')} {100 * sum(r.get(k, 0.0) for r in rows) / len(rows):.0f}%"
+            for k in util_keys
+        ]
+        print("utilization (busy share of each step): " + ", ".join(shares))
+    for line in device_lines:
+        print(line)
+    skipped = rows[-1].get("skipped_samples_total") if rows else None
+    if skipped:
+        print(f"skipped samples: {int(skipped)} of {int(rows[-1]['samples_total'])} (bad scores)")
+    if out is not None:
+        print(f"metrics: {out / 'metrics.jsonl'}  trace: {out / 'trace.json'}")
+
+
+def _export(graph: Any, export: Path, out: Path | None, final: dict[str, Any], meta: dict) -> int:
+    """Export the policy; when that fails, keep it in a checkpoint and say how to export it."""
+    try:
+        name = export_policy(graph, export)
+    except Exception as exc:  # the training is done: whatever went wrong, keep the policy
+        newest = checkpoints(out)[-1] if out is not None and checkpoints(out) else None
+        if newest is None or checkpoint_step(newest) != final["step"]:
+            home = out or Path(f"yatt-graph-rescue-{time.strftime('%Y%m%d-%H%M%S')}")
+            newest = save_checkpoint(home, final["step"], final["state"], meta=meta)
+        print(
+            f"yatt-graph run: --export {export} failed ({type(exc).__name__}: {exc}); the trained "
+            f"policy is in {newest}: export it with `yatt-graph export {newest} PATH`",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"exported the policy of node {name!r} to {export}")
+    return 0

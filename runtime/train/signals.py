@@ -1,0 +1,69 @@
+"""SIGTERM handled like Ctrl-C, stopping at a step boundary where it can.
+
+``timeout``, systemd and Slurm stop a job with SIGTERM. While :func:`sigterm_as_interrupt` is
+active, SIGTERM raises :class:`runtime.train.errors.Terminated` (a ``KeyboardInterrupt``) in the
+main thread, so the Ctrl-C paths run: controllers shut down, metrics and the trace are flushed.
+Inside :func:`at_step_boundary`, the training loop asks for the signal to wait for the end of
+the step in progress (:func:`check` raises it there), so that the state a checkpoint takes is
+a whole step's; a second SIGTERM stops at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from runtime.train.errors import Terminated
+
+__all__ = ["at_step_boundary", "check", "sigterm_as_interrupt"]
+
+_state = {"active": False, "defer": False, "pending": False}
+
+
+def _handler(signum: int, frame: Any) -> None:
+    if _state["defer"] and not _state["pending"]:
+        _state["pending"] = True
+        return
+    _state["pending"] = False
+    raise Terminated(signum)
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into :class:`Terminated` while the block runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread() or _state["active"]:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _handler)
+    _state.update(active=True, pending=False)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _state.update(active=False, defer=False, pending=False)
+
+
+@contextmanager
+def at_step_boundary(enabled: bool = True) -> Iterator[None]:
+    """Within the block, a first SIGTERM waits for :func:`check` (called after each step)."""
+    if not enabled or not _state["active"]:
+        yield
+        return
+    _state["defer"] = True
+    try:
+        yield
+    except BaseException:
+        _state.update(defer=False, pending=False)
+        raise
+    _state["defer"] = False
+    check()  # a SIGTERM that came after the last step
+
+
+def check() -> None:
+    """Raise the SIGTERM that arrived during the step that just ended, if one did."""
+    if _state["pending"]:
+        _state["pending"] = False
+        raise Terminated(signal.SIGTERM)

@@ -1,0 +1,339 @@
+"""Run folders: one run at a time, never mixed with another run, checked before the first step;
+resume, overwrite, export later, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime.cli import main
+from runtime.engine.local import LocalExecutor
+from runtime.errors import ControllerError
+from runtime.train.checkpoint import checkpoints
+from runtime.train.faults import train_with_restarts
+from runtime.train.loop import train
+from runtime.train.metrics import read_metrics
+from runtime.train.run_folder import RunLock
+from yatt_graph.refs import load_graph
+
+ROOT = Path(__file__).resolve().parents[2]
+YATT = str(Path(sys.executable).with_name("yatt-graph"))
+LEARNING = ("scores/mean", "scores/std", "loss")
+
+
+def learning(rows):
+    return [{k: r[k] for k in LEARNING} for r in rows]
+
+
+def run(*flags: str) -> int:
+    return main(["run", "graphs.toy", "--quiet", *flags])
+
+
+def raw_steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# --- 1. one run per folder -------------------------------------------------------------------
+def test_a_second_run_into_a_locked_folder_is_refused_naming_the_holder(tmp_path, capsys):
+    out = tmp_path / "run"
+    with RunLock(out):
+        assert run("--steps", "2", "--out", str(out)) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} is in use by another run (pid {os.getpid()} on " in err
+    assert not (out / "metrics.jsonl").exists()
+    assert run("--steps", "2", "--out", str(out)) == 0  # released with the run that held it
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (out / ".lock").write_text(json.dumps({"pid": dead.pid, "host": "elsewhere"}))
+    assert run("--steps", "2", "--out", str(out)) == 0
+    assert f"taking over the stale lock of {out} (pid {dead.pid} on elsewhere, gone)" in (
+        capsys.readouterr().err
+    )
+
+
+# --- 2. a folder that holds a run ----------------------------------------------------------
+def test_a_folder_holding_a_run_is_refused_unless_overwritten_and_then_kept_aside(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run("--steps", "3", "--out", str(out), "--checkpoint-every", "3") == 0
+    capsys.readouterr()
+    assert run("--steps", "2", "--out", str(out)) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} already holds a run (metrics.jsonl, 1 checkpoint(s))" in err
+    assert "--resume" in err and "--overwrite" in err
+    assert raw_steps(out) == [0, 1, 2]
+    assert run("--steps", "2", "--out", str(out), "--overwrite") == 0
+    assert raw_steps(out) == [0, 1] and checkpoints(out) == []
+    (previous,) = out.glob("previous-*")
+    assert raw_steps(previous) == [0, 1, 2]
+    assert [p.name for p in checkpoints(previous)] == ["step_000003"]
+
+
+# --- 3. output paths, checked before the first step; export later ----------------------------
+@pytest.mark.parametrize("case", ["out_is_a_file", "out_unwritable", "export_exists", "no_policy"])
+def test_bad_output_paths_are_refused_before_training(tmp_path, capsys, case):
+    out = tmp_path / "run"
+    flags = ["--steps", "2", "--out", str(out)]
+    if case == "out_is_a_file":
+        out.write_text("")
+        expected = f"--out {out}: this is a file, not a folder"
+    elif case == "out_unwritable":
+        if not Path("/sys").is_dir() or os.access("/sys", os.W_OK) and sys.platform != "linux":
+            pytest.skip("needs a folder nobody may write into (/sys on Linux)")
+        flags = ["--steps", "2", "--out", "/sys/yatt-graph-run"]
+        expected = "--out /sys/yatt-graph-run: cannot write there ("
+    elif case == "export_exists":
+        (tmp_path / "policy").mkdir()
+        flags += ["--export", str(tmp_path / "policy")]
+        expected = f"--export {tmp_path / 'policy'}: it already exists"
+    else:
+        flags += ["--export", str(tmp_path / "policy")]
+        expected = "graph 'toy_rlhf' has no update node holding a policy"
+    assert run(*flags) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.timeout(300)
+def test_an_export_that_fails_at_the_end_leaves_a_checkpoint_to_export_from(
+    tmp_path, capsys, monkeypatch
+):
+    from nodes.models.prefix_vlm import PrefixVLM
+
+    out, target = tmp_path / "run", tmp_path / "policy"
+    real = PrefixVLM.save_pretrained
+
+    def full_disk(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(PrefixVLM, "save_pretrained", full_disk)
+    args = ["run", "graphs.mm_ppo", "--steps", "1", "--set", "batch_size=4", "--quiet"]
+    assert main([*args, "--out", str(out), "--export", str(target)]) == 1
+    err = capsys.readouterr().err
+    assert "No space left on device" in err
+    ckpt = out / "checkpoints" / "step_000001"
+    assert f"the trained policy is in {ckpt}: export it with `yatt-graph export {ckpt} PATH`" in err
+    monkeypatch.setattr(PrefixVLM, "save_pretrained", real)
+    assert main(["export", str(ckpt), str(target)]) == 0
+    assert "exported the policy of node 'ppo'" in capsys.readouterr().out
+    assert any(target.iterdir())
+    assert main(["export", str(ckpt), str(target)]) == 2  # exists now
+    assert "already exists" in capsys.readouterr().err
+
+
+# --- 4. graph identity ---------------------------------------------------------------------
+def test_resuming_with_other_options_is_refused_naming_the_nodes_and_options(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run("--seed", "1", "--steps", "4", "--out", str(out), "--checkpoint-every", "2") == 0
+    capsys.readouterr()
+    assert run("--seed", "2", "--steps", "6", "--resume", str(out)) == 2
+    err = capsys.readouterr().err
+    assert "step_000004, step_000002: written by another graph or other options" in err
+    assert "node 'rollout' option(s) seed 1 vs 2" in err and "Traceback" not in err
+    assert run("--seed", "1", "--set", "vocab=6", "--steps", "6", "--resume", str(out)) == 2
+    assert "node 'reward' option(s) vocab 8 vs 6" in capsys.readouterr().err
+    assert raw_steps(out) == [0, 1, 2, 3]  # refused before a step ran
+
+
+def test_a_checkpoint_of_another_graph_names_the_classes_that_differ():
+    from runtime.train.identity import graph_identity, identity_differences
+
+    toy = graph_identity(load_graph("graphs.toy"))
+    other = json.loads(json.dumps(toy))
+    other["name"] = "other"
+    other["nodes"]["update"]["class"] = "nodes.rl:PPOUpdate"
+    del other["nodes"]["reward"]
+    diffs = identity_differences(other, toy)
+    assert diffs == [
+        "graph 'other' (checkpoint) vs 'toy_rlhf' (now)",
+        "node(s) ['reward'] only in this graph",
+        "node 'update': class nodes.rl:PPOUpdate vs nodes.toy:ToyUpdate",
+    ]
+    assert identity_differences([1, 2], toy) == ["the checkpoint's graph record is not readable"]
+
+
+@pytest.mark.parametrize("meta", ["[1, 2]", '{"format": 1, "step": "x"}', '"text"'])
+def test_meta_of_the_wrong_shape_falls_back_to_the_previous_checkpoint(tmp_path, capsys, meta):
+    out = tmp_path / "run"
+    assert run("--steps", "4", "--out", str(out), "--checkpoint-every", "2") == 0
+    (out / "checkpoints" / "step_000004" / "meta.json").write_text(meta)
+    with pytest.warns(RuntimeWarning, match="step_000004: meta.json"):
+        assert run("--steps", "5", "--resume", str(out)) == 0
+    assert raw_steps(out) == [0, 1, 2, 3, 4]
+    (out / "checkpoints" / "step_000002" / "meta.json").write_text(meta)
+    for step in (4, 5):
+        path = out / "checkpoints" / f"step_{step:06d}"
+        if path.exists():
+            (path / "meta.json").write_text(meta)
+    capsys.readouterr()
+    assert run("--steps", "6", "--resume", str(out)) == 2
+    err = capsys.readouterr().err
+    assert "no usable checkpoint in" in err and "meta.json" in err and "Traceback" not in err
+
+
+# --- 5. resume ---------------------------------------------------------------------------------
+def test_resume_without_out_continues_its_folder_once_per_step_and_keeps_the_trace(
+    tmp_path, capsys
+):
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    assert run("--seed", "3", "--steps", "8", "--out", str(whole)) == 0
+    assert run("--seed", "3", "--steps", "6", "--out", str(out), "--checkpoint-every", "4") == 0
+    assert raw_steps(out) == [0, 1, 2, 3, 4, 5]  # rows 4, 5 are past the checkpoint
+    assert run("--seed", "3", "--steps", "3", "--resume", str(out)) == 2
+    assert "--steps 3 is below the step of" in capsys.readouterr().err
+    assert run("--seed", "3", "--steps", "8", "--resume", str(out)) == 0
+    assert raw_steps(out) == list(range(8))  # every step once, in the folder it resumed
+    assert learning(read_metrics(out)) == learning(read_metrics(whole))
+    spans = json.loads((out / "trace.json").read_text())["traceEvents"]
+    steps = sorted({e["args"]["step"] for e in spans if e["ph"] == "X"})
+    assert steps == list(range(8))
+    per_step = [sum(1 for e in spans if e["ph"] == "X" and e["args"]["step"] == k) for k in steps]
+    assert len(set(per_step)) == 1  # no step's spans twice
+
+
+class FailsOnce:
+    """An in-process executor whose controller 'dies' once, at a given step."""
+
+    def __init__(self, executor, fail_at, failed):
+        self.executor, self.fail_at, self.failed = executor, fail_at, failed
+
+    def __getattr__(self, name):
+        return getattr(self.executor, name)
+
+    def run(self, steps, on_step=None):
+        for _ in range(steps):
+            if self.executor.next_step == self.fail_at and not self.failed:
+                self.failed.append(True)
+                raise ControllerError("controller 1 was killed by signal 9", 1, ["update"])
+            result = self.executor.step()
+            if on_step:
+                on_step(result)
+
+
+def test_a_restart_never_resumes_an_older_run_of_another_graph_in_its_folder(tmp_path):
+    out = tmp_path / "run"
+    old = LocalExecutor(load_graph("graphs.toy", seed=1))
+    train(old, 9, out, checkpoint_every=3, progress=False)  # step_000003, 6, 9 of seed 1
+    failed: list[bool] = []
+
+    def make():
+        return FailsOnce(LocalExecutor(load_graph("graphs.toy", seed=2)), 4, failed)
+
+    rows, restarts = train_with_restarts(
+        make, 6, out, checkpoint_every=3, restart="on-failure", progress=False
+    )
+    assert restarts == 1 and failed == [True]
+    whole = train(LocalExecutor(load_graph("graphs.toy", seed=2)), 6, progress=False)
+    # Resumed from its own step_000003, not the other run's step_000009 (which would end at once).
+    assert [r["step"] for r in rows] == list(range(6))
+    assert learning(rows) == learning(whole)
+
+
+def test_restart_on_failure_into_a_folder_of_an_older_run_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run("--steps", "3", "--out", str(out), "--checkpoint-every", "3") == 0
+    capsys.readouterr()
+    flags = ["--controllers", "2", "--restart", "on-failure", "--checkpoint-every", "3"]
+    assert run("--steps", "6", "--seed", "5", "--out", str(out), *flags) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+# --- 6. SIGTERM ------------------------------------------------------------------------------
+def _sigterm_run(out: Path, *flags: str) -> tuple[subprocess.CompletedProcess, list[int]]:
+    cmd = [YATT, "run", "graphs.toy", "--steps", "10000000", "--out", str(out), "--quiet", *flags]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        metrics = out / "metrics.jsonl"
+        while not metrics.is_file() or len(metrics.read_text().splitlines()) < 3:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        import psutil
+
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert alive == [], f"left running: {alive}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), raw_steps(out)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_in_process_stops_after_the_step_with_a_checkpoint_and_exit_143(tmp_path):
+    out = tmp_path / "run"
+    done, steps = _sigterm_run(out, "--checkpoint-every", "1000")
+    assert done.returncode == 143, done.stderr
+    n = len(steps)
+    assert steps == list(range(n))
+    assert f"stopped by SIGTERM after step {n}" in done.stderr
+    assert f"checkpoint {out / 'checkpoints' / f'step_{n:06d}'}" in done.stderr
+    assert [p.name for p in checkpoints(out)] == [f"step_{n:06d}"]
+    assert "Traceback" not in done.stderr
+    spans = json.loads((out / "trace.json").read_text())["traceEvents"]
+    assert max(e["args"]["step"] for e in spans if e["ph"] == "X") == n - 1
+    assert run("--steps", str(n + 2), "--resume", str(out)) == 0
+    assert raw_steps(out) == list(range(n + 2))
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_with_two_controllers_shuts_them_down_and_exits_143(tmp_path):
+    out = tmp_path / "run"
+    done, steps = _sigterm_run(out, "--controllers", "2")
+    assert done.returncode == 143, done.stderr
+    assert steps == list(range(len(steps)))
+    assert "stopped by SIGTERM" in done.stderr and "Traceback" not in done.stderr
+    assert json.loads((out / "trace.json").read_text())["traceEvents"]
+
+
+# --- 8, 9: --max-staleness in-process, check_finite ------------------------------------------
+@pytest.mark.timeout(120)
+def test_max_staleness_in_process_equals_the_two_controller_run(tmp_path):
+    flags = ["--seed", "4", "--steps", "6", "--max-staleness", "1"]
+    assert run(*flags, "--out", str(tmp_path / "local")) == 0
+    assert run(*flags, "--out", str(tmp_path / "zmq"), "--controllers", "2") == 0
+    assert run("--seed", "4", "--steps", "6", "--out", str(tmp_path / "on_policy")) == 0
+    local = learning(read_metrics(tmp_path / "local"))
+    assert local == learning(read_metrics(tmp_path / "zmq"))
+    assert local != learning(read_metrics(tmp_path / "on_policy"))  # the flag reached it
+
+
+NAN_GRAPH = """
+from nodes.toy import ToySource
+from yatt_graph import Graph, Tensor, node
+
+
+@node(outputs={"value": Tensor("float32", "B")}, kind="reward")
+def zero_over_zero(labels: Tensor("int64", "B")) -> dict:
+    return {"value": labels.float() * 0.0 / 0.0}
+
+
+def build_graph():
+    with Graph("nan") as g:
+        batch = ToySource(batch_size=4, classes=4, seed=0, name="source")()
+        g.output("value", zero_over_zero(batch.labels, name="nan"))
+    return g
+"""
+
+
+def test_non_finite_outputs_stop_the_run_unless_no_check_finite(tmp_path, capsys):
+    graph = tmp_path / "nan_graph.py"
+    graph.write_text(NAN_GRAPH)
+    assert main(["run", str(graph), "--steps", "2", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "the run stopped: " in err and "'nan'" in err
+    assert main(["run", str(graph), "--steps", "2", "--quiet", "--no-check-finite"]) == 0
