@@ -18,8 +18,6 @@ from runtime.sched.placement import colocated, partial
 from runtime.sched.scheduler import Scheduler, SchedulerError, summary_text
 from yatt_graph import BatchPolicy, Node, Tensor
 
-SLACK = 1.0  # seconds: generous, so a loaded CI machine does not flake
-
 
 def ids_batch(ids):
     return {"ids": torch.tensor(ids, dtype=torch.int64), "texts": [f"s{i}" for i in ids]}
@@ -38,7 +36,7 @@ class Calls:
 
 
 @pytest.mark.timeout(60)
-def test_a_lone_request_waits_the_queue_delay_but_not_longer():
+def test_a_lone_request_waits_the_queue_delay_then_goes_alone():
     calls = Calls()
 
     def echo(inputs, dev):
@@ -52,9 +50,10 @@ def test_a_lone_request_waits_the_queue_delay_but_not_longer():
         t0 = time.monotonic()
         ticket = sched.submit("echo", ids_batch([5]))
         assert ticket.result(timeout=10)["out"].tolist() == [6]
+    # A lower bound only: the batcher waits until the delay is due by design, whereas how long
+    # after that the call starts depends on the machine's load.
     waited = calls.log[0][0] - t0
     assert waited >= delay * 0.9, "dispatched at once although more requests could still come"
-    assert waited <= delay + SLACK, "held longer than max_queue_delay_s"
     s = sched.summary()["nodes"]["echo"]
     assert s["max_batch_delay_s"] >= delay * 0.9 and s["batches"] == 1
 
@@ -68,7 +67,9 @@ def test_requests_from_several_producers_fuse_into_one_call_and_come_back_in_ord
         return {"out": inputs["ids"] * 10, "texts": inputs["texts"]}
 
     sched = Scheduler(DevicePool.cpu(1))
-    sched.add("echo", echo, policy=BatchPolicy(max_batch_size=16), max_queue_delay_s=0.5)
+    # A delay no test run reaches: the requests are sent together by flush(), once all three
+    # are queued, however slowly the producer threads are scheduled.
+    sched.add("echo", echo, policy=BatchPolicy(max_batch_size=16), max_queue_delay_s=3600.0)
     tickets = {}
     with sched:
         producers = [
@@ -83,6 +84,7 @@ def test_requests_from_several_producers_fuse_into_one_call_and_come_back_in_ord
             p.start()
         for p in producers:
             p.join()
+        sched.flush("echo")
         results = {k: t.result(timeout=10) for k, t in tickets.items()}
     assert len(calls.log) == 1, f"expected one fused call, got {[c[1] for c in calls.log]}"
     assert sorted(calls.log[0][1]) == [1, 2, 3, 4, 5, 6]
@@ -172,11 +174,17 @@ def test_early_finishers_reach_the_next_node_before_the_slowest_sample_finishes(
 
 @pytest.mark.timeout(60)
 def test_colocated_barrier_keeps_roles_apart_and_partial_overlaps_them():
-    def run(placement):
+    def run(placement, overlap):
         calls = Calls()
+        reward_started = threading.Event()
 
         def rollout(inputs, dev):
-            for i in range(len(inputs["ids"])):
+            n = len(inputs["ids"])
+            for i in range(n):
+                if overlap and i == n - 1:
+                    # The last sample waits for the reward to have begun: an overlap is then
+                    # seen however the threads are scheduled (a barrier would make it time out).
+                    assert reward_started.wait(20), "the reward did not start during the rollout"
                 calls.add("rollout", "start")
                 time.sleep(0.02)
                 calls.add("rollout", "end")
@@ -184,6 +192,7 @@ def test_colocated_barrier_keeps_roles_apart_and_partial_overlaps_them():
 
         def reward(inputs, dev):
             calls.add("reward", "start")
+            reward_started.set()
             time.sleep(0.01)
             calls.add("reward", "end")
             return {"score": inputs["ids"].float()}
@@ -197,14 +206,14 @@ def test_colocated_barrier_keeps_roles_apart_and_partial_overlaps_them():
         assert out["score"].tolist() == [float(i) for i in range(6)]
         return [c[1:] for c in sorted(calls.log)], sched.summary()
 
-    log, _ = run(colocated(["rollout", "reward"], 2, barrier=True))
+    log, _ = run(colocated(["rollout", "reward"], 2, barrier=True), overlap=False)
     last_rollout = max(i for i, e in enumerate(log) if e[0] == "rollout")
     first_reward = min(i for i, e in enumerate(log) if e[0] == "reward")
     assert last_rollout < first_reward, (
         "colocated: reward ran while the rollout still held the devices"
     )
 
-    log, summary = run(partial({"rollout": "rollout", "reward": "reward"}, 2))
+    log, summary = run(partial({"rollout": "rollout", "reward": "reward"}, 2), overlap=True)
     first_reward = min(i for i, e in enumerate(log) if e[0] == "reward")
     last_rollout = max(i for i, e in enumerate(log) if e[0] == "rollout")
     assert first_reward < last_rollout, "partial: reward should score while rollout continues"
@@ -338,9 +347,10 @@ def test_no_sample_is_lost_or_duplicated_through_fuse_split_and_stream(
 
 @pytest.mark.timeout(60)
 def test_stopping_fails_unfinished_tickets_instead_of_leaving_them_hanging():
-    release = threading.Event()
+    release, started = threading.Event(), threading.Event()
 
     def stuck(inputs, dev):
+        started.set()
         release.wait(20)
         return {"out": inputs["ids"]}
 
@@ -349,7 +359,7 @@ def test_stopping_fails_unfinished_tickets_instead_of_leaving_them_hanging():
     sched.start()
     running = sched.submit("stuck", ids_batch([1]))
     queued = sched.submit("stuck", ids_batch([2]))
-    time.sleep(0.1)
+    assert started.wait(10), "the first request never started"
     sched.stop(timeout=0.2)
     release.set()
     for ticket in (running, queued):
