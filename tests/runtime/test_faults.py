@@ -309,7 +309,7 @@ def test_on_bad_sample_skip_scores_them_zero_and_counts_them(tmp_path, capsys):
     assert [r["skipped_samples_total"] for r in rows] == [0, 1, 1, 2]
     assert rows[-1]["samples_total"] == 16
     assert "skipped samples: 2 of 16" in capsys.readouterr().out
-    assert main([*args, "--on-bad-sample", "error"]) == 1
+    assert main([*args, "--on-bad-sample", "raise"]) == 1
     err = capsys.readouterr().err
     assert "the run stopped: node 'reward'" in err and "sample 1 got" in err and "nan" in err
 

@@ -262,7 +262,7 @@ def _toy_with_chaos(controllers: int, marker: str, at_step: int, seed: int) -> G
     return g
 
 
-def build_graph(kind: str = "rich", on_bad_sample: str = "error", **options: Any) -> Graph:
+def build_graph(kind: str = "rich", on_bad_sample: str = "raise", **options: Any) -> Graph:
     if kind == "toy_chaos":
         return _toy_with_chaos(
             options.get("controllers", 3),
