@@ -27,39 +27,67 @@ from runtime.train.run_folder import (
     check_new_path,
 )
 from yatt_graph import GraphError, NodeExecutionError
-from yatt_graph.refs import load_graph, load_module
+from yatt_graph.options import (
+    Option,
+    check_config,
+    format_options,
+    load_graph_module,
+    located,
+    module_options,
+    option_table,
+    parse_options,
+)
+from yatt_graph.refs import load_graph
 
 __all__ = ["main"]
 
 
-def _options(pairs: Sequence[str]) -> dict[str, Any]:
-    """``--set key=value`` pairs; values are parsed as JSON when they can be."""
-    import json
-
-    options: dict[str, Any] = {}
+def _options(
+    pairs: Sequence[str], options: list[Option], more: bool, target: str
+) -> dict[str, Any]:
+    """``--set key=value`` pairs, each value parsed by the option's declared type (the graph's
+    ``CONFIG`` or ``build_graph`` signature, see yatt_graph/options.py); an unknown key or a
+    value of the wrong type is a TypeError naming the key, the value and the valid options."""
+    texts: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep:
+        if not sep or not key:
             raise SystemExit(f"--set {pair!r}: expected KEY=VALUE")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
+        texts[key] = value
+    return parse_options(texts, options, more, target)
 
 
 def _graph_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``--set`` pairs plus the named model options, for the graph's ``build_graph``."""
-    options = _options(args.set)
+    """``--set`` pairs plus the named model options, for the graph's ``build_graph``, checked
+    against its options before anything is built (a bad value of a typed config included)."""
+    module = load_graph_module(args.graph)
+    known, more = module_options(module)
+    values = _options(args.set, known, more, args.graph)
+    names = {o.name for o in known}
     for key in ("policy", "vision", "reward", "seed"):
         value = getattr(args, key, None)
-        if value is not None:
-            options[key] = value
-    return options
+        if value is None:
+            continue
+        if key not in names and not more:
+            raise TypeError(
+                f"--{key}: {args.graph} takes no {key!r} option; valid: {format_options(known)}"
+            )
+        values[key] = value
+    check_config(module, values, args.graph)  # ranges and choices, before models are built
+    return values
 
 
-def _load(args: argparse.Namespace) -> Any:
-    return load_graph(args.graph, **_graph_options(args))
+def _load(args: argparse.Namespace, options: dict[str, Any] | None = None) -> Any:
+    """The graph, built with ``options`` (default: from the flags); an exception raised while
+    building it names the place in the graph's file it came from."""
+    options = _graph_options(args) if options is None else options
+    try:
+        return load_graph(args.graph, **options)
+    except Exception as exc:
+        where = located(args.graph, exc)
+        if where is None:
+            raise
+        raise GraphError(f"building {args.graph} failed at {where}") from exc
 
 
 def cmd_viz(args: argparse.Namespace) -> int:
@@ -75,6 +103,9 @@ def cmd_viz(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    if args.options:
+        print(option_table(*module_options(load_graph_module(args.graph))))
+        return 0
     with _graph_input(args.graph):
         graph = _load(args)
     target = graph.plan(args.controllers) if args.controllers > 1 else graph
@@ -83,12 +114,11 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _on_bad_sample(args: argparse.Namespace, options: dict[str, Any]) -> None:
-    """Pass ``--on-bad-sample`` to a graph whose ``build_graph`` takes ``on_bad_sample``."""
+    """Pass ``--on-bad-sample`` to a graph whose options include ``on_bad_sample``."""
     if args.on_bad_sample is None:
         return
-    build = getattr(load_module(args.graph), "build_graph", None)
-    takes = callable(build) and "on_bad_sample" in inspect.signature(build).parameters
-    if takes:
+    known, _ = module_options(load_graph_module(args.graph))
+    if any(o.name == "on_bad_sample" for o in known):
         options["on_bad_sample"] = args.on_bad_sample
     elif args.on_bad_sample == "skip":
         raise SystemExit(
@@ -112,7 +142,7 @@ def _build(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     with _graph_input(args.graph):
         options = _graph_options(args)
         _on_bad_sample(args, options)
-        return options, load_graph(args.graph, **options)
+        return options, _load(args, options)
 
 
 def _executor_factory(
@@ -237,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
             action="append",
             default=[],
             metavar="KEY=VALUE",
-            help="an option for the graph's build_graph(); repeatable",
+            help="an option of the graph's build_graph(), parsed by its type (booleans: "
+            "true/false/yes/no/on/off/1/0); repeatable; `show GRAPH --options` lists them",
         )
         p.add_argument("--policy", help="'tiny' or a local model directory (graphs that take one)")
         p.add_argument("--vision", help="'tiny' or open_clip:NAME[:WEIGHTS_FILE]")
@@ -252,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = graph_command("show", "print a graph (or its plan) as text or Mermaid")
     p.add_argument("--controllers", type=int, default=1)
     p.add_argument("--mermaid", action="store_true")
+    p.add_argument(
+        "--options", action="store_true", help="list the graph's options instead (builds nothing)"
+    )
     p.set_defaults(func=cmd_show)
 
     p = graph_command("run", "run a graph for some steps in this process")
@@ -355,10 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     faults.add_argument(
         "--on-bad-sample",
-        choices=["error", "skip"],
+        choices=["raise", "skip"],
         default=None,
-        help="passed to a graph whose build_graph takes on_bad_sample: a NaN/inf/non-number "
-        "reward stops the run (error) or scores 0 and is counted (skip)",
+        help="passed to a graph that has the on_bad_sample option: a NaN/inf/non-number "
+        "reward stops the run (raise) or scores 0 and is counted (skip)",
     )
     faults.add_argument(
         "--max-message-mb",
