@@ -23,6 +23,7 @@ from typing import Any
 
 from runtime.train.errors import Terminated, UsageError
 from runtime.train.export import export_checkpoint
+from runtime.train.run_flags import add_run_arguments
 from runtime.train.run_folder import (
     check_new_path,
 )
@@ -289,127 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_show)
 
     p = graph_command("run", "run a graph for some steps in this process")
-    p.add_argument(
-        "--steps", type=int, default=30, help="total steps (a resumed run counts restored ones)"
-    )
-    p.add_argument("--seed", type=int, default=None, help="passed to build_graph(seed=...)")
-    p.add_argument(
-        "--out",
-        default=None,
-        help="the run folder: metrics.jsonl, trace.json, checkpoints/ (one run at a time; "
-        "default with --resume: the folder it resumes)",
-    )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start afresh in an --out that holds a run: its files move into "
-        "OUT/previous-<time>/ (nothing is deleted)",
-    )
-    p.add_argument(
-        "--checkpoint-every", type=int, default=0, metavar="K", help="checkpoint every K steps"
-    )
-    p.add_argument(
-        "--resume",
-        default=None,
-        metavar="DIR",
-        help="continue a run folder from its newest good checkpoint (or DIR/checkpoints/step_N); "
-        "the checkpoint must be of this graph with the same options",
-    )
-    p.add_argument(
-        "--controllers", type=int, default=1, help="run the plan on N controller processes"
-    )
-    p.add_argument(
-        "--placement",
-        choices=("colocated", "partial"),
-        default="colocated",
-        help="colocated: roles share the controllers; partial: rollout side and training side "
-        "on separate controllers (needs --controllers >= 2)",
-    )
-    p.add_argument(
-        "--devices",
-        default=None,
-        metavar="N|auto",
-        help="cut the calls of splittable nodes (vision, reference, critic) into micro-batches "
-        "across N CPU slots per process (auto: $YATT_CPU_SLOTS or the cores); default: none",
-    )
-    p.add_argument(
-        "--max-staleness",
-        type=int,
-        default=0,
-        metavar="K",
-        help="async mode: sources may run K steps ahead of the update (0: on-policy)",
-    )
-    p.add_argument(
-        "--listen",
-        default=None,
-        metavar="tcp://HOST:PORT",
-        help="bind the driver on tcp so controllers on other hosts can join (opt-in)",
-    )
-    p.add_argument(
-        "--no-spawn",
-        action="store_true",
-        help="start no local controllers; wait for `yatt-graph controller --connect`",
-    )
-    p.add_argument(
-        "--window", type=int, default=5, help="steps averaged in the closing reward line"
-    )
-    p.add_argument(
-        "--export",
-        default=None,
-        metavar="DIR",
-        help="save the trained policy there with save_pretrained",
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument(
-        "--no-check-finite",
-        action="store_true",
-        help="do not stop the run at a node output holding NaN or inf (checked by default)",
-    )
-    p.add_argument(
-        "--show-graph", action="store_true", help="print the graph's text form before running"
-    )
-    faults = p.add_argument_group("faults and bad input (docs/RELIABILITY.md)")
-    faults.add_argument(
-        "--restart",
-        choices=["never", "on-failure"],
-        default="never",
-        help="on-failure: when a controller dies, restart the controllers and resume from the "
-        "newest good checkpoint (needs --out; default never: stop with the error)",
-    )
-    faults.add_argument(
-        "--max-restarts", type=int, default=3, metavar="N", help="give up after N restarts"
-    )
-    faults.add_argument(
-        "--node-timeout",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="stop the run when one node call runs longer than S seconds (nodes whose "
-        "BatchPolicy.timeout_s is 0; 0: no limit)",
-    )
-    faults.add_argument(
-        "--on-bad-sample",
-        choices=["raise", "skip"],
-        default=None,
-        help="passed to a graph that has the on_bad_sample option: a NaN/inf/non-number "
-        "reward stops the run (raise) or scores 0 and is counted (skip)",
-    )
-    faults.add_argument(
-        "--max-message-mb",
-        type=float,
-        default=4096.0,
-        metavar="MB",
-        help="largest frame a runtime socket accepts; larger ones are dropped (0: no limit)",
-    )
-    security = p.add_argument_group("security (docs/RELIABILITY.md)")
-    security.add_argument(
-        "--allow-remote",
-        action="store_true",
-        help="allow --listen on a non-loopback address (other hosts can connect: use --keys)",
-    )
-    security.add_argument(
-        "--keys", default=None, metavar="DIR", help="CURVE keys from `yatt-graph keys DIR`"
-    )
+    add_run_arguments(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser(

@@ -146,7 +146,7 @@ def find_checkpoint(
                     stacklevel=3,
                 )
             return path, meta
-        refused.setdefault(why, []).append(path.name)
+        refused.setdefault(why, []).append(str(path))
     raise CheckpointError(f"no usable checkpoint in {source}: {_reasons(refused)}")
 
 

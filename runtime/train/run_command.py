@@ -20,6 +20,7 @@ from runtime.train.checkpoint import checkpoint_step, checkpoints, find_checkpoi
 from runtime.train.errors import Terminated, UsageError
 from runtime.train.export import export_policy, load_node_states, policy_node
 from runtime.train.identity import graph_identity
+from runtime.train.run_flags import check_flags, same_folder
 from runtime.train.run_folder import (
     RunLock,
     check_folder,
@@ -30,82 +31,7 @@ from runtime.train.run_folder import (
 )
 from runtime.train.signals import sigterm_as_interrupt
 
-__all__ = ["check_flags", "parse_devices", "print_summary", "resume_point", "run_command"]
-
-
-def _check_numbers(args: Any) -> None:
-    """Numbers and flag pairs that cannot work, refused before anything is built."""
-    least = {"--steps": (args.steps, 1), "--controllers": (args.controllers, 1)}
-    least |= {"--checkpoint-every": (args.checkpoint_every, 0)}
-    least |= {"--max-staleness": (args.max_staleness, 0), "--max-restarts": (args.max_restarts, 0)}
-    least |= {"--window": (args.window, 1)}
-    for flag, (value, low) in least.items():
-        if value < low:
-            raise UsageError(f"{flag} must be {low} or more, got {value}")
-    if args.node_timeout < 0 or args.max_message_mb < 0:
-        raise UsageError("--node-timeout and --max-message-mb take 0 (no limit) or more")
-    if args.no_spawn and not args.listen:
-        raise UsageError(
-            "--no-spawn waits for controllers started by hand, which join a driver on tcp; "
-            "add --listen tcp://HOST:PORT (or drop --no-spawn)"
-        )
-    if args.resume and args.overwrite and (not args.out or _same(args.out, args.resume)):
-        raise UsageError(
-            "--resume continues the run in its folder and --overwrite starts it afresh; "
-            "choose one (or --out ANOTHER_DIR to continue into another folder)"
-        )
-
-
-def _same(out: str, resume: str) -> bool:
-    return run_folder_of(Path(resume)).resolve() == Path(out).resolve()
-
-
-def _check_run_flags(args: Any, distributed: bool) -> None:
-    if args.restart == "on-failure":
-        if not distributed:
-            raise UsageError(
-                "--restart on-failure restarts controller processes; it needs --controllers N "
-                "(N > 1) or --listen"
-            )
-        if not args.out and not args.resume:
-            raise UsageError("--restart on-failure needs --out DIR, where checkpoints are kept")
-        if not args.checkpoint_every:
-            print(
-                "yatt-graph run: --restart on-failure without --checkpoint-every: a restart runs "
-                "again from the first step",
-                file=sys.stderr,
-            )
-    if args.placement == "partial" and args.controllers < 2:
-        raise UsageError(
-            "--placement partial puts the rollout side and the training side on separate "
-            "controllers; it needs --controllers 2 or more"
-        )
-    if not distributed and (args.keys or args.allow_remote or args.node_timeout):
-        raise UsageError(
-            "--keys, --allow-remote and --node-timeout apply to controller processes; add "
-            "--controllers N (N > 1) or --listen"
-        )
-
-
-def parse_devices(value: str | None) -> int | str | None:
-    if value is None or value == "auto":
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        n = -1
-    if n < 1:
-        raise UsageError(f"--devices takes a CPU slot count >= 1 or 'auto', got {value!r}")
-    return n
-
-
-def check_flags(args: Any) -> tuple[Any, bool]:
-    """Every flag that cannot work, refused before anything is built; (devices, distributed)."""
-    _check_numbers(args)
-    devices = parse_devices(args.devices)
-    distributed = args.controllers > 1 or bool(args.listen)
-    _check_run_flags(args, distributed)
-    return devices, distributed
+__all__ = ["print_summary", "resume_point", "run_command"]
 
 
 def run_command(args: Any, build: Callable, executor_factory: Callable) -> int:
@@ -119,6 +45,8 @@ def run_command(args: Any, build: Callable, executor_factory: Callable) -> int:
     )
     if out is not None:
         check_folder(out, "--out")
+        if (out / "checkpoints").exists():
+            check_folder(out / "checkpoints", "--out: its checkpoint folder")
     lock = RunLock(out).acquire() if out is not None else None
     try:
         with sigterm_as_interrupt():
@@ -133,7 +61,7 @@ def _run_in_folder(
 ) -> int:
     from runtime.train.faults import train_with_restarts
 
-    resuming_here = bool(args.resume) and out is not None and _same(str(out), args.resume)
+    resuming_here = bool(args.resume) and out is not None and same_folder(str(out), args.resume)
     if out is not None:
         note = prepare_run_folder(out, resuming_here=resuming_here, overwrite=args.overwrite)
         if note:

@@ -81,15 +81,22 @@ def test_a_folder_holding_a_run_is_refused_unless_overwritten_and_then_kept_asid
 
 
 # --- 3. output paths, checked before the first step; export later ----------------------------
-@pytest.mark.parametrize("case", ["out_is_a_file", "out_unwritable", "export_exists", "no_policy"])
+@pytest.mark.parametrize(
+    "case",
+    ["out_is_a_file", "checkpoints_is_a_file", "out_unwritable", "export_exists", "no_policy"],
+)
 def test_bad_output_paths_are_refused_before_training(tmp_path, capsys, case):
     out = tmp_path / "run"
     flags = ["--steps", "2", "--out", str(out)]
     if case == "out_is_a_file":
         out.write_text("")
         expected = f"--out {out}: this is a file, not a folder"
+    elif case == "checkpoints_is_a_file":
+        out.mkdir()
+        (out / "checkpoints").write_text("")
+        expected = f"--out: its checkpoint folder {out / 'checkpoints'}: this is a file"
     elif case == "out_unwritable":
-        if not Path("/sys").is_dir() or os.access("/sys", os.W_OK) and sys.platform != "linux":
+        if sys.platform != "linux" or not Path("/sys/kernel").is_dir():
             pytest.skip("needs a folder nobody may write into (/sys on Linux)")
         flags = ["--steps", "2", "--out", "/sys/yatt-graph-run"]
         expected = "--out /sys/yatt-graph-run: cannot write there ("
@@ -140,7 +147,8 @@ def test_resuming_with_other_options_is_refused_naming_the_nodes_and_options(tmp
     capsys.readouterr()
     assert run("--seed", "2", "--steps", "6", "--resume", str(out)) == 2
     err = capsys.readouterr().err
-    assert "step_000004, step_000002: written by another graph or other options" in err
+    ckpts = out / "checkpoints"
+    assert f"{ckpts / 'step_000004'}, {ckpts / 'step_000002'}: written by another graph" in err
     assert "node 'rollout' option(s) seed 1 vs 2" in err and "Traceback" not in err
     assert run("--seed", "1", "--set", "vocab=6", "--steps", "6", "--resume", str(out)) == 2
     assert "node 'reward' option(s) vocab 8 vs 6" in capsys.readouterr().err
@@ -181,6 +189,18 @@ def test_meta_of_the_wrong_shape_falls_back_to_the_previous_checkpoint(tmp_path,
     assert run("--steps", "6", "--resume", str(out)) == 2
     err = capsys.readouterr().err
     assert "no usable checkpoint in" in err and "meta.json" in err and "Traceback" not in err
+
+
+def test_a_corrupt_checkpoint_is_one_line_naming_the_file(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run("--steps", "2", "--out", str(out), "--checkpoint-every", "2") == 0
+    state = out / "checkpoints" / "step_000002" / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    capsys.readouterr()
+    assert run("--steps", "4", "--resume", str(out)) == 2
+    err = capsys.readouterr().err
+    assert f"{state.parent}: state.pt does not match its checksum" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 # --- 5. resume ---------------------------------------------------------------------------------

@@ -1,0 +1,215 @@
+"""The flags of ``yatt-graph run``: what each means (:func:`add_run_arguments`) and which values
+and combinations cannot work (:func:`check_flags`, before anything is built: one line, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from runtime.train.errors import UsageError
+from runtime.train.run_folder import run_folder_of
+
+__all__ = ["add_run_arguments", "check_flags", "parse_devices", "same_folder"]
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The run command's flags (the graph and its options are the caller's)."""
+    p.add_argument(
+        "--steps", type=int, default=30, help="total steps (a resumed run counts restored ones)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="passed to build_graph(seed=...)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="the run folder: metrics.jsonl, trace.json, checkpoints/ (one run at a time; "
+        "default with --resume: the folder it resumes)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in an --out that holds a run: its files move into "
+        "OUT/previous-<time>/ (nothing is deleted)",
+    )
+    p.add_argument(
+        "--checkpoint-every", type=int, default=0, metavar="K", help="checkpoint every K steps"
+    )
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="continue a run folder from its newest good checkpoint (or DIR/checkpoints/step_N); "
+        "the checkpoint must be of this graph with the same options",
+    )
+    p.add_argument(
+        "--controllers", type=int, default=1, help="run the plan on N controller processes"
+    )
+    p.add_argument(
+        "--placement",
+        choices=("colocated", "partial"),
+        default="colocated",
+        help="colocated: roles share the controllers; partial: rollout side and training side "
+        "on separate controllers (needs --controllers >= 2)",
+    )
+    p.add_argument(
+        "--devices",
+        default=None,
+        metavar="N|auto",
+        help="cut the calls of splittable nodes (vision, reference, critic) into micro-batches "
+        "across N CPU slots per process (auto: $YATT_CPU_SLOTS or the cores); default: none",
+    )
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=0,
+        metavar="K",
+        help="async mode: sources may run K steps ahead of the update (0: on-policy)",
+    )
+    p.add_argument(
+        "--listen",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="bind the driver on tcp so controllers on other hosts can join (opt-in)",
+    )
+    p.add_argument(
+        "--no-spawn",
+        action="store_true",
+        help="start no local controllers; wait for `yatt-graph controller --connect`",
+    )
+    p.add_argument(
+        "--window", type=int, default=5, help="steps averaged in the closing reward line"
+    )
+    p.add_argument(
+        "--export",
+        default=None,
+        metavar="DIR",
+        help="save the trained policy there with save_pretrained",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-check-finite",
+        action="store_true",
+        help="do not stop the run at a node output holding NaN or inf (checked by default)",
+    )
+    p.add_argument(
+        "--show-graph", action="store_true", help="print the graph's text form before running"
+    )
+    faults = p.add_argument_group("faults and bad input (docs/RELIABILITY.md)")
+    faults.add_argument(
+        "--restart",
+        choices=["never", "on-failure"],
+        default="never",
+        help="on-failure: when a controller dies, restart the controllers and resume from the "
+        "newest good checkpoint (needs --out; default never: stop with the error)",
+    )
+    faults.add_argument(
+        "--max-restarts", type=int, default=3, metavar="N", help="give up after N restarts"
+    )
+    faults.add_argument(
+        "--node-timeout",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="stop the run when one node call runs longer than S seconds (nodes whose "
+        "BatchPolicy.timeout_s is 0; 0: no limit)",
+    )
+    faults.add_argument(
+        "--on-bad-sample",
+        choices=["raise", "skip"],
+        default=None,
+        help="passed to a graph that has the on_bad_sample option: a NaN/inf/non-number "
+        "reward stops the run (raise) or scores 0 and is counted (skip)",
+    )
+    faults.add_argument(
+        "--max-message-mb",
+        type=float,
+        default=4096.0,
+        metavar="MB",
+        help="largest frame a runtime socket accepts; larger ones are dropped (0: no limit)",
+    )
+    security = p.add_argument_group("security (docs/RELIABILITY.md)")
+    security.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow --listen on a non-loopback address (other hosts can connect: use --keys)",
+    )
+    security.add_argument(
+        "--keys", default=None, metavar="DIR", help="CURVE keys from `yatt-graph keys DIR`"
+    )
+
+
+def _check_numbers(args: Any) -> None:
+    """Numbers and flag pairs that cannot work, refused before anything is built."""
+    least = {"--steps": (args.steps, 1), "--controllers": (args.controllers, 1)}
+    least |= {"--checkpoint-every": (args.checkpoint_every, 0)}
+    least |= {"--max-staleness": (args.max_staleness, 0), "--max-restarts": (args.max_restarts, 0)}
+    least |= {"--window": (args.window, 1)}
+    for flag, (value, low) in least.items():
+        if value < low:
+            raise UsageError(f"{flag} must be {low} or more, got {value}")
+    if args.node_timeout < 0 or args.max_message_mb < 0:
+        raise UsageError("--node-timeout and --max-message-mb take 0 (no limit) or more")
+    if args.no_spawn and not args.listen:
+        raise UsageError(
+            "--no-spawn waits for controllers started by hand, which join a driver on tcp; "
+            "add --listen tcp://HOST:PORT (or drop --no-spawn)"
+        )
+    if args.resume and args.overwrite and (not args.out or same_folder(args.out, args.resume)):
+        raise UsageError(
+            "--resume continues the run in its folder and --overwrite starts it afresh; "
+            "choose one (or --out ANOTHER_DIR to continue into another folder)"
+        )
+
+
+def same_folder(out: str, resume: str) -> bool:
+    return run_folder_of(Path(resume)).resolve() == Path(out).resolve()
+
+
+def _check_run_flags(args: Any, distributed: bool) -> None:
+    if args.restart == "on-failure":
+        if not distributed:
+            raise UsageError(
+                "--restart on-failure restarts controller processes; it needs --controllers N "
+                "(N > 1) or --listen"
+            )
+        if not args.out and not args.resume:
+            raise UsageError("--restart on-failure needs --out DIR, where checkpoints are kept")
+        if not args.checkpoint_every:
+            print(
+                "yatt-graph run: --restart on-failure without --checkpoint-every: a restart runs "
+                "again from the first step",
+                file=sys.stderr,
+            )
+    if args.placement == "partial" and args.controllers < 2:
+        raise UsageError(
+            "--placement partial puts the rollout side and the training side on separate "
+            "controllers; it needs --controllers 2 or more"
+        )
+    if not distributed and (args.keys or args.allow_remote or args.node_timeout):
+        raise UsageError(
+            "--keys, --allow-remote and --node-timeout apply to controller processes; add "
+            "--controllers N (N > 1) or --listen"
+        )
+
+
+def parse_devices(value: str | None) -> int | str | None:
+    if value is None or value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 1:
+        raise UsageError(f"--devices takes a CPU slot count >= 1 or 'auto', got {value!r}")
+    return n
+
+
+def check_flags(args: Any) -> tuple[Any, bool]:
+    """Every flag that cannot work, refused before anything is built; (devices, distributed)."""
+    _check_numbers(args)
+    devices = parse_devices(args.devices)
+    distributed = args.controllers > 1 or bool(args.listen)
+    _check_run_flags(args, distributed)
+    return devices, distributed
