@@ -203,13 +203,14 @@ def test_zeromq_streaming_equals_the_in_process_run(places, controllers, steps):
 
 @pytest.mark.timeout(120)
 def test_zeromq_consumer_starts_before_the_producer_finishes():
-    pause = 0.5  # real waiting in the producer after its first piece
+    pause = 2.0  # real waiting in the producer after its first piece
     with ZmqExecutor(stream_graph(pause_s=pause).plan(2)) as ex:
         r = ex.step()
     decode_end = r.node_start["decode"] + r.node_seconds["decode"]
     assert r.node_seconds["decode"] >= pause
-    # score (controller 1) took the first piece while decode (controller 0) was still paused
-    assert r.node_start["score"] < decode_end - pause / 2
+    # score (controller 1) took the first piece while decode (controller 0) was still paused;
+    # the margin (1.5 s for the piece to cross and the call to start) holds on a loaded machine
+    assert r.node_start["score"] < decode_end - pause / 4
     assert torch.allclose(r.outputs["score"], expected(0)["score"])
 
 
