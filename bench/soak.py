@@ -108,7 +108,11 @@ def soak(
         seconds = time.perf_counter() - t_run
         dropped = ex.dropped_messages
         # What the driver keeps between steps must not grow with the steps run.
-        held = {"partial": len(ex._partial), "events": len(ex._events), "peers": len(ex._last_seen)}
+        held = {
+            "partial": len(ex._partial),
+            "events": len(ex.link.events),
+            "peers": len(ex.link.last_seen),
+        }
     final = samples[-1]["rss_mb"]
     peak = [max(s["rss_mb"][i] for s in samples) for i in range(len(pids))]
     names = ["driver", *[f"controller {i}" for i in range(controllers)]]

@@ -34,7 +34,6 @@ import time
 import traceback
 from typing import Any
 
-import msgspec
 import zmq
 
 from runtime.engine.engine import StateNotReady, StepEngine
@@ -42,22 +41,27 @@ from runtime.errors import SendError
 from runtime.zmq import messages as m
 from runtime.zmq.control_link import ControlLink, IoFailed, ShutdownRequested, thread_stacks
 from runtime.zmq.keys import is_loopback, load_keys, start_authenticator
+from runtime.zmq.options import nodes_from_setup
+from runtime.zmq.peers import Peers
 from runtime.zmq.serial import DecodeError, UnsupportedValueError, decode_value, encode_value
 from runtime.zmq.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Drops,
-    ShmPool,
-    ShmReader,
     advertised_host,
-    largest_frame,
     make_socket,
     recv,
     send,
 )
 from yatt_graph import NodeExecutionError
-from yatt_graph.stream import Piece
 
 __all__ = ["Controller"]
+
+
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 class _Stop(Exception):
@@ -101,29 +105,15 @@ class Controller:
         # identity is random, so that no other peer can claim it, and announced in HELLO.
         self.work_identity = b"w" + os.urandom(15)
         self.work = self._driver_socket(self.work_identity, linger_ms=2000)
-        self.inbox = make_socket(
-            self.ctx, zmq.PULL, max_message_bytes=max_message_bytes, curve=self.keys
-        )
-        if bind:
-            self.inbox.bind(bind)
-            self.data_address = bind
-        elif host:
-            port = self.inbox.bind_to_random_port(f"tcp://{host}")
-            self.data_address = f"tcp://{host}:{port}"
-        else:
-            path = os.path.join(
-                os.path.dirname(connect.removeprefix("ipc://")), f"data-{os.getpid()}"
-            )
-            self.data_address = f"ipc://{path}"
-            self.inbox.bind(self.data_address)
+        self.drops = Drops("controller")
+        self.peers = Peers(
+            self.ctx, connect, bind=bind, host=host, keys=self.keys,
+            max_message_bytes=max_message_bytes, drops=self.drops,
+        )  # fmt: skip
+        self.data_address = self.peers.address
         self.index = -1
-        self.epoch = 0
-        self._releases: list[tuple[int, str]] = []
-        self.pool: ShmPool | None = None
-        self.reader: ShmReader | None = None
         self.splitter: Any = None
         self.link: ControlLink | None = None
-        self.drops = Drops("controller")
         self._building = ""
         self._failed = False
         self._state_wanted: int | None = None
@@ -161,10 +151,28 @@ class Controller:
                 file=sys.stderr,
                 flush=True,
             )
-        start = time.monotonic()
-        deadline = start + self.startup_timeout_s
+        monitor = self.driver.get_monitor_socket(_HANDSHAKE_FAILED) if self.keys else None
+        try:
+            return self._wait_for_setup(monitor)
+        finally:
+            if monitor is not None:
+                self.driver.disable_monitor()
+                monitor.close(linger=0)
+
+    def _wait_for_setup(self, monitor: zmq.Socket | None) -> m.Setup | None:
+        deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._parent_gone():
+                return None
+            if monitor is not None and monitor.poll(0):
+                event = zmq.utils.monitor.recv_monitor_message(monitor)
+                print(
+                    f"yatt-graph controller: error: the CURVE handshake with the driver at "
+                    f"{self.connect} failed (zmq event {event['event']}): the driver holds other "
+                    "keys, or none; use the run's --keys folder on the driver and every "
+                    "controller (`yatt-graph keys DIR` makes one)",
+                    file=sys.stderr,
+                )
                 return None
             if not self.driver.poll(200):
                 continue
@@ -201,18 +209,11 @@ class Controller:
 
     def _setup(self, setup: m.Setup) -> None:
         self.index = setup.controller
-        self._data_where = f"controller {self.index}'s data socket"
-        if setup.max_message_bytes:
-            self.max_message_bytes = setup.max_message_bytes
-            self.inbox.setsockopt(zmq.MAXMSGSIZE, setup.max_message_bytes)  # peers connect later
         if setup.num_threads > 0:
             import torch
 
             torch.set_num_threads(setup.num_threads)
-        if setup.shm_threshold > 0 and setup.run_id and os.path.isdir("/dev/shm"):
-            self.pool = ShmPool(setup.run_id, self.index, setup.shm_threshold)
-            self.reader = ShmReader(setup.run_id, self._queue_release)
-        nodes, edges, outputs, assignment = self._build(setup)
+        nodes, edges, outputs, assignment = nodes_from_setup(setup, self._track)
         from runtime.sched.splitting import NodeSplitter, device_pool
 
         pool = device_pool({0: None, -1: "auto"}.get(setup.devices, setup.devices))
@@ -229,158 +230,18 @@ class Controller:
             here=self.index,
             max_staleness=setup.max_staleness,
             window=setup.pipeline_depth,
-            outbox=self,
+            outbox=self.peers,
             splitter=self.splitter,
             check_finite=setup.check_finite,
             limits=limits,
         )
         for name in self.engine.order:  # build each node's models here, in the plan's order
             self._building = name
-            setup_node = getattr(nodes[name], "setup", None)
-            if setup_node is not None:
-                setup_node()
+            nodes[name].setup()
         self._building = ""
-        # One PUSH per peer, the compute thread's: DATA and shared-memory RELEASEs.
-        keys = self.keys
-        peer_key = keys.controller_public if keys is not None else None
-        self.out_peers = {
-            c: make_socket(
-                self.ctx, zmq.PUSH, address, linger_ms=2000, curve=keys, curve_server_key=peer_key
-            )
-            for c, address in enumerate(setup.peers)
-            if c != self.index
-        }
-
-    def _build(self, setup: m.Setup) -> tuple[dict[str, Any], list[Any], dict[str, Any], dict]:
-        """This controller's nodes (constructed, not yet set up), the edges, outputs and assignment."""
-        from yatt_graph.serialize import PlanSpec, build_node
-
-        if setup.plan_json:
-            spec = msgspec.json.decode(setup.plan_json, type=PlanSpec)
-            assignment = dict(spec.assignment)
-            specs = {ns.name: ns for ns in spec.graph.nodes}
-            nodes = {}
-            for name in setup.order:
-                if assignment[name] == setup.controller:
-                    self._building = name
-                    nodes[name] = build_node(specs[name])
-            self._building = ""
-            return nodes, list(spec.graph.edges), dict(spec.graph.outputs), assignment
-        from yatt_graph.refs import load_graph
-
-        assignment = dict(setup.assignment)
-        graph = load_graph(setup.graph_ref, **msgspec.json.decode(setup.graph_options_json))
-        digest = graph.wiring_digest()
-        if setup.digest and digest != setup.digest or set(graph.nodes) != set(assignment):
-            raise RuntimeError(
-                f"the graph rebuilt from {setup.graph_ref!r} here is wired differently from the driver's "
-                f"(nodes {sorted(graph.nodes)} vs {sorted(assignment)}); pass the same graph_options "
-                "and run the same code on every host"
-            )
-        nodes = {n: graph.nodes[n] for n in setup.order if assignment[n] == setup.controller}
-        return nodes, graph.edges, dict(graph.graph_outputs), assignment
-
-    # --- the engine's outbox ----------------------------------------------------------------
-    def value(self, step: int, src: str, port: str, value: Any, dests: list[int]) -> None:
-        self._send_data(step, src, port, value, dests)
-
-    def piece(
-        self, step: int, src: str, port: str, index: int, piece: Piece, dests: list[int]
-    ) -> None:
-        self._send_data(step, src, port, piece.outputs[port], dests, index, piece.rows, piece.size)
-
-    def end(self, step: int, src: str, port: str, count: int, dests: list[int]) -> None:
-        header = m.Data(step, src, port, self.index, self.epoch, count, end=True)
-        for c in dests:
-            send(self.out_peers[c], header)
-
-    def _send_data(
-        self,
-        step: int,
-        src: str,
-        port: str,
-        value: Any,
-        dests: list[int],
-        piece: int = -1,
-        rows: list[int] | None = None,
-        size: int | None = None,
-    ) -> None:
-        """Send a value (or piece ``piece`` of a stream, with its ``rows`` and batch ``size``)."""
-
-        def where() -> str:  # only for errors: hot path
-            many = "s" if len(dests) > 1 else ""
-            return f"node {src!r} output {port!r} (to controller{many} {dests})"
-
-        if self.pool is not None:
-            self.pool.refs = len(dests)
-        try:
-            frames = encode_value(value, where="", shm=self.pool)
-        except UnsupportedValueError as exc:
-            raise SendError(src, step, f"{where()}{exc}") from None
-        self._check_size(frames, where, src, step)
-        header = m.Data(
-            step, src, port, self.index, self.epoch, piece, rows or [],
-            size=-1 if size is None else size,
-        )  # fmt: skip
-        for c in dests:
-            send(self.out_peers[c], header, frames)
-
-    def _check_size(self, frames: list[Any], where: Any, node: str, step: int) -> None:
-        """``where()`` names the value, for the error."""
-        limit = self.max_message_bytes
-        if limit and (size := largest_frame(frames)) > limit:
-            raise SendError(
-                node,
-                step,
-                f"{where()}: a frame of {size} bytes is over max_message_bytes={limit}, so the "
-                "receiver would drop it; raise the limit (ZmqExecutor(max_message_bytes=...), "
-                "yatt-graph run --max-message-mb) or send less",
-            )
+        self.peers.connect(setup)
 
     # --- what arrives -----------------------------------------------------------------------
-    def _on_data(self, sock: zmq.Socket) -> None:
-        """One message from a peer, handed to the engine (or dropped, and logged)."""
-        where = self._data_where
-        try:
-            _, kind, msg, value = recv(sock, limit=self.max_message_bytes)
-        except m.ProtocolError as exc:
-            self.drops.drop(where, exc)
-            return
-        if kind is m.Kind.RELEASE:
-            if self.pool is not None:
-                self.pool.release(msg.segment)
-            return
-        if kind is not m.Kind.DATA:
-            self.drops.drop(where, f"a {kind.name} message, which peers do not send")
-            return
-        if not self.engine.reads(msg.src, msg.port):
-            self.drops.drop(where, f"data for {msg.src}.{msg.port}, which no node here reads")
-            return
-        if msg.epoch != self.epoch:
-            if msg.epoch > self.epoch:
-                self.drops.drop(
-                    where, f"data of epoch {msg.epoch}; this controller is at {self.epoch}"
-                )
-            return  # sent before the last restore: stale by design, dropped quietly
-        if msg.end:
-            dropped = self.engine.end_stream(msg.step, msg.src, msg.port, msg.piece)
-        else:
-            try:
-                decoded = decode_value(value, where="", shm=self.reader)
-            except DecodeError as exc:
-                what = f"data {msg.src}.{msg.port} of step {msg.step} from controller {msg.sender}"
-                self._to_driver(m.Error(self.index, f"{what}{exc}", msg.src, msg.step, during="io"))
-                self._failed = True
-                return
-            if msg.piece >= 0:
-                size = None if msg.size < 0 else msg.size
-                piece = Piece(msg.rows, {msg.port: decoded}, size)
-                dropped = self.engine.deliver_piece(msg.step, msg.src, msg.port, msg.piece, piece)
-            else:
-                dropped = self.engine.deliver(msg.step, msg.src, msg.port, decoded)
-        for why in dropped:
-            self.drops.drop(where, why)
-
     def _on_work(self, sock: zmq.Socket) -> None:
         """One message on the work link: RUN, STATE_REQUEST or STATE_LOAD."""
         try:
@@ -402,23 +263,12 @@ class Controller:
                 self._failed = True
                 return
             self.engine.restore(msg.step, state)
-            self.epoch = msg.epoch
+            self.peers.epoch = msg.epoch
             self._to_driver(m.StateLoaded(self.index, msg.step))
         elif kind is m.Kind.SHUTDOWN:
             raise _Stop
         elif kind is not m.Kind.HEARTBEAT:
             self.drops.drop("the driver link", f"a {kind.name} message on the work link")
-
-    def _queue_release(self, owner: int, name: str) -> None:
-        self._releases.append((owner, name))
-
-    def _send_releases(self) -> None:
-        while self._releases:
-            owner, name = self._releases.pop()
-            if owner == self.index and self.pool is not None:
-                self.pool.release(name)
-            elif owner in self.out_peers:
-                send(self.out_peers[owner], m.Release(name))
 
     def _parent_gone(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid
@@ -442,7 +292,7 @@ class Controller:
                 frames = encode_value(outputs, where="")
             except UnsupportedValueError as exc:
                 raise SendError(node, step, f"{where()}{exc}") from None
-            self._check_size(frames, where, node, step)
+            self.peers.check_size(frames, where, node, step)
             self._to_driver(
                 m.StepDone(self.index, step, result.node_seconds, result.node_start), frames
             )
@@ -469,7 +319,7 @@ class Controller:
             ) from None  # fmt: skip
         first = next(iter(state["nodes"]), "")
         try:
-            self._check_size(frames, lambda: where, first, step)
+            self.peers.check_size(frames, lambda: where, first, step)
         except SendError as exc:
             raise SendError(exc.node, step, exc.message, "state") from None
         self._to_driver(m.StateReply(self.index, step), frames)
@@ -477,7 +327,7 @@ class Controller:
     def _loop(self) -> None:
         assert self.link is not None
         poller = zmq.Poller()
-        for sock in (self.work, self.inbox, self.link.wake):
+        for sock in (self.work, self.peers.inbox, self.link.wake):
             poller.register(sock, zmq.POLLIN)
         while True:
             ran = False
@@ -487,7 +337,7 @@ class Controller:
                     self._report_finished()
                 except Exception as exc:
                     self._fail(exc)
-            self._send_releases()
+            self.peers.send_releases()
             try:
                 self._receive(poller, 0 if ran else 500)
             except _Stop:
@@ -520,8 +370,11 @@ class Controller:
         # One message per ready socket, then back to running what became ready (the next
         # poll(0) takes the rest): cheaper than reading on until zmq.Again.
         for sock, _ in poller.poll(timeout_ms):
-            if sock is self.inbox:
-                self._on_data(sock)
+            if sock is self.peers.inbox:
+                error = self.peers.receive(self.engine)
+                if error is not None:
+                    self._to_driver(error)
+                    self._failed = True
             elif sock is self.work:
                 try:
                     self._on_work(sock)
@@ -593,6 +446,9 @@ class Controller:
                 self.link.stop()
             self._close_resources()
 
+    def _track(self, name: str) -> None:
+        self._building = name  # the node being made, for the error if that fails
+
     def _report_setup_error(self, setup: m.Setup, exc: Exception) -> None:
         node = self._building
         what = f"{type(exc).__name__}: {exc}"
@@ -617,10 +473,7 @@ class Controller:
     def _close_resources(self, destroy: bool = True) -> None:
         if self.splitter is not None:
             self.splitter.close()
-        if self.pool is not None:
-            self.pool.close()
-        if self.reader is not None:
-            self.reader.close()
+        self.peers.close()
         if destroy and self.auth is not None:
             with contextlib.suppress(Exception):
                 self.auth.stop()

@@ -8,11 +8,13 @@ the zmq context, the run folder, shared-memory segments), even if the executor i
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +25,14 @@ import zmq
 from runtime.zmq import messages as m
 from runtime.zmq.transport import remove_run_segments
 
-__all__ = ["ControllerProc", "RunCleanup", "sigint_deferred", "spawn_controllers"]
+__all__ = [
+    "OWNER_FILE",
+    "ControllerProc",
+    "RunCleanup",
+    "remove_stale_runs",
+    "sigint_deferred",
+    "spawn_controllers",
+]
 
 
 class ControllerProc:
@@ -70,6 +79,9 @@ class RunCleanup:
 
     def __init__(self, run_dir: str, run_id: str):
         self.run_dir, self.run_id = run_dir, run_id
+        # Who owns the folder: a later run removes it if this process dies without clean-up.
+        with open(os.path.join(run_dir, OWNER_FILE), "w") as f:
+            f.write(str(os.getpid()))
         self.procs: list[subprocess.Popen[bytes]] = []
         self.ctx: zmq.Context | None = None
         self.auth: Any = None
@@ -105,6 +117,39 @@ class RunCleanup:
         shutil.rmtree(self.run_dir, ignore_errors=True)
         if self.run_id:
             remove_run_segments(self.run_id)
+
+
+OWNER_FILE = "driver.pid"
+
+
+def remove_stale_runs(parent: str | None = None) -> list[str]:
+    """Remove the socket folders (and shared memory) of runs whose driver is gone (killed with
+    SIGKILL, so it never cleaned up); returns the folders removed."""
+    removed = []
+    for path in glob.glob(os.path.join(parent or tempfile.gettempdir(), "yatt-*")):
+        try:
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                pid = int(f.read().strip() or 0)
+            if os.stat(path).st_uid != os.getuid():
+                continue
+        except (OSError, ValueError):
+            continue  # not a run folder of this user's, or one being made
+        if pid <= 0 or _alive(pid):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        remove_run_segments(os.path.basename(path))
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @contextlib.contextmanager

@@ -229,16 +229,20 @@ def test_state_round_trip_with_max_staleness_keeps_the_lagged_values():
         first = ex.run(3)
         state = ex.state_dict()
     assert state["step"] == 3 and len(state["rng"]["controllers"]) == 2
-    assert [(s, p, k) for s, p, k, _ in state["delayed_history"]] == [
+    # [src, port, produced step, value]: the two values steps 3 and 4 read
+    assert [(s, p, k) for s, p, k, _ in state["delayed"]] == [
         ("mirror", "out", 1),
         ("mirror", "out", 2),
     ]
-    local = LocalExecutor(zmq_graphs.build_graph("feedback").plan(2))
+    local = LocalExecutor(zmq_graphs.build_graph("feedback").plan(2), max_staleness=1)
     local.load_state_dict(state)  # the format is LocalExecutor's
     assert local.next_step == 3
+    in_process = local.run(3)
     with ZmqExecutor(zmq_graphs.build_graph("feedback").plan(2), max_staleness=1) as ex:
         ex.load_state_dict(state)
         rest = ex.run(3)
+    for a, b in zip(in_process, rest, strict=True):
+        torch.testing.assert_close(a.outputs["total"], b.outputs["total"], rtol=0, atol=0)
     # Lag 2: step k adds x[k] to the total of step k-2, so even and odd steps accumulate apart.
     expected = [xs[0], xs[1], xs[0] + xs[2], xs[1] + xs[3], xs[0] + xs[2] + xs[4], xs[1] + xs[3] + xs[5]]  # fmt: skip
     for k, got in enumerate(first + rest):

@@ -8,8 +8,10 @@ from __future__ import annotations
 import ast
 import logging
 import os
+import socket
 import stat
 import sys
+import threading
 from pathlib import Path
 
 import msgspec
@@ -20,6 +22,7 @@ from zmq_graphs import assert_gone
 
 from runtime.cli import main
 from runtime.engine.local import LocalExecutor
+from runtime.errors import HandshakeError
 from runtime.zmq import messages as m
 from runtime.zmq.controller import Controller
 from runtime.zmq.driver import ZmqExecutor
@@ -121,7 +124,7 @@ def test_with_curve_only_peers_holding_the_keys_get_in(tmp_path, caplog):
             reply = m.decode_header(head)
             assert reply[0] is m.Kind.REFUSED and "the run has started" in reply[1].reason
             assert not plain.poll(300) and not stranger.poll(300)  # never heard, never answered
-        assert ex._res.auth.denied >= 1
+        assert ex.group.res.auth.denied >= 1
         assert "refused a CURVE client" in caplog.text
     finally:
         ex.close()
@@ -176,3 +179,35 @@ def test_no_wire_module_imports_pickle_or_loads_torch_files():
             else:
                 continue
             assert not found, f"{path.relative_to(ROOT)} uses {found} (line {node.lineno})"
+
+
+@pytest.mark.timeout(60)
+def test_a_controller_with_other_curve_keys_is_reported_on_both_sides(tmp_path, capsys, caplog):
+    ours, theirs = generate_keys(tmp_path / "ours"), generate_keys(tmp_path / "theirs")
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    failure: list[BaseException] = []
+
+    def drive() -> None:
+        try:
+            ZmqExecutor(load_graph("graphs.toy").plan(1), spawn=False, address=address,
+                        allow_tcp=True, keys=ours, startup_timeout_s=8)  # fmt: skip
+        except BaseException as exc:
+            failure.append(exc)
+
+    with caplog.at_level(logging.WARNING, logger="yatt_graph.runtime"):
+        driver = threading.Thread(target=drive)
+        driver.start()
+        # zmq retries the connection until the driver listens; the handshake then fails
+        code = Controller(address, 0, keys=str(theirs), startup_timeout_s=20).serve()
+        driver.join(timeout=30)
+    assert code == 3 and "the CURVE handshake with the driver" in capsys.readouterr().err
+    [exc] = failure
+    assert isinstance(exc, HandshakeError) and "failed the CURVE handshake" in str(exc)
+    assert "a peer whose handshake failed" in caplog.text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

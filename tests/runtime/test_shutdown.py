@@ -18,6 +18,7 @@ import zmq_graphs
 from zmq_graphs import assert_gone, controller_processes
 
 from runtime.zmq.driver import ZmqExecutor
+from runtime.zmq.processes import OWNER_FILE, remove_stale_runs
 from yatt_graph import NodeExecutionError
 from yatt_graph.refs import load_graph
 
@@ -89,8 +90,23 @@ def test_controllers_exit_on_their_own_when_the_driver_is_killed():
         proc.kill()  # SIGKILL: no clean-up runs in the driver
         proc.wait()
         assert_gone(info["pids"], timeout_s=15)  # they notice the parent is gone
+        assert os.path.isdir(info["run_dir"])  # a SIGKILLed driver cannot remove its folder
+        with ZmqExecutor(load_graph("graphs.toy").plan(1)) as ex:  # the next run does
+            assert not os.path.exists(info["run_dir"])
+            ex.run(1)
     finally:
         proc.kill()
         proc.wait()
-        # Nobody was left to remove the run directory; a SIGKILLed driver cannot.
         shutil.rmtree(info["run_dir"], ignore_errors=True)
+
+
+def test_only_folders_of_dead_drivers_are_removed(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # its pid is now one of no process (pids are not reused this soon)
+    dead, alive, other = tmp_path / "yatt-dead", tmp_path / "yatt-alive", tmp_path / "yatt-other"
+    for folder, pid in ((dead, child.pid), (alive, os.getpid())):
+        folder.mkdir()
+        (folder / OWNER_FILE).write_text(str(pid))
+    other.mkdir()  # no owner file: not a run folder, left alone
+    assert remove_stale_runs(str(tmp_path)) == [str(dead)]
+    assert alive.is_dir() and other.is_dir() and not dead.exists()

@@ -1,0 +1,245 @@
+"""The controllers of one ZeroMQ run as the driver holds them: started, joined, watched, stopped.
+
+:class:`ControllerGroup` starts the controller processes (or waits for ones started by hand),
+admits their HELLOs, sends SETUP and waits for READY; then it is how the executor talks to
+them (:meth:`~ControllerGroup.next_event`, :attr:`~ControllerGroup.link`) and how it learns
+that one died or went silent (a local controller that exits is noticed within 50 ms, a
+silent one within ``heartbeat_timeout_s``). :meth:`~ControllerGroup.shutdown` stops them
+all and removes the run's files, whatever happened before.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from runtime.errors import ControllerError, HandshakeError, NodeTimeoutError
+from runtime.zmq import messages as m
+from runtime.zmq.driver_link import DriverLink, HelloRefused, Received
+from runtime.zmq.keys import start_authenticator
+from runtime.zmq.processes import (
+    ControllerProc,
+    RunCleanup,
+    remove_stale_runs,
+    sigint_deferred,
+    spawn_controllers,
+)
+from yatt_graph import NodeExecutionError
+
+__all__ = ["ControllerGroup", "error_from"]
+
+
+class ControllerGroup:
+    """The controllers of a plan (``owned[c]``: controller c's nodes) and the driver's socket.
+
+    ``when()`` says where the run is (for error messages); ``running()`` whether steps have
+    been allowed (a controller lost before is a :class:`HandshakeError`).
+    """
+
+    def __init__(
+        self,
+        owned: list[list[str]],
+        *,
+        address: str | None,
+        keys: Any,
+        keys_dir: str | None,
+        spawn: bool,
+        controller_output: str,
+        num_threads: int,
+        max_message_bytes: int,
+        heartbeat_interval_s: float,
+        heartbeat_timeout_s: float,
+        startup_timeout_s: float,
+        shutdown_grace_s: float,
+        when: Callable[[], str],
+        running: Callable[[], bool],
+    ):
+        self.controllers = [ControllerProc(c, nodes) for c, nodes in enumerate(owned)]
+        self.heartbeat_timeout_s, self.startup_timeout_s = heartbeat_timeout_s, startup_timeout_s
+        self.shutdown_grace_s = shutdown_grace_s
+        self.when, self.running = when, running
+        self.closed = False
+        self._last_check = 0.0
+        remove_stale_runs()
+        self.run_dir = tempfile.mkdtemp(prefix="yatt-")
+        self.res = RunCleanup(self.run_dir, os.path.basename(self.run_dir) if spawn else "")
+        self._finalizer = weakref.finalize(self, self.res.cleanup)
+        try:
+            ctx = self.res.ctx = zmq.Context()
+            if keys is not None:
+                self.res.auth = start_authenticator(ctx, keys)
+            self.link = DriverLink(
+                ctx, address or f"ipc://{self.run_dir}/driver", self.controllers,
+                keys=keys, max_message_bytes=max_message_bytes,
+                heartbeat_interval_s=heartbeat_interval_s, stop=self.res.io_stop,
+                reporting=not spawn,
+            )  # fmt: skip
+            self.res.io_thread = self.link.thread
+            self.address = self.link.address
+            if spawn:
+                spawn_controllers(
+                    self.controllers, self.res, address=self.address, run_dir=self.run_dir,
+                    output=controller_output, num_threads=num_threads,
+                    startup_timeout_s=startup_timeout_s, max_message_bytes=max_message_bytes,
+                    keys_dir=keys_dir,
+                )  # fmt: skip
+        except BaseException:
+            self.shutdown("start-up failed")
+            raise
+
+    def start(self, setup: Callable[[ControllerProc], m.Setup]) -> None:
+        """Admit every controller, send each its SETUP, wait until all are READY."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while any(c.state is m.State.STARTING for c in self.controllers):
+            event = self.next_event(deadline, "to connect")
+            if event is None:
+                continue
+            if event.kind is m.Kind.HELLO:
+                self._admit(event.identity, event.msg)
+            elif event.kind is m.Kind.ERROR:
+                raise error_from(event.msg, self.controllers)
+        for c in self.controllers:
+            self.link.send_control(c, setup(c))
+        while any(c.state is not m.State.READY for c in self.controllers):
+            event = self.next_event(deadline, "to build their nodes")
+            if event is None:
+                continue
+            if event.kind is m.Kind.READY:
+                self.link.by_identity[event.identity].state = m.State.READY
+            elif event.kind is m.Kind.ERROR:
+                raise error_from(event.msg, self.controllers)
+        self.link.started = True
+
+    def _admit(self, identity: bytes, hello: m.Hello) -> None:
+        free = [c for c in self.controllers if c.state is m.State.STARTING]
+        if hello.controller >= 0:
+            match = [c for c in free if c.index == hello.controller]
+            reason = f"controller index {hello.controller} is taken or not in 0..{len(self.controllers) - 1}"
+        else:
+            match, reason = free[:1], f"all {len(self.controllers)} controllers have joined"
+        if not match:
+            self.link.send_to(identity, m.Refused(reason))
+            return
+        c = match[0]
+        if c.popen is not None and hello.pid != c.popen.pid:
+            self.link.send_to(
+                identity, m.Refused(f"controller {c.index} was started as pid {c.popen.pid}")
+            )
+            return
+        if not hello.work_identity or hello.work_identity in self.link.by_identity:
+            self.link.send_to(identity, m.Refused("the HELLO has no usable work_identity"))
+            return
+        self.link.join(c, identity, hello)
+
+    # --- waiting, liveness ------------------------------------------------------------------
+    def next_event(
+        self, deadline: float | None, waiting_for: str, spin_s: float = 0.0
+    ) -> Received | None:
+        """The next message from a controller, or None; raises if a controller is lost (or,
+        past ``deadline``, if some did not manage ``waiting_for``)."""
+        event = self.link.next_event(spin_s)
+        if isinstance(event, HelloRefused):
+            raise HandshakeError(
+                f"a controller could not join the driver at {self.address}: {event.reason}"
+            )
+        self.check_alive()
+        if deadline is not None and time.monotonic() > deadline and event is None:
+            late = [c for c in self.controllers if c.state is not m.State.READY]
+            failed = self.link.handshake_failures
+            keys = (
+                f"; {failed} peer(s) failed the CURVE handshake: controllers started with "
+                "another --keys folder, or none?"
+                if failed
+                else ""
+            )
+            raise HandshakeError(
+                f"controllers {[c.index for c in late]} did not manage {waiting_for} within "
+                f"{self.startup_timeout_s:.0f}s (startup_timeout_s){keys}"
+                + "".join(c.log_tail() for c in late),
+                late[0].index,
+                late[0].nodes,
+            )
+        return event
+
+    def check_alive(self) -> None:
+        now = time.monotonic()
+        if now - self._last_check < 0.05:  # waitpid per controller: not on every message
+            return
+        self._last_check = now
+        for c in self.controllers:
+            rc = c.popen.poll() if c.popen is not None else None
+            if rc is not None and c.state is not m.State.STOPPED:
+                c.state = m.State.FAILED
+                cls = ControllerError if self.running() else HandshakeError
+                how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+                raise cls(
+                    f"controller {c.index} (pid {c.pid}) {how} {self.when()}; it owned "
+                    f"nodes {c.nodes}{c.doing()}" + c.log_tail(),
+                    c.index,
+                    c.nodes,
+                )
+            seen = self.link.last_seen.get(c.identity or b"")
+            if (
+                c.state is m.State.READY
+                and seen is not None
+                and now - seen > self.heartbeat_timeout_s
+            ):
+                c.state = m.State.FAILED
+                raise ControllerError(
+                    f"controller {c.index} (pid {c.pid}) has sent nothing for {now - seen:.1f}s "
+                    f"(heartbeat_timeout_s={self.heartbeat_timeout_s}) {self.when()}; it owned nodes "
+                    f"{c.nodes}{c.doing()}; it is dead, hung outside Python, or its host is "
+                    "unreachable",
+                    c.index,
+                    c.nodes,
+                )
+
+    # --- the end ----------------------------------------------------------------------------
+    def shutdown(self, reason: str) -> None:
+        """SHUTDOWN to every controller, then terminate/kill after the grace period; remove
+        the run's folder and shared memory. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        with sigint_deferred():
+            try:
+                link = getattr(self, "link", None)
+                for c in self.controllers if link is not None else ():
+                    if c.identity is not None and c.state is not m.State.STOPPED:
+                        link.send_control(c, m.Shutdown(reason))
+                        c.state = m.State.STOPPING
+                if link is not None and not self.res.procs:
+                    time.sleep(0.2)  # remote controllers: let the IO thread deliver SHUTDOWN
+            finally:
+                self.res.cleanup(grace_s=self.shutdown_grace_s)
+                self._finalizer.detach()
+
+
+def error_from(err: m.Error, controllers: list[ControllerProc]) -> Exception:
+    """The exception a controller's ERROR stands for: a node's failure or timeout names the
+    node, anything else the controller and its nodes."""
+    if err.during == "timeout":
+        return NodeTimeoutError(
+            err.node, err.message, err.traceback, step=err.step, controller=err.controller,
+            during="timeout", seconds=err.seconds, limit_s=err.limit_s,
+        )  # fmt: skip
+    if err.node and err.during in ("step", "setup", "send", "state"):
+        message = err.message
+        if err.during in ("send", "setup", "state") and err.traceback:
+            message += f"\n--- traceback on controller {err.controller} ---\n{err.traceback}"
+        return NodeExecutionError(
+            err.node, message, err.traceback, step=err.step, controller=err.controller,
+            during=err.during,
+        )  # fmt: skip
+    nodes = controllers[err.controller].nodes if 0 <= err.controller < len(controllers) else []
+    return ControllerError(
+        f"controller {err.controller} failed ({err.during}): {err.message}\n{err.traceback}",
+        err.controller,
+        nodes,
+    )

@@ -1,0 +1,112 @@
+"""What a :class:`~runtime.zmq.driver.ZmqExecutor` accepts, and what its SETUP says about the
+graph: written by the driver (:func:`setup_fields`), read by each controller
+(:func:`nodes_from_setup`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from runtime.engine.local import check_staleness
+from runtime.zmq import messages as m
+from runtime.zmq.keys import check_address
+from yatt_graph import Plan
+
+__all__ = ["check_options", "nodes_from_setup", "setup_fields"]
+
+
+def check_options(
+    max_staleness: int, pipeline_depth: int, rebuild: str, controller_output: str, spawn: bool,
+    address: str | None, allow_tcp: bool, allow_remote: bool, devices: Any,
+    node_timeout_s: float, max_message_bytes: int, spin_s: Any,
+) -> None:  # fmt: skip
+    check_staleness(max_staleness, "ZmqExecutor")
+    if pipeline_depth < 1:
+        raise ValueError("ZmqExecutor: pipeline_depth must be >= 1")
+    if rebuild not in ("auto", "plan", "graph"):
+        raise ValueError(f"ZmqExecutor: rebuild must be 'auto', 'plan' or 'graph', got {rebuild!r}")
+    if controller_output not in ("capture", "inherit"):
+        raise ValueError("ZmqExecutor: controller_output must be 'capture' or 'inherit'")
+    if not spawn and address is None:
+        raise ValueError(
+            "ZmqExecutor(spawn=False) needs the address controllers connect to "
+            "(yatt-graph run: --listen tcp://HOST:PORT with --no-spawn)"
+        )
+    if address:
+        check_address(address, allow_tcp=allow_tcp, allow_remote=allow_remote, who="ZmqExecutor")
+    if devices not in (None, "auto") and not (
+        isinstance(devices, int) and not isinstance(devices, bool) and devices >= 0
+    ):
+        raise ValueError(
+            f"ZmqExecutor: devices must be None, a CPU slot count >= 0 or 'auto', got {devices!r}"
+        )
+    if node_timeout_s < 0 or max_message_bytes < 0:
+        raise ValueError("ZmqExecutor: node_timeout_s and max_message_bytes must be >= 0")
+    if isinstance(spin_s, bool) or not isinstance(spin_s, (int, float)) or not 0 <= spin_s <= 1:
+        raise ValueError(
+            f"ZmqExecutor: spin_s must be between 0 and 1 second, got {spin_s!r} "
+            "(0.001 is the default; 0 never spins)"
+        )
+
+
+def setup_fields(
+    plan: Plan, order: list[str], graph_ref: str | None, graph_options: dict[str, Any] | None,
+    rebuild: str,
+) -> dict[str, Any]:  # fmt: skip
+    """The SETUP fields that say how controllers rebuild the graph (see ``rebuild``)."""
+    plan_json = b""
+    if rebuild in ("auto", "plan"):
+        try:
+            plan_json = plan.to_json()
+        except TypeError as exc:
+            if rebuild == "plan" or not graph_ref:
+                raise TypeError(
+                    f"ZmqExecutor: the plan cannot be sent to controllers: {exc}. Either make the "
+                    "node's constructor arguments JSON-able, or pass graph_ref='module.or/file.py' "
+                    "(and graph_options) so each controller rebuilds the graph itself"
+                ) from exc
+    elif not graph_ref:
+        raise ValueError("ZmqExecutor(rebuild='graph') needs graph_ref")
+    return dict(
+        plan_json=plan_json,
+        graph_ref="" if plan_json else (graph_ref or ""),
+        graph_options_json=msgspec.json.encode(graph_options or {}),
+        assignment=dict(plan.assignment),
+        order=list(order),
+        digest=plan.graph.wiring_digest(),
+    )
+
+
+def nodes_from_setup(
+    setup: m.Setup, track: Callable[[str], None]
+) -> tuple[dict[str, Any], list[Any], dict[str, Any], dict[str, int]]:
+    """In a controller: its nodes (constructed, not set up), the edges, outputs and assignment,
+    rebuilt as :func:`setup_fields` said; ``track(name)`` is told each node before it is made."""
+    from yatt_graph.serialize import PlanSpec, build_node
+
+    if setup.plan_json:
+        spec = msgspec.json.decode(setup.plan_json, type=PlanSpec)
+        assignment = dict(spec.assignment)
+        specs = {ns.name: ns for ns in spec.graph.nodes}
+        nodes = {}
+        for name in setup.order:
+            if assignment[name] == setup.controller:
+                track(name)
+                nodes[name] = build_node(specs[name])
+        track("")
+        return nodes, list(spec.graph.edges), dict(spec.graph.outputs), assignment
+    from yatt_graph.refs import load_graph
+
+    assignment = dict(setup.assignment)
+    graph = load_graph(setup.graph_ref, **msgspec.json.decode(setup.graph_options_json))
+    digest = graph.wiring_digest()
+    if setup.digest and digest != setup.digest or set(graph.nodes) != set(assignment):
+        raise RuntimeError(
+            f"the graph rebuilt from {setup.graph_ref!r} here is wired differently from the driver's "
+            f"(nodes {sorted(graph.nodes)} vs {sorted(assignment)}); pass the same graph_options "
+            "and run the same code on every host"
+        )
+    nodes = {n: graph.nodes[n] for n in setup.order if assignment[n] == setup.controller}
+    return nodes, graph.edges, dict(graph.graph_outputs), assignment
