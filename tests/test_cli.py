@@ -103,6 +103,7 @@ def test_run_on_three_controllers_matches_the_in_process_run(tmp_path, capsys):
         (["--controllers", "-1"], "--controllers must be 1 or more"),
         (["--checkpoint-every", "-1"], "--checkpoint-every must be 0 or more"),
         (["--max-staleness", "-1"], "--max-staleness must be 0 or more"),
+        (["--max-restarts", "-1"], "--max-restarts must be 0 or more"),
         (["--controllers", "2", "--no-spawn"], "--no-spawn waits for controllers started by hand"),
         (["--resume", "x", "--overwrite"], "choose one"),
     ],

@@ -251,9 +251,10 @@ def test_a_restart_never_resumes_an_older_run_of_another_graph_in_its_folder(tmp
     def make():
         return FailsOnce(LocalExecutor(load_graph("graphs.toy", seed=2)), 4, failed)
 
-    rows, restarts = train_with_restarts(
-        make, 6, out, checkpoint_every=3, restart="on-failure", progress=False
-    )
+    with pytest.warns(RuntimeWarning, match="step_000006: written by another graph"):
+        rows, restarts = train_with_restarts(
+            make, 6, out, checkpoint_every=3, restart="on-failure", progress=False
+        )
     assert restarts == 1 and failed == [True]
     whole = train(LocalExecutor(load_graph("graphs.toy", seed=2)), 6, progress=False)
     # Resumed from its own step_000003, not the other run's step_000009 (which would end at once).
@@ -271,7 +272,9 @@ def test_restart_on_failure_into_a_folder_of_an_older_run_is_refused(tmp_path, c
 
 
 # --- 6. SIGTERM ------------------------------------------------------------------------------
-def _sigterm_run(out: Path, *flags: str) -> tuple[subprocess.CompletedProcess, list[int]]:
+def _sigterm_run(
+    out: Path, *flags: str, sig: int = signal.SIGTERM
+) -> tuple[subprocess.CompletedProcess, list[int]]:
     cmd = [YATT, "run", "graphs.toy", "--steps", "10000000", "--out", str(out), "--quiet", *flags]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -284,7 +287,7 @@ def _sigterm_run(out: Path, *flags: str) -> tuple[subprocess.CompletedProcess, l
         import psutil
 
         children = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
         proc.kill()
@@ -320,6 +323,16 @@ def test_sigterm_with_two_controllers_shuts_them_down_and_exits_143(tmp_path):
     assert json.loads((out / "trace.json").read_text())["traceEvents"]
 
 
+@pytest.mark.timeout(120)
+def test_ctrl_c_in_process_is_one_line_with_exit_130_and_the_metrics_kept(tmp_path):
+    out = tmp_path / "run"
+    done, steps = _sigterm_run(out, sig=signal.SIGINT)
+    assert done.returncode == 130, done.stderr
+    assert steps == list(range(len(steps)))
+    assert f"stopped by Ctrl-C; metrics and trace are in {out}" in done.stderr
+    assert "Traceback" not in done.stderr and (out / "trace.json").is_file()
+
+
 # --- 8, 9: --max-staleness in-process, check_finite ------------------------------------------
 @pytest.mark.timeout(120)
 def test_max_staleness_in_process_equals_the_two_controller_run(tmp_path):
@@ -350,10 +363,19 @@ def build_graph():
 """
 
 
-def test_non_finite_outputs_stop_the_run_unless_no_check_finite(tmp_path, capsys):
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("controllers", ["1", "2"])
+def test_non_finite_outputs_stop_the_run_unless_no_check_finite(tmp_path, capsys, controllers):
+    import inspect
+
+    from runtime.zmq.driver import ZmqExecutor
+
+    if controllers == "2" and "check_finite" not in inspect.signature(ZmqExecutor).parameters:
+        pytest.skip("ZmqExecutor takes no check_finite yet")
     graph = tmp_path / "nan_graph.py"
     graph.write_text(NAN_GRAPH)
-    assert main(["run", str(graph), "--steps", "2", "--quiet"]) == 1
+    args = ["run", str(graph), "--steps", "2", "--quiet", "--controllers", controllers]
+    assert main(args) == 1
     err = capsys.readouterr().err
     assert "the run stopped: " in err and "'nan'" in err
-    assert main(["run", str(graph), "--steps", "2", "--quiet", "--no-check-finite"]) == 0
+    assert main([*args, "--no-check-finite"]) == 0
