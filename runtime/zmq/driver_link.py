@@ -99,9 +99,13 @@ class DriverLink:
         stop: threading.Event,
         reporting: bool,
     ):
-        self.controllers, self.max_message_bytes = controllers, max_message_bytes
+        # Controllers check their data, outputs and state against the run's limit before they
+        # send (an error naming the flag); the socket's own limit is never below a header's
+        # size, so a tiny data limit cannot drop HELLO or READY and stall the start-up.
+        limit = max(max_message_bytes, m.MAX_HEADER_BYTES) if max_message_bytes else 0
+        self.controllers, self.max_message_bytes = controllers, limit
         self.router = make_socket(
-            ctx, zmq.ROUTER, address, bind=True, max_message_bytes=max_message_bytes, curve=keys
+            ctx, zmq.ROUTER, address, bind=True, max_message_bytes=limit, curve=keys
         )
         self.address = address
         if address.endswith((":*", ":0")):

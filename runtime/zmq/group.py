@@ -231,7 +231,7 @@ def error_from(err: m.Error, controllers: list[ControllerProc]) -> Exception:
         )  # fmt: skip
     if err.node and err.during in ("step", "setup", "send", "state"):
         message = err.message
-        if err.during in ("send", "setup", "state") and err.traceback:
+        if err.during in ("setup", "state") and err.traceback:  # a send error says it all
             message += f"\n--- traceback on controller {err.controller} ---\n{err.traceback}"
         return NodeExecutionError(
             err.node, message, err.traceback, step=err.step, controller=err.controller,

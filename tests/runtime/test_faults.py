@@ -8,6 +8,7 @@ About 60 s in all on 2 cores (each executor start costs 2-4 s, mostly importing 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -379,3 +380,33 @@ def test_an_output_over_max_message_bytes_is_an_error_naming_it_not_a_silent_dro
         info.value
     )
     assert_gone(ex.pids, ex.run_dir)
+
+
+@pytest.mark.timeout(90)
+def test_a_tiny_message_limit_fails_at_the_first_value_not_at_start_up():
+    # SETUP (the plan) is far over 64 bytes: it goes on the driver links, which carry no
+    # data limit, so the run starts and the first value over the limit is named with the flag.
+    plan = load_graph("graphs.toy").plan(2)
+    limit = r"max_message_bytes=64.*--max-message-mb"
+    with pytest.raises(NodeExecutionError, match=limit) as err, ZmqExecutor(plan, max_message_bytes=64) as ex:  # fmt: skip
+        ex.run(2)
+    assert "--- traceback" not in str(err.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_call_far_past_its_usual_time_is_warned_about_with_its_stack(caplog):
+    # No time limit: the run goes on, but a call past hang_warning_s is reported once, with
+    # where it is (the automatic threshold is 10x the node's longest call, at least 60 s).
+    graph = zmq_graphs.build_graph("slow", sleep_s=0.0, sink_sleep_s=2.0)
+    reference = LocalExecutor(zmq_graphs.build_graph("slow", sleep_s=0.0).plan(2)).run(2)
+    with (
+        caplog.at_level(logging.WARNING, logger="yatt_graph.runtime"),
+        ZmqExecutor(graph.plan(2), hang_warning_s=0.5) as ex,
+    ):
+        results = ex.run(2)
+    for ref, got in zip(reference, results, strict=True):
+        assert torch.equal(ref.outputs["y"], got.outputs["y"])
+    warnings = [r.getMessage() for r in caplog.records if "may be hung" in r.getMessage()]
+    assert warnings, caplog.text
+    assert "node 'double' (Boom) on controller 1 has run step" in warnings[0]
+    assert "--node-timeout" in warnings[0] and "time.sleep" in warnings[0]  # the stack
