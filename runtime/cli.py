@@ -343,6 +343,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The run stopped cleanly (every controller is gone); say what failed, where, once.
         print(f"yatt-graph {args.command}: the run stopped: {exc}", file=sys.stderr)
         return 1
+    except PermissionError as exc:  # the folder or file the user named, not a bug
+        print(
+            f"yatt-graph {args.command}: error: {exc}; check the path's permissions",
+            file=sys.stderr,
+        )
+        return 2
     except (UsageError, GraphError, ImportError, FileNotFoundError, FileExistsError) as exc:
         print(f"yatt-graph {args.command}: error: {exc}", file=sys.stderr)
         return 2
