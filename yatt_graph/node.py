@@ -391,7 +391,9 @@ class Node:
 
     @property
     def ref(self) -> str:
-        return f"{type(self).__module__}:{type(self).__qualname__}"
+        from yatt_graph.refs import ref_of
+
+        return ref_of(type(self))
 
     @property
     def label(self) -> str:
@@ -483,7 +485,9 @@ class FunctionNode(Node):
 
     @property
     def ref(self) -> str:
-        return f"{self.fn.__module__}:{self.fn.__qualname__}"
+        from yatt_graph.refs import ref_of
+
+        return ref_of(self.fn)
 
     @property
     def label(self) -> str:
