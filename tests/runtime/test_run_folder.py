@@ -155,6 +155,21 @@ def test_resuming_with_other_options_is_refused_naming_the_nodes_and_options(tmp
     assert raw_steps(out) == [0, 1, 2, 3]  # refused before a step ran
 
 
+@pytest.mark.timeout(300)
+def test_an_mm_ppo_checkpoint_resumed_by_text_ppo_is_refused_naming_the_difference(
+    tmp_path, capsys
+):
+    out = tmp_path / "run"
+    small = ["--set", "batch_size=4", "--quiet"]
+    args = ["run", "graphs.mm_ppo", "--steps", "1", "--checkpoint-every", "1", *small]
+    assert main([*args, "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["run", "graphs.text_ppo", "--steps", "2", "--resume", str(out), *small]) == 2
+    err = capsys.readouterr().err
+    assert "graph 'mm_ppo' (checkpoint) vs 'text_ppo' (now)" in err
+    assert "node(s) ['vision'] only in the checkpoint" in err and "Traceback" not in err
+
+
 def test_a_checkpoint_of_another_graph_names_the_classes_that_differ():
     from runtime.train.identity import graph_identity, identity_differences
 
