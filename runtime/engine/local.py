@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from runtime.engine.calls import StepResult, describe, run_node, stream_node  # noqa: F401 (until the controller moves onto the engine)
+from runtime.engine.calls import StepResult, describe
 from runtime.engine.engine import StepEngine
 from runtime.sched.splitting import NodeSplitter, device_pool
 from yatt_graph import Graph, Plan
@@ -57,9 +57,9 @@ class LocalExecutor:
         self.max_staleness = check_staleness(max_staleness, "LocalExecutor")
         pool = device_pool(devices)
         nodes = self.graph.nodes
+        for name in self.graph.topological_order():  # build the models here, before a step
+            nodes[name].setup()
         self.splitter = NodeSplitter(nodes, pool) if pool is not None else None
-        for node in nodes.values():
-            getattr(node, "setup", lambda: None)()  # TODO(lead): node.setup() once it exists
         self.engine = StepEngine(
             nodes,
             self.graph.edges,

@@ -214,6 +214,11 @@ class Controller:
 
             torch.set_num_threads(setup.num_threads)
         nodes, edges, outputs, assignment = nodes_from_setup(setup, self._track)
+        for name in setup.order:  # build each node's models here, in the plan's order
+            if name in nodes:
+                self._building = name
+                nodes[name].setup()
+        self._building = ""
         from runtime.sched.splitting import NodeSplitter, device_pool
 
         pool = device_pool({0: None, -1: "auto"}.get(setup.devices, setup.devices))
@@ -235,10 +240,6 @@ class Controller:
             check_finite=setup.check_finite,
             limits=limits,
         )
-        for name in self.engine.order:  # build each node's models here, in the plan's order
-            self._building = name
-            nodes[name].setup()
-        self._building = ""
         self.peers.connect(setup)
 
     # --- what arrives -----------------------------------------------------------------------

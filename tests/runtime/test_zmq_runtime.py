@@ -272,3 +272,11 @@ def test_a_value_the_data_plane_cannot_carry_names_the_node_output_and_controlle
     text = str(info.value)
     assert "node 'make_set' output 'v' (to controller [1])" in text and "set" in text, text
     assert info.value.node == "make_set"
+
+
+@pytest.mark.timeout(120)
+def test_the_driver_builds_no_model_the_controllers_build_their_own():
+    graph = load_graph("graphs.mm_ppo", batch_size=4)
+    with ZmqExecutor(graph.plan(2)) as ex:
+        ex.run(1)
+    assert not any(node.is_set_up for node in graph.nodes.values())
