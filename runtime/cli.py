@@ -13,7 +13,6 @@ yatt-graph demo
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
@@ -165,10 +164,15 @@ def _executor_factory(
             )
         from runtime.sched.placement import controller_assignment
         from runtime.zmq.driver import ZmqExecutor
+        from runtime.zmq.keys import check_address
 
-        extra = {}
-        if "check_finite" in inspect.signature(ZmqExecutor).parameters:
-            extra["check_finite"] = check_finite
+        if args.listen:
+            try:
+                check_address(args.listen, allow_tcp=True, allow_remote=args.allow_remote,
+                              who="yatt-graph run --listen")  # fmt: skip
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+
         hints = controller_assignment(graph, args.controllers, args.placement)
         return Accounting(
             ZmqExecutor(
@@ -185,7 +189,7 @@ def _executor_factory(
                 node_timeout_s=args.node_timeout,
                 max_message_bytes=int(args.max_message_mb * (1 << 20)),
                 devices=devices,
-                **extra,
+                check_finite=check_finite,
             )
         )
 

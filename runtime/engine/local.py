@@ -101,14 +101,20 @@ class LocalExecutor:
         self.next_step = step
 
     def run(
-        self, steps: int = 1, on_step: Callable[[StepResult], None] | None = None
+        self,
+        steps: int = 1,
+        on_step: Callable[[StepResult], None] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> list[StepResult]:
+        """Run ``steps`` steps; ``stop()``, asked after each, ends the run early (a SIGTERM)."""
         results = []
         for _ in range(steps):
             result = self.step()
             if on_step:
                 on_step(result)
             results.append(result)
+            if stop is not None and stop():
+                break
         return results
 
     def close(self) -> None:

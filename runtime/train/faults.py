@@ -47,7 +47,12 @@ class Accounting:
     def step(self) -> Any:
         return self._account(self.executor.step())
 
-    def run(self, steps: int = 1, on_step: Callable[[Any], None] | None = None) -> list[Any]:
+    def run(
+        self,
+        steps: int = 1,
+        on_step: Callable[[Any], None] | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> list[Any]:
         """The executor's ``run`` (pipelined where it is), each result counted as it arrives."""
 
         def counted(result: Any) -> None:
@@ -55,7 +60,7 @@ class Accounting:
             if on_step is not None:
                 on_step(result)
 
-        return self.executor.run(steps, on_step=counted)
+        return self.executor.run(steps, on_step=counted, stop=stop)
 
     def _account(self, result: Any) -> Any:
         outputs = result.outputs

@@ -9,8 +9,8 @@ A run folder holds one run: ``train()`` continues it from the executor's step, d
 the metric rows and trace spans of that step and later (a resumed run repeats none), and
 each checkpoint records the graph's identity (:mod:`runtime.train.identity`), so resuming
 with another graph or other options is refused. A SIGTERM under
-:func:`runtime.train.signals.sigterm_as_interrupt` stops an in-process run after the step in
-progress, with a checkpoint when ``checkpoint_every`` is set.
+:func:`runtime.train.signals.sigterm_as_interrupt` stops a run after the steps in progress
+(``run(stop=...)``), with a checkpoint when ``checkpoint_every`` is set.
 """
 
 from __future__ import annotations
@@ -110,7 +110,6 @@ def train(
             writer.write(row)
         bar.set_postfix(_progress_fields(row, row["samples_per_s"]), refresh=False)
         bar.update(1)
-        signals.check()
 
     saving = out is not None and checkpoint_every > 0
 
@@ -119,23 +118,25 @@ def train(
 
     try:
         left = remaining
-        # In one process the state between steps is whole: a SIGTERM waits for the step's end.
-        with signals.at_step_boundary(_in_process(executor)):
+        # A SIGTERM waits for a step boundary (run() finishes the steps in flight and returns),
+        # so the state a checkpoint takes is whole, in one process or on controllers.
+        with signals.at_step_boundary():
             while left > 0:
                 # Whole stretches between checkpoints go to run(), which keeps steps in flight
                 # (ZmqExecutor pipelines them); a checkpoint needs the executor between steps.
                 n = left
                 if saving:
                     n = min(n, checkpoint_every - executor.next_step % checkpoint_every)
-                executor.run(n, on_step=record)
-                left -= n
+                done = len(executor.run(n, on_step=record, stop=signals.pending))
+                signals.check()
+                left -= done
                 if saving and executor.next_step % checkpoint_every == 0:
                     save()
                     last[0] = time.perf_counter()
     except Terminated as exc:
         exc.step, exc.checkpoint = executor.next_step, None
         newest = checkpoints(out)[-1] if saving and checkpoints(out) else None
-        if saving and _in_process(executor):
+        if saving and not getattr(executor, "closed", False):
             newest = save()  # the state after the last whole step
         exc.checkpoint = newest
         raise
@@ -154,8 +155,3 @@ def train(
         save()
     return rows
 
-
-def _in_process(executor: Any) -> bool:
-    from runtime.engine.local import LocalExecutor
-
-    return isinstance(getattr(executor, "executor", executor), LocalExecutor)

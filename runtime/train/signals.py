@@ -18,7 +18,7 @@ from typing import Any
 
 from runtime.train.errors import Terminated
 
-__all__ = ["at_step_boundary", "check", "sigterm_as_interrupt"]
+__all__ = ["at_step_boundary", "check", "pending", "sigterm_as_interrupt"]
 
 _state = {"active": False, "defer": False, "pending": False}
 
@@ -60,6 +60,11 @@ def at_step_boundary(enabled: bool = True) -> Iterator[None]:
         raise
     _state["defer"] = False
     check()  # a SIGTERM that came after the last step
+
+
+def pending() -> bool:
+    """Whether a SIGTERM is waiting for the step boundary (executors' ``run(stop=...)``)."""
+    return bool(_state["pending"])
 
 
 def check() -> None:

@@ -229,14 +229,24 @@ class ZmqExecutor:
         return self.run(1)[0]
 
     def run(
-        self, steps: int = 1, on_step: Callable[[StepResult], None] | None = None
+        self,
+        steps: int = 1,
+        on_step: Callable[[StepResult], None] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> list[StepResult]:
-        """Run ``steps`` steps, up to ``pipeline_depth`` of them in flight; results in step order."""
+        """Run ``steps`` steps, up to ``pipeline_depth`` of them in flight; results in step order.
+
+        ``stop()``, asked after each step, ends the run early: no step is started after it
+        says so, the ones in flight are finished, and the executor stays usable (between
+        steps, so ``state_dict()`` works): how a SIGTERM still gets its checkpoint.
+        """
         self._check_open()
         last = self.next_step + steps
         results = []
         try:
             while self.next_step < last:
+                if results and stop is not None and stop():
+                    last = min(last, self._until)  # finish the steps in flight, start no more
                 want = min(last, self.next_step + self.pipeline_depth)
                 if want > self._until:
                     self._until = want
@@ -393,6 +403,11 @@ class ZmqExecutor:
             raise RuntimeError(
                 "ZmqExecutor: this executor is closed (after close(), an error or Ctrl-C)"
             )
+
+    @property
+    def closed(self) -> bool:
+        """Whether the controllers are gone (after close(), an error or Ctrl-C)."""
+        return self._closed
 
     @property
     def pids(self) -> list[int]:

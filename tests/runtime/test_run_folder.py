@@ -331,11 +331,15 @@ def test_sigterm_in_process_stops_after_the_step_with_a_checkpoint_and_exit_143(
 @pytest.mark.timeout(180)
 def test_sigterm_with_two_controllers_shuts_them_down_and_exits_143(tmp_path):
     out = tmp_path / "run"
-    done, steps = _sigterm_run(out, "--controllers", "2")
+    done, steps = _sigterm_run(out, "--controllers", "2", "--checkpoint-every", "1000")
     assert done.returncode == 143, done.stderr
-    assert steps == list(range(len(steps)))
-    assert "stopped by SIGTERM" in done.stderr and "Traceback" not in done.stderr
+    n = len(steps)
+    assert steps == list(range(n))  # the steps in flight were finished and recorded
+    assert f"stopped by SIGTERM after step {n}" in done.stderr and "Traceback" not in done.stderr
+    assert [p.name for p in checkpoints(out)] == [f"step_{n:06d}"]  # the controllers' state
     assert json.loads((out / "trace.json").read_text())["traceEvents"]
+    assert run("--steps", str(n + 2), "--resume", str(out)) == 0
+    assert raw_steps(out) == list(range(n + 2))
 
 
 @pytest.mark.timeout(120)
