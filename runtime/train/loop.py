@@ -154,4 +154,3 @@ def train(
     ):
         save()
     return rows
-
