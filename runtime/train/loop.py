@@ -127,9 +127,10 @@ def train(
                 n = left
                 if saving:
                     n = min(n, checkpoint_every - executor.next_step % checkpoint_every)
-                done = len(executor.run(n, on_step=record, stop=signals.pending))
+                before = executor.next_step
+                executor.run(n, on_step=record, stop=signals.pending)
                 signals.check()
-                left -= done
+                left -= executor.next_step - before
                 if saving and executor.next_step % checkpoint_every == 0:
                     save()
                     last[0] = time.perf_counter()

@@ -247,7 +247,7 @@ class FailsOnce:
     def __getattr__(self, name):
         return getattr(self.executor, name)
 
-    def run(self, steps, on_step=None):
+    def run(self, steps, on_step=None, stop=None):
         for _ in range(steps):
             if self.executor.next_step == self.fail_at and not self.failed:
                 self.failed.append(True)
