@@ -37,6 +37,23 @@ TINY_OPEN_CLIP_CFG: dict[str, Any] = {
 _CONVERTIBLE_MODES = frozenset({"RGB", "RGBA", "RGBX", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1"})
 
 
+def _open_clip_configs() -> dict[str, dict[str, Any]]:
+    """open_clip's architecture configs by model name, read from its package folder without
+    importing it (the import takes seconds; only the process that builds the tower needs it)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("open_clip")
+    folders = [Path(p) / "model_configs" for p in (spec.submodule_search_locations or [])]
+    files = sorted(f for folder in folders for f in folder.glob("*.json"))
+    if not files:  # an install that keeps them elsewhere: ask open_clip itself
+        import open_clip
+
+        return {n: open_clip.get_model_config(n) for n in open_clip.list_models()}
+    return {f.stem: json.loads(f.read_text()) for f in files}
+
+
 class VisionEncoder(Node):
     """PIL images -> ``image_embeds: float32[B, D]`` with an open_clip image tower.
 
@@ -81,15 +98,14 @@ class VisionEncoder(Node):
         batch_policy: BatchPolicy | None = None,
     ) -> None:
         super().__init__(name, placement=placement, batch_policy=batch_policy)
-        import open_clip
-
         if pretrained is not None and not os.path.isfile(pretrained):
             raise ValueError(
                 f"node {self.name!r}: pretrained={pretrained!r} is not a local file; pass the "
                 "path of an open_clip weights file (nothing is downloaded), or None"
             )
-        known = open_clip.list_models()
-        if model_name not in known:
+        configs = _open_clip_configs()
+        known = sorted(configs)
+        if model_name not in configs:
             raise ValueError(
                 f"node {self.name!r}: unknown open_clip model {model_name!r}; "
                 f"choose one of open_clip.list_models() (e.g. {known[:4]})"
@@ -98,7 +114,7 @@ class VisionEncoder(Node):
         self.pretrained = pretrained
         self.overrides = copy.deepcopy(dict(model_cfg or {}))
         # open_clip replaces top-level config keys with the overrides (a shallow update)
-        config = {**open_clip.get_model_config(model_name), **self.overrides}
+        config = {**configs[model_name], **self.overrides}
         self.embed_dim = int(config["embed_dim"])
         size = dict(config.get("vision_cfg") or {}).get("image_size", 224)
         self.image_size = tuple(size) if isinstance(size, tuple | list) else (size, size)

@@ -1,12 +1,11 @@
 """Executors for yatt-graph plans: in-process (the reference semantics) and ZeroMQ.
 
-The ZeroMQ names load on first use, so that ``import runtime`` stays light and a
+Every name loads on first use, so that ``import runtime`` (and the ``yatt-graph`` command
+before it knows what to run) stays light: no torch until an executor is needed, and a
 controller process started with ``python -m runtime.zmq.controller_main`` is not imported twice.
 """
 
 from typing import Any
-
-from runtime.engine.local import LocalExecutor, StepResult, describe
 
 __all__ = [
     "ControllerError",
@@ -17,12 +16,17 @@ __all__ = [
     "describe",
 ]
 
-_LAZY = {"ControllerError", "HandshakeError", "ZmqExecutor"}
+_ZMQ = {"ControllerError", "HandshakeError", "ZmqExecutor"}
+_LOCAL = {"LocalExecutor", "StepResult", "describe"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
+    if name in _ZMQ:
         from runtime.zmq import driver
 
         return getattr(driver, name)
+    if name in _LOCAL:
+        from runtime.engine import local
+
+        return getattr(local, name)
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -22,8 +22,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from runtime.train.errors import UsageError
 from runtime.train.identity import identity_differences
 
@@ -82,6 +80,8 @@ def save_checkpoint(
     tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    import torch  # here, not at import: the CLI starts controllers before it loads torch
+
     torch.save(state, tmp / "state.pt")
     record = {**(meta or {}), "format": FORMAT, "step": step, "sha256": _sha256(tmp / "state.pt")}
     (tmp / "meta.json").write_text(json.dumps(record))
@@ -158,6 +158,8 @@ def load_checkpoint(
     source: str | Path, identity: dict[str, Any] | None = None
 ) -> tuple[Path, dict[str, Any]]:
     """Load the newest good checkpoint (see :func:`find_checkpoint`): (its folder, its state)."""
+    import torch
+
     path, _ = find_checkpoint(source, identity)
     try:
         return path, torch.load(path / "state.pt", weights_only=False)

@@ -53,6 +53,7 @@ from runtime.zmq.transport import (
     send,
 )
 from yatt_graph import NodeExecutionError
+from yatt_graph.refs import load_module
 
 __all__ = ["Controller"]
 
@@ -82,8 +83,10 @@ class Controller:
         keys: str | None = None,
         allow_remote: bool = False,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        preload: tuple[str, ...] = (),
     ):
         self.connect, self.requested, self.parent_pid = connect, index, parent_pid
+        self.preload = preload
         self.startup_timeout_s = startup_timeout_s
         self.max_message_bytes = max_message_bytes
         self.keys = load_keys(keys, "controller") if keys else None
@@ -142,6 +145,9 @@ class Controller:
             self.work_identity,
         )
         send(self.driver, hello)
+        for ref in self.preload:  # while the driver builds the graph: SETUP waits in the socket
+            with contextlib.suppress(Exception):  # the build imports it again and says what fails
+                load_module(ref)
         remote = self.parent_pid is None
         if remote:
             print(

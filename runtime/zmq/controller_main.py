@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="let the data socket listen on a non-loopback interface (a driver on another host)",
     )
     p.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import this module or file while waiting for the driver (its graph, say)",
+    )
+    p.add_argument(
         "--max-message-bytes",
         type=int,
         default=DEFAULT_MAX_MESSAGE_BYTES,
@@ -83,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             keys=args.keys,
             allow_remote=args.allow_remote,
             max_message_bytes=args.max_message_bytes,
+            preload=tuple(args.preload),
         )
     except ValueError as exc:  # refused address or keys: say why, no traceback
         print(f"yatt-graph controller: error: {exc}", file=sys.stderr)

@@ -91,6 +91,9 @@ class ZmqExecutor:
             only while the last step's results came within this time (steps of tiny nodes),
             so real steps never spin; 0 turns it off.
         check_finite: stop at the node whose float tensor output holds NaN or inf.
+        group: controllers started earlier (:class:`runtime.zmq.group.ControllerGroup`, e.g.
+            while the graph was being built); the options they were started with (address,
+            keys, output, threads, limits, timeouts) are theirs, not these.
         hang_warning_s: warn (with the stack) when a call without a time limit runs this
             long; 0: past ``max(60 s, 10 x`` the node's longest earlier call), 300 s for a
             first call (:func:`runtime.zmq.control_link.hang_threshold`).
@@ -125,6 +128,7 @@ class ZmqExecutor:
         spin_s: float = 0.001,
         check_finite: bool = False,
         hang_warning_s: float = 0.0,
+        group: ControllerGroup | None = None,
     ):
         if isinstance(plan, Graph):
             plan = plan.plan(controllers or 1)
@@ -179,13 +183,18 @@ class ZmqExecutor:
         owned = [
             [n for n in self.order if plan.assignment[n] == c] for c in range(plan.controllers)
         ]
-        self.group = ControllerGroup(
-            owned, address=address, keys=self.keys, keys_dir=self.keys_dir, spawn=spawn,
-            controller_output=controller_output, num_threads=num_threads,
+        self.group = group or ControllerGroup(
+            plan.controllers, address=address, keys=self.keys, keys_dir=self.keys_dir,
+            spawn=spawn, controller_output=controller_output, num_threads=num_threads,
             max_message_bytes=max_message_bytes, heartbeat_interval_s=heartbeat_interval_s,
             heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=startup_timeout_s,
-            shutdown_grace_s=shutdown_grace_s, when=self._when, running=lambda: self._until > 0,
+            shutdown_grace_s=shutdown_grace_s,
         )  # fmt: skip
+        try:
+            self.group.attach(owned, self._when, lambda: self._until > 0)
+        except ValueError:
+            self.group.shutdown("a group that does not fit the plan")
+            raise
         self.controllers, self.link = self.group.controllers, self.group.link
         self.address, self.run_dir = self.group.address, self.group.run_dir
         try:

@@ -36,15 +36,17 @@ __all__ = ["ControllerGroup", "error_from"]
 
 
 class ControllerGroup:
-    """The controllers of a plan (``owned[c]``: controller c's nodes) and the driver's socket.
+    """``count`` controllers and the driver's socket; started at once, so that they import
+    torch (and ``preload``: the graph's module) while the driver still builds the graph.
 
-    ``when()`` says where the run is (for error messages); ``running()`` whether steps have
-    been allowed (a controller lost before is a :class:`HandshakeError`).
+    :meth:`attach` then gives them their nodes (``owned[c]``: controller c's), ``when()``
+    (where the run is, for error messages) and ``running()`` (whether steps have been
+    allowed: a controller lost before is a :class:`HandshakeError`).
     """
 
     def __init__(
         self,
-        owned: list[list[str]],
+        count: int,
         *,
         address: str | None,
         keys: Any,
@@ -57,13 +59,15 @@ class ControllerGroup:
         heartbeat_timeout_s: float,
         startup_timeout_s: float,
         shutdown_grace_s: float,
-        when: Callable[[], str],
-        running: Callable[[], bool],
+        preload: tuple[str, ...] = (),
     ):
-        self.controllers = [ControllerProc(c, nodes) for c, nodes in enumerate(owned)]
+        self.controllers = [ControllerProc(c, []) for c in range(count)]
         self.heartbeat_timeout_s, self.startup_timeout_s = heartbeat_timeout_s, startup_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
-        self.when, self.running = when, running
+        self.max_message_bytes, self.num_threads = max_message_bytes, num_threads
+        self.when: Callable[[], str] = lambda: "during start-up"
+        self.running: Callable[[], bool] = lambda: False
+        self.attached = False
         self.closed = False
         self._last_check = 0.0
         remove_stale_runs()
@@ -87,11 +91,24 @@ class ControllerGroup:
                     self.controllers, self.res, address=self.address, run_dir=self.run_dir,
                     output=controller_output, num_threads=num_threads,
                     startup_timeout_s=startup_timeout_s, max_message_bytes=max_message_bytes,
-                    keys_dir=keys_dir,
+                    keys_dir=keys_dir, preload=preload,
                 )  # fmt: skip
         except BaseException:
             self.shutdown("start-up failed")
             raise
+
+    def attach(
+        self, owned: list[list[str]], when: Callable[[], str], running: Callable[[], bool]
+    ) -> None:
+        """The run these controllers serve: each one's nodes, and the run's progress."""
+        if self.attached or len(owned) != len(self.controllers):
+            raise ValueError(
+                f"ZmqExecutor: a group of {len(self.controllers)} controllers "
+                f"{'already serves a run' if self.attached else f'cannot run a plan for {len(owned)}'}"
+            )
+        for c, nodes in zip(self.controllers, owned, strict=True):
+            c.nodes = list(nodes)
+        self.when, self.running, self.attached = when, running, True
 
     def start(self, setup: Callable[[ControllerProc], m.Setup]) -> None:
         """Admit every controller, send each its SETUP, wait until all are READY."""

@@ -179,6 +179,7 @@ def spawn_controllers(
     startup_timeout_s: float,
     max_message_bytes: int,
     keys_dir: str | None,
+    preload: tuple[str, ...] = (),
 ) -> None:
     """Start ``python -m runtime.zmq.controller_main`` for each controller (plain subprocesses: no fork
     of a process that has torch loaded), with Ctrl-C ignored in them (the driver stops them).
@@ -207,6 +208,7 @@ def spawn_controllers(
                 "--startup-timeout", str(startup_timeout_s),
                 "--max-message-bytes", str(max_message_bytes),
                 *(["--keys", keys_dir] if keys_dir else []),
+                *(arg for ref in preload for arg in ("--preload", ref)),
             ]  # fmt: skip
             out: Any = None
             if output == "capture":

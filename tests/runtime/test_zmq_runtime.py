@@ -280,3 +280,28 @@ def test_the_driver_builds_no_model_the_controllers_build_their_own():
     with ZmqExecutor(graph.plan(2)) as ex:
         ex.run(1)
     assert not any(node.is_set_up for node in graph.nodes.values())
+
+
+@pytest.mark.timeout(120)
+def test_controllers_started_before_the_graph_is_built_run_it():
+    # What `yatt-graph run --controllers 2` does: start the controllers first (they import
+    # torch and, from --preload, the graph's module while the driver builds the graph).
+    from runtime.zmq.group import ControllerGroup
+
+    def group(count):
+        return ControllerGroup(
+            count, address=None, keys=None, keys_dir=None, spawn=True,
+            controller_output="capture", num_threads=1, max_message_bytes=0,
+            heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0, startup_timeout_s=60.0,
+            shutdown_grace_s=5.0, preload=("graphs/toy.py", "no_such_module_here"),
+        )  # fmt: skip
+
+    plan = load_graph("graphs.toy").plan(2)
+    reference = LocalExecutor(load_graph("graphs.toy").plan(2)).run(3)
+    with ZmqExecutor(plan, group=group(2)) as ex:
+        results = ex.run(3)
+    assert_same([r.outputs for r in reference], [r.outputs for r in results])
+    three = group(3)
+    with pytest.raises(ValueError, match="a group of 3 controllers cannot run a plan for 2"):
+        ZmqExecutor(plan, group=three)
+    assert_gone([p.pid for p in three.res.procs], three.run_dir)
