@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
+import zmq.utils.monitor
 
 from runtime.engine.engine import Running
 from runtime.zmq import messages as m
@@ -36,6 +37,8 @@ __all__ = [
     "ShutdownRequested",
     "hang_threshold",
     "thread_stacks",
+    "wait_for_setup",
+    "wait_for_shutdown",
 ]
 
 EXIT_GRACE_S = 2.0
@@ -247,3 +250,78 @@ def thread_stacks(ident: int | None, workers: bool) -> str:
                 stack += f"--- device worker {t.name} ---\n"
                 stack += "".join(traceback.format_stack(worker))
     return stack
+
+
+def wait_for_setup(
+    driver: zmq.Socket,
+    connect: str,
+    curve: bool,
+    timeout_s: float,
+    *,
+    monitor: zmq.Socket | None,
+    parent_gone: Callable[[], bool],
+    drops: Drops,
+) -> m.Setup | None:
+    """After HELLO, on the control link: the driver's SETUP, or None (refused, shut down,
+    a failed CURVE handshake seen on ``monitor``, or nothing within ``timeout_s``: each said
+    on stderr with what to check)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if parent_gone():
+            return None
+        if monitor is not None and monitor.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(monitor)
+            print(
+                f"yatt-graph controller: error: the CURVE handshake with the driver at "
+                f"{connect} failed (zmq event {event['event']}): the driver holds other "
+                "keys, or none; use the run's --keys folder on the driver and every "
+                "controller (`yatt-graph keys DIR` makes one)",
+                file=sys.stderr,
+            )
+            return None
+        if not driver.poll(200):
+            continue
+        try:
+            _, kind, msg, _ = recv(driver)
+        except m.ProtocolError as exc:
+            drops.drop("the driver link", exc)
+            continue
+        if kind is m.Kind.REFUSED:
+            print(
+                f"yatt-graph controller: the driver refused this controller: {msg.reason}",
+                file=sys.stderr,
+            )
+            return None
+        if kind is m.Kind.SETUP:
+            return msg
+        if kind is m.Kind.SHUTDOWN:
+            return None
+    hint = (
+        " It uses CURVE keys: do the driver and this controller use the same --keys folder? "
+        "(A driver holding other keys drops this controller's handshake and logs it.)"
+        if curve
+        else " If the driver was started with --keys, pass --keys DIR here too."
+        if connect.startswith("tcp://")
+        else ""
+    )
+    print(
+        f"yatt-graph controller: error: no SETUP from the driver at {connect} within "
+        f"{timeout_s:.0f}s (--startup-timeout); is the driver running and "
+        f"listening there?{hint}",
+        file=sys.stderr,
+    )
+    return None
+
+
+def wait_for_shutdown(driver: zmq.Socket, parent_gone: Callable[[], bool], drops: Drops) -> None:
+    """After a failed start-up: wait (60 s at most) for the driver's SHUTDOWN."""
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline and not parent_gone():
+        if driver.poll(200):
+            try:
+                _, kind, _, _ = recv(driver)
+            except m.ProtocolError as exc:
+                drops.drop("the driver link", exc)
+                continue
+            if kind is m.Kind.SHUTDOWN:
+                return

@@ -39,7 +39,14 @@ import zmq
 from runtime.engine.engine import StateNotReady, StepEngine
 from runtime.errors import SendError
 from runtime.zmq import messages as m
-from runtime.zmq.control_link import ControlLink, IoFailed, ShutdownRequested, thread_stacks
+from runtime.zmq.control_link import (
+    ControlLink,
+    IoFailed,
+    ShutdownRequested,
+    thread_stacks,
+    wait_for_setup,
+    wait_for_shutdown,
+)
 from runtime.zmq.keys import is_loopback, load_keys, start_authenticator
 from runtime.zmq.options import nodes_from_setup
 from runtime.zmq.peers import Peers
@@ -159,59 +166,14 @@ class Controller:
             )
         monitor = self.driver.get_monitor_socket(_HANDSHAKE_FAILED) if self.keys else None
         try:
-            return self._wait_for_setup(monitor)
+            return wait_for_setup(
+                self.driver, self.connect, self.keys is not None, self.startup_timeout_s,
+                monitor=monitor, parent_gone=self._parent_gone, drops=self.drops,
+            )  # fmt: skip
         finally:
             if monitor is not None:
                 self.driver.disable_monitor()
                 monitor.close(linger=0)
-
-    def _wait_for_setup(self, monitor: zmq.Socket | None) -> m.Setup | None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self._parent_gone():
-                return None
-            if monitor is not None and monitor.poll(0):
-                event = zmq.utils.monitor.recv_monitor_message(monitor)
-                print(
-                    f"yatt-graph controller: error: the CURVE handshake with the driver at "
-                    f"{self.connect} failed (zmq event {event['event']}): the driver holds other "
-                    "keys, or none; use the run's --keys folder on the driver and every "
-                    "controller (`yatt-graph keys DIR` makes one)",
-                    file=sys.stderr,
-                )
-                return None
-            if not self.driver.poll(200):
-                continue
-            try:
-                _, kind, msg, _ = recv(self.driver)
-            except m.ProtocolError as exc:
-                self.drops.drop("the driver link", exc)
-                continue
-            if kind is m.Kind.REFUSED:
-                print(
-                    f"yatt-graph controller: the driver refused this controller: {msg.reason}",
-                    file=sys.stderr,
-                )
-                return None
-            if kind is m.Kind.SETUP:
-                return msg
-            if kind is m.Kind.SHUTDOWN:
-                return None
-        hint = (
-            " It uses CURVE keys: do the driver and this controller use the same --keys folder? "
-            "(A driver holding other keys drops this controller's handshake and logs it.)"
-            if self.keys is not None
-            else " If the driver was started with --keys, pass --keys DIR here too."
-            if self.connect.startswith("tcp://")
-            else ""
-        )
-        print(
-            f"yatt-graph controller: error: no SETUP from the driver at {self.connect} within "
-            f"{self.startup_timeout_s:.0f}s (--startup-timeout); is the driver running and "
-            f"listening there?{hint}",
-            file=sys.stderr,
-        )
-        return None
 
     def _setup(self, setup: m.Setup) -> None:
         self.index = setup.controller
@@ -417,7 +379,7 @@ class Controller:
                 self._setup(setup)
             except Exception as exc:
                 self._report_setup_error(setup, exc)
-                self._wait_for_shutdown()
+                wait_for_shutdown(self.driver, self._parent_gone, self.drops)
                 return 1
             # Everything built so far (torch, the models) lives as long as the process: keep
             # it out of the cyclic collector's generations, so a collection scans only what
@@ -464,18 +426,6 @@ class Controller:
             text = f"node {node!r} could not be built on controller {setup.controller}: {what}"
         error = m.Error(setup.controller, text, node, -1, traceback.format_exc(), "setup")
         send(self.driver, error)
-
-    def _wait_for_shutdown(self) -> None:
-        deadline = time.monotonic() + 60.0
-        while time.monotonic() < deadline and not self._parent_gone():
-            if self.driver.poll(200):
-                try:
-                    _, kind, _, _ = recv(self.driver)
-                except m.ProtocolError as exc:
-                    self.drops.drop("the driver link", exc)
-                    continue
-                if kind is m.Kind.SHUTDOWN:
-                    return
 
     def _close_resources(self, destroy: bool = True) -> None:
         if self.splitter is not None:
