@@ -211,3 +211,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_a_controller_with_no_driver_says_whom_it_waits_for_and_gives_up_clearly(capsys):
+    address = f"tcp://127.0.0.1:{_free_port()}"  # nobody listens there
+    assert Controller(address, 0, startup_timeout_s=1.0).serve() == 3
+    err = capsys.readouterr().err
+    assert f"waiting for the driver at {address} (up to 1s" in err  # said at once
+    assert f"error: no SETUP from the driver at {address} within 1s (--startup-timeout)" in err
