@@ -128,7 +128,10 @@ def test_without_restart_a_killed_controller_stops_the_run_cleanly(tmp_path, cap
     assert "the run stopped: controller 1" in err and "killed by signal 9" in err
     assert "chaos" in err and "Traceback" not in err
     assert controller_processes() == []
-    assert [r["step"] for r in raw_rows(out)] == [0, 1]
+    # Each finished step once, in order, none from after the kill; whether step 1's report got
+    # out of controller 1 before its SIGKILL depends on the load, so 1 or 2 steps.
+    steps = [r["step"] for r in raw_rows(out)]
+    assert steps in ([0], [0, 1])
 
 
 # --- a node that hangs --------------------------------------------------------------------
