@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runtime.pids import pid_alive
 from runtime.train.checkpoint import checkpoint_step, checkpoints
 from runtime.train.errors import UsageError
 
@@ -126,16 +127,6 @@ def prepare_run_folder(out: Path, *, resuming_here: bool, overwrite: bool) -> st
     )
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class RunLock:
     """``DIR/.lock`` held with ``fcntl.flock`` while a run writes into ``DIR``."""
 
@@ -161,7 +152,7 @@ class RunLock:
             os.getpid(),
             socket.gethostname(),
         ):
-            gone = "gone" if not _pid_alive(int(held["pid"])) else "no longer holding it"
+            gone = "gone" if not pid_alive(int(held["pid"])) else "no longer holding it"
             print(
                 f"yatt-graph run: taking over the stale lock of {self.out} (pid {held['pid']} on "
                 f"{held.get('host')}, {gone})",

@@ -165,7 +165,8 @@ class ControllerGroup:
             raise HandshakeError(
                 f"a controller could not join the driver at {self.address}: {event.reason}"
             )
-        self.check_alive()
+        if event is None:  # what a controller sent before it died is read first
+            self.check_alive()
         if deadline is not None and time.monotonic() > deadline and event is None:
             late = [c for c in self.controllers if c.state is not m.State.READY]
             failed = self.link.handshake_failures

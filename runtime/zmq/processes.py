@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from runtime.pids import pid_alive
 from runtime.zmq import messages as m
 from runtime.zmq.transport import remove_run_segments
 
@@ -134,22 +135,12 @@ def remove_stale_runs(parent: str | None = None) -> list[str]:
                 continue
         except (OSError, ValueError):
             continue  # not a run folder of this user's, or one being made
-        if pid <= 0 or _alive(pid):
+        if pid <= 0 or pid_alive(pid):
             continue
         shutil.rmtree(path, ignore_errors=True)
         remove_run_segments(os.path.basename(path))
         removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextlib.contextmanager
