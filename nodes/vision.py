@@ -10,6 +10,7 @@ images that runs in milliseconds on a CPU. Only the image tower is kept.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -37,9 +38,11 @@ TINY_OPEN_CLIP_CFG: dict[str, Any] = {
 _CONVERTIBLE_MODES = frozenset({"RGB", "RGBA", "RGBX", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1"})
 
 
+@functools.cache
 def _open_clip_configs() -> dict[str, dict[str, Any]]:
     """open_clip's architecture configs by model name, read from its package folder without
-    importing it (the import takes seconds; only the process that builds the tower needs it)."""
+    importing it (the import takes seconds; only the process that builds the tower needs it).
+    Read once per process; callers copy what they change."""
     import importlib.util
     import json
     from pathlib import Path

@@ -155,11 +155,8 @@ def _start_controllers(args: argparse.Namespace) -> Any:
 
     keys = load_keys(args.keys, "driver") if args.keys else None
     return ControllerGroup(
-        args.controllers, address=None, keys=keys, keys_dir=args.keys, spawn=True,
-        controller_output="inherit", num_threads=1,
-        max_message_bytes=int(args.max_message_mb * (1 << 20)),
-        heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0, startup_timeout_s=120.0,
-        shutdown_grace_s=5.0, preload=(args.graph,),
+        args.controllers, keys=keys, keys_dir=args.keys, controller_output="inherit",
+        max_message_bytes=int(args.max_message_mb * (1 << 20)), preload=(args.graph,),
     )  # fmt: skip
 
 

@@ -96,14 +96,13 @@ class ControlLink:
         describe: Callable[[str], str],
         parent_gone: Callable[[], bool],
         on_exit: Callable[[], None],
-        max_message_bytes: int,
         drops: Drops,
     ):
         self.driver, self.index, self.setup = driver, index, setup
         self.running, self.reported, self.longest = running, reported, longest
         self.stacks, self.describe = stacks, describe
         self.parent_gone, self.on_exit = parent_gone, on_exit
-        self.max_message_bytes, self.drops = max_message_bytes, drops
+        self.drops = drops
         self.events: collections.deque[ShutdownRequested | IoFailed] = collections.deque()
         address = f"inproc://wake-{id(self)}"
         self.wake = ctx.socket(zmq.PAIR)
@@ -175,7 +174,7 @@ class ControlLink:
     def _receive(self) -> bool:
         """One message on the control link; True for SHUTDOWN."""
         try:
-            _, kind, msg, _ = recv(self.driver, limit=self.max_message_bytes)
+            _, kind, msg, _ = recv(self.driver)  # the control link carries no data limit
         except m.ProtocolError as exc:
             self.drops.drop("the driver link", exc)
             return False

@@ -53,6 +53,7 @@ from runtime.zmq.peers import Peers
 from runtime.zmq.serial import DecodeError, UnsupportedValueError, decode_value, encode_value
 from runtime.zmq.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    HANDSHAKE_FAILED,
     Drops,
     advertised_host,
     make_socket,
@@ -63,13 +64,6 @@ from yatt_graph import NodeExecutionError
 from yatt_graph.refs import load_module
 
 __all__ = ["Controller"]
-
-
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
 
 
 class _Stop(Exception):
@@ -95,7 +89,6 @@ class Controller:
         self.connect, self.requested, self.parent_pid = connect, index, parent_pid
         self.preload = preload
         self.startup_timeout_s = startup_timeout_s
-        self.max_message_bytes = max_message_bytes
         self.keys = load_keys(keys, "controller") if keys else None
         host = ""
         if not bind and connect.startswith("tcp://"):
@@ -164,7 +157,7 @@ class Controller:
                 file=sys.stderr,
                 flush=True,
             )
-        monitor = self.driver.get_monitor_socket(_HANDSHAKE_FAILED) if self.keys else None
+        monitor = self.driver.get_monitor_socket(HANDSHAKE_FAILED) if self.keys else None
         try:
             return wait_for_setup(
                 self.driver, self.connect, self.keys is not None, self.startup_timeout_s,
@@ -399,7 +392,6 @@ class Controller:
                 describe=lambda name: type(nodes[name]).__name__,
                 parent_gone=self._parent_gone,
                 on_exit=lambda: self._close_resources(destroy=False),
-                max_message_bytes=0,
                 drops=self.drops,
             )  # fmt: skip
             # READY on the work link: once the driver has it, its ROUTER can route RUN there.

@@ -24,7 +24,15 @@ import zmq.utils.monitor
 
 from runtime.zmq import messages as m
 from runtime.zmq.processes import ControllerProc
-from runtime.zmq.transport import Drops, largest_frame, log, make_socket, recv_frames, send
+from runtime.zmq.transport import (
+    HANDSHAKE_FAILURES,
+    Drops,
+    largest_frame,
+    log,
+    make_socket,
+    recv_frames,
+    send,
+)
 
 __all__ = ["DriverLink", "HelloRefused", "Received"]
 
@@ -38,13 +46,6 @@ _FROM_CONTROLLERS = frozenset(
         m.Kind.STATE_LOADED,
     }
 )
-
-_AUTH_FAILURES = {
-    getattr(zmq, "EVENT_HANDSHAKE_FAILED_AUTH", 0): "its CURVE keys were refused",
-    getattr(zmq, "EVENT_HANDSHAKE_FAILED_PROTOCOL", 0): "the CURVE handshake failed",
-    getattr(zmq, "EVENT_HANDSHAKE_FAILED_NO_DETAIL", 0): "the handshake failed",
-}
-_AUTH_FAILURES.pop(0, None)
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ class DriverLink:
                 event = zmq.utils.monitor.recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.ZMQError:
                 return
-            why = _AUTH_FAILURES.get(event["event"])
+            why = HANDSHAKE_FAILURES.get(event["event"])
             if why:
                 self.handshake_failures += 1
                 self.drops.drop(

@@ -30,6 +30,7 @@ from runtime.zmq.processes import (
     sigint_deferred,
     spawn_controllers,
 )
+from runtime.zmq.transport import DEFAULT_MAX_MESSAGE_BYTES
 from yatt_graph import NodeExecutionError
 
 __all__ = ["ControllerGroup", "error_from"]
@@ -48,23 +49,23 @@ class ControllerGroup:
         self,
         count: int,
         *,
-        address: str | None,
-        keys: Any,
-        keys_dir: str | None,
-        spawn: bool,
-        controller_output: str,
-        num_threads: int,
-        max_message_bytes: int,
-        heartbeat_interval_s: float,
-        heartbeat_timeout_s: float,
-        startup_timeout_s: float,
-        shutdown_grace_s: float,
+        address: str | None = None,
+        keys: Any = None,
+        keys_dir: str | None = None,
+        spawn: bool = True,
+        controller_output: str = "capture",
+        num_threads: int = 1,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        heartbeat_interval_s: float = 0.5,
+        heartbeat_timeout_s: float = 5.0,
+        startup_timeout_s: float = 120.0,
+        shutdown_grace_s: float = 5.0,
         preload: tuple[str, ...] = (),
     ):
+        """The options are :class:`~runtime.zmq.driver.ZmqExecutor`'s, with its defaults."""
         self.controllers = [ControllerProc(c, []) for c in range(count)]
         self.heartbeat_timeout_s, self.startup_timeout_s = heartbeat_timeout_s, startup_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
-        self.max_message_bytes, self.num_threads = max_message_bytes, num_threads
         self.when: Callable[[], str] = lambda: "during start-up"
         self.running: Callable[[], bool] = lambda: False
         self.attached = False

@@ -32,6 +32,8 @@ import zmq
 from runtime.zmq.messages import Kind, ProtocolError, decode_header, encode_header
 
 __all__ = [
+    "HANDSHAKE_FAILED",
+    "HANDSHAKE_FAILURES",
     "advertised_host",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "Drops",
@@ -56,6 +58,16 @@ on one host, so only a tensor sent between hosts comes near it. ``max_message_by
 
 log = logging.getLogger("yatt_graph.runtime")
 _MORE = zmq.SNDMORE
+
+
+HANDSHAKE_FAILURES = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its CURVE keys were refused",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the CURVE handshake failed",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed",
+}
+"""Socket-monitor events of a failed handshake (the peer holds other CURVE keys, or none)."""
+HANDSHAKE_FAILED = sum(HANDSHAKE_FAILURES)
+"""Those events as one monitor mask."""
 
 
 def advertised_host(connect: str) -> str:
