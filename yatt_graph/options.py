@@ -207,17 +207,7 @@ def parse_options(
 ) -> dict[str, Any]:
     """Text values (``--set key=value``) parsed by each option's type; TypeError naming the
     key, the value and the type for an unknown key or a value of the wrong type."""
-    by_name = {o.name: o for o in options}
-    parsed: dict[str, Any] = {}
-    for key, text in pairs.items():
-        option = by_name.get(key, Option(key, Any) if more else None)
-        if option is None:
-            raise _unknown(key, where, options)
-        try:
-            parsed[key] = _parse(option, text)
-        except ValueError:
-            raise _wrong(option, text, where, options) from None
-    return parsed
+    return _convert_all(pairs, options, more, where, _parse)
 
 
 def check_options(
@@ -225,17 +215,33 @@ def check_options(
 ) -> dict[str, Any]:
     """Python values checked against the options' types (ints pass as floats); TypeError
     naming the key, the value and the type for an unknown key or a wrong type."""
+
+    def convert(option: Option, value: Any) -> Any:
+        return value if option.type is Any else msgspec.convert(value, option.type)
+
+    return _convert_all(values, options, more, where, convert)
+
+
+def _convert_all(
+    values: Mapping[str, Any],
+    options: list[Option],
+    more: bool,
+    where: str,
+    convert: Callable[[Option, Any], Any],
+) -> dict[str, Any]:
+    """Each value through ``convert(option, value)``; an unknown key (unless ``more``: the
+    graph takes ``**options``) or a value ``convert`` refuses is a TypeError listing the options."""
     by_name = {o.name: o for o in options}
-    checked: dict[str, Any] = {}
+    converted: dict[str, Any] = {}
     for key, value in values.items():
         option = by_name.get(key, Option(key, Any) if more else None)
         if option is None:
             raise _unknown(key, where, options)
         try:
-            checked[key] = value if option.type is Any else msgspec.convert(value, option.type)
-        except msgspec.ValidationError:
+            converted[key] = convert(option, value)
+        except (ValueError, msgspec.ValidationError):
             raise _wrong(option, value, where, options) from None
-    return checked
+    return converted
 
 
 def graph_file(target: str) -> Path | None:
