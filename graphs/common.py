@@ -1,15 +1,21 @@
-"""The front half of the ready graphs, and how their policy, vision and reward options load.
+"""The front half of the ready graphs, and how their data, model and reward options load.
 
 Defaults build tiny models from configs in code (nothing downloads), sized for the
-synthetic shapes task; real models come from local paths:
+synthetic shapes task; real models and data come from local paths:
 
-* ``policy``: ``"tiny"`` (a 2-layer GPT-2 prefix-VLM with the task's word vocabulary), a
-  local directory (a saved prefix-VLM, or any Hugging Face image-text-to-text checkpoint such
-  as Qwen2-VL), or a :func:`nodes.models.policy.build_policy` spec dict.
+* ``data``: a local JSONL, Parquet or CSV file or ``save_to_disk`` folder
+  (:class:`nodes.datasets.DatasetSource`); default: the shapes task (:class:`nodes.data.ShapesSource`).
+* ``policy``: ``"tiny"`` (a 2-layer GPT-2 prefix-VLM with the task's word vocabulary),
+  ``"tiny-gpt2"``, ``"tiny-llama"``, ``"tiny-qwen2"`` (text causal LMs built in code), a
+  local directory (a saved prefix-VLM, a Hugging Face causal LM such as GPT-2, Llama or Qwen2,
+  or an image-text-to-text VLM such as Qwen2-VL: :func:`nodes.models.families.model_family`
+  tells them apart), or a :func:`nodes.models.policy.build_policy` spec dict. A text causal
+  LM in a graph with images reads them as prefix embeddings of the vision tower.
 * ``vision``: ``"tiny"`` or ``"open_clip:NAME[:WEIGHTS]"`` (weights: a local file). Only a
   prefix-VLM policy uses it; an HF VLM reads the images with its own tower.
-* ``reward``: ``"module:function"``, a rule ``fn(text, meta) -> float``; default
-  :func:`nodes.data.answer_reward`.
+* ``reward``: the spellings of :func:`nodes.rewards.reward_from_option`: ``module:function``
+  (a rule ``fn(text, meta) -> float``; default :func:`nodes.data.answer_reward`), ``clip``,
+  ``model:DIR`` (a sequence classifier) or ``judge:DIR`` (a generative judge).
 """
 
 from __future__ import annotations
@@ -20,62 +26,174 @@ from typing import Any, NamedTuple
 from graphs.config import RLConfig
 from nodes.data import ShapesSource, task_vocabulary
 from nodes.reference import ReferenceLogprobs
-from nodes.rewards import RuleReward
+from nodes.rewards import RewardNode
 from nodes.rollout import Rollout
 from nodes.vision import TINY_OPEN_CLIP_CFG, VisionEncoder
 from yatt_graph import Graph, Handle, Node
 
 __all__ = [
     "Sampled",
+    "connect_weights",
+    "data_source",
     "is_prefix_policy",
     "policy_spec",
+    "resolve_device",
     "reward_node",
     "sample_and_score",
     "vision_encoder",
 ]
 
+_TINY_TEXT_LMS = ("tiny-gpt2", "tiny-llama", "tiny-qwen2")
 
-def policy_spec(policy: str | dict[str, Any], seed: int, image_dim: int | None) -> dict[str, Any]:
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when torch sees a CUDA device, else ``cpu``; ``cuda`` without one is
+    a ValueError saying so (and what to pass instead)."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        built = "with" if torch.backends.cuda.is_built() else "without"
+        raise ValueError(
+            f"device=cuda, but torch {torch.__version__} (built {built} CUDA) sees no CUDA "
+            "device on this machine; use --device cpu (or auto: CUDA where present)"
+        )
+    return device
+
+
+def _model_options(config: RLConfig) -> dict[str, Any]:
+    """The spec keys every copy of the policy is built with (same spec: same weights, names)."""
+    options: dict[str, Any] = {}
+    if config.dtype != "float32":
+        options["dtype"] = config.dtype
+    if config.gradient_checkpointing:
+        options["gradient_checkpointing"] = True
+    if config.lora_r:
+        targets = config.lora_targets.strip()
+        options["lora"] = {
+            "r": config.lora_r,
+            "alpha": config.lora_alpha,
+            "dropout": 0.0,
+            "target_modules": targets if targets == "all-linear" else targets.split(","),
+        }
+    return options
+
+
+def policy_spec(config: RLConfig, image_dim: int | None) -> dict[str, Any]:
     """A JSON-able spec that every node holding the policy builds identically."""
+    policy, seed = config.policy, config.seed
     if isinstance(policy, dict):
         return policy
     if policy == "tiny":
         spec: dict[str, Any] = {"name": "tiny-prefix-vlm", "seed": seed, "words": task_vocabulary()}
         if image_dim is not None:
             spec["image_dim"] = image_dim
-        return spec
+        return {**spec, **_model_options(config)}
+    if policy in _TINY_TEXT_LMS:
+        if image_dim is not None:
+            raise ValueError(
+                f"policy {policy!r} is a text-only LM; use it with text_ppo or text_grpo, or "
+                "'tiny' (a prefix-VLM) with images"
+            )
+        spec = {"name": policy, "seed": seed, "words": task_vocabulary()}
+        return {**spec, **_model_options(config)}
     path = Path(policy)
     if not path.is_dir():
         raise ValueError(
-            f"policy {policy!r} is neither 'tiny' nor a local model directory; models load only "
-            "from local paths (nothing is downloaded)"
+            f"policy {policy!r} is neither 'tiny', one of {', '.join(_TINY_TEXT_LMS)}, nor a "
+            "local model directory; models load only from local paths (nothing is downloaded)"
         )
-    return {"path": str(path)}
+    try:  # TEMPORARY until nodes.models.families lands
+        from nodes.models.families import model_family
+    except ImportError:
+
+        def model_family(path: Path) -> str:
+            return "prefix-vlm" if (path / "prefix_vlm.json").is_file() else "vlm"
+
+    family = model_family(path)
+    spec = {"path": str(path), **_model_options(config)}
+    if not config.chat_template:
+        spec["chat_template"] = False
+    if family == "causal-lm" and image_dim is not None:
+        spec |= {"image_dim": image_dim, "seed": seed}  # a prefix-VLM around the user's LM
+    if family == "vlm" and image_dim is None:
+        raise ValueError(
+            f"policy {policy!r} is an image-text-to-text model; a text-only graph cannot give "
+            "it images: use mm_ppo or mm_grpo"
+        )
+    return spec
 
 
 def is_prefix_policy(spec: dict[str, Any]) -> bool:
     """Whether the policy reads image embeddings from a separate vision encoder."""
     if spec.get("name") == "tiny-prefix-vlm":
         return True
-    return "path" in spec and (Path(spec["path"]) / "prefix_vlm.json").is_file()
+    if "path" not in spec:
+        return False
+    return (Path(spec["path"]) / "prefix_vlm.json").is_file() or "image_dim" in spec
 
 
-def vision_encoder(vision: str, seed: int) -> VisionEncoder:
+def vision_encoder(vision: str, seed: int, device: str = "cpu") -> VisionEncoder:
+    return VisionEncoder(**_vision_kwargs(vision, seed), device=device, name="vision")
+
+
+def _vision_kwargs(vision: str, seed: int) -> dict[str, Any]:
     if vision == "tiny":
-        return VisionEncoder("ViT-S-32", model_cfg=TINY_OPEN_CLIP_CFG, seed=seed, name="vision")
+        return {"model_name": "ViT-S-32", "model_cfg": TINY_OPEN_CLIP_CFG, "seed": seed}
     kind, _, rest = vision.partition(":")
     if kind != "open_clip" or not rest:
         raise ValueError(f"vision {vision!r}: use 'tiny' or 'open_clip:NAME[:WEIGHTS_FILE]'")
     name, _, weights = rest.partition(":")
-    return VisionEncoder(name, pretrained=weights or None, seed=seed, name="vision")
+    return {"model_name": name, "pretrained": weights or None, "seed": seed}
 
 
-def reward_node(reward: str, on_bad_sample: str = "raise") -> RuleReward:
-    """The rule reward; ``on_bad_sample``: ``"raise"`` (a NaN/inf score stops the run, naming the
-    sample) or ``"skip"`` (the sample scores 0, and a ``bad_samples`` output counts it)."""
-    if on_bad_sample == "skip":
-        return RuleReward(reward, on_bad_sample="skip", emit_bad_mask=True, name="reward")
-    return RuleReward(reward, on_bad_sample=on_bad_sample, name="reward")
+def reward_node(reward: str, on_bad_sample: str = "raise") -> RewardNode:
+    """The reward of ``reward`` (:func:`nodes.rewards.reward_from_option`); ``on_bad_sample``:
+    ``"raise"`` (a NaN/inf score stops the run, naming the sample) or ``"skip"`` (the sample
+    scores 0, and a ``bad_samples`` output counts it)."""
+    try:  # TEMPORARY until nodes.rewards.reward_from_option lands
+        from nodes.rewards import reward_from_option
+    except ImportError:
+        from nodes.rewards import RuleReward
+
+        if on_bad_sample == "skip":
+            return RuleReward(reward, on_bad_sample="skip", emit_bad_mask=True, name="reward")
+        return RuleReward(reward, on_bad_sample=on_bad_sample, name="reward")
+    return reward_from_option(reward, on_bad_sample=on_bad_sample, name="reward")
+
+
+def data_source(config: RLConfig, *, text_only: bool) -> Node:
+    """The training data: ``config.data`` read by :class:`nodes.datasets.DatasetSource`, or
+    the shapes task."""
+    if config.data is None:
+        return ShapesSource(
+            batch_size=config.batch_size,
+            task=config.task,
+            seed=config.seed,
+            text_hint=text_only,
+            name="data",
+        )
+    from nodes.datasets import DatasetSource
+
+    return DatasetSource(
+        config.data,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        images=not text_only,
+        on_bad_sample=config.on_bad_sample,
+        emit_stats=True,
+        name="data",
+        **_keys(config),
+    )
+
+
+def _keys(config: RLConfig) -> dict[str, str]:
+    return {
+        "prompt_key": config.prompt_key,
+        "image_key": config.image_key,
+        "answer_key": config.answer_key,
+    }
 
 
 class Sampled(NamedTuple):
@@ -83,6 +201,8 @@ class Sampled(NamedTuple):
 
     spec: dict[str, Any]
     """The policy spec, for every node that holds a copy of the policy."""
+    device: str
+    """Where the model nodes run (``config.device`` resolved)."""
     rollout: Node
     sample: Any
     """The rollout's outputs (``sample.texts``, ``sample.logprobs``, ...)."""
@@ -92,6 +212,8 @@ class Sampled(NamedTuple):
     image_port: dict[str, Handle]
     """``image_embeds`` (prefix-VLM), ``images`` (HF VLM) or nothing (text only)."""
     ref_logprobs: Handle
+    validation: Node | None
+    """The greedy validation node (``config.val_data``), which loads the rollout's weights."""
 
 
 def sample_and_score(
@@ -105,34 +227,45 @@ def sample_and_score(
     with one sample per prompt the reward, the reference and the critic then take them piece by
     piece (runtime/engine/streams.py), which overlaps generation when they run on another
     controller (``--placement partial``).
+    Weight updates reach the rollout (and the validation) through :func:`connect_weights`.
     """
     text_only = vision is None
-    data = ShapesSource(
-        batch_size=config.batch_size,
-        task=config.task,
-        seed=config.seed,
-        text_hint=text_only,
-        name="data",
-    )()
+    device = resolve_device(config.device)
+    source = data_source(config, text_only=text_only)
+    data = source()
+    if config.data is not None:
+        g.output("data", data.stats)
+    vision_kwargs: dict[str, Any] = {}
     if text_only:
         g.discard(data.images)
-        spec, image_port = policy_spec(config.policy, config.seed, None), {}
+        spec, image_port = policy_spec(config, None), {}
     else:
-        encoder = vision_encoder(vision, config.seed)
-        spec = policy_spec(config.policy, config.seed, encoder.embed_dim)
+        vision_kwargs = _vision_kwargs(vision, config.seed)
+        encoder = VisionEncoder(**vision_kwargs, device=device, name="vision")
+        spec = policy_spec(config, encoder.embed_dim)
         prefix = is_prefix_policy(spec)
         image_port = {"image_embeds": encoder(data.images)} if prefix else {"images": data.images}
     rollout = Rollout(
         policy=spec,
+        backend=config.rollout,
         n=n,
         max_new_tokens=config.max_new_tokens,
         temperature=config.temperature,
         seed=config.seed,
         stream=config.stream,
+        device=device,
         name="rollout",
     )
     sample = rollout(prompts=data.prompts, **image_port)
-    scores = reward_node(config.reward, config.on_bad_sample)(texts=sample.texts, meta=data.meta)
+    reward = reward_node(config.reward, config.on_bad_sample)
+    extra: dict[str, Handle] = {}
+    if getattr(reward, "needs_prompts", False):
+        extra["prompts"] = data.prompts
+    if getattr(reward, "needs_images", False):
+        if text_only:
+            raise ValueError(f"reward {config.reward!r} reads images; this graph has none")
+        extra["images"] = data.images
+    scores = reward(texts=sample.texts, meta=data.meta, **extra)
     if config.on_bad_sample == "skip":  # the reward has a second output: which samples it skipped
         scores, skipped = scores
         g.output("bad_samples", skipped)
@@ -142,7 +275,50 @@ def sample_and_score(
         "response_ids": sample.response_ids,
         "response_mask": sample.response_mask,
     }
-    reference = ReferenceLogprobs(policy=spec, temperature=config.temperature, name="reference")
+    reference = ReferenceLogprobs(
+        policy=spec, temperature=config.temperature, device=device, name="reference"
+    )
     ref = reference(**tensors, **image_port)
     g.output("response_lengths", sample.response_lengths)
-    return Sampled(spec, rollout, sample, scores, tensors, image_port, ref)
+    validation = None
+    if config.val_data is not None:
+        validation = _validation(g, config, spec, device, text_only, image_port, vision_kwargs)
+    return Sampled(spec, device, rollout, sample, scores, tensors, image_port, ref, validation)
+
+
+def _validation(
+    g: Graph,
+    config: RLConfig,
+    spec: dict[str, Any],
+    device: str,
+    text_only: bool,
+    image_port: dict[str, Handle],
+    vision_kwargs: dict[str, Any],
+) -> Node:
+    from nodes.validation import GreedyValidation
+
+    image_input = "none" if text_only else next(iter(image_port))
+    node = GreedyValidation(
+        spec,
+        config.val_data,
+        config.reward,
+        every=config.val_every,
+        rows=config.val_rows,
+        batch_size=config.batch_size,
+        max_new_tokens=config.max_new_tokens,
+        image_input=image_input,
+        vision=vision_kwargs if image_input == "image_embeds" else None,
+        keys=_keys(config),
+        on_bad_sample=config.on_bad_sample,
+        device=device,
+        name="validation",
+    )
+    g.output("val", node().val)
+    return node
+
+
+def connect_weights(g: Graph, s: Sampled, weights: Handle) -> None:
+    """The weight sync's output into the rollout (and the validation), one step later."""
+    g.connect(weights, s.rollout, "weights", delay=1)
+    if s.validation is not None:
+        g.connect(weights, s.validation, "weights", delay=1)

@@ -2,7 +2,8 @@
 
 ``RLConfig`` holds what every ready graph takes (data, models, reward, optimizer, sampling);
 ``PPOConfig`` adds the critic and GAE (``text_ppo``); ``MultimodalPPOConfig`` adds the vision
-tower (``mm_ppo``); ``GRPOConfig`` adds the vision tower and the groups (``mm_grpo``).
+tower (``mm_ppo``); ``TextGRPOConfig`` adds the groups (``text_grpo``) and ``GRPOConfig`` the
+vision tower too (``mm_grpo``).
 
 Each graph module names its config as ``CONFIG``, and its ``build_graph(**options)`` builds
 it with :meth:`RLConfig.from_options`: an unknown option or a value of the wrong type is a
@@ -17,6 +18,7 @@ The defaults are the ones the learning tests and the README's figures were measu
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Literal, Self
 
 import msgspec
@@ -24,7 +26,7 @@ import msgspec
 from nodes.data import TASKS
 from yatt_graph.options import check_options, config_options
 
-__all__ = ["GRPOConfig", "MultimodalPPOConfig", "PPOConfig", "RLConfig"]
+__all__ = ["GRPOConfig", "MultimodalPPOConfig", "PPOConfig", "RLConfig", "TextGRPOConfig"]
 
 
 class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -68,6 +70,42 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     Off by default: with the tiny CPU models it costs more than it overlaps
     (docs/PERFORMANCE.md, "Streaming between controllers")."""
+    data: str | None = None
+    """A local dataset: a JSONL, Parquet or CSV file, or a ``save_to_disk`` folder; none: shapes.
+
+    Columns ``prompt``, ``image`` (a path relative to the file, or bytes) and ``answer``
+    (see prompt_key, image_key, answer_key); the reward's ``meta`` holds every other column.
+    Rows are shuffled with the seed, epoch after epoch, and the position is checkpointed."""
+    val_data: str | None = None
+    """A local validation dataset (the forms of ``data``), scored greedily every val_every steps.
+
+    Its metrics are ``val/reward`` and ``val/samples``; the training data is not touched."""
+    val_every: int = 10
+    """Steps between two validation passes (>= 1), counted from step 0."""
+    val_rows: int = 64
+    """Rows of val_data each validation pass scores (>= 1; the first ones, in file order)."""
+    prompt_key: str = "prompt"
+    """The data column holding the prompt text."""
+    image_key: str = "image"
+    """The data column holding the image: a path relative to the data file, bytes, or a list."""
+    answer_key: str = "answer"
+    """The data column the reward reads as ``meta['answer']``."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights' dtype of the policy's copies (a local model's, or the tiny one's)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the update's backward pass (less memory, more time)."""
+    lora_r: int = 0
+    """LoRA rank (peft) of the trained policy; 0 trains every weight."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (> 0); the adapter's update is scaled by lora_alpha / lora_r."""
+    lora_targets: str = "all-linear"
+    """peft target_modules: 'all-linear' or comma-separated module names (c_attn,q_proj,...)."""
+    chat_template: bool = True
+    """Format prompts with the tokenizer's or processor's chat template when it has one."""
+    rollout: Literal["hf", "vllm"] = "hf"
+    """The rollout backend: hf (transformers generate, any device) or vllm (CUDA, vllm extra)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model nodes run: auto (CUDA when present, else the CPU), cpu or cuda."""
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -82,6 +120,20 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _at_least("entropy_coef", self.entropy_coef, 0.0)
         if self.on_bad_sample not in ("raise", "skip"):
             _refuse("on_bad_sample", self.on_bad_sample, "'raise' or 'skip'")
+        _at_least("val_every", self.val_every, 1)
+        _at_least("val_rows", self.val_rows, 1)
+        _at_least("lora_r", self.lora_r, 0)
+        _positive("lora_alpha", self.lora_alpha)
+        for name in ("data", "val_data"):
+            value = getattr(self, name)
+            if value is not None and not os.path.exists(value):
+                _refuse(name, value, "an existing local file or folder (nothing is downloaded)")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            _refuse("dtype", self.dtype, "float32, bfloat16 or float16")
+        if self.rollout not in ("hf", "vllm"):
+            _refuse("rollout", self.rollout, "'hf' or 'vllm'")
+        if self.device not in ("auto", "cpu", "cuda"):
+            _refuse("device", self.device, "auto, cpu or cuda")
 
     @classmethod
     def from_options(cls, graph: str, options: dict[str, Any]) -> Self:
@@ -117,13 +169,11 @@ class MultimodalPPOConfig(PPOConfig, kw_only=True, forbid_unknown_fields=True):
     """'tiny' or open_clip:NAME[:WEIGHTS_FILE]; only a prefix-VLM policy reads it."""
 
 
-class GRPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
-    """GRPO with images: several samples per prompt, advantages within each group, no critic."""
+class TextGRPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
+    """GRPO: several samples per prompt, advantages within each group, no critic."""
 
     batch_size: int = 16
     """Prompts per step (>= 1); 16 prompts of 4 samples (64 responses), as in the figures."""
-    vision: str = "tiny"
-    """'tiny' or open_clip:NAME[:WEIGHTS_FILE]; only a prefix-VLM policy reads it."""
     group_size: int = 4
     """Samples per prompt (>= 2: a group's advantages compare its samples with each other)."""
     estimator: Literal["grpo", "rloo"] = "grpo"
@@ -134,6 +184,13 @@ class GRPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
         _at_least("group_size", self.group_size, 2)
         if self.estimator not in ("grpo", "rloo"):
             _refuse("estimator", self.estimator, "'grpo' or 'rloo'")
+
+
+class GRPOConfig(TextGRPOConfig, kw_only=True, forbid_unknown_fields=True):
+    """GRPO with images: a vision tower in front of a prefix-VLM policy."""
+
+    vision: str = "tiny"
+    """'tiny' or open_clip:NAME[:WEIGHTS_FILE]; only a prefix-VLM policy reads it."""
 
 
 def _refuse(name: str, value: Any, allowed: str) -> None:

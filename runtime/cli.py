@@ -57,6 +57,29 @@ def _options(
     return parse_options(texts, options, more, target)
 
 
+#: flags that name a graph option (``--val-data`` is the option ``val_data``)
+_NAMED_OPTIONS = ("policy", "vision", "reward", "seed", "data", "val_data", "rollout", "device")
+
+
+def _reward_flags(args: argparse.Namespace) -> None:
+    """``--reward-model DIR`` and ``--judge DIR`` are ``--reward model:DIR`` / ``judge:DIR``."""
+    given = [
+        (flag, value)
+        for flag, value in (
+            ("--reward", getattr(args, "reward", None)),
+            ("--reward-model", getattr(args, "reward_model", None)),
+            ("--judge", getattr(args, "judge", None)),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
+        raise UsageError(f"{' and '.join(f for f, _ in given)}: give one reward")
+    if getattr(args, "reward_model", None) is not None:
+        args.reward = f"model:{args.reward_model}"
+    elif getattr(args, "judge", None) is not None:
+        args.reward = f"judge:{args.judge}"
+
+
 def _graph_options(args: argparse.Namespace) -> dict[str, Any]:
     """``--set`` pairs plus the named model options, for the graph's ``build_graph``, checked
     against its options before anything is built (a bad value of a typed config included)."""
@@ -64,13 +87,14 @@ def _graph_options(args: argparse.Namespace) -> dict[str, Any]:
     known, more = module_options(module)
     values = _options(args.set, known, more, args.graph)
     names = {o.name for o in known}
-    for key in ("policy", "vision", "reward", "seed"):
+    _reward_flags(args)
+    for key in _NAMED_OPTIONS:
         value = getattr(args, key, None)
         if value is None:
             continue
         if key not in names and not more:
             raise TypeError(
-                f"--{key}: {args.graph} takes no {key!r} option; valid: {format_options(known)}"
+                f"--{key.replace('_', '-')}: {args.graph} takes no {key!r} option; valid: {format_options(known)}"
             )
         values[key] = value
     check_config(module, values, args.graph)  # ranges and choices, before models are built
@@ -296,9 +320,41 @@ def build_parser() -> argparse.ArgumentParser:
             help="an option of the graph's build_graph(), parsed by its type (booleans: "
             "true/false/yes/no/on/off/1/0); repeatable; `show GRAPH --options` lists them",
         )
-        p.add_argument("--policy", help="'tiny' or a local model directory (graphs that take one)")
-        p.add_argument("--vision", help="'tiny' or open_clip:NAME[:WEIGHTS_FILE]")
-        p.add_argument("--reward", help="a rule reward as module:function, fn(text, meta) -> float")
+        models = p.add_argument_group("models, data and reward (graphs that take them)")
+        models.add_argument(
+            "--policy",
+            help="'tiny', tiny-gpt2|tiny-llama|tiny-qwen2, or a local model directory (a causal "
+            "LM, an image-text-to-text VLM or a saved prefix-VLM)",
+        )
+        models.add_argument("--vision", help="'tiny' or open_clip:NAME[:WEIGHTS_FILE]")
+        models.add_argument(
+            "--data",
+            metavar="PATH",
+            help="a local JSONL, Parquet or CSV file or save_to_disk folder (columns prompt, "
+            "image, answer; --set prompt_key=... to map others); default: the shapes task",
+        )
+        models.add_argument(
+            "--val-data", metavar="PATH", help="validation data, scored greedily (val/* metrics)"
+        )
+        models.add_argument(
+            "--reward",
+            help="module:function or file.py:function (fn(text, meta) -> float), 'clip', "
+            "model:DIR or judge:DIR",
+        )
+        models.add_argument(
+            "--reward-model", metavar="DIR", help="a local sequence classifier as the reward"
+        )
+        models.add_argument(
+            "--judge", metavar="DIR", help="a local causal LM or VLM judging each response"
+        )
+        models.add_argument(
+            "--rollout", choices=("hf", "vllm"), help="rollout backend (vllm: CUDA + the extra)"
+        )
+        models.add_argument(
+            "--device",
+            choices=("auto", "cpu", "cuda"),
+            help="where model nodes run (auto: CUDA where present)",
+        )
         return p
 
     p = graph_command("viz", "draw a graph (or its plan) to SVG or PNG")

@@ -10,6 +10,7 @@ caller (``runtime.cli``), so that this package stays free of the ZeroMQ runtime.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from runtime.train.run_folder import (
 )
 from runtime.train.signals import sigterm_as_interrupt
 
-__all__ = ["print_summary", "resume_point", "run_command"]
+__all__ = ["print_summary", "resume_point", "run_command", "run_summary"]
 
 
 def run_command(args: Any, build: Callable, executor_factory: Callable) -> int:
@@ -96,6 +97,7 @@ def _run_in_folder(
                 f"devices (nodes {', '.join(splitter.split_nodes)} split across them): {shares} busy"
             )
 
+    started = time.perf_counter()
     try:
         rows, restarts = train_with_restarts(
             make_executor,
@@ -116,7 +118,7 @@ def _run_in_folder(
     code = 0
     if export is not None:
         code = _export(graph, export, out, final, {**meta, "graph": graph_identity(graph)})
-    print_summary(args, rows, device_lines, out)
+    print_summary(args, rows, device_lines, out, wall_s=time.perf_counter() - started)
     return code
 
 
@@ -154,12 +156,42 @@ def _interrupted(exc: KeyboardInterrupt, out: Path | None) -> int:
     return 143 if isinstance(exc, Terminated) else 130
 
 
-def print_summary(args: Any, rows: list[dict], device_lines: list[str], out: Any) -> None:
+def run_summary(rows: list[dict], window: int, wall_s: float) -> dict[str, Any]:
+    """What the closing JSON line says: steps run, wall time, samples/s, the mean reward of
+    the first and the last ``window`` steps (None without a reward), the last val/reward."""
     rewards = [r["scores/mean"] for r in rows if "scores/mean" in r]
+    samples = sum(r.get("samples_per_s", 0.0) * r.get("time/step", 0.0) for r in rows)
+    summary: dict[str, Any] = {
+        "steps": len(rows),
+        "last_step": rows[-1]["step"] if rows else None,
+        "wall_s": round(wall_s, 3),
+        "samples_per_s": round(samples / wall_s, 3) if wall_s > 0 else 0.0,
+        "reward_first": None,
+        "reward_last": None,
+        "window": 0,
+    }
     if rewards:
-        window = max(1, min(args.window, len(rewards) // 2))
-        first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
+        window = max(1, min(window, len(rewards) // 2))
+        summary["window"] = window
+        summary["reward_first"] = round(sum(rewards[:window]) / window, 6)
+        summary["reward_last"] = round(sum(rewards[-window:]) / window, 6)
+    val = [r["val/reward"] for r in rows if "val/reward" in r]
+    if val:
+        summary["val_reward_last"] = round(val[-1], 6)
+    return summary
+
+
+def print_summary(
+    args: Any, rows: list[dict], device_lines: list[str], out: Any, wall_s: float = 0.0
+) -> None:
+    """The closing lines: reward, utilization, devices, skipped samples, where the files are,
+    and last a one-line JSON summary (:func:`run_summary`; also ``OUT/summary.json``)."""
+    summary = run_summary(rows, args.window, wall_s)
+    if summary["reward_first"] is not None:
+        window, first, last = summary["window"], summary["reward_first"], summary["reward_last"]
         print(f"mean reward: first {window} steps {first:.3f} -> last {window} steps {last:.3f}")
+    if "val_reward_last" in summary:
+        print(f"validation reward (greedy), last pass: {summary['val_reward_last']:.3f}")
     util_keys = sorted({k for r in rows for k in r if k.startswith("util/")})
     if util_keys:
         shares = [
@@ -174,6 +206,8 @@ def print_summary(args: Any, rows: list[dict], device_lines: list[str], out: Any
         print(f"skipped samples: {int(skipped)} of {int(rows[-1]['samples_total'])} (bad scores)")
     if out is not None:
         print(f"metrics: {out / 'metrics.jsonl'}  trace: {out / 'trace.json'}")
+        (out / "summary.json").write_text(json.dumps(summary, sort_keys=True) + "\n")
+    print(json.dumps(summary, sort_keys=True), flush=True)
 
 
 def _export(graph: Any, export: Path, out: Path | None, final: dict[str, Any], meta: dict) -> int:

@@ -1,6 +1,6 @@
 """A run folder (``yatt-graph run --out DIR``): one run at a time, never mixed with another.
 
-A folder holds ``metrics.jsonl``, ``trace.json``, ``events.jsonl``, ``checkpoints/`` (and
+A folder holds ``metrics.jsonl``, ``trace.json``, ``events.jsonl``, ``summary.json``, ``checkpoints/`` (and
 ``tensorboard/`` when installed). :class:`RunLock` holds ``DIR/.lock`` (``fcntl.flock``,
 with the pid and host written in it) for the run's lifetime, so a second run into the folder
 is refused at once; the kernel drops the lock when its process dies, and a lock file left by a

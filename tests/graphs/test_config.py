@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from graphs.config import GRPOConfig, MultimodalPPOConfig, PPOConfig, RLConfig
+from graphs.config import GRPOConfig, MultimodalPPOConfig, PPOConfig, RLConfig, TextGRPOConfig
 from yatt_graph.options import config_options
 from yatt_graph.refs import load_graph
 
@@ -28,6 +28,25 @@ PPO_DEFAULTS = {
     "lam": 0.95,
     "stream": False,
 }
+# Options that choose data, models and devices: off (the shapes task, tiny models) by default.
+SOURCE_DEFAULTS = {
+    "data": None,
+    "val_data": None,
+    "val_every": 10,
+    "val_rows": 64,
+    "prompt_key": "prompt",
+    "image_key": "image",
+    "answer_key": "answer",
+    "dtype": "float32",
+    "gradient_checkpointing": False,
+    "lora_r": 0,
+    "lora_alpha": 16.0,
+    "lora_targets": "all-linear",
+    "chat_template": True,
+    "rollout": "hf",
+    "device": "auto",
+}
+PPO_DEFAULTS |= SOURCE_DEFAULTS
 
 
 def as_dict(config) -> dict:
@@ -45,9 +64,15 @@ def test_defaults_are_the_measured_ones():
         "group_size": 4,
         "estimator": "grpo",
     }
+    assert as_dict(TextGRPOConfig()) == {
+        **grpo,
+        "batch_size": 16,
+        "group_size": 4,
+        "estimator": "grpo",
+    }
 
 
-@pytest.mark.parametrize("config", [MultimodalPPOConfig, PPOConfig, GRPOConfig])
+@pytest.mark.parametrize("config", [MultimodalPPOConfig, PPOConfig, GRPOConfig, TextGRPOConfig])
 def test_every_field_has_a_docstring(config):
     missing = [o.name for o in config_options(config) if not o.doc]
     assert not missing, f"{config.__name__} fields without a docstring: {missing}"

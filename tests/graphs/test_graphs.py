@@ -7,7 +7,7 @@ from runtime import LocalExecutor
 from yatt_graph import Graph
 from yatt_graph.refs import load_graph
 
-GRAPHS = ["graphs.mm_ppo", "graphs.mm_grpo", "graphs.text_ppo", "graphs.toy"]
+GRAPHS = ["graphs.mm_ppo", "graphs.mm_grpo", "graphs.text_ppo", "graphs.text_grpo", "graphs.toy"]
 
 
 @pytest.mark.parametrize("name", GRAPHS)
@@ -36,7 +36,10 @@ def test_mm_ppo_takes_a_local_policy_and_a_reward_file(tmp_path):
 
 
 def test_bad_model_options_are_refused_clearly(tmp_path):
-    with pytest.raises(ValueError, match="neither 'tiny' nor a local model directory"):
+    with pytest.raises(
+        ValueError,
+        match="neither 'tiny', one of tiny-gpt2, tiny-llama, tiny-qwen2, nor a local model directory",
+    ):
         load_graph("graphs.mm_ppo", policy=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="use 'tiny' or 'open_clip:NAME"):
         load_graph("graphs.mm_ppo", vision="clip-ish")

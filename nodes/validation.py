@@ -1,0 +1,167 @@
+"""Greedy validation on a held-out dataset, every K steps, with the policy being trained.
+
+:class:`GreedyValidation` keeps its own copy of the policy, loads every weight update the
+rollout loads (same ``weights`` edge, same delay), and on every ``every``-th call decodes the
+first ``rows`` rows of its dataset greedily (temperature 0) and scores them with the run's
+reward. Its output ``val`` is ``{"reward": mean, "samples": n, "response_length": mean}`` on
+those calls and ``{}`` on the others, so the metrics hold ``val/reward`` every K steps.
+
+Validation reads its data in file order and never touches the training data's position;
+it samples nothing, so its figures are the same for the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from nodes.models.policy import build_policy, check_policy_spec
+from nodes.sync import decode_weights
+from yatt_graph import ANY, Node, Port
+from yatt_graph.node import Built
+
+__all__ = ["GreedyValidation"]
+
+_IMAGES = ("none", "images", "image_embeds")
+
+
+class GreedyValidation(Node):
+    """Every ``every`` calls: greedy responses to the first ``rows`` rows of ``data``, scored.
+
+    Args:
+        policy: the policy spec the rollout was built from (same spec: same initial weights).
+        data: a local dataset (the forms :class:`nodes.datasets.DatasetSource` reads).
+        reward: the run's reward, in the spellings of :func:`nodes.rewards.reward_from_option`.
+        every: validate on calls 0, every, 2 * every, ...
+        rows: how many rows (the first ones) each pass scores; fewer if the set is smaller.
+        batch_size: rows decoded together.
+        max_new_tokens: the longest response.
+        image_input: ``"none"`` (text), ``"images"`` (an HF VLM reads them) or
+            ``"image_embeds"`` (a prefix-VLM: ``vision`` encodes them).
+        vision: :class:`nodes.vision.VisionEncoder` keyword arguments (with image_embeds).
+        keys: ``{"prompt_key": ..., "image_key": ..., "answer_key": ...}`` of the data.
+        on_bad_sample: passed to the reward and the data (raise or skip).
+        device: where the policy runs.
+    """
+
+    kind = "validation"
+    inputs = {"weights": Port(ANY, required=False, doc="a WeightUpdate, as the rollout loads")}  # noqa: RUF012
+    outputs = {"val": Port(ANY, doc="{'reward', 'samples', 'response_length'} or {}")}  # noqa: RUF012
+    policy = Built("the policy copy that decodes the validation rows")
+    encoder = Built("the vision tower (image_embeds), or None")
+
+    def __init__(
+        self,
+        policy: str | Mapping[str, Any],
+        data: str,
+        reward: str,
+        *,
+        every: int = 10,
+        rows: int = 64,
+        batch_size: int = 16,
+        max_new_tokens: int = 16,
+        image_input: str = "none",
+        vision: Mapping[str, Any] | None = None,
+        keys: Mapping[str, str] | None = None,
+        on_bad_sample: str = "raise",
+        device: str = "cpu",
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        for option, value in (("every", every), ("rows", rows), ("batch_size", batch_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"node {self.name!r}: {option} must be an int >= 1, got {value!r}")
+        if image_input not in _IMAGES:
+            raise ValueError(f"node {self.name!r}: image_input must be one of {_IMAGES}")
+        if image_input == "image_embeds" and not vision:
+            raise ValueError(f"node {self.name!r}: image_input='image_embeds' needs vision=")
+        check_policy_spec(policy)
+        self.policy_spec = dict(policy) if isinstance(policy, Mapping) else policy
+        self.every, self.rows, self.batch_size = every, rows, batch_size
+        self.max_new_tokens, self.image_input = max_new_tokens, image_input
+        self.vision = dict(vision or {})
+        self.device = device
+        self.calls = 0
+        from nodes.datasets import DatasetSource
+        from nodes.rewards import reward_from_option
+
+        self.source = DatasetSource(
+            data,
+            batch_size=rows,
+            seed=0,
+            shuffle=False,
+            images="auto" if image_input != "none" else False,
+            on_bad_sample=on_bad_sample,
+            name=f"{self.name}.data",
+            **dict(keys or {}),
+        )
+        self.reward = reward_from_option(
+            reward, on_bad_sample=on_bad_sample, name=f"{self.name}.reward"
+        )
+
+    def build(self) -> None:
+        self.policy = build_policy(self.policy_spec).to(self.device).eval()
+        self.source.setup()
+        self.reward.setup()
+        self.encoder = None
+        if self.image_input == "image_embeds":
+            from nodes.vision import VisionEncoder
+
+            self.encoder = VisionEncoder(
+                **self.vision, device=self.device, name=f"{self.name}.vision"
+            )
+            self.encoder.setup()
+        self._start = self.source.state_dict()
+
+    def forward(self, weights: Any = None) -> dict[str, Any]:
+        if weights is not None:
+            update = decode_weights(weights)
+            self.policy.load_weights(
+                update.weights, strict=update.complete, who=f"node {self.name!r}"
+            )
+        call, self.calls = self.calls, self.calls + 1
+        if call % self.every:
+            return {"val": {}}
+        return {"val": self.evaluate()}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Score the first ``rows`` rows with greedy responses (the figures of one pass)."""
+        self.source.load_state_dict(self._start)
+        data = self.source.forward()
+        prompts, images, meta = data["prompts"], data["images"], data["meta"]
+        texts: list[str] = []
+        lengths: list[int] = []
+        for start in range(0, len(prompts), self.batch_size):
+            part = slice(start, start + self.batch_size)
+            image_kwargs: dict[str, Any] = {}
+            if self.image_input == "images":
+                image_kwargs["images"] = images[part]
+            elif self.image_input == "image_embeds":
+                image_kwargs["image_embeds"] = self.encoder.encode(images[part])
+            batch = self.policy.encode_prompts(prompts[part], **image_kwargs)
+            out = self.policy.generate(batch, max_new_tokens=self.max_new_tokens, temperature=0.0)
+            texts += out.texts
+            lengths += out.response_lengths.tolist()
+        score_kwargs: dict[str, Any] = {"texts": texts, "meta": meta}
+        if getattr(self.reward, "needs_prompts", False):
+            score_kwargs["prompts"] = prompts
+        if getattr(self.reward, "needs_images", False):
+            score_kwargs["images"] = images
+        scores = self.reward.forward(**score_kwargs)["scores"]
+        n = len(texts)
+        return {
+            "reward": float(scores.float().mean()) if n else 0.0,
+            "samples": float(n),
+            "response_length": sum(lengths) / n if n else 0.0,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The call counter; the weights come from ``policy`` and the ``weights`` edge, as the
+        rollout's do."""
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.calls = int(state["calls"])
