@@ -49,6 +49,36 @@ def test_run_writes_metrics_trace_and_plot(tmp_path, capsys):
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_run_ends_with_a_one_line_json_summary(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", "graphs.toy", "--steps", "6", "--out", str(out), "--quiet"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    summary = json.loads(last)
+    rows = read_metrics(out)
+    rewards = [r["scores/mean"] for r in rows]
+    assert summary["steps"] == 6 and summary["last_step"] == 5 and summary["window"] == 3
+    assert summary["reward_first"] == pytest.approx(sum(rewards[:3]) / 3, abs=1e-6)
+    assert summary["reward_last"] == pytest.approx(sum(rewards[-3:]) / 3, abs=1e-6)
+    assert summary["wall_s"] > 0 and summary["samples_per_s"] > 0
+    assert json.loads((out / "summary.json").read_text()) == summary
+
+
+def test_tensorboard_gets_every_metric(tmp_path):
+    pytest.importorskip(
+        "tensorboard", reason="tensorboard is not installed (the test extra has it)"
+    )
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsWriter(tmp_path) as w:
+        w.write({"step": 0, "scores/mean": 0.25, "loss": 1.5})
+        w.write({"step": 1, "scores/mean": 0.75, "loss": 1.0})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {"scores/mean", "loss"}
+    scores = [(e.step, e.value) for e in events.Scalars("scores/mean")]
+    assert scores == [(0, 0.25), (1, 0.75)]
+
+
 def test_plot_of_a_folder_with_no_run_is_a_clear_error(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 2
     assert "no metrics at" in capsys.readouterr().err
