@@ -1,0 +1,357 @@
+"""A data node that reads a local dataset: JSONL/JSON, Parquet, CSV or a ``save_to_disk`` folder.
+
+Each call gives ``batch_size`` rows as the shapes source does (:class:`nodes.data.ShapesSource`):
+``prompts`` (list[str]), ``images`` (one PIL RGB image per prompt, or None for text-only data)
+and ``meta`` (one dict per row: ``"answer"`` from the answer column, plus every other column but
+the prompt and the image). Rows come in a seeded permutation per epoch, epoch after epoch; the
+state (epoch, position, skipped) resumes the stream exactly.
+
+The constructor is cheap: it checks the path, the format and the columns from the schema alone
+(a Parquet schema, the first JSONL line, the CSV header, a saved folder's ``dataset_info.json``).
+``build()`` loads the rows with the ``datasets`` library, imported there.
+
+Rows are numbered from 1 in messages (``data.jsonl row 17``): the 17th data row of the file.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from yatt_graph import ANY, Node
+from yatt_graph.node import Port
+
+__all__ = ["DatasetSource", "dataset_columns"]
+
+_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+_BAD = ("raise", "skip")
+
+
+def _saved_folder(path: Path) -> Path:
+    """The ``save_to_disk`` folder of one dataset: ``path``, or its ``train`` split."""
+    dict_file = path / "dataset_dict.json"
+    if dict_file.is_file():
+        splits = json.loads(dict_file.read_text()).get("splits", [])
+        if "train" not in splits:
+            raise ValueError(
+                f"{path}: a saved DatasetDict without a 'train' split (its splits: {splits}); "
+                f"pass one split's folder, e.g. {path / splits[0]}"
+                if splits
+                else f"{path}: a saved DatasetDict with no splits"
+            )
+        return path / "train"
+    if not (path / "dataset_info.json").is_file() and not (path / "state.json").is_file():
+        raise ValueError(
+            f"{path}: a folder that is not a datasets save_to_disk folder (no dataset_info.json, "
+            "state.json or dataset_dict.json); pass a .jsonl, .json, .parquet or .csv file, or a "
+            "folder written by Dataset.save_to_disk"
+        )
+    return path
+
+
+def _json_columns(path: Path) -> list[str]:
+    with path.open(encoding="utf-8") as f:
+        first = next((line for line in f if line.strip()), None)
+    if first is None:
+        raise ValueError(f"{path}: the file is empty; it needs one JSON object per line")
+    try:
+        row = json.loads(first)
+    except json.JSONDecodeError:
+        row = None
+    if isinstance(row, dict):  # JSON Lines
+        return list(row)
+    try:  # one JSON document: a list of row objects
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{path} row 1: not JSON ({exc}); write one JSON object per line (JSON Lines)"
+        ) from exc
+    if isinstance(doc, list) and doc and isinstance(doc[0], dict):
+        return list(doc[0])
+    raise ValueError(
+        f"{path}: expected JSON Lines (one object per line) or a list of objects, "
+        f"got a {type(doc).__name__}; write one JSON object per line"
+    )
+
+
+def dataset_columns(path: str | Path) -> tuple[str, Path, list[str]]:
+    """``(format, data path, columns)`` of a local dataset, read from its schema alone."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"data path {str(path)!r} does not exist; pass an existing file or folder")
+    if path.is_dir():
+        folder = _saved_folder(path)
+        info_file = folder / "dataset_info.json"
+        if not info_file.is_file():
+            raise ValueError(f"{folder}: no dataset_info.json; write the folder with save_to_disk")
+        features = json.loads(info_file.read_text()).get("features") or {}
+        return "disk", folder, list(features)
+    fmt = _FILE_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ValueError(
+            f"{path}: unknown data format {path.suffix!r}; use one of "
+            f"{sorted(_FILE_FORMATS)} or a save_to_disk folder"
+        )
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return fmt, path, list(pq.read_schema(path).names)
+        except Exception as exc:
+            raise ValueError(f"{path}: cannot read the Parquet schema ({exc})") from exc
+    if fmt == "csv":
+        with path.open(newline="", encoding="utf-8") as f:
+            header = next(csv.reader(f), None)
+        if not header:
+            raise ValueError(f"{path}: no header row; the first line must name the columns")
+        return fmt, path, header
+    return fmt, path, _json_columns(path)
+
+
+def _open_image(cell: Any, base: Path) -> Any:
+    """A PIL RGB image from one image cell (path, bytes, {"bytes", "path"} or PIL image)."""
+    from PIL import Image
+
+    if isinstance(cell, Image.Image):
+        return cell.convert("RGB")
+    if isinstance(cell, Mapping):
+        cell = cell.get("bytes") or cell.get("path")
+        if cell is None:
+            raise ValueError("the image has neither bytes nor a path")
+    if isinstance(cell, (bytes, bytearray, memoryview)):
+        image = Image.open(io.BytesIO(bytes(cell)))
+    elif isinstance(cell, (str, Path)):
+        file = Path(cell)
+        image = Image.open(file if file.is_absolute() else base / file)
+    else:
+        raise TypeError(f"expected a path, bytes or an image, got {type(cell).__name__}")
+    image.load()
+    return image.convert("RGB")
+
+
+class DatasetSource(Node):
+    """Per call, ``batch_size`` rows of a local dataset, shuffled per epoch with the seed.
+
+    Args:
+        path: a ``.jsonl``/``.json``, ``.parquet`` or ``.csv`` file, or a ``save_to_disk``
+            folder (a saved DatasetDict gives its ``train`` split).
+        batch_size: rows per call; never more than the dataset holds (a smaller dataset gives
+            all its rows each call, once each).
+        seed: the per-epoch permutation is a function of ``(seed, epoch)``.
+        prompt_key, image_key, answer_key: the columns of the prompt, image and answer.
+        shuffle: False keeps file order.
+        images: ``"auto"`` (read the image column when there is one), True (it must exist)
+            or False (ignore it; ``images`` is None).
+        on_bad_sample: ``"raise"`` a ValueError naming file, row and column, or ``"skip"`` the
+            row (filled from the next rows, counted in ``skipped``).
+        emit_stats: add the ``stats`` output, ``{"epoch": int, "skipped": int}``.
+    """
+
+    kind = "data"
+    outputs = {"images": ANY, "prompts": ANY, "meta": ANY}  # noqa: RUF012
+
+    def __init__(
+        self,
+        path: str,
+        batch_size: int = 8,
+        seed: int = 0,
+        prompt_key: str = "prompt",
+        image_key: str = "image",
+        answer_key: str = "answer",
+        shuffle: bool = True,
+        images: bool | str = "auto",
+        on_bad_sample: str = "raise",
+        emit_stats: bool = False,
+        name: str | None = None,
+    ):
+        super().__init__(name=name)
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(
+                f"node {self.name!r}: batch_size must be an int >= 1, got {batch_size!r}"
+            )
+        if on_bad_sample not in _BAD:
+            raise ValueError(
+                f"node {self.name!r}: on_bad_sample must be one of {_BAD}, got {on_bad_sample!r}"
+            )
+        if not (images is True or images is False or images == "auto"):
+            raise ValueError(
+                f"node {self.name!r}: images must be 'auto', True or False, got {images!r}"
+            )
+        self.path = str(path)
+        self.format, self.data_path, self.columns = dataset_columns(path)
+        self.file_label = Path(path).name
+        self.base = self.data_path if self.format == "disk" else self.data_path.parent
+        found = f"the columns found are {self.columns}"
+        if prompt_key not in self.columns:
+            raise ValueError(
+                f"{self.file_label}: no prompt column {prompt_key!r}; {found}; "
+                f"pass --set prompt_key=<column>"
+            )
+        if images is True and image_key not in self.columns:
+            raise ValueError(
+                f"{self.file_label}: no image column {image_key!r} (images are required); {found}; "
+                f"pass --set image_key=<column>, or use text-only data"
+            )
+        self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
+        self.prompt_key, self.image_key, self.answer_key = prompt_key, image_key, answer_key
+        self.use_images = images is not False and image_key in self.columns
+        self.on_bad_sample, self.emit_stats = on_bad_sample, emit_stats
+        if emit_stats:
+            self.outputs["stats"] = Port(ANY, doc="{'epoch': int, 'skipped': int}")
+        self.epoch = self.position = self.skipped = 0
+        self._perm: list[int] | None = None
+        self._perm_epoch = -1
+
+    def build(self) -> None:
+        import datasets
+
+        path = str(self.data_path)
+        if self.format == "disk":
+            ds = datasets.load_from_disk(path)
+        elif self.format == "csv":  # CSV has no types: every column is text
+            features = datasets.Features({c: datasets.Value("string") for c in self.columns})
+            ds = datasets.load_dataset("csv", data_files=path, split="train", features=features)
+        else:
+            ds = datasets.load_dataset(self.format, data_files=path, split="train")
+        if self.use_images:  # decode images here, row by row, so a bad one names its row
+            feature = ds.features.get(self.image_key)
+            inner = getattr(feature, "feature", None)
+            if isinstance(feature, datasets.Image):
+                ds = ds.cast_column(self.image_key, datasets.Image(decode=False))
+            elif isinstance(inner, datasets.Image):
+                ds = ds.cast_column(self.image_key, datasets.List(datasets.Image(decode=False)))
+        if len(ds) == 0:
+            raise ValueError(f"{self.file_label}: the dataset has no rows")
+        if self.prompt_key not in ds.column_names:
+            raise ValueError(
+                f"{self.file_label}: no prompt column {self.prompt_key!r}; the columns found are "
+                f"{ds.column_names}; pass --set prompt_key=<column>"
+            )
+        self.dataset = ds
+        self.answer_in_data = self.answer_key in ds.column_names
+
+    # --- order ---------------------------------------------------------------------
+    def _order(self) -> list[int]:
+        if self._perm_epoch != self.epoch or self._perm is None:
+            n = len(self.dataset)
+            if self.shuffle:
+                import numpy as np
+
+                rng = np.random.default_rng([int(self.seed) & 0xFFFFFFFF, self.epoch])
+                self._perm = rng.permutation(n).tolist()
+            else:
+                self._perm = list(range(n))
+            self._perm_epoch = self.epoch
+        return self._perm
+
+    def _next_index(self) -> int:
+        index = self._order()[self.position]
+        self.position += 1
+        if self.position >= len(self.dataset):
+            self.epoch, self.position = self.epoch + 1, 0
+        return index
+
+    # --- rows ----------------------------------------------------------------------
+    def _where(self, index: int, column: str) -> str:
+        return f"{self.file_label} row {index + 1}, column {column!r}"
+
+    def _read(self, index: int) -> tuple[tuple[Any, str, dict[str, Any]] | None, str]:
+        """``(sample, "")`` for a good row, ``(None, why)`` for a bad one."""
+        row = self.dataset[index]
+        prompt = row.get(self.prompt_key)
+        if not isinstance(prompt, str) or not prompt.strip():
+            what = "is empty" if prompt is None or prompt == "" else f"is not text: {prompt!r}"
+            return None, f"{self._where(index, self.prompt_key)}: the prompt {what}"
+        image = None
+        if self.use_images:
+            cell = row.get(self.image_key)
+            if isinstance(cell, (list, tuple)):
+                if len(cell) > 1:
+                    raise ValueError(
+                        f"{self._where(index, self.image_key)}: {len(cell)} images in one row; "
+                        "one image per prompt is read: keep one, or split the row"
+                    )
+                cell = cell[0] if cell else None
+            if cell is None:
+                return None, f"{self._where(index, self.image_key)}: no image"
+            try:
+                image = _open_image(cell, self.base)
+            except Exception as exc:
+                shown = cell if isinstance(cell, str) else f"<{type(cell).__name__}>"
+                if isinstance(cell, Mapping) and isinstance(cell.get("path"), str):
+                    shown = cell["path"] if not cell.get("bytes") else "<image bytes>"
+                return None, (
+                    f"{self._where(index, self.image_key)}: cannot read {shown!r} "
+                    f"({type(exc).__name__}: {exc})"
+                )
+        meta = {
+            k: v
+            for k, v in row.items()
+            if k not in (self.prompt_key, self.image_key, self.answer_key)
+        }
+        if self.answer_in_data:
+            answer = row.get(self.answer_key)
+            if answer is None:
+                return None, f"{self._where(index, self.answer_key)}: the answer is missing"
+            meta["answer"] = answer
+        return (image, prompt, meta), ""
+
+    def forward(self) -> dict[str, Any]:
+        self.setup()
+        n = len(self.dataset)
+        want = min(self.batch_size, n)
+        start = self.state_dict()
+        samples: list[tuple[Any, str, dict[str, Any]]] = []
+        bad: set[int] = set()
+        first_problem = ""
+        consumed = 0
+        try:
+            while len(samples) < want:
+                if consumed >= n and samples:  # one call reads each row at most once
+                    break
+                index = self._next_index()
+                consumed += 1
+                sample, why = self._read(index)
+                if sample is not None:
+                    samples.append(sample)
+                    continue
+                if self.on_bad_sample == "raise":
+                    raise ValueError(f"{why}; fix the row or pass --on-bad-sample skip")
+                self.skipped += 1
+                first_problem = first_problem or why
+                bad.add(index)
+                if len(bad) >= n:
+                    raise ValueError(
+                        f"{self.file_label}: no usable row among its {n} rows (every one is bad; "
+                        f"the first: {first_problem}); fix the data"
+                    )
+        except BaseException:
+            self.load_state_dict(start)  # a failed call leaves the stream where it was
+            raise
+        images, prompts, meta = (list(x) for x in zip(*samples))
+        out: dict[str, Any] = {
+            "images": images if self.use_images else None,
+            "prompts": prompts,
+            "meta": meta,
+        }
+        if self.emit_stats:
+            out["stats"] = {"epoch": self.epoch, "skipped": self.skipped}
+        return out
+
+    # --- state ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "skipped": self.skipped}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for key in ("epoch", "position", "skipped"):
+            if key not in state:
+                raise ValueError(
+                    f"node {self.name!r}: state has no {key!r} (keys: {sorted(state)}); "
+                    "pass a DatasetSource.state_dict()"
+                )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.skipped = int(state["skipped"])
