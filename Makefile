@@ -3,15 +3,26 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint format bench bench-ray clean
+.PHONY: install install-gpu check-gpu-install demo test lint format bench bench-ray clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -c constraints/cpu.txt -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# A GPU machine: a separate environment with the vllm extra (vllm 0.33.0 pins torch 2.14.0).
+GPU_VENV := .venv-gpu
+install-gpu:
+	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install --quiet --upgrade pip
+	$(GPU_VENV)/bin/pip install --quiet -e '.[vllm,test]'
+
+# Resolve the GPU install without installing it (no GPU needed; metadata only, ~2 minutes).
+check-gpu-install:
+	bash .ci/check_gpu_install
 
 demo: $(STAMP)
 	$(BIN)/yatt-graph demo
