@@ -264,7 +264,8 @@ class DatasetSource(Node):
         row = self.dataset[index]
         prompt = row.get(self.prompt_key)
         if not isinstance(prompt, str) or not prompt.strip():
-            what = "is empty" if prompt is None or prompt == "" else f"is not text: {prompt!r}"
+            empty = prompt is None or isinstance(prompt, str)
+            what = "is empty" if empty else f"is not text: {prompt!r}"
             return None, f"{self._where(index, self.prompt_key)}: the prompt {what}"
         image = None
         if self.use_images:
@@ -304,6 +305,11 @@ class DatasetSource(Node):
         self.setup()
         n = len(self.dataset)
         want = min(self.batch_size, n)
+        if not 0 <= self.position < n:
+            raise ValueError(
+                f"{self.file_label}: the state's position {self.position} is outside its {n} rows "
+                "(the data changed since the checkpoint?); resume with the same data"
+            )
         start = self.state_dict()
         samples: list[tuple[Any, str, dict[str, Any]]] = []
         bad: set[int] = set()
