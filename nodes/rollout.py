@@ -4,9 +4,13 @@ Backends:
 
 * ``"hf"`` (default): :meth:`nodes.models.policy.Policy.generate`, i.e. transformers ``generate``
   with a KV cache, on any device.
-* ``"vllm"``: a vLLM engine on the policy's local checkpoint directory, only when vllm is
-  installed and CUDA is available (constructing it otherwise raises an error saying which is
-  missing). Its logprobs are always recomputed teacher-forced with the HF policy.
+* ``"vllm"``: a vLLM engine (:mod:`nodes.models.vllm_engine`) on the policy's local checkpoint
+  directory (a tiny policy built in code is saved to a temporary one), only when vllm is
+  installed and CUDA is available (constructing it otherwise raises a ValueError saying which
+  is missing). Weight updates go into the running engine by name; its logprobs are vLLM's own
+  unless top-p/top-k is on or ``recompute_logprobs=True`` (then teacher-forced with the HF
+  policy). ``vllm_options``: gpu_memory_utilization, tensor_parallel_size, dtype,
+  enable_sleep_mode.
 
 Logprobs (``logprobs`` port) are ``log softmax(logits / temperature)`` of each sampled token:
 the temperature-scaled policy *before* top-k/top-p truncation (T = 1 when greedy). Computed
@@ -32,6 +36,7 @@ from nodes.models.policy import (
     build_policy,
     check_policy_spec,
 )
+from nodes.models.vllm_engine import VLLMEngine, check_vllm_options, vllm_unavailable_reason
 from nodes.sync import decode_weights
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
@@ -40,17 +45,6 @@ from yatt_graph.node import Built
 __all__ = ["Rollout", "vllm_unavailable_reason"]
 
 _BACKENDS = ("hf", "vllm")
-
-
-def vllm_unavailable_reason() -> str | None:
-    """Why the vllm backend cannot run here, or None when it can."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError as err:
-        return f"vllm is not installed ({err}); install the extra: pip install '.[vllm]'"
-    if not torch.cuda.is_available():
-        return "vllm needs a CUDA device and torch.cuda.is_available() is False"
-    return None
 
 
 class _Call(NamedTuple):
@@ -143,6 +137,7 @@ class Rollout(Node):
         name: str | None = None,
         stream: bool = False,
         stream_every: int = 1,
+        vllm_options: Mapping[str, Any] | None = None,
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
@@ -170,7 +165,7 @@ class Rollout(Node):
         if model is None:
             check_policy_spec(policy)
         if backend == "vllm" and (why := vllm_unavailable_reason()):
-            raise RuntimeError(f"{where}: backend='vllm' is unavailable: {why}; use backend='hf'")
+            raise ValueError(f"{where}: backend='vllm' is unavailable: {why}; use backend='hf'")
         self.backend = backend
         self.n = int(n)
         self.sampling = {
@@ -183,7 +178,8 @@ class Rollout(Node):
         }
         self.seed = int(seed)
         self.stream, self.stream_every = bool(stream), int(stream_every)
-        self.recompute_logprobs = bool(recompute_logprobs) or backend == "vllm"
+        self.recompute_logprobs = bool(recompute_logprobs)
+        self.vllm_options = check_vllm_options(vllm_options or {}, where)
         self.device = torch.device(device)
         self.policy_spec = policy
         self._model = model
@@ -191,13 +187,20 @@ class Rollout(Node):
         self.next_group = 0
         self.weights_version = 0
         self._last_weights: Any = None
-        self._vllm: _VLLMEngine | None = None
+        self._vllm: VLLMEngine | None = None
 
     def build(self) -> None:
         model = self._model if self._model is not None else build_policy(self.policy_spec)
         self.policy = model.to(self.device).eval()
         if self.backend == "vllm":
-            self._vllm = _VLLMEngine(self, self.policy_spec)
+            spec = self.policy_spec
+            path = spec.get("path") if isinstance(spec, Mapping) else None
+            if isinstance(spec, str) and spec not in ("tiny-prefix-vlm", "tiny-qwen2-vl"):
+                path = spec
+            self._vllm = VLLMEngine(
+                self.policy, path, seed=self.seed, sampling=self.sampling,
+                options=self.vllm_options, who=f"node {self.name!r}",
+            )  # fmt: skip
 
     # --- inputs ------------------------------------------------------------------------------
     def _check(self, prompts: Any, images: Any, image_embeds: Tensor | None) -> int:
@@ -294,7 +297,7 @@ class Rollout(Node):
             with self._seeded(call.seed):
                 gen = self.policy.generate(batch, **self.sampling)
         logprobs = gen.logprobs
-        if self.recompute_logprobs:
+        if self.recompute_logprobs or (self._vllm is not None and not self._vllm.own_logprobs):
             with torch.no_grad():
                 logprobs = self.policy.response_logprobs(
                     batch,
@@ -343,67 +346,3 @@ class Rollout(Node):
         self.step, self.next_group = int(state["step"]), int(state["next_group"])
         self.weights_version = int(state.get("weights_version", 0))
         self._last_weights = None
-
-
-class _VLLMEngine:
-    """vLLM sampling for a policy saved as a local HF checkpoint directory.
-
-    Only reached when vllm imports and CUDA exists; not exercised by the CPU test suite.
-    """
-
-    def __init__(self, node: Rollout, spec: str | Mapping[str, Any]) -> None:
-        from vllm import LLM
-
-        path = spec.get("path") if isinstance(spec, Mapping) else spec
-        if not isinstance(node.policy, HFVisionLanguagePolicy) or path in (None, "tiny-qwen2-vl"):
-            raise ValueError(
-                f"node {node.name!r}: backend='vllm' needs policy= a local HF VLM checkpoint "
-                f"directory (got {type(node.policy).__name__} from {spec!r}); save a policy with "
-                "save_pretrained(dir) and pass the dir. PrefixVLM runs only with backend='hf'"
-            )
-        self.node = node
-        self.llm = LLM(model=str(path), seed=node.seed, enforce_eager=True)
-
-    def generate(self, prompts: list[str], images: list[Any] | None, seed: int) -> Generation:
-        from vllm import SamplingParams
-
-        s, policy = self.node.sampling, self.node.policy
-        requests = []
-        for i, prompt in enumerate(prompts):
-            req: dict[str, Any] = {"prompt": policy._format(prompt, images is not None)}
-            if images is not None:
-                req["multi_modal_data"] = {"image": images[i]}
-            requests.append(req)
-        params = [
-            SamplingParams(
-                temperature=s["temperature"],
-                top_p=s["top_p"],
-                top_k=s["top_k"] or -1,
-                max_tokens=s["max_new_tokens"],
-                stop=s["stop_strings"] or None,
-                stop_token_ids=s["stop_token_ids"] or None,
-                include_stop_str_in_output=True,
-                seed=(seed + i) % (2**31 - 1),
-            )
-            for i in range(len(prompts))
-        ]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        # vLLM's own stop rules decide each row's end; logprobs are recomputed by the caller
-        rows = [list(out.outputs[0].token_ids) or [policy.eos_token_id] for out in outputs]
-        lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)  # (B,)
-        R = int(lengths.max())
-        ids = torch.full((len(rows), R), policy.pad_token_id, dtype=torch.int64)  # (B, R)
-        for b, row in enumerate(rows):
-            ids[b, : len(row)] = torch.tensor(row)
-        real = torch.arange(R)[None, :] < lengths[:, None]  # (B, R)
-        texts = [policy.tokenizer.decode(r, skip_special_tokens=True) for r in rows]
-        return Generation(ids, real.float(), torch.zeros(ids.shape), lengths, texts)
-
-    def load_weights(self, weights: Mapping[str, Tensor]) -> None:
-        items = [(k, v) for k, v in weights.items()]
-        self.llm.collective_rpc(_vllm_worker_load_weights, args=(items,))
-
-
-def _vllm_worker_load_weights(worker: Any, items: list[tuple[str, Tensor]]) -> None:
-    """Runs inside each vLLM worker: load HF-named weights into its model."""
-    worker.model_runner.model.load_weights(weights=items)

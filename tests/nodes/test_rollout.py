@@ -255,7 +255,7 @@ def test_config_rebuilds_the_node(embeds):
 
 @pytest.mark.skipif(vllm_unavailable_reason() is None, reason="vllm and CUDA are present")
 def test_vllm_backend_refused_with_reason(policy):
-    with pytest.raises(RuntimeError, match="backend='vllm' is unavailable: vllm"):
+    with pytest.raises(ValueError, match="backend='vllm' is unavailable: vllm"):
         Rollout(model=policy, backend="vllm")
 
 
