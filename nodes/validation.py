@@ -94,11 +94,11 @@ class GreedyValidation(Node):
             shuffle=False,
             images="auto" if image_input != "none" else False,
             on_bad_sample=on_bad_sample,
-            name=f"{self.name}.data",
+            name=f"{self.name}_data",
             **dict(keys or {}),
         )
         self.reward = reward_from_option(
-            reward, on_bad_sample=on_bad_sample, name=f"{self.name}.reward"
+            reward, on_bad_sample=on_bad_sample, name=f"{self.name}_reward"
         )
 
     def build(self) -> None:
@@ -110,7 +110,7 @@ class GreedyValidation(Node):
             from nodes.vision import VisionEncoder
 
             self.encoder = VisionEncoder(
-                **self.vision, device=self.device, name=f"{self.name}.vision"
+                **self.vision, device=self.device, name=f"{self.name}_vision"
             )
             self.encoder.setup()
         self._start = self.source.state_dict()
