@@ -188,6 +188,15 @@ def data_source(config: RLConfig, *, text_only: bool) -> Node:
     )
 
 
+def _vllm_options(config: RLConfig) -> dict[str, Any]:
+    return {
+        "gpu_memory_utilization": config.vllm_gpu_memory,
+        "tensor_parallel_size": config.vllm_tensor_parallel,
+        "dtype": config.dtype,
+        "enable_sleep_mode": config.vllm_sleep,
+    }
+
+
 def _keys(config: RLConfig) -> dict[str, str]:
     return {
         "prompt_key": config.prompt_key,
@@ -254,6 +263,7 @@ def sample_and_score(
         seed=config.seed,
         stream=config.stream,
         device=device,
+        vllm_options=_vllm_options(config) if config.rollout == "vllm" else None,
         name="rollout",
     )
     sample = rollout(prompts=data.prompts, **image_port)

@@ -104,6 +104,12 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Format prompts with the tokenizer's or processor's chat template when it has one."""
     rollout: Literal["hf", "vllm"] = "hf"
     """The rollout backend: hf (transformers generate, any device) or vllm (CUDA, vllm extra)."""
+    vllm_gpu_memory: float = 0.5
+    """With rollout=vllm: the share of GPU memory the engine may take, in (0, 1]."""
+    vllm_tensor_parallel: int = 1
+    """With rollout=vllm: GPUs the engine shards the model across (>= 1)."""
+    vllm_sleep: bool = False
+    """With rollout=vllm: free the engine's memory between rollouts (colocated training)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model nodes run: auto (CUDA when present, else the CPU), cpu or cuda."""
 
@@ -123,6 +129,8 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _at_least("val_every", self.val_every, 1)
         _at_least("val_rows", self.val_rows, 1)
         _at_least("lora_r", self.lora_r, 0)
+        _at_least("vllm_tensor_parallel", self.vllm_tensor_parallel, 1)
+        _within("vllm_gpu_memory", self.vllm_gpu_memory, 1e-6, 1.0)
         _positive("lora_alpha", self.lora_alpha)
         for name in ("data", "val_data"):
             value = getattr(self, name)

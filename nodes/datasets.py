@@ -209,6 +209,7 @@ class DatasetSource(Node):
     def build(self) -> None:
         import datasets
 
+        datasets.disable_progress_bars()  # the run's own progress bar is the one to read
         path = str(self.data_path)
         if self.format == "disk":
             ds = datasets.load_from_disk(path)

@@ -44,6 +44,9 @@ SOURCE_DEFAULTS = {
     "lora_targets": "all-linear",
     "chat_template": True,
     "rollout": "hf",
+    "vllm_gpu_memory": 0.5,
+    "vllm_tensor_parallel": 1,
+    "vllm_sleep": False,
     "device": "auto",
 }
 PPO_DEFAULTS |= SOURCE_DEFAULTS
