@@ -1,0 +1,46 @@
+"""A user's own model, data and reward through the CLI: the ready graphs learn on them.
+
+Each test saves a tiny model to a folder (as a user's checkpoint would be), writes the
+shapes task as data files (nodes/shapes_files.py), writes a reward function to a file, runs
+``yatt-graph run`` on them and reads the closing JSON summary. The runs are seeded, so each
+verdict is the same on every run on one machine; the margins were measured (see each test).
+"""
+
+import json
+
+import pytest
+
+from nodes.shapes_files import write_shapes_dataset
+from runtime.cli import main
+
+FIRST_LETTER = '''
+def score(text, meta):
+    """1 when the response starts with the answer's first letter."""
+    return 1.0 if text[:1].lower() == meta["answer"][:1] else 0.0
+'''
+
+
+def _run(capsys, *argv: str) -> dict:
+    assert main(["run", *argv, "--quiet"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_mm_grpo_learns_on_a_saved_vlm_with_a_parquet_of_images(tmp_path, capsys):
+    """A Qwen2-VL folder (random tiny weights, a character tokenizer), images as bytes in a
+    Parquet file, a reward in a file. Measured, seeds 0-2 (40 steps, windows of 10): the
+    reward went 0.013-0.047 -> 0.075-0.15; seed 0 (this test): 0.0125 -> 0.15."""
+    from nodes.models.policy import tiny_qwen2_vl
+
+    tiny_qwen2_vl(seed=0).save_pretrained(tmp_path / "vlm")
+    files = write_shapes_dataset(tmp_path / "data", rows=64)
+    (tmp_path / "rewards.py").write_text(FIRST_LETTER)
+    summary = _run(
+        capsys, "graphs/mm_grpo.py", "--policy", str(tmp_path / "vlm"),
+        "--data", str(files["parquet"]), "--reward", f"{tmp_path / 'rewards.py'}:score",
+        "--steps", "40", "--window", "10", "--seed", "0", "--out", str(tmp_path / "run"),
+        "--set", "batch_size=8", "--set", "lr=0.02",
+    )  # fmt: skip
+    assert summary["steps"] == 40
+    assert summary["reward_last"] >= summary["reward_first"] + 0.08, summary
