@@ -1,4 +1,4 @@
-"""Reward nodes: rule functions, a learned reward model, and CLIP image-text score.
+"""Reward nodes: rule functions, a learned reward model, CLIP image-text score, an LLM judge.
 
 All of them take the data conventions' reward inputs and give one score per sample::
 
@@ -19,15 +19,23 @@ Token rewards. With ``token_level=True`` a sequence score is placed on the last 
 ``response_mask`` (:func:`place_on_last_token`); a rule may instead return its own per-token
 rewards (``{"score": s, "token_rewards": [...]}``, one per real response token).
 
+Which inputs a node reads beyond ``texts`` and ``meta`` its class attributes say:
+``needs_prompts`` (RewardModel, JudgeReward) and ``needs_images`` (ClipScoreReward); a graph
+wires ``prompts=`` / ``images=`` by them. :func:`reward_from_option` builds a node from the
+CLI's spellings (``module:function``, ``clip``, ``model:DIR``, ``judge:DIR``).
+
 Nothing here downloads: models come from a local path or are built from a config in code.
 """
 
 from nodes.rewards.base import RewardNode, place_on_last_token
+from nodes.rewards.judge import JudgeReward
 from nodes.rewards.models import ClipScoreReward, RewardModel, char_tokenizer, clip_score
+from nodes.rewards.options import reward_from_option
 from nodes.rewards.rules import RuleReward, contains_answer, exact_match, regex_format
 
 __all__ = [
     "ClipScoreReward",
+    "JudgeReward",
     "RewardModel",
     "RewardNode",
     "RuleReward",
@@ -37,4 +45,5 @@ __all__ = [
     "exact_match",
     "place_on_last_token",
     "regex_format",
+    "reward_from_option",
 ]

@@ -106,6 +106,10 @@ class RewardNode(Node):
         "response_mask": Port(Tensor("float32", "B", "R"), required=False),
     }
     outputs = {"scores": Tensor("float32", "B")}
+    needs_prompts: bool = False
+    """Whether the node reads ``prompts`` (a graph wires ``prompts=`` only when True)."""
+    needs_images: bool = False
+    """Whether the node reads ``images`` (a graph wires ``images=`` only when True)."""
 
     def __init__(
         self,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from nodes.models.files import _check_checkpoint_dir, _loading
+from nodes.models.files import _check_checkpoint_dir, _loading, _read_json
 from nodes.rewards.base import RewardNode
 from yatt_graph import ANY, Port
 from yatt_graph.node import Built
@@ -65,6 +65,7 @@ class RewardModel(RewardNode):
         device, dtype: where and in what precision the model runs (``"float32"``, ``"bfloat16"``).
     """
 
+    needs_prompts = True  # an instance whose template has no {prompt} sets it False
     model = Built("the sequence classifier, built by setup()")
     tokenizer = Built("its tokenizer")
 
@@ -126,6 +127,7 @@ class RewardModel(RewardNode):
                     f"than the character tokenizer's {vocab}"
                 )
         self.path, self.model_config, self.seed, self.dtype = path, config, int(seed), dtype
+        self.needs_prompts = "{prompt}" in template
         self._given = (model, tokenizer) if model is not None else None
         if model is not None:
             self._check_head(model)
@@ -158,6 +160,23 @@ class RewardModel(RewardNode):
 
         fn = f"node {self.name!r}"
         _check_checkpoint_dir(fn, Path(path))
+        config = _read_json(fn, Path(path) / "config.json", "reward model")
+        architectures = config.get("architectures") or []
+        if architectures and not any(
+            str(a).endswith("ForSequenceClassification") for a in architectures
+        ):
+            raise ValueError(
+                f"{fn}: {path!r} holds a {', '.join(map(str, architectures))} "
+                f"(model_type {config.get('model_type')!r}), not a sequence classifier; a reward "
+                "model is an AutoModelForSequenceClassification with num_labels=1 (a causal LM "
+                "can judge instead: 'judge:DIR')"
+            )
+        if config.get("num_labels", len(config.get("id2label") or {0: 0})) != 1:
+            n = config.get("num_labels", len(config.get("id2label") or {}))
+            raise ValueError(
+                f"{fn}: {path!r} is a sequence classifier with {n} labels; a reward model "
+                "needs a single-logit head (num_labels=1)"
+            )
         with _loading(fn, Path(path)):
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
             model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
@@ -240,6 +259,8 @@ class ClipScoreReward(RewardNode):
     """
 
     inputs = {**RewardNode.inputs, "images": Port(ANY, doc="list[PIL.Image.Image]: B images")}
+    needs_images = True
+    needs_prompts = False  # True on an instance with text_source="prompts"
     model = Built("the open_clip model, built by setup()")
     preprocess = Built("its image transforms")
     tokenizer = Built("its text tokenizer")
@@ -282,6 +303,7 @@ class ClipScoreReward(RewardNode):
                 "for random weights"
             )
         self.text_source, self.scale, self.clamp_negative = text_source, scale, clamp_negative
+        self.needs_prompts = text_source == "prompts"
         self.micro_batch_size = micro_batch_size
         self.model_name, self.pretrained, self.seed = model_name, pretrained, int(seed)
         self.overrides = dict(model_overrides or {})

@@ -1,0 +1,292 @@
+"""A generative judge: a causal LM reads the question and the answer, and its next-token
+probabilities of a few score words give the reward.
+
+For each sample the judge fills ``template`` (``{prompt}``, ``{response}``, ``{answer}`` and any
+other key of the sample's meta), runs one forward pass, and takes the next-token distribution
+over ``score_words`` (renormalised over them)::
+
+    reward = sum_w p(w | filled template) * value(w)       p(w) = softmax(logits[score ids])_w
+
+With the default ``{"yes": 1.0, "no": 0.0}`` the reward is the judge's probability of "yes".
+Each score word must be one token of the judge's tokenizer (for BPE tokenizers such as GPT-2's,
+that often means the word with its leading space, ``" yes"``).
+
+Cost: one forward pass per sample over the filled template, so time and memory grow with
+prompt + response length (quadratically in attention); samples run in left-padded micro-batches
+of ``max_batch``, longest-first so that a batch holds texts of similar length. Inputs longer
+than ``max_length`` tokens lose their beginning (the question at the end is kept).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import string
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nodes.models.files import _check_checkpoint_dir, _loading, _read_json
+from nodes.rewards.base import RewardNode
+from nodes.rewards.models import _TORCH_DTYPES
+from yatt_graph import ANY, Port
+from yatt_graph.node import Built
+
+__all__ = ["DEFAULT_JUDGE_TEMPLATE", "JudgeReward", "template_fields", "tiny_judge"]
+
+DEFAULT_JUDGE_TEMPLATE = "Question: {prompt}\nAnswer: {response}\nIs the answer correct? "
+
+#: The tiny judge's GPT-2 size (random weights, seeded): for tests and demos only.
+TINY_JUDGE_CFG: dict[str, Any] = {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 256}
+
+
+def template_fields(template: str, where: str = "template") -> list[str]:
+    """The placeholder names of ``template``, in order; a ValueError for a malformed template,
+    a positional placeholder (``{}``, ``{0}``) or an attribute/index one (``{a.b}``, ``{a[0]}``)."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(
+            f"{where} {template!r} is malformed ({exc}); write literal braces as {{{{ and }}}}"
+        ) from exc
+    fields = []
+    for _, field, _, _ in parsed:
+        if field is None:
+            continue
+        if not field.isidentifier():
+            raise ValueError(
+                f"{where} {template!r}: placeholder {{{field}}} is not a name; use "
+                "{prompt}, {response}, {answer} or another meta key"
+            )
+        fields.append(field)
+    return list(dict.fromkeys(fields))
+
+
+def tiny_judge(words: list[str], seed: int = 0) -> tuple[Any, Any]:
+    """A random 2-layer GPT-2 causal LM and a word tokenizer over ``words`` plus the shapes
+    task's vocabulary (nothing downloads); seeded, so every process builds the same one."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from nodes.data import task_vocabulary
+    from nodes.models.policy_base import word_tokenizer
+
+    tokenizer = word_tokenizer(list(dict.fromkeys([*words, *task_vocabulary()])))
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **TINY_JUDGE_CFG,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(config)
+    return model, tokenizer
+
+
+class JudgeReward(RewardNode):
+    """A causal LM judge (see the module docstring for the score).
+
+    Ports: ``texts`` (the responses), ``prompts`` (required when the template has
+    ``{prompt}``), ``meta`` (for ``{answer}`` and other meta placeholders); out ``scores``
+    float32[B] (+ ``bad_samples`` with ``emit_bad_mask``, ``token_rewards`` with ``token_level``).
+
+    Args:
+        model: a local directory with a causal LM and its tokenizer (``save_pretrained``), or
+            ``"tiny"``: :func:`tiny_judge` (random weights; its vocabulary holds the score words
+            and the template's words).
+        template: the judge's input; placeholders ``{prompt}``, ``{response}``, ``{answer}`` and
+            any meta key. It must contain ``{response}``.
+        score_words: word -> value; each word one token of the tokenizer. At least two.
+        max_batch: samples per forward pass.
+        max_length: longest input in tokens (None: the model's position limit, else 2048).
+        seed: seeds the tiny judge.
+        device, dtype: where and in what precision the judge runs.
+        token_level, on_bad_sample, emit_bad_mask, name: see :mod:`nodes.rewards`.
+    """
+
+    needs_prompts = True  # an instance whose template has no {prompt} sets it False
+    model = Built("the causal LM judge, built by setup()")
+    tokenizer = Built("its tokenizer (left padding)")
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        *,
+        template: str = DEFAULT_JUDGE_TEMPLATE,
+        score_words: Mapping[str, float] | None = None,
+        max_batch: int = 16,
+        max_length: int | None = None,
+        seed: int = 0,
+        device: str = "cpu",
+        dtype: str = "float32",
+        token_level: bool = False,
+        on_bad_sample: str = "raise",
+        emit_bad_mask: bool = False,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(
+            token_level=token_level,
+            on_bad_sample=on_bad_sample,
+            emit_bad_mask=emit_bad_mask,
+            name=name,
+            device=device,
+        )
+        where = f"node {self.name!r}"
+        self.fields = template_fields(template, f"{where}: template")
+        if "response" not in self.fields:
+            raise ValueError(f"{where}: template {template!r} must contain {{response}}")
+        words = dict(score_words) if score_words is not None else {"yes": 1.0, "no": 0.0}
+        if len(words) < 2:
+            raise ValueError(
+                f"{where}: score_words {words!r} needs at least two words (one word would always "
+                "get probability 1)"
+            )
+        for word, value in words.items():
+            if not isinstance(word, str) or not word:
+                raise ValueError(f"{where}: score word {word!r} must be a non-empty string")
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{where}: score_words[{word!r}] = {value!r} is not a number")
+            if not math.isfinite(value):
+                raise ValueError(f"{where}: score_words[{word!r}] = {value!r} is not finite")
+        if max_batch < 1 or (max_length is not None and max_length < 1):
+            raise ValueError(f"{where}: max_batch and max_length must be >= 1")
+        if dtype not in _TORCH_DTYPES:
+            raise ValueError(f"{where}: dtype must be one of {sorted(_TORCH_DTYPES)}")
+        if model != "tiny" and not os.path.isdir(model):
+            raise FileNotFoundError(
+                f"{where}: judge model {model!r} is not a directory; pass a local directory "
+                "written by save_pretrained (nothing is downloaded), or 'tiny'"
+            )
+        self.model_source, self.template, self.score_words = model, template, words
+        self.max_batch, self.max_length, self.seed, self.dtype = max_batch, max_length, seed, dtype
+        self.needs_prompts = "prompt" in self.fields
+        if self.needs_prompts:
+            self.inputs["prompts"] = Port(ANY, doc="list[str]: the B prompts ({prompt})")
+        self.word_ids: list[int] = []
+
+    # --- building -----------------------------------------------------------------------------
+    def build(self) -> None:
+        if self.model_source == "tiny":
+            literal = [
+                w for text, *_ in string.Formatter().parse(self.template) for w in text.split()
+            ]
+            model, tokenizer = tiny_judge([*self.score_words, *literal], self.seed)
+        else:
+            model, tokenizer = self._load(self.model_source)
+        if tokenizer.pad_token is None:
+            if tokenizer.eos_token is None:
+                raise ValueError(
+                    f"node {self.name!r}: the judge's tokenizer has neither a pad nor an eos "
+                    "token; set one (tokenizer.pad_token = ...) and save it again"
+                )
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "left"
+        tokenizer.truncation_side = "left"
+        self.word_ids = self._score_ids(tokenizer)
+        if self.max_length is None:
+            cfg = model.config
+            limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 0)
+            self.max_length = int(limit) if limit else 2048
+        self.model = model.to(device=self.device, dtype=_TORCH_DTYPES[self.dtype]).eval()
+        self.tokenizer = tokenizer
+
+    def _load(self, path: str) -> tuple[Any, Any]:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        fn = f"node {self.name!r}"
+        _check_checkpoint_dir(fn, Path(path))
+        config = _read_json(fn, Path(path) / "config.json", "judge model")
+        archs = [str(a) for a in config.get("architectures") or []]
+        if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+            raise ValueError(
+                f"{fn}: {path!r} holds a {', '.join(archs)} (model_type "
+                f"{config.get('model_type')!r}), not a causal LM; a judge needs a model that "
+                "predicts the next token (a sequence classifier is 'model:DIR')"
+            )
+        with _loading(fn, Path(path)):
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        return model, tokenizer
+
+    def _score_ids(self, tokenizer: Any) -> list[int]:
+        ids = []
+        for word in self.score_words:
+            tokens = tokenizer(word, add_special_tokens=False)["input_ids"]
+            if len(tokens) != 1:
+                pieces = tokenizer.convert_ids_to_tokens(tokens)
+                raise ValueError(
+                    f"node {self.name!r}: score word {word!r} is {len(tokens)} tokens {pieces} "
+                    "of the judge's tokenizer; each score word must be a single token (try it "
+                    "with or without a leading space, or another word)"
+                )
+            if tokenizer.unk_token_id is not None and tokens[0] == tokenizer.unk_token_id:
+                raise ValueError(
+                    f"node {self.name!r}: score word {word!r} is not in the judge's vocabulary "
+                    f"(it tokenizes to {tokenizer.unk_token!r})"
+                )
+            if tokens[0] in ids:
+                other = list(self.score_words)[ids.index(tokens[0])]
+                raise ValueError(
+                    f"node {self.name!r}: score words {other!r} and {word!r} are the same token"
+                )
+            ids.append(tokens[0])
+        return ids
+
+    # --- scoring ------------------------------------------------------------------------------
+    def judge_inputs(
+        self, texts: list[str], meta: list[dict[str, Any]], prompts: list[str] | None
+    ) -> list[str]:
+        """The filled template of each sample (what the judge reads)."""
+        if self.needs_prompts and prompts is None:
+            raise ValueError(
+                f"node {self.name!r}: the template has {{prompt}} but no prompts were given; "
+                "wire prompts= or drop {prompt} from the template"
+            )
+        out = []
+        for i, text in enumerate(texts):
+            m = meta[i] if meta[i] is not None else {}
+            values = {**m, "response": text}
+            if prompts is not None:
+                values["prompt"] = prompts[i]
+            missing = [f for f in self.fields if f not in values]
+            if missing:
+                raise ValueError(
+                    f"node {self.name!r}: template placeholder {{{missing[0]}}} has no value for "
+                    f"sample {i} (its meta keys: {sorted(m)}); the template may use {{prompt}}, "
+                    "{response} and the samples' meta keys"
+                )
+            out.append(self.template.format_map(values))
+        return out
+
+    def score_samples(self, texts, meta, prompts, images):
+        inputs = self.judge_inputs(texts, meta, prompts)
+        if not inputs:
+            return torch.zeros(0)
+        model, tokenizer = self.model, self.tokenizer
+        word_ids = torch.tensor(self.word_ids, device=self.device)  # (W,)
+        values = torch.tensor(list(self.score_words.values()), dtype=torch.float32)  # (W,)
+        order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))  # longest first
+        scores = torch.zeros(len(inputs), dtype=torch.float32)  # (B,)
+        with torch.inference_mode():
+            for start in range(0, len(order), self.max_batch):
+                rows = order[start : start + self.max_batch]
+                enc = tokenizer(
+                    [inputs[i] for i in rows],
+                    padding=True,
+                    truncation=True,
+                    max_length=self.max_length,
+                    add_special_tokens=True,
+                    return_tensors="pt",
+                )
+                ids = enc["input_ids"].to(self.device)  # (b, L) left-padded
+                mask = enc["attention_mask"].to(self.device)  # (b, L)
+                positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (b, L) real tokens from 0
+                logits = model(
+                    input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1
+                ).logits[:, -1, :]  # (b, V) the next token after each input
+                probs = logits.float()[:, word_ids].softmax(dim=-1).cpu()  # (b, W)
+                scores[rows] = probs @ values  # (b,)
+        return scores  # (B,)
