@@ -13,6 +13,7 @@ from nodes.rewards import (
     ClipScoreReward,
     RewardModel,
     RuleReward,
+    char_tokenizer,
     clip_score,
     contains_answer,
     exact_match,
@@ -346,3 +347,122 @@ def test_clip_reward_errors(clip_reward):
         ValueError, match="node 'clip': input 'images' has 2 items but 'texts' has 3"
     ):
         clip_reward.run(texts=["a", "b", "c"], images=_images()[:2])
+
+
+# --- needs_* and reward-model directories -----------------------------------------------------
+
+
+def test_needs_prompts_and_images_say_which_inputs_a_node_reads(reward_model, clip_reward):
+    from nodes.rewards import JudgeReward, RewardNode
+
+    assert (RewardNode.needs_prompts, RewardNode.needs_images) == (False, False)
+    assert (RuleReward.needs_prompts, RuleReward.needs_images) == (False, False)
+    assert (RewardModel.needs_prompts, RewardModel.needs_images) == (True, False)
+    assert (ClipScoreReward.needs_prompts, ClipScoreReward.needs_images) == (False, True)
+    assert (JudgeReward.needs_prompts, JudgeReward.needs_images) == (True, False)
+    # an instance refines them by what it reads
+    assert RewardModel(config=TINY_GPT2, template="{response}").needs_prompts is False
+    assert ClipScoreReward("ViT-S-32", text_source="prompts").needs_prompts is True
+    assert clip_reward.needs_prompts is False and reward_model.needs_prompts is True
+
+
+def test_reward_model_dir_errors_say_what_they_found(tmp_path, reward_model):
+    from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
+
+    lm = tmp_path / "lm"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=100)).save_pretrained(lm)
+    with pytest.raises(ValueError, match=r"holds a GPT2LMHeadModel .*not a sequence classifier"):
+        RewardModel(str(lm), name="rm").setup()
+    three = tmp_path / "three"
+    cfg = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=100, num_labels=3)
+    GPT2ForSequenceClassification(cfg).save_pretrained(three)
+    with pytest.raises(ValueError, match="with 3 labels; a reward model needs a single-logit"):
+        RewardModel(str(three)).setup()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "weights.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"has no config.json \(it holds \['weights.pt'\]\)"):
+        RewardModel(str(empty)).setup()
+
+
+# --- reward_from_option -----------------------------------------------------------------------
+
+
+def _saved_reward_model(tmp_path, reward_model):
+    path = tmp_path / "rm"
+    reward_model.model.save_pretrained(path)
+    tok = char_tokenizer()
+    tok.pad_token = None  # the loader falls back to eos
+    tok.save_pretrained(path)
+    return path
+
+
+def test_reward_from_option_every_spelling(tmp_path, reward_model):
+    from nodes.data import answer_reward, make_sample
+    from nodes.rewards import JudgeReward, reward_from_option
+
+    rule = reward_from_option("nodes.data:answer_reward")
+    assert isinstance(rule, RuleReward) and rule.fn is answer_reward and rule.name == "reward"
+    file = tmp_path / "my_reward.py"
+    file.write_text("def score(text, meta):\n    return float(len(text))\n")
+    by_file = reward_from_option(f"{file}:score", name="r2")
+    assert by_file.name == "r2" and by_file.run(texts=["abc"])["scores"].tolist() == [3.0]
+
+    samples = [make_sample(0, i) for i in range(3)]
+    images, prompts, meta = (list(x) for x in zip(*samples))
+    clip = reward_from_option("clip")
+    assert isinstance(clip, ClipScoreReward) and clip.text_source == "texts"
+    scores = clip.run(texts=[m["answer"] for m in meta], images=images, meta=meta)["scores"]
+    assert scores.shape == (3,) and ((scores >= 0) & (scores <= 2.5)).all()
+    named = reward_from_option("clip:open_clip:ViT-S-32")
+    assert (named.model_name, named.pretrained) == ("ViT-S-32", None)
+    with pytest.raises(ValueError, match="is not a local file"):
+        reward_from_option(f"clip:open_clip:ViT-S-32:{tmp_path / 'missing.pt'}")
+
+    path = _saved_reward_model(tmp_path, reward_model)
+    model = reward_from_option(f"model:{path}")
+    assert isinstance(model, RewardModel)
+    texts = ["a", "a longer one"]
+    torch.testing.assert_close(
+        model.run(texts=texts, prompts=prompts[:2])["scores"],
+        reward_model.run(texts=texts, prompts=prompts[:2])["scores"],
+    )
+    assert model.tokenizer.pad_token == model.tokenizer.eos_token
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        reward_from_option(f"model:{tmp_path / 'nope'}")
+
+    judge = reward_from_option("judge:tiny")
+    assert isinstance(judge, JudgeReward) and judge.needs_prompts
+    assert judge.run(texts=["red"] * 3, prompts=prompts, meta=meta)["scores"].shape == (3,)
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["nonsense", "", "clip:vit", "clip:open_clip", "model:", "judge:", ":fn", "no_such_mod_x:f"],
+)
+def test_reward_from_option_bad_spellings_list_the_spellings(value):
+    from nodes.rewards import reward_from_option
+
+    with pytest.raises(ValueError, match=r"(?s)reward .*The spellings are:.*model:DIR.*judge:DIR"):
+        reward_from_option(value)
+
+
+def test_reward_from_option_under_skip_every_kind_has_two_outputs(tmp_path, reward_model):
+    from nodes.rewards import reward_from_option
+
+    with pytest.raises(ValueError, match="on_bad_sample must be 'raise' or 'skip'"):
+        reward_from_option("clip", on_bad_sample="ignore")
+    path = _saved_reward_model(tmp_path, reward_model)
+    image = Image.new("RGB", (32, 32), (255, 0, 0))
+    for value in ["nodes.data:answer_reward", "clip", f"model:{path}", "judge:tiny"]:
+        node = reward_from_option(value, on_bad_sample="skip")
+        assert list(node.outputs) == ["scores", "bad_samples"], value
+        plain = reward_from_option(value)
+        assert list(plain.outputs) == ["scores"], value
+        inputs = {"texts": ["red"], "meta": [{"answer": "red", "choices": ["red"]}]}
+        if node.needs_prompts:
+            inputs["prompts"] = ["what colour ?"]
+        if node.needs_images:
+            inputs["images"] = [image]
+        out = node.run(**inputs)
+        assert out["bad_samples"].tolist() == [False] and out["scores"].shape == (1,), value
