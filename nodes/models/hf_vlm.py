@@ -176,8 +176,9 @@ class HFVisionLanguagePolicy(Policy):
 
     # --- files -------------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:
-        """``model.save_pretrained`` + ``processor.save_pretrained`` into one directory."""
-        self.model.save_pretrained(path)
+        """``model.save_pretrained`` + ``processor.save_pretrained`` into one directory (a LoRA
+        policy is saved merged, so ``AutoModelForImageTextToText`` loads it)."""
+        self._export_model().save_pretrained(path)
         self.processor.save_pretrained(path)
 
     @classmethod

@@ -1,17 +1,21 @@
 """Policy models behind one small interface, used by the rollout, reference, critic and update nodes.
 
-Two families implement :class:`Policy`:
+Three families implement :class:`Policy`:
 
 * :class:`PrefixVLM` (:mod:`nodes.models.prefix_vlm`): image features (``image_embeds``, from
   :class:`nodes.vision.VisionEncoder`) projected by a Linear into ``k`` prefix embeddings in
   front of the prompt of a transformers causal LM (GPT-2 built from a config in code, or any
-  local causal LM).
+  local causal LM: ``load_policy(dir, image_dim=D)``).
+* :class:`HFCausalPolicy` (:mod:`nodes.models.hf_causal`): a text causal LM
+  (``AutoModelForCausalLM`` + ``AutoTokenizer``; GPT-2, Llama, Qwen2, ...) from a local path,
+  or a tiny random one built in code (``"tiny-gpt2"``, ``"tiny-llama"``, ``"tiny-qwen2"``).
 * :class:`HFVisionLanguagePolicy` (:mod:`nodes.models.hf_vlm`): transformers' own VLMs
   (``AutoModelForImageTextToText`` + ``AutoProcessor``; Qwen2-VL, Qwen2.5-VL, ...) from a local
   path, or a tiny random Qwen2-VL built in code.
 
-The interface, the batch types and the tokenizers are in :mod:`nodes.models.policy_base`; this
-module gathers them and builds policies from specs.
+:func:`nodes.models.families.model_family` tells a directory's family; LoRA adapters are in
+:mod:`nodes.models.lora`. The interface, the batch types and the tokenizers are in
+:mod:`nodes.models.policy_base`; this module gathers them and builds policies from specs.
 
 The interface (every method takes and returns batch-first tensors):
 
@@ -27,10 +31,13 @@ The interface (every method takes and returns batch-first tensors):
 * ``forward_logits``, ``response_logprobs``, ``response_hidden_states``: views of the above.
 * ``save_pretrained(path)`` / ``load_policy(path)``; ``state_dict``/``load_state_dict`` (it is an
   ``nn.Module``); ``.tokenizer``, ``.hidden_size``, ``.vocab_size``, ``.pad_token_id``,
-  ``.eos_token_id``.
+  ``.eos_token_id``; ``.has_lora`` and ``adapter_disabled()`` (the frozen base of a LoRA policy).
 
-Nodes build policies from JSON-able specs with :func:`build_policy` (``"tiny-prefix-vlm"``,
-``"tiny-qwen2-vl"``, a local directory, or ``{"builder": "module:function", ...kwargs}``).
+Nodes build policies from JSON-able specs with :func:`build_policy` (a tiny name, a local
+directory, or ``{"builder": "module:function", ...kwargs}``). Name and path specs also take
+the options ``dtype`` (float32|bfloat16|float16), ``gradient_checkpointing`` (non-reentrant),
+``lora`` (:mod:`nodes.models.lora`) and ``chat_template``; path specs also ``image_dim``,
+``num_prefix_tokens`` and ``seed`` (see :func:`load_policy`).
 Nothing here downloads: tiny models come from configs and a character tokenizer made in code.
 """
 
@@ -39,19 +46,30 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from nodes.models.families import (
+    OPTION_KEYS,
+    check_options,
+    configure_policy,
+    load_policy,
+    model_family,
+)
+from nodes.models.hf_causal import (
+    HFCausalPolicy,
+    tiny_causal_lm,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_qwen2,
+)
 from nodes.models.hf_vlm import HFVisionLanguagePolicy, tiny_qwen2_vl
 from nodes.models.policy_base import (
-    _PREFIX_MARKER,
     Generation,
     Policy,
     PromptBatch,
     ResponseForward,
-    _local_dir,
     char_tokenizer,
     word_tokenizer,
 )
@@ -59,6 +77,7 @@ from nodes.models.prefix_vlm import PrefixVLM, tiny_prefix_vlm
 
 __all__ = [
     "Generation",
+    "HFCausalPolicy",
     "HFVisionLanguagePolicy",
     "Policy",
     "PrefixVLM",
@@ -68,6 +87,8 @@ __all__ = [
     "char_tokenizer",
     "check_policy_spec",
     "load_policy",
+    "model_family",
+    "tiny_causal_lm",
     "tiny_prefix_vlm",
     "tiny_qwen2_vl",
     "word_tokenizer",
@@ -78,16 +99,20 @@ __all__ = [
 # building from JSON-able specs (what nodes take as constructor arguments)
 # ---------------------------------------------------------------------------------------------
 
-_BUILDERS = {"tiny-prefix-vlm": tiny_prefix_vlm, "tiny-qwen2-vl": tiny_qwen2_vl}
+_BUILDERS = {
+    "tiny-prefix-vlm": tiny_prefix_vlm,
+    "tiny-qwen2-vl": tiny_qwen2_vl,
+    "tiny-gpt2": tiny_gpt2,
+    "tiny-llama": tiny_llama,
+    "tiny-qwen2": tiny_qwen2,
+}
+#: the keys of a path spec: 'path' and the keyword arguments of load_policy
+_PATH_KEYS = ("path", *sorted(set(inspect.signature(load_policy).parameters) - {"path"}))
 
 
-def load_policy(path: str | Path, *, dtype: str = "float32") -> Policy:
-    """Load a saved policy: a :class:`PrefixVLM` directory (it has ``prefix_vlm.json``) or any
-    HF image-text-to-text checkpoint directory."""
-    path = _local_dir("load_policy", path)
-    if (path / _PREFIX_MARKER).is_file():
-        return PrefixVLM.from_pretrained(path, dtype=dtype)
-    return HFVisionLanguagePolicy.from_pretrained(path, dtype=dtype)
+def _split_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Pop the options (``nodes.models.families.OPTION_KEYS``) of a name spec out of ``kwargs``."""
+    return {key: kwargs.pop(key) for key in OPTION_KEYS if key in kwargs}
 
 
 def _spec_dict(spec: str | Mapping[str, Any]) -> dict[str, Any]:
@@ -108,19 +133,35 @@ def _spec_dict(spec: str | Mapping[str, Any]) -> dict[str, Any]:
 
 def check_policy_spec(spec: str | Mapping[str, Any]) -> None:
     """Check a :func:`build_policy` spec without building anything (what a node's constructor
-    does): a known tiny builder with arguments it takes, a local directory, or a
-    ``"module:function"`` builder reference. Raises ValueError saying what is wrong."""
+    does): a known tiny builder with arguments it takes, a local directory of a supported
+    family, or a ``"module:function"`` builder reference; option values are checked too.
+    Raises ValueError saying what is wrong."""
     kwargs = _spec_dict(spec)
     if "name" in kwargs:
         name = kwargs.pop("name")
         if name not in _BUILDERS:
             raise ValueError(f"build_policy: unknown name {name!r}; known: {sorted(_BUILDERS)}")
+        check_options(_split_options(kwargs), f"build_policy {name!r}")
+        params = inspect.signature(_BUILDERS[name]).parameters
+        unknown = sorted(set(kwargs) - set(params))
+        if unknown:
+            valid = sorted({"name", *params, *OPTION_KEYS})
+            raise ValueError(
+                f"build_policy: {name!r} takes no key(s) {unknown}; valid keys: {valid}"
+            )
         try:
             inspect.signature(_BUILDERS[name]).bind(**kwargs)
         except TypeError as exc:
             raise ValueError(f"build_policy: {name!r} {exc}; spec {dict(spec)!r}") from None
     elif "path" in kwargs:
-        _local_dir("load_policy", kwargs["path"])
+        unknown = sorted(set(kwargs) - set(_PATH_KEYS))
+        if unknown:
+            raise ValueError(
+                f"build_policy: a path spec takes no key(s) {unknown}; valid keys: "
+                f"{sorted(_PATH_KEYS)}"
+            )
+        check_options(kwargs, "build_policy")
+        model_family(kwargs["path"])  # a local directory of a family we load
     else:
         module, sep, qualname = str(kwargs["builder"]).partition(":")
         if not (sep and module and qualname):
@@ -132,8 +173,10 @@ def check_policy_spec(spec: str | Mapping[str, Any]) -> None:
 def build_policy(spec: str | Mapping[str, Any]) -> Policy:
     """Build a policy from a JSON-able spec.
 
-    * ``"tiny-prefix-vlm"`` / ``"tiny-qwen2-vl"``: the tiny builders with their defaults;
-    * ``{"name": "tiny-qwen2-vl", "seed": 1, ...}``: a tiny builder with keyword arguments;
+    * ``"tiny-prefix-vlm"``, ``"tiny-qwen2-vl"``, ``"tiny-gpt2"``, ``"tiny-llama"``,
+      ``"tiny-qwen2"``: the tiny builders with their defaults;
+    * ``{"name": "tiny-qwen2", "seed": 1, "words": [...], "lora": {...}}``: a tiny builder with
+      keyword arguments, plus the options (dtype, gradient_checkpointing, lora, chat_template);
     * ``"/local/dir"`` or ``{"path": "/local/dir", "dtype": "bfloat16"}``: :func:`load_policy`;
     * ``{"builder": "package.module:function", ...}``: any function returning a Policy.
     """
@@ -146,9 +189,11 @@ def build_policy(spec: str | Mapping[str, Any]) -> Policy:
 
 
 def _build(kwargs: dict[str, Any], spec: str | Mapping[str, Any]) -> Policy:
+    check_policy_spec(spec)
     if "name" in kwargs:
-        check_policy_spec(spec)
-        return _BUILDERS[kwargs.pop("name")](**kwargs)
+        options = _split_options(kwargs)
+        policy = _BUILDERS[kwargs.pop("name")](**kwargs)
+        return configure_policy(policy, **options)
     if "path" in kwargs:
         return load_policy(kwargs.pop("path"), **kwargs)
     builder = kwargs.pop("builder")

@@ -1,11 +1,12 @@
 """What every policy family shares: the :class:`Policy` interface, the batch and result
 types, the offline tokenizers and the helpers for generation. :mod:`nodes.models.policy` is the
 public face (it also builds policies from specs); the families live in
-:mod:`nodes.models.prefix_vlm` and :mod:`nodes.models.hf_vlm`.
+:mod:`nodes.models.prefix_vlm`, :mod:`nodes.models.hf_causal` and :mod:`nodes.models.hf_vlm`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import string
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -157,7 +158,8 @@ def word_tokenizer(words: Sequence[str]) -> Any:
 
 
 class Policy(nn.Module):
-    """The interface shared by :class:`PrefixVLM` and :class:`HFVisionLanguagePolicy`."""
+    """The interface shared by :class:`PrefixVLM`, :class:`HFCausalPolicy` and
+    :class:`HFVisionLanguagePolicy`."""
 
     tokenizer: Any
     hidden_size: int
@@ -166,6 +168,36 @@ class Policy(nn.Module):
     """Tokens the policy never emits (e.g. image placeholders, which would break a teacher-forced
     forward): ``generate`` bans them and ``forward_response`` gives them -inf logits, so both
     describe the same distribution."""
+    _hf_attribute: str = "model"
+    """The attribute holding the transformers model (what LoRA wraps and export saves)."""
+
+    @property
+    def has_lora(self) -> bool:
+        """Whether the policy's HF model carries LoRA adapters (:mod:`nodes.models.lora`)."""
+        from nodes.models.lora import is_lora_model
+
+        return is_lora_model(getattr(self, self._hf_attribute))
+
+    @contextlib.contextmanager
+    def adapter_disabled(self) -> Iterator[Policy]:
+        """Within the block the policy computes with its frozen base model (adapters off):
+        a LoRA policy's reference model for free."""
+        if not self.has_lora:
+            raise ValueError(
+                f"{type(self).__name__}.adapter_disabled: the policy has no LoRA adapters; "
+                "build it with a 'lora' spec key, or use a separate reference policy"
+            )
+        with getattr(self, self._hf_attribute).disable_adapter():
+            yield self
+
+    def _export_model(self) -> nn.Module:
+        """The HF model to save: itself, or a merged copy for a LoRA policy."""
+        model = getattr(self, self._hf_attribute)
+        if self.has_lora:
+            from nodes.models.lora import merged_copy
+
+            return merged_copy(model)
+        return model
 
     @property
     def pad_token_id(self) -> int:

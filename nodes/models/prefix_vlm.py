@@ -37,6 +37,8 @@ class PrefixVLM(Policy):
     Without ``image_embeds`` it is a plain text policy (no prefix).
     """
 
+    _hf_attribute = "lm"
+
     def __init__(self, lm: nn.Module, tokenizer: Any, image_dim: int, num_prefix_tokens: int = 4):
         super().__init__()
         if image_dim < 1 or num_prefix_tokens < 1:
@@ -128,7 +130,7 @@ class PrefixVLM(Policy):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.lm.save_pretrained(path / "lm")
+        self._export_model().save_pretrained(path / "lm")
         self.tokenizer.save_pretrained(path / "lm")
         save_file(
             {k: v.contiguous() for k, v in self.projector.state_dict().items()},

@@ -1,0 +1,220 @@
+"""transformers' text causal LMs (GPT-2, Llama, Qwen2, ...) as a policy family.
+
+See :mod:`nodes.models.policy_base` for the interface every family implements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from nodes.models.files import _check_checkpoint_dir, _loading
+from nodes.models.policy_base import (
+    Policy,
+    PromptBatch,
+    _check_response,
+    _local_dir,
+    _positions,
+    char_tokenizer,
+    word_tokenizer,
+)
+
+__all__ = [
+    "TINY_ARCHS",
+    "HFCausalPolicy",
+    "tiny_causal_lm",
+    "tiny_gpt2",
+    "tiny_llama",
+    "tiny_qwen2",
+]
+
+#: the architectures :func:`tiny_causal_lm` builds
+TINY_ARCHS = ("gpt2", "llama", "qwen2")
+
+
+class HFCausalPolicy(Policy):
+    """A transformers causal LM (``AutoModelForCausalLM``) with its tokenizer; text only.
+
+    Prompts are formatted with the tokenizer's chat template (one user turn, then the generation
+    prompt) when it has one and ``use_chat_template``, else tokenized as they are. Prompts are
+    left-padded (pad = EOS when the tokenizer has no pad token, as for GPT-2), and the
+    teacher-forced forward uses position ids that skip the padding, as ``generate`` does.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, use_chat_template: bool = True):
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "left"
+        self.use_chat_template = bool(use_chat_template)
+        self.hidden_size = int(model.config.get_text_config().hidden_size)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+
+    # --- inputs ------------------------------------------------------------------------------
+    @property
+    def _templated(self) -> bool:
+        return self.use_chat_template and bool(getattr(self.tokenizer, "chat_template", None))
+
+    def _format(self, prompt: str) -> str:
+        if not self._templated:
+            return prompt
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+
+    @staticmethod
+    def _text_only(fn: str, images: Any, image_embeds: Any) -> None:
+        if images is not None or image_embeds is not None:
+            given = "images" if images is not None else "image_embeds"
+            raise ValueError(
+                f"{fn}: got {given}, but a causal LM reads text only; give a prefix-VLM "
+                "(load_policy(dir, image_dim=D)) or an image-text-to-text model for images"
+            )
+
+    def encode_prompts(self, prompts, *, images=None, image_embeds=None) -> PromptBatch:
+        self._text_only("HFCausalPolicy.encode_prompts", images, image_embeds)
+        texts = [self._format(p) for p in prompts]
+        # a chat template writes its own BOS; without one the tokenizer adds what it adds
+        enc = self.tokenizer(
+            texts, return_tensors="pt", padding=True, add_special_tokens=not self._templated
+        )
+        return PromptBatch(enc["input_ids"].long(), enc["attention_mask"].long())
+
+    def prepare(self, prompt_ids, prompt_mask, *, images=None, image_embeds=None) -> PromptBatch:
+        self._text_only("HFCausalPolicy.prepare", images, image_embeds)
+        return PromptBatch(prompt_ids.long(), prompt_mask.long())
+
+    # --- model -------------------------------------------------------------------------------
+    def forward_response(self, batch, response_ids, response_mask, *, logits=True, hidden=False):
+        _check_response("HFCausalPolicy.forward_response", batch, response_ids, response_mask)
+        dev = self.device
+        real = response_mask.to(dev) > 0  # (B, R)
+        resp_ids = torch.where(real, response_ids.to(dev), self.pad_token_id)  # (B, R)
+        ids = torch.cat([batch.prompt_ids.to(dev), resp_ids], 1)  # (B, P+R)
+        mask = torch.cat([batch.prompt_mask.to(dev), real.long()], 1)  # (B, P+R)
+        R = response_ids.shape[1]
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=_positions(mask),
+            output_hidden_states=hidden,
+            logits_to_keep=R + 1,
+            use_cache=False,
+        )
+        return self._response_outputs(out, R, logits, hidden)
+
+    def _generate_raw(self, batch, gen_config, **kwargs) -> Tensor:
+        P = batch.prompt_ids.shape[1]
+        out = self.model.generate(
+            input_ids=batch.prompt_ids.to(self.device),
+            attention_mask=batch.prompt_mask.to(self.device),
+            generation_config=gen_config,
+            **kwargs,
+        )
+        return out.sequences[:, P:]  # (B, R)
+
+    # --- files -------------------------------------------------------------------------------
+    def save_pretrained(self, path: str | Path) -> None:
+        """``model.save_pretrained`` + ``tokenizer.save_pretrained`` into one directory, which
+        ``AutoModelForCausalLM``/``AutoTokenizer`` load (a LoRA policy is saved merged)."""
+        self._export_model().save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, dtype: str = "float32", use_chat_template: bool = True
+    ) -> HFCausalPolicy:
+        """Load a causal LM and its tokenizer from a local directory (never downloads)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        fn = "HFCausalPolicy.from_pretrained"
+        path = _local_dir(fn, path)
+        _check_checkpoint_dir(fn, path)
+        with _loading(fn, path):
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=getattr(torch, dtype), local_files_only=True
+            )
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return cls(model, tokenizer, use_chat_template=use_chat_template).eval()
+
+
+def _tiny_config(arch: str, tokenizer: Any, hidden_size: int, num_layers: int) -> Any:
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+
+    ids = {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.eos_token_id,
+    }
+    if arch == "gpt2":
+        # no dropout: a PPO ratio must compare the same function in rollout and update
+        return GPT2Config(
+            n_layer=num_layers,
+            n_embd=hidden_size,
+            n_head=4,
+            n_positions=512,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **ids,
+        )
+    config_class = LlamaConfig if arch == "llama" else Qwen2Config
+    return config_class(
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        **ids,
+    )
+
+
+def tiny_causal_lm(
+    arch: str = "gpt2",
+    seed: int = 0,
+    words: Sequence[str] | None = None,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+) -> HFCausalPolicy:
+    """A random GPT-2, Llama or Qwen2 (2 layers, 64 dims) with a tokenizer made in code: the
+    character tokenizer, or a word-level one over ``words``. Same seed, same weights."""
+    from transformers import AutoModelForCausalLM
+
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"tiny_causal_lm: arch={arch!r}; choose one of {', '.join(TINY_ARCHS)}")
+    if hidden_size < 8 or hidden_size % 8 or num_layers < 1:
+        raise ValueError(
+            f"tiny_causal_lm: hidden_size={hidden_size}, num_layers={num_layers}; need a "
+            "hidden_size that is a multiple of 8 and num_layers >= 1"
+        )
+    tokenizer = char_tokenizer() if words is None else word_tokenizer(words)
+    config = _tiny_config(arch, tokenizer, hidden_size, num_layers)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    return HFCausalPolicy(model, tokenizer).eval()
+
+
+def tiny_gpt2(seed=0, words=None, hidden_size=64, num_layers=2) -> HFCausalPolicy:
+    """:func:`tiny_causal_lm` with ``arch="gpt2"``."""
+    return tiny_causal_lm("gpt2", seed, words, hidden_size, num_layers)
+
+
+def tiny_llama(seed=0, words=None, hidden_size=64, num_layers=2) -> HFCausalPolicy:
+    """:func:`tiny_causal_lm` with ``arch="llama"``."""
+    return tiny_causal_lm("llama", seed, words, hidden_size, num_layers)
+
+
+def tiny_qwen2(seed=0, words=None, hidden_size=64, num_layers=2) -> HFCausalPolicy:
+    """:func:`tiny_causal_lm` with ``arch="qwen2"``."""
+    return tiny_causal_lm("qwen2", seed, words, hidden_size, num_layers)
