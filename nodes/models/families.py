@@ -113,9 +113,12 @@ def configure_policy(
     if chat_template is not None and hasattr(policy, "use_chat_template"):
         policy.use_chat_template = bool(chat_template)
     if gradient_checkpointing:
-        getattr(policy, policy._hf_attribute).gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False}
-        )
+        model = getattr(policy, policy._hf_attribute)
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if lora is not None:
         apply_lora(policy, lora)
     return policy
