@@ -63,14 +63,17 @@ def model_family(path: str | Path) -> str:
     model_type = config.get("model_type")
     architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
     vlm_names, causal_names = _mapping_names(VLM), _mapping_names(CAUSAL)
-    # the architecture decides first: one model_type may be in both mappings (gemma3)
-    if any(a in vlm_names for a in architectures):
+    # The saved architecture decides: one model_type may be in both mappings (gemma3), and a
+    # type with a causal head may be saved as another (bert: BertForMaskedLM). Without one,
+    # the model_type does.
+    if architectures:
+        if any(a in vlm_names for a in architectures):
+            return "vlm"
+        if any(a in causal_names for a in architectures):
+            return "causal-lm"
+    elif model_type in VLM:
         return "vlm"
-    if any(a in causal_names for a in architectures):
-        return "causal-lm"
-    if model_type in VLM:
-        return "vlm"
-    if model_type in CAUSAL:
+    elif model_type in CAUSAL:
         return "causal-lm"
     arch = f" ({', '.join(architectures)})" if architectures else ""
     raise ValueError(

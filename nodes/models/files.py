@@ -61,3 +61,28 @@ def _loading(fn: str, path: Path) -> Iterator[None]:
         raise ValueError(
             f"{fn}: the model in {str(path)!r} could not be loaded ({type(exc).__name__}: {why})"
         ) from exc
+
+
+#: tokenizer classes that ``tokenizer.json`` describes completely
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _load_tokenizer(path: Path) -> Any:
+    """The tokenizer saved in ``path``, local files only.
+
+    A directory whose ``tokenizer_config.json`` declares a generic fast tokenizer (what
+    ``save_pretrained`` writes for one built in code) loads exactly its ``tokenizer.json``:
+    ``AutoTokenizer`` would swap in the model type's own class for some types (Qwen2's
+    tokenizer rebuilds its pre-tokenizer and drops a word-level tokenizer's spaces)."""
+    from transformers import AutoTokenizer
+
+    config_file = path / "tokenizer_config.json"
+    declared = None
+    if config_file.is_file() and (path / "tokenizer.json").is_file():
+        with contextlib.suppress(OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            declared = json.loads(config_file.read_text()).get("tokenizer_class")
+    if declared in _GENERIC_TOKENIZERS:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nodes.models.files import _check_checkpoint_dir, _loading
+from nodes.models.files import _check_checkpoint_dir, _load_tokenizer, _loading
 from nodes.models.policy_base import (
     Policy,
     PromptBatch,
@@ -122,7 +122,8 @@ class HFCausalPolicy(Policy):
     # --- files -------------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:
         """``model.save_pretrained`` + ``tokenizer.save_pretrained`` into one directory, which
-        ``AutoModelForCausalLM``/``AutoTokenizer`` load (a LoRA policy is saved merged)."""
+        ``AutoModelForCausalLM`` loads and :func:`load_policy` reads back (a LoRA policy is
+        saved merged)."""
         self._export_model().save_pretrained(path)
         self.tokenizer.save_pretrained(path)
 
@@ -131,7 +132,7 @@ class HFCausalPolicy(Policy):
         cls, path: str | Path, dtype: str = "float32", use_chat_template: bool = True
     ) -> HFCausalPolicy:
         """Load a causal LM and its tokenizer from a local directory (never downloads)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         fn = "HFCausalPolicy.from_pretrained"
         path = _local_dir(fn, path)
@@ -140,7 +141,7 @@ class HFCausalPolicy(Policy):
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=getattr(torch, dtype), local_files_only=True
             )
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            tokenizer = _load_tokenizer(path)
         return cls(model, tokenizer, use_chat_template=use_chat_template).eval()
 
 

@@ -1,0 +1,171 @@
+"""Model directories: which family each holds, loading them, clear errors, merged exports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from nodes.models.families import model_family
+from nodes.models.hf_causal import HFCausalPolicy, tiny_causal_lm
+from nodes.models.policy import (
+    HFVisionLanguagePolicy,
+    PrefixVLM,
+    build_policy,
+    check_policy_spec,
+    load_policy,
+    tiny_prefix_vlm,
+    tiny_qwen2_vl,
+)
+
+PROMPTS = ["hi", "what colour is it?", "x"]
+LORA = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
+
+
+def _ids(policy, texts):
+    rows = [policy.tokenizer(t).input_ids for t in texts]
+    R = max(len(r) for r in rows)
+    ids = torch.tensor([r + [policy.pad_token_id] * (R - len(r)) for r in rows])
+    mask = (torch.arange(R)[None] < torch.tensor([[len(r)] for r in rows])).float()
+    return ids, mask
+
+
+def _logits(policy, **kw):
+    ids, mask = _ids(policy, ["abc", "de", "f"])
+    with torch.no_grad():
+        return policy.forward_logits(policy.encode_prompts(PROMPTS, **kw), ids, mask)
+
+
+def _perturb_adapters(policy, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def _images():
+    return [Image.new("RGB", (32, 32), c) for c in [(220, 20, 20), (20, 200, 40), (30, 40, 210)]]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
+def test_causal_dirs_load_generate_and_agree(arch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    policy = tiny_causal_lm(arch, seed=1)
+    policy.save_pretrained(tmp_path / arch)
+    assert model_family(tmp_path / arch) == "causal-lm"
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / arch).config.model_type == arch
+    loaded = build_policy(str(tmp_path / arch))
+    assert isinstance(loaded, HFCausalPolicy)
+    assert torch.equal(_logits(loaded), _logits(policy))
+    batch = loaded.encode_prompts(PROMPTS)
+    gen = loaded.generate(batch, max_new_tokens=8, temperature=0.8)
+    with torch.no_grad():
+        tf = loaded.response_logprobs(batch, gen.response_ids, gen.response_mask, 0.8)
+    assert torch.allclose(tf, gen.logprobs, atol=1e-5)
+
+
+def test_saved_word_tokenizer_loads_back_exactly(tmp_path):
+    # AutoTokenizer would give a qwen2 directory Qwen2's own tokenizer class
+    for arch in ("qwen2", "llama"):
+        policy = tiny_causal_lm(arch, words=["red", "blue"])
+        policy.save_pretrained(tmp_path / arch)
+        loaded = load_policy(tmp_path / arch)
+        assert loaded.encode_prompts(["red blue"]).prompt_ids.tolist() == [[3, 4]]
+        assert loaded.tokenizer.decode([3, 4]) == "red blue"
+
+
+def test_vlm_and_prefix_dirs_are_told_apart(tmp_path):
+    tiny_qwen2_vl().save_pretrained(tmp_path / "vlm")
+    tiny_prefix_vlm().save_pretrained(tmp_path / "prefix")
+    assert model_family(tmp_path / "vlm") == "vlm"
+    assert model_family(tmp_path / "prefix") == "prefix-vlm"
+    assert isinstance(load_policy(tmp_path / "vlm"), HFVisionLanguagePolicy)
+    assert isinstance(load_policy(tmp_path / "prefix"), PrefixVLM)
+    with pytest.raises(ValueError, match="own vision tower; it takes images, not image_dim"):
+        load_policy(tmp_path / "vlm", image_dim=8)
+    with pytest.raises(ValueError, match="saved with image_dim=32, not 8"):
+        load_policy(tmp_path / "prefix", image_dim=8)
+
+
+def test_unsupported_and_broken_dirs_say_what(tmp_path):
+    from transformers import BertConfig
+
+    config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config.architectures = ["BertForMaskedLM"]
+    config.save_pretrained(tmp_path / "bert")
+    want = (
+        r"holds a 'bert' model \(BertForMaskedLM\); yatt-graph loads causal LMs "
+        r"\(AutoModelForCausalLM: gpt2, llama, qwen2, ...\), image-text-to-text VLMs"
+    )
+    with pytest.raises(ValueError, match=want):
+        model_family(tmp_path / "bert")
+    with pytest.raises(ValueError, match="'bert' model"):
+        check_policy_spec({"path": str(tmp_path / "bert")})
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"has no config.json \(it holds \['notes.txt'\]\)"):
+        load_policy(tmp_path / "empty")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        model_family(tmp_path / "bad")
+    with pytest.raises(ValueError, match="not a local directory"):
+        model_family(tmp_path / "nope")
+
+
+def test_path_spec_keys_are_checked(tmp_path):
+    tiny_causal_lm("gpt2").save_pretrained(tmp_path / "lm")
+    path = str(tmp_path / "lm")
+    with pytest.raises(ValueError, match=r"takes no key\(s\) \['words'\]; valid keys: .*image_dim"):
+        check_policy_spec({"path": path, "words": ["a"]})
+    with pytest.raises(ValueError, match="gradient_checkpointing='yes'; give true or false"):
+        check_policy_spec({"path": path, "gradient_checkpointing": "yes"})
+    with pytest.raises(ValueError, match="dtype='half'"):
+        build_policy({"path": path, "dtype": "half"})
+    check_policy_spec({"path": path, "dtype": "float16", "lora": LORA, "image_dim": 8, "seed": 1})
+
+
+def test_causal_lora_export_is_merged_and_loads_with_auto_class(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    for arch in ("gpt2", "qwen2"):
+        policy = build_policy({"name": f"tiny-{arch}", "lora": LORA})
+        _perturb_adapters(policy)
+        names = list(policy.state_dict())
+        policy.save_pretrained(tmp_path / arch)
+        assert policy.has_lora and list(policy.state_dict()) == names  # the live one is kept
+        AutoModelForCausalLM.from_pretrained(tmp_path / arch)  # no peft needed
+        loaded = load_policy(tmp_path / arch)
+        assert not loaded.has_lora
+        assert torch.allclose(_logits(loaded), _logits(policy), atol=1e-5)
+
+
+def test_vlm_lora_export_is_merged_and_loads_with_auto_class(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    policy = build_policy({"name": "tiny-qwen2-vl", "lora": LORA})
+    assert policy.has_lora
+    _perturb_adapters(policy)
+    policy.save_pretrained(tmp_path / "vlm")
+    AutoModelForImageTextToText.from_pretrained(tmp_path / "vlm")
+    loaded = load_policy(tmp_path / "vlm")
+    kw = {"images": _images()}
+    assert torch.allclose(_logits(loaded, **kw), _logits(policy, **kw), atol=1e-5)
+
+
+def test_prefix_wrapped_lm_saves_as_prefix_vlm(tmp_path):
+    tiny_causal_lm("qwen2").save_pretrained(tmp_path / "lm")
+    policy = load_policy(tmp_path / "lm", image_dim=16, lora=LORA)
+    assert policy.has_lora and policy.projector.weight.requires_grad
+    _perturb_adapters(policy)
+    policy.save_pretrained(tmp_path / "saved")
+    meta = json.loads((tmp_path / "saved" / "prefix_vlm.json").read_text())
+    assert meta == {"image_dim": 16, "num_prefix_tokens": 4}
+    assert model_family(tmp_path / "saved") == "prefix-vlm"
+    kw = {"image_embeds": torch.randn(3, 16, generator=torch.Generator().manual_seed(0))}
+    loaded = load_policy(tmp_path / "saved")
+    assert torch.allclose(_logits(loaded, **kw), _logits(policy, **kw), atol=1e-5)
