@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from graphs.config import RLConfig
 from nodes.data import ShapesSource, task_vocabulary
 from nodes.reference import ReferenceLogprobs
-from nodes.rewards import RewardNode
+from nodes.rewards import RewardNode, reward_from_option
 from nodes.rollout import Rollout
 from nodes.vision import TINY_OPEN_CLIP_CFG, VisionEncoder
 from yatt_graph import Graph, Handle, Node
@@ -104,12 +104,7 @@ def policy_spec(config: RLConfig, image_dim: int | None) -> dict[str, Any]:
             f"policy {policy!r} is neither 'tiny', one of {', '.join(_TINY_TEXT_LMS)}, nor a "
             "local model directory; models load only from local paths (nothing is downloaded)"
         )
-    try:  # TEMPORARY until nodes.models.families lands
-        from nodes.models.families import model_family
-    except ImportError:
-
-        def model_family(path: Path) -> str:
-            return "prefix-vlm" if (path / "prefix_vlm.json").is_file() else "vlm"
+    from nodes.models.families import model_family
 
     family = model_family(path)
     spec = {"path": str(path), **_model_options(config)}
@@ -152,14 +147,6 @@ def reward_node(reward: str, on_bad_sample: str = "raise") -> RewardNode:
     """The reward of ``reward`` (:func:`nodes.rewards.reward_from_option`); ``on_bad_sample``:
     ``"raise"`` (a NaN/inf score stops the run, naming the sample) or ``"skip"`` (the sample
     scores 0, and a ``bad_samples`` output counts it)."""
-    try:  # TEMPORARY until nodes.rewards.reward_from_option lands
-        from nodes.rewards import reward_from_option
-    except ImportError:
-        from nodes.rewards import RuleReward
-
-        if on_bad_sample == "skip":
-            return RuleReward(reward, on_bad_sample="skip", emit_bad_mask=True, name="reward")
-        return RuleReward(reward, on_bad_sample=on_bad_sample, name="reward")
     return reward_from_option(reward, on_bad_sample=on_bad_sample, name="reward")
 
 

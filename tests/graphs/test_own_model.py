@@ -44,3 +44,34 @@ def test_mm_grpo_learns_on_a_saved_vlm_with_a_parquet_of_images(tmp_path, capsys
     )  # fmt: skip
     assert summary["steps"] == 40
     assert summary["reward_last"] >= summary["reward_first"] + 0.08, summary
+
+
+FIRST_WORD = '''
+def score(text, meta):
+    """1 when the first word of the response is the answer."""
+    words = text.split()
+    return 1.0 if words and words[0].strip(".").lower() == meta["answer"] else 0.0
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_text_grpo_learns_on_a_saved_causal_lm_with_a_jsonl_file(tmp_path, capsys):
+    """A GPT-2 folder (random tiny weights, a word tokenizer), prompts that describe the
+    answer in a JSONL file, a reward in a file. Measured, seed 0 (30 steps, windows of 10):
+    reward 0.05 -> 0.23 at lr 5e-3 (0.06 -> 0.17 at 1e-3)."""
+    from nodes.data import task_vocabulary
+    from nodes.models.policy import build_policy
+
+    lm = build_policy({"name": "tiny-gpt2", "seed": 0, "words": task_vocabulary()})
+    lm.save_pretrained(tmp_path / "lm")
+    files = write_shapes_dataset(tmp_path / "data", rows=64, text_hint=True)
+    (tmp_path / "rewards.py").write_text(FIRST_WORD)
+    summary = _run(
+        capsys, "graphs/text_grpo.py", "--policy", str(tmp_path / "lm"),
+        "--data", str(files["jsonl"]), "--reward", f"{tmp_path / 'rewards.py'}:score",
+        "--steps", "30", "--window", "10", "--seed", "0", "--out", str(tmp_path / "run"),
+        "--set", "batch_size=8", "--set", "lr=0.005",
+    )  # fmt: skip
+    assert summary["steps"] == 30
+    assert summary["reward_last"] >= summary["reward_first"] + 0.1, summary
