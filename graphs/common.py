@@ -310,7 +310,7 @@ def _validation(
         device=device,
         name="validation",
     )
-    g.output("val", node().val)
+    g.output("val", node())
     return node
 
 

@@ -75,3 +75,20 @@ def test_text_grpo_learns_on_a_saved_causal_lm_with_a_jsonl_file(tmp_path, capsy
     )  # fmt: skip
     assert summary["steps"] == 30
     assert summary["reward_last"] >= summary["reward_first"] + 0.1, summary
+
+
+@pytest.mark.timeout(300)
+def test_val_data_is_scored_greedily_every_k_steps(tmp_path, capsys):
+    from runtime.train.metrics import read_metrics
+
+    train = write_shapes_dataset(tmp_path / "train", rows=32, text_hint=True)
+    val = write_shapes_dataset(tmp_path / "val", rows=16, seed=1, text_hint=True)
+    summary = _run(
+        capsys, "graphs/text_grpo.py", "--data", str(train["jsonl"]),
+        "--val-data", str(val["parquet"]), "--set", "val_every=2", "--set", "val_rows=10",
+        "--steps", "3", "--out", str(tmp_path / "run"), "--set", "batch_size=4",
+    )  # fmt: skip
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows if "val/reward" in r] == [0, 2]
+    assert all(r["val/samples"] == 10 for r in rows if "val/reward" in r)
+    assert summary["val_reward_last"] == pytest.approx(rows[2]["val/reward"], abs=1e-6)
