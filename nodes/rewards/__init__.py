@@ -20,16 +20,20 @@ Token rewards. With ``token_level=True`` a sequence score is placed on the last 
 rewards (``{"score": s, "token_rewards": [...]}``, one per real response token).
 
 Which inputs a node reads beyond ``texts`` and ``meta`` its class attributes say:
-``needs_prompts`` (RewardModel, JudgeReward) and ``needs_images`` (ClipScoreReward); a graph
-wires ``prompts=`` / ``images=`` by them. :func:`reward_from_option` builds a node from the
+``needs_prompts`` (RewardModel and JudgeReward, when their template has ``{prompt}``) and
+``needs_images`` (ClipScoreReward; JudgeReward of a VLM directory); a graph wires ``prompts=`` /
+``images=`` by them. Templates (judge, reward model, CLIP) may use ``{prompt}``, ``{response}``
+and the meta keys named in ``meta_keys`` (``{answer}`` by default); any other placeholder is a
+``ValueError`` when the node is declared. :func:`reward_from_option` builds a node from the
 CLI's spellings (``module:function``, ``clip``, ``model:DIR``, ``judge:DIR``).
 
 Nothing here downloads: models come from a local path or are built from a config in code.
 """
 
 from nodes.rewards.base import RewardNode, place_on_last_token
+from nodes.rewards.clip import ClipScoreReward, clip_score
 from nodes.rewards.judge import JudgeReward
-from nodes.rewards.models import ClipScoreReward, RewardModel, char_tokenizer, clip_score
+from nodes.rewards.models import RewardModel, char_tokenizer
 from nodes.rewards.options import reward_from_option
 from nodes.rewards.rules import RuleReward, contains_answer, exact_match, regex_format
 

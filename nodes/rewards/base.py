@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 
 from yatt_graph import ANY, BatchPolicy, Node, Port, Tensor
 
-__all__ = ["RewardNode", "place_on_last_token"]
+__all__ = ["RewardNode", "fill_template", "place_on_last_token", "template_fields"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,79 @@ def _check_list(node: str, port: str, values: Any, n: int | None) -> list[Any]:
             "of samples"
         )
     return values
+
+
+def template_fields(
+    node: str, template: str, meta_keys: Sequence[str], *, one_of: Sequence[str] = ("response",)
+) -> frozenset[str]:
+    """The placeholders of a reward's text template, checked when the node is declared.
+
+    A template may use ``{prompt}``, ``{response}`` and the meta keys in ``meta_keys`` (the
+    data row's columns, e.g. ``{answer}``); it must use at least one of ``one_of``. Literal
+    braces are written ``{{`` and ``}}``. Anything else is a ValueError naming the placeholder.
+    """
+    if not isinstance(template, str):
+        raise ValueError(f"node {node!r}: template must be a str, got {type(template).__name__}")
+    allowed = ("prompt", "response", *meta_keys)
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(
+            f"node {node!r}: template {template!r} is malformed ({exc}); write literal braces "
+            "as {{ and }}"
+        ) from exc
+    fields = {field for _, field, _, _ in parsed if field is not None}
+    for field in sorted(fields):
+        if not field.isidentifier():
+            raise ValueError(
+                f"node {node!r}: template {template!r}: placeholder {{{field}}} is not a name; "
+                f"use {{prompt}}, {{response}} or a meta key in {list(meta_keys)}"
+            )
+        if field not in allowed:
+            raise ValueError(
+                f"node {node!r}: template {template!r} has an unknown placeholder {{{field}}}; "
+                f"it may use {{prompt}}, {{response}} and the meta keys {list(meta_keys)} "
+                "(add a data column's name to meta_keys= to use it)"
+            )
+    if not fields & set(one_of):
+        wanted = " or ".join(f"{{{f}}}" for f in one_of)
+        raise ValueError(f"node {node!r}: template {template!r} must contain {wanted}")
+    return frozenset(fields)
+
+
+def fill_template(
+    node: str,
+    template: str,
+    fields: frozenset[str],
+    texts: Sequence[str],
+    meta: Sequence[Any],
+    prompts: Sequence[str] | None,
+) -> list[str]:
+    """``template`` filled per sample with its prompt, response and meta values.
+
+    Raises a ValueError naming the sample when the template reads ``{prompt}`` and no prompts
+    were given, or a meta key the sample's row does not have.
+    """
+    if "prompt" in fields and prompts is None:
+        raise ValueError(
+            f"node {node!r}: template {template!r} reads {{prompt}} but no prompts were given; "
+            "wire prompts= (the data's prompts) into this node"
+        )
+    keys = sorted(fields - {"prompt", "response"})
+    out = []
+    for i, text in enumerate(texts):
+        row = meta[i] if meta[i] is not None else {}
+        values: dict[str, Any] = {"response": text, "prompt": prompts[i] if prompts else ""}
+        for key in keys:
+            if not isinstance(row, Mapping) or key not in row:
+                found = sorted(row) if isinstance(row, Mapping) else type(row).__name__
+                raise ValueError(
+                    f"node {node!r}: sample {i}: meta has no {key!r} (it has {found}); the "
+                    f"template reads {{{key}}}"
+                )
+            values[key] = row[key]
+        out.append(template.format(**values))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,20 +1,26 @@
-"""Model rewards: a learned reward model and the CLIP image-text score."""
+"""The learned reward model: a sequence classifier with one logit, on prompt + response.
+
+The CLIP score lives in :mod:`nodes.rewards.clip` (re-exported here for plans that name
+``nodes.rewards.models:ClipScoreReward``); the LLM judge in :mod:`nodes.rewards.judge`.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from nodes.models.files import _check_checkpoint_dir, _loading, _read_json
-from nodes.rewards.base import RewardNode
-from yatt_graph import ANY, Port
+from nodes.rewards.base import RewardNode, fill_template, template_fields
+from nodes.rewards.clip import ClipScoreReward, clip_score
 from yatt_graph.node import Built
 
-__all__ = ["ClipScoreReward", "RewardModel", "char_tokenizer", "clip_score"]
+__all__ = ["RewardModel", "char_tokenizer"]
+_MOVED = (ClipScoreReward, clip_score)  # importable from here still: older plans name this module
 
 # ---------------------------------------------------------------------------------------------
 # learned reward model
@@ -45,6 +51,33 @@ def _char_vocab(extra_chars: str = "") -> dict[str, int]:
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@contextlib.contextmanager
+def _loading_as(fn: str, path: str, what: str) -> Iterator[None]:
+    """:func:`nodes.models.files._loading`, and a loader's own ValueError (transformers raises
+    them for unknown model types) said as one line naming ``path`` and ``what`` was wanted."""
+    try:
+        with _loading(fn, Path(path)):
+            yield
+    except ValueError as exc:
+        if str(exc).startswith(fn):
+            raise
+        why = (str(exc).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"{fn}: {str(path)!r} could not be loaded as {what} (ValueError: {why})"
+        ) from exc
+
+
+def _set_pad_token(fn: str, tokenizer: Any) -> None:
+    """Pad with the EOS token when the tokenizer has no pad token (GPT-2, Llama)."""
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                f"{fn}: the tokenizer has neither a pad nor an EOS token; set one "
+                "(tokenizer.pad_token = ...) and save it again"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+
+
 class RewardModel(RewardNode):
     """A learned reward: a transformers sequence classifier with one logit, on prompt + response.
 
@@ -58,7 +91,9 @@ class RewardModel(RewardNode):
     * ``model`` (+ ``tokenizer``): live objects, an in-process escape hatch (not rebuildable).
 
     Args:
-        template: how the scored text is made, with ``{prompt}`` and ``{response}``.
+        template: how the scored text is made, with ``{prompt}`` and ``{response}`` (and meta
+            keys in ``meta_keys``); without prompts given, ``{prompt}`` is empty.
+        meta_keys: the meta keys the template may use.
         max_length: longest input in tokens; longer inputs lose their beginning (left truncation,
             so that the end of the response is kept).
         micro_batch_size: samples per forward pass.
@@ -76,6 +111,7 @@ class RewardModel(RewardNode):
         config: Mapping[str, Any] | None = None,
         seed: int = 0,
         template: str = "{prompt}{response}",
+        meta_keys: Sequence[str] = ("answer",),
         max_length: int = 512,
         micro_batch_size: int = 16,
         device: str = "cpu",
@@ -99,8 +135,7 @@ class RewardModel(RewardNode):
                 f"node {self.name!r}: give exactly one of path= (a local model directory), "
                 "config= (transformers config kwargs with 'model_type') or model="
             )
-        if "{response}" not in template:
-            raise ValueError(f"node {self.name!r}: template {template!r} must contain {{response}}")
+        self.fields = template_fields(self.name, template, tuple(meta_keys))
         if dtype not in _TORCH_DTYPES:
             raise ValueError(f"node {self.name!r}: dtype must be one of {sorted(_TORCH_DTYPES)}")
         if micro_batch_size < 1 or max_length < 1:
@@ -127,7 +162,7 @@ class RewardModel(RewardNode):
                     f"than the character tokenizer's {vocab}"
                 )
         self.path, self.model_config, self.seed, self.dtype = path, config, int(seed), dtype
-        self.needs_prompts = "{prompt}" in template
+        self.needs_prompts = "prompt" in self.fields
         self._given = (model, tokenizer) if model is not None else None
         if model is not None:
             self._check_head(model)
@@ -146,8 +181,7 @@ class RewardModel(RewardNode):
             model, tokenizer = self._load(self.path)
         else:
             model, tokenizer = self._build(dict(self.model_config), self.seed)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        _set_pad_token(f"node {self.name!r}", tokenizer)
         tokenizer.padding_side = "right"
         tokenizer.truncation_side = "left"
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -177,7 +211,7 @@ class RewardModel(RewardNode):
                 f"{fn}: {path!r} is a sequence classifier with {n} labels; a reward model "
                 "needs a single-logit head (num_labels=1)"
             )
-        with _loading(fn, Path(path)):
+        with _loading_as(fn, path, "a sequence classifier"):
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
             model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
         return model, tokenizer
@@ -196,7 +230,7 @@ class RewardModel(RewardNode):
 
     def score_samples(self, texts, meta, prompts, images):
         prompts = prompts if prompts is not None else [""] * len(texts)
-        inputs = [self.template.format(prompt=p, response=t) for p, t in zip(prompts, texts)]
+        inputs = fill_template(self.name, self.template, self.fields, texts, meta, prompts)
         scores = []
         with torch.inference_mode():
             for start in range(0, len(inputs), self.micro_batch_size):
@@ -211,170 +245,3 @@ class RewardModel(RewardNode):
                 logits = self.model(**enc).logits  # (b, 1)
                 scores.append(logits[:, 0].float().cpu())  # (b,)
         return torch.cat(scores) if scores else torch.zeros(0)  # (B,)
-
-
-# ---------------------------------------------------------------------------------------------
-# CLIP score
-# ---------------------------------------------------------------------------------------------
-
-
-def clip_score(
-    image_embeds: torch.Tensor,
-    text_embeds: torch.Tensor,
-    scale: float = 2.5,
-    clamp_negative: bool = True,
-) -> torch.Tensor:
-    """Per-sample ``scale * cos(image_i, text_i)`` (CLIPScore, Hessel et al. 2021: w=2.5, and
-    negative similarities clamped to 0). A zero or non-finite embedding gives NaN (not 0), so
-    that broken inputs are caught by the reward's bad-score check.
-
-    Args:
-        image_embeds: (B, D).
-        text_embeds: (B, D).
-
-    Returns:
-        (B,) float32, in [0, scale] (or [-scale, scale] without ``clamp_negative``).
-    """
-    a, b = image_embeds.float(), text_embeds.float()  # (B, D)
-    cos = (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))  # (B,)
-    cos = cos.clamp(-1.0, 1.0)  # (B,) rounding can leave |cos| a hair above 1
-    if clamp_negative:
-        cos = cos.clamp(min=0.0)  # (B,)
-    return scale * cos  # (B,)
-
-
-class ClipScoreReward(RewardNode):
-    """Image-text agreement through open_clip: ``scale * max(cos(image, text), 0)`` per sample.
-
-    Args:
-        model_name: an open_clip architecture (``open_clip.list_models()``) or ``"local-dir:PATH"``.
-            Its tokenizer must work offline: the built-in ``SimpleTokenizer`` (CLIP ViT/RN models)
-            does; SigLIP and HF-text models need the hub and are refused with a message.
-        pretrained: None (random weights, seeded with ``seed``) or a local checkpoint file.
-            Named tags (``"openai"``, ...) would download weights and are refused.
-        model_overrides: open_clip model-config overrides (``embed_dim``, ``vision_cfg``,
-            ``text_cfg``), e.g. a tiny tower for tests.
-        text_source: score ``"texts"`` (the responses, e.g. captions) or ``"prompts"``.
-        scale, clamp_negative: see :func:`clip_score`.
-    """
-
-    inputs = {**RewardNode.inputs, "images": Port(ANY, doc="list[PIL.Image.Image]: B images")}
-    needs_images = True
-    needs_prompts = False  # True on an instance with text_source="prompts"
-    model = Built("the open_clip model, built by setup()")
-    preprocess = Built("its image transforms")
-    tokenizer = Built("its text tokenizer")
-
-    def __init__(
-        self,
-        model_name: str = "ViT-B-32",
-        pretrained: str | None = None,
-        *,
-        model_overrides: Mapping[str, Any] | None = None,
-        seed: int = 0,
-        text_source: str = "texts",
-        scale: float = 2.5,
-        clamp_negative: bool = True,
-        micro_batch_size: int = 32,
-        device: str = "cpu",
-        token_level: bool = False,
-        on_bad_sample: str = "raise",
-        emit_bad_mask: bool = False,
-        name: str | None = None,
-    ) -> None:
-        super().__init__(
-            token_level=token_level,
-            on_bad_sample=on_bad_sample,
-            emit_bad_mask=emit_bad_mask,
-            name=name,
-            device=device,
-        )
-
-        if text_source not in ("texts", "prompts"):
-            raise ValueError(f"node {self.name!r}: text_source must be 'texts' or 'prompts'")
-        if model_name.startswith("hf-hub:"):
-            raise ValueError(
-                f"node {self.name!r}: {model_name!r} would download; use a local-dir: path"
-            )
-        if pretrained is not None and not os.path.isfile(pretrained):
-            raise ValueError(
-                f"node {self.name!r}: pretrained={pretrained!r} is not a local file; named tags "
-                "download weights, which this project never does. Pass a checkpoint file, or None "
-                "for random weights"
-            )
-        self.text_source, self.scale, self.clamp_negative = text_source, scale, clamp_negative
-        self.needs_prompts = text_source == "prompts"
-        self.micro_batch_size = micro_batch_size
-        self.model_name, self.pretrained, self.seed = model_name, pretrained, int(seed)
-        self.overrides = dict(model_overrides or {})
-
-    def build(self) -> None:
-        import open_clip
-
-        name = self.model_name
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            try:
-                model, _, preprocess = open_clip.create_model_and_transforms(
-                    name, pretrained=self.pretrained, device=self.device, **self.overrides
-                )
-            except Exception as exc:
-                if self.pretrained is None:
-                    raise
-                raise ValueError(
-                    f"node {self.name!r}: open_clip weights file {self.pretrained!r} could not be "
-                    f"loaded into {name!r} ({type(exc).__name__}: "
-                    f"{(str(exc).strip().splitlines() or [''])[0]})"
-                ) from exc
-        try:
-            tokenizer = open_clip.get_tokenizer(
-                name, context_length=getattr(model, "context_length", None)
-            )
-        except Exception as exc:  # HF-hub tokenizers fail offline in many ways
-            raise ValueError(
-                f"node {self.name!r}: the tokenizer of {name!r} could not be made offline "
-                f"({type(exc).__name__}: {exc}); use a model with open_clip's built-in "
-                "SimpleTokenizer (e.g. ViT-B-32, ViT-S-32)"
-            ) from exc
-        vocab = len(getattr(tokenizer, "encoder", ()))
-        if vocab and getattr(model, "vocab_size", vocab) < vocab:
-            raise ValueError(
-                f"node {self.name!r}: the text tower's vocab_size {model.vocab_size} is smaller than "
-                f"the tokenizer's {vocab}; keep text_cfg.vocab_size at {vocab}"
-            )
-        self.model, self.preprocess, self.tokenizer = model.eval(), preprocess, tokenizer
-
-    def embed(
-        self, images: Sequence[Any], texts: Sequence[str]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Image and text embeddings, (B, D) each, unnormalized, float32."""
-        from PIL import Image
-
-        for i, im in enumerate(images):
-            if not isinstance(im, Image.Image):
-                raise ValueError(
-                    f"node {self.name!r}: images[{i}] is a {type(im).__name__}; expected a PIL image"
-                )
-        image_parts, text_parts = [], []
-        with torch.inference_mode():
-            for start in range(0, len(texts), self.micro_batch_size):
-                stop = start + self.micro_batch_size
-                pixels = torch.stack(
-                    [self.preprocess(im) for im in images[start:stop]]
-                )  # (b, 3, H, W)
-                tokens = self.tokenizer(list(texts[start:stop]))  # (b, context_length)
-                image_parts.append(self.model.encode_image(pixels.to(self.device)).float().cpu())
-                text_parts.append(self.model.encode_text(tokens.to(self.device)).float().cpu())
-        if not image_parts:
-            return torch.zeros(0, 0), torch.zeros(0, 0)
-        return torch.cat(image_parts), torch.cat(text_parts)  # (B, D), (B, D)
-
-    def score_samples(self, texts, meta, prompts, images):
-        if self.text_source == "prompts":
-            if prompts is None:
-                raise ValueError(f"node {self.name!r}: text_source='prompts' but no prompts given")
-            texts = prompts
-        if not texts:
-            return torch.zeros(0)
-        image_embeds, text_embeds = self.embed(images, texts)  # (B, D), (B, D)
-        return clip_score(image_embeds, text_embeds, self.scale, self.clamp_negative)  # (B,)

@@ -1,19 +1,21 @@
 """The reward spellings of the CLI and the ready graphs (``--reward``), turned into nodes.
 
-=========================================  ===========================================  ==========
-spelling                                   node                                         reads
-=========================================  ===========================================  ==========
-``module:function``, ``path/f.py:func``    :class:`RuleReward` ``fn(text, meta)``       texts, meta
-``clip``                                   :class:`ClipScoreReward`, a tiny random CLIP  texts, images
-``clip:open_clip:NAME[:WEIGHTS_FILE]``     :class:`ClipScoreReward` of that model        texts, images
-``model:DIR``                              :class:`RewardModel` (a sequence classifier)  texts, prompts
-``judge:DIR``, ``judge:tiny``              :class:`JudgeReward` (a causal LM judge)      texts, prompts, meta
-=========================================  ===========================================  ==========
+Each spelling, its node, and the input ports the node reads (a graph wires ``prompts=`` and
+``images=`` only where the node's ``needs_prompts`` / ``needs_images`` say so):
 
-The CLIP rewards score the response text itself (``texts``, e.g. a caption or an answer such as
-"red") against the sample's image. ``clip`` alone is a tiny random-init tower (for demos and
-tests: its scores carry no meaning); a real one is ``clip:open_clip:ViT-B-32:/path/weights.pt``
-(a local weights file; without one the named architecture has random weights).
+* ``module:function`` or ``path/to/file.py:function``: :class:`RuleReward`, ``fn(text, meta)``;
+  reads texts, meta.
+* ``clip``: :class:`ClipScoreReward` with a tiny random CLIP (demos and tests: its scores carry
+  no meaning); reads texts, images (meta for template keys).
+* ``clip:open_clip:NAME[:WEIGHTS_FILE]``: :class:`ClipScoreReward` of that open_clip model (a
+  local weights file; without one the architecture has random weights); reads texts, images.
+* ``model:DIR``: :class:`RewardModel`, a local sequence classifier with one logit; reads
+  texts, prompts.
+* ``judge:DIR`` or ``judge:tiny``: :class:`JudgeReward`, a local causal LM (or VLM) judge, or a
+  tiny random one; reads texts, prompts, meta (and images for a VLM directory).
+
+The CLIP rewards score the response text itself (e.g. a caption, or an answer such as "red")
+against the sample's image, so they are high when the response names what the image shows.
 
 With ``on_bad_sample="skip"`` every node is built with ``emit_bad_mask=True``: it has a second
 output, ``bad_samples`` bool[B], so that a graph can always unpack ``scores, skipped``.
@@ -25,27 +27,20 @@ from __future__ import annotations
 from typing import Any
 
 from nodes.rewards.base import RewardNode
+from nodes.rewards.clip import TINY_CLIP_REWARD_CFG, ClipScoreReward
 from nodes.rewards.judge import JudgeReward
-from nodes.rewards.models import ClipScoreReward, RewardModel
+from nodes.rewards.models import RewardModel
 from nodes.rewards.rules import RuleReward
 
-__all__ = ["SPELLINGS", "TINY_CLIP_REWARD_CFG", "reward_from_option"]
+__all__ = ["SPELLINGS", "reward_from_option"]
 
 SPELLINGS = (
     "module:function or path/file.py:function (a rule fn(text, meta) -> float)",
     "clip (a tiny random CLIP score of the response against the image)",
     "clip:open_clip:NAME[:WEIGHTS_FILE] (an open_clip model; weights: a local file)",
     "model:DIR (a local sequence classifier with one logit)",
-    "judge:DIR or judge:tiny (a local causal LM judge, or a tiny random one)",
+    "judge:DIR or judge:tiny (a local causal LM or VLM judge, or a tiny random one)",
 )
-
-#: open_clip overrides for ``clip``: a test-sized ViT-S-32 whose text tower keeps the built-in
-#: tokenizer's vocabulary (49408), so it tokenizes offline.
-TINY_CLIP_REWARD_CFG: dict[str, Any] = {
-    "embed_dim": 16,
-    "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 16, "head_width": 16},
-    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
-}
 
 
 def _bad(value: str, why: str) -> ValueError:

@@ -411,7 +411,7 @@ def test_reward_from_option_every_spelling(tmp_path, reward_model):
     samples = [make_sample(0, i) for i in range(3)]
     images, prompts, meta = (list(x) for x in zip(*samples))
     clip = reward_from_option("clip")
-    assert isinstance(clip, ClipScoreReward) and clip.text_source == "texts"
+    assert isinstance(clip, ClipScoreReward) and clip.template == "{response}"
     scores = clip.run(texts=[m["answer"] for m in meta], images=images, meta=meta)["scores"]
     assert scores.shape == (3,) and ((scores >= 0) & (scores <= 2.5)).all()
     named = reward_from_option("clip:open_clip:ViT-S-32")
@@ -466,3 +466,101 @@ def test_reward_from_option_under_skip_every_kind_has_two_outputs(tmp_path, rewa
             inputs["images"] = [image]
         out = node.run(**inputs)
         assert out["bad_samples"].tolist() == [False] and out["scores"].shape == (1,), value
+
+
+# --- CLIP against what the image shows, templates, no images ---------------------------------
+
+COLOURS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
+
+
+def test_a_trained_tiny_clip_scores_the_response_that_names_the_image_highest():
+    """Train the tiny CLIP's two projections contrastively on three colour images and their
+    words (a few seconds); then, per image, the response naming its colour scores highest."""
+    node = ClipScoreReward(
+        "ViT-S-32", model_overrides=TINY_CLIP, template="a {response} shape", meta_keys=()
+    )
+    images = [Image.new("RGB", (32, 32), c) for c in COLOURS.values()]
+    words = list(COLOURS)
+    m = node.model
+    pixels = torch.stack([node.preprocess(im) for im in images])  # (3, 3, 32, 32)
+    tokens = node.tokenizer([f"a {w} shape" for w in words])  # (3, 16)
+    heads = [m.visual.proj, m.text_projection]
+    for p in m.parameters():
+        p.requires_grad_(p is heads[0] or p is heads[1])
+    opt = torch.optim.Adam(heads, lr=3e-2)
+    torch.manual_seed(0)
+    for _ in range(30):
+        i = torch.nn.functional.normalize(m.encode_image(pixels), dim=-1)  # (3, D)
+        t = torch.nn.functional.normalize(m.encode_text(tokens), dim=-1)  # (3, D)
+        logits = 10 * i @ t.T  # (3, 3)
+        target = torch.arange(3)
+        loss = torch.nn.functional.cross_entropy(logits, target)
+        loss = (loss + torch.nn.functional.cross_entropy(logits.T, target)) / 2
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for k, image in enumerate(images):
+        scores = node.run(texts=words, images=[image] * 3)["scores"]
+        assert int(scores.argmax()) == k, (words[k], scores)
+
+
+def test_clip_template_reads_meta_and_prompts(clip_reward):
+    meta = [{"answer": "red"}, {"answer": "blue"}, {"answer": "grey"}]
+    texts = ["x", "y", "z"]
+    filled = ClipScoreReward(
+        **{**clip_reward.config(), "template": "{response} (expected {answer})"}
+    )
+    expected = [f"{t} (expected {m['answer']})" for t, m in zip(texts, meta)]
+    torch.testing.assert_close(
+        filled.run(texts=texts, images=_images(), meta=meta)["scores"],
+        clip_reward.run(texts=expected, images=_images())["scores"],
+    )
+    with pytest.raises(ValueError, match=r"unknown placeholder \{colour\}"):
+        ClipScoreReward("ViT-S-32", template="{colour} {response}")
+    with pytest.raises(ValueError, match=r"must contain \{response\} or \{prompt\}"):
+        ClipScoreReward("ViT-S-32", template="a photo")
+    with pytest.raises(ValueError, match="template= or text_source='prompts', not both"):
+        ClipScoreReward("ViT-S-32", template="a {response}", text_source="prompts")
+
+
+def test_clip_without_images_says_what_to_wire(clip_reward):
+    with pytest.raises(ValueError, match="node 'clip': a CLIP score .* no images were given"):
+        clip_reward.forward(texts=["a"], meta=[{}])
+
+
+# --- reward models from local directories ------------------------------------------------------
+
+
+def test_a_llama_sequence_classifier_dir_without_pad_token_loads_and_scores(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate("abcdefgh ")}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    assert tok.pad_token is None
+    cfg = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, num_labels=1, eos_token_id=1, bos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    rm = RewardModel(str(tmp_path), template="{response} {answer}", micro_batch_size=3)
+    meta = [{"answer": "a"}, {"answer": "bb"}, {"answer": "c"}, {"answer": "dd"}]
+    texts = ["abc", "a", "hhhh gg", "dead beef"]
+    scores = rm.run(texts=texts, meta=meta)["scores"]
+    assert rm.tokenizer.pad_token == "</s>" and torch.isfinite(scores).all()
+    assert len(set(scores.tolist())) == 4 and not rm.needs_prompts
+    alone = torch.cat([rm.run(texts=[t], meta=[m])["scores"] for t, m in zip(texts, meta)])
+    torch.testing.assert_close(alone, scores, atol=1e-5, rtol=1e-5)
+
+
+def test_a_reward_model_dir_transformers_cannot_read_is_one_line_naming_it(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "no_such_model_type"}')
+    with pytest.raises(ValueError, match=r"node 'rm': .*could not be loaded") as info:
+        RewardModel(str(tmp_path), name="rm").setup()
+    assert str(tmp_path) in str(info.value) and "\n" not in str(info.value)
