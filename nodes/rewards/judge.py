@@ -1,20 +1,25 @@
-"""A generative judge: a causal LM reads the question and the answer, and its next-token
-probabilities of a few score words give the reward.
+"""A generative judge: a causal LM (or a VLM) reads the question and the answer, and its
+next-token probabilities of a few score words give the reward.
 
-For each sample the judge fills ``template`` (``{prompt}``, ``{response}``, ``{answer}`` and any
-other key of the sample's meta), runs one forward pass, and takes the next-token distribution
-over ``score_words`` (renormalised over them)::
+For each sample the judge fills ``template`` (``{prompt}``, ``{response}`` and the meta keys
+named in ``meta_keys``, ``{answer}`` by default), runs one forward pass, and takes the
+next-token distribution over ``score_words`` (renormalised over them)::
 
     reward = sum_w p(w | filled template) * value(w)       p(w) = softmax(logits[score ids])_w
 
 With the default ``{"yes": 1.0, "no": 0.0}`` the reward is the judge's probability of "yes".
 Each score word must be one token of the judge's tokenizer (for BPE tokenizers such as GPT-2's,
-that often means the word with its leading space, ``" yes"``).
+that often means the word with its leading space, ``" yes"``); :meth:`JudgeReward.setup` checks.
+
+Models: ``"tiny"`` (a random GPT-2 with a word tokenizer, built in code, for tests and
+benchmarks), a local causal LM directory (``AutoModelForCausalLM`` + ``AutoTokenizer``), or a
+local image-text-to-text VLM directory (``AutoModelForImageTextToText`` + ``AutoProcessor``,
+e.g. Qwen2-VL), which also reads the sample's image when ``images`` are given.
 
 Cost: one forward pass per sample over the filled template, so time and memory grow with
 prompt + response length (quadratically in attention); samples run in left-padded micro-batches
-of ``max_batch``, longest-first so that a batch holds texts of similar length. Inputs longer
-than ``max_length`` tokens lose their beginning (the question at the end is kept).
+of ``max_batch``, longest first so that a batch holds texts of similar length. Text inputs
+longer than ``max_length`` tokens lose their beginning (the question at the end is kept).
 """
 
 from __future__ import annotations
@@ -22,49 +27,30 @@ from __future__ import annotations
 import math
 import os
 import string
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nodes.models.files import _check_checkpoint_dir, _loading, _read_json
-from nodes.rewards.base import RewardNode
-from nodes.rewards.models import _TORCH_DTYPES
+from nodes.models.files import _check_checkpoint_dir, _read_json
+from nodes.rewards.base import RewardNode, fill_template, template_fields
+from nodes.rewards.models import _TORCH_DTYPES, _loading_as, _set_pad_token
 from yatt_graph import ANY, Port
 from yatt_graph.node import Built
 
-__all__ = ["DEFAULT_JUDGE_TEMPLATE", "JudgeReward", "template_fields", "tiny_judge"]
+__all__ = ["DEFAULT_JUDGE_TEMPLATE", "TINY_JUDGE_CFG", "JudgeReward", "tiny_judge"]
 
 DEFAULT_JUDGE_TEMPLATE = "Question: {prompt}\nAnswer: {response}\nIs the answer correct? "
 
 #: The tiny judge's GPT-2 size (random weights, seeded): for tests and demos only.
 TINY_JUDGE_CFG: dict[str, Any] = {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 256}
 
-
-def template_fields(template: str, where: str = "template") -> list[str]:
-    """The placeholder names of ``template``, in order; a ValueError for a malformed template,
-    a positional placeholder (``{}``, ``{0}``) or an attribute/index one (``{a.b}``, ``{a[0]}``)."""
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as exc:
-        raise ValueError(
-            f"{where} {template!r} is malformed ({exc}); write literal braces as {{{{ and }}}}"
-        ) from exc
-    fields = []
-    for _, field, _, _ in parsed:
-        if field is None:
-            continue
-        if not field.isidentifier():
-            raise ValueError(
-                f"{where} {template!r}: placeholder {{{field}}} is not a name; use "
-                "{prompt}, {response}, {answer} or another meta key"
-            )
-        fields.append(field)
-    return list(dict.fromkeys(fields))
+#: The tiny judge's chat template (``chat_template=True``): one user turn behind "judge :".
+TINY_JUDGE_CHAT = "{% for m in messages %}judge : {{ m['content'] }}{% endfor %}"
 
 
-def tiny_judge(words: list[str], seed: int = 0) -> tuple[Any, Any]:
+def tiny_judge(words: Sequence[str], seed: int = 0) -> tuple[Any, Any]:
     """A random 2-layer GPT-2 causal LM and a word tokenizer over ``words`` plus the shapes
     task's vocabulary (nothing downloads); seeded, so every process builds the same one."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -72,7 +58,9 @@ def tiny_judge(words: list[str], seed: int = 0) -> tuple[Any, Any]:
     from nodes.data import task_vocabulary
     from nodes.models.policy_base import word_tokenizer
 
-    tokenizer = word_tokenizer(list(dict.fromkeys([*words, *task_vocabulary()])))
+    vocab = list(dict.fromkeys([*words, *task_vocabulary(), "judge", ":"]))
+    tokenizer = word_tokenizer(vocab)
+    tokenizer.chat_template = TINY_JUDGE_CHAT
     config = GPT2Config(
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
@@ -86,29 +74,45 @@ def tiny_judge(words: list[str], seed: int = 0) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-class JudgeReward(RewardNode):
-    """A causal LM judge (see the module docstring for the score).
+def _family(path: str) -> str | None:
+    """``"vlm"``/``"causal-lm"``/... for a directory, or None where it cannot tell (build()
+    then reports what is wrong with the directory)."""
+    from nodes.models.families import model_family
 
-    Ports: ``texts`` (the responses), ``prompts`` (required when the template has
-    ``{prompt}``), ``meta`` (for ``{answer}`` and other meta placeholders); out ``scores``
-    float32[B] (+ ``bad_samples`` with ``emit_bad_mask``, ``token_rewards`` with ``token_level``).
+    try:
+        return model_family(path)
+    except ValueError:
+        return None
+
+
+class JudgeReward(RewardNode):
+    """A causal LM or VLM judge (see the module docstring for the score).
+
+    Ports: ``texts`` (the responses); ``prompts`` (required when the template has
+    ``{prompt}``, as the default does); ``meta`` (for ``{answer}`` and other meta
+    placeholders); ``images`` (read by a VLM judge only: ``needs_images`` is True for a VLM
+    directory). Out: ``scores`` float32[B] (+ ``bad_samples`` with ``emit_bad_mask``,
+    ``token_rewards`` with ``token_level``).
 
     Args:
-        model: a local directory with a causal LM and its tokenizer (``save_pretrained``), or
-            ``"tiny"``: :func:`tiny_judge` (random weights; its vocabulary holds the score words
-            and the template's words).
-        template: the judge's input; placeholders ``{prompt}``, ``{response}``, ``{answer}`` and
-            any meta key. It must contain ``{response}``.
+        model: ``"tiny"`` (:func:`tiny_judge`: random weights; its vocabulary holds the score
+            words and the template's words), or a local directory with a causal LM and its
+            tokenizer, or a VLM and its processor (``save_pretrained``).
+        template: the judge's input; placeholders ``{prompt}``, ``{response}`` (required) and the
+            keys in ``meta_keys``. An unknown placeholder is a ValueError here.
+        meta_keys: the meta keys (data columns) the template may use.
         score_words: word -> value; each word one token of the tokenizer. At least two.
+        chat_template: wrap the filled template as one user turn of the tokenizer's (or the
+            processor's) chat template, with the generation prompt after it.
         max_batch: samples per forward pass.
-        max_length: longest input in tokens (None: the model's position limit, else 2048).
+        max_length: longest text input in tokens (None: the model's position limit, else 2048).
         seed: seeds the tiny judge.
         device, dtype: where and in what precision the judge runs.
         token_level, on_bad_sample, emit_bad_mask, name: see :mod:`nodes.rewards`.
     """
 
     needs_prompts = True  # an instance whose template has no {prompt} sets it False
-    model = Built("the causal LM judge, built by setup()")
+    model = Built("the causal LM (or VLM) judge, built by setup()")
     tokenizer = Built("its tokenizer (left padding)")
 
     def __init__(
@@ -116,7 +120,9 @@ class JudgeReward(RewardNode):
         model: str = "tiny",
         *,
         template: str = DEFAULT_JUDGE_TEMPLATE,
+        meta_keys: Sequence[str] = ("answer",),
         score_words: Mapping[str, float] | None = None,
+        chat_template: bool = False,
         max_batch: int = 16,
         max_length: int | None = None,
         seed: int = 0,
@@ -135,9 +141,7 @@ class JudgeReward(RewardNode):
             device=device,
         )
         where = f"node {self.name!r}"
-        self.fields = template_fields(template, f"{where}: template")
-        if "response" not in self.fields:
-            raise ValueError(f"{where}: template {template!r} must contain {{response}}")
+        self.fields = template_fields(self.name, template, tuple(meta_keys))
         words = dict(score_words) if score_words is not None else {"yes": 1.0, "no": 0.0}
         if len(words) < 2:
             raise ValueError(
@@ -161,37 +165,49 @@ class JudgeReward(RewardNode):
                 "written by save_pretrained (nothing is downloaded), or 'tiny'"
             )
         self.model_source, self.template, self.score_words = model, template, words
+        self.chat_template = bool(chat_template)
         self.max_batch, self.max_length, self.seed, self.dtype = max_batch, max_length, seed, dtype
         self.needs_prompts = "prompt" in self.fields
+        self.needs_images = model != "tiny" and _family(model) == "vlm"
         if self.needs_prompts:
             self.inputs["prompts"] = Port(ANY, doc="list[str]: the B prompts ({prompt})")
         self.word_ids: list[int] = []
+        self.vlm: Any = None  # the HFVisionLanguagePolicy of a VLM judge, after setup()
 
     # --- building -----------------------------------------------------------------------------
     def build(self) -> None:
+        fn = f"node {self.name!r}"
         if self.model_source == "tiny":
             literal = [
                 w for text, *_ in string.Formatter().parse(self.template) for w in text.split()
             ]
             model, tokenizer = tiny_judge([*self.score_words, *literal], self.seed)
+        elif self.needs_images:
+            from nodes.models.hf_vlm import HFVisionLanguagePolicy
+
+            self.vlm = HFVisionLanguagePolicy.from_pretrained(
+                self.model_source, dtype=self.dtype, use_chat_template=self.chat_template
+            )
+            model, tokenizer = self.vlm.model, self.vlm.tokenizer
         else:
             model, tokenizer = self._load(self.model_source)
-        if tokenizer.pad_token is None:
-            if tokenizer.eos_token is None:
-                raise ValueError(
-                    f"node {self.name!r}: the judge's tokenizer has neither a pad nor an eos "
-                    "token; set one (tokenizer.pad_token = ...) and save it again"
-                )
-            tokenizer.pad_token = tokenizer.eos_token
+        _set_pad_token(fn, tokenizer)
         tokenizer.padding_side = "left"
         tokenizer.truncation_side = "left"
+        if self.chat_template:
+            owner = self.vlm.processor if self.vlm is not None else tokenizer
+            if not getattr(owner, "chat_template", None):
+                raise ValueError(
+                    f"{fn}: chat_template=True, but the judge in {self.model_source!r} has no "
+                    "chat template; pass chat_template=False (the template is read as it is)"
+                )
         self.word_ids = self._score_ids(tokenizer)
         if self.max_length is None:
-            cfg = model.config
+            cfg = model.config.get_text_config()
             limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 0)
             self.max_length = int(limit) if limit else 2048
-        self.model = model.to(device=self.device, dtype=_TORCH_DTYPES[self.dtype]).eval()
-        self.tokenizer = tokenizer
+        model = model.to(device=self.device, dtype=_TORCH_DTYPES[self.dtype]).eval()
+        self.model, self.tokenizer = model, tokenizer
 
     def _load(self, path: str) -> tuple[Any, Any]:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -206,13 +222,15 @@ class JudgeReward(RewardNode):
                 f"{config.get('model_type')!r}), not a causal LM; a judge needs a model that "
                 "predicts the next token (a sequence classifier is 'model:DIR')"
             )
-        with _loading(fn, Path(path)):
+        with _loading_as(fn, path, "a causal LM judge"):
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=_TORCH_DTYPES[self.dtype], local_files_only=True
+            )
         return model, tokenizer
 
     def _score_ids(self, tokenizer: Any) -> list[int]:
-        ids = []
+        ids: list[int] = []
         for word in self.score_words:
             tokens = tokenizer(word, add_special_tokens=False)["input_ids"]
             if len(tokens) != 1:
@@ -239,33 +257,25 @@ class JudgeReward(RewardNode):
     def judge_inputs(
         self, texts: list[str], meta: list[dict[str, Any]], prompts: list[str] | None
     ) -> list[str]:
-        """The filled template of each sample (what the judge reads)."""
-        if self.needs_prompts and prompts is None:
-            raise ValueError(
-                f"node {self.name!r}: the template has {{prompt}} but no prompts were given; "
-                "wire prompts= or drop {prompt} from the template"
+        """What the judge reads for each sample: the filled template, in the tokenizer's chat
+        template with ``chat_template=True`` (a VLM judge's processor applies its own)."""
+        filled = fill_template(self.name, self.template, self.fields, texts, meta, prompts)
+        if not self.chat_template:
+            return filled
+        tokenizer = self.tokenizer  # builds the judge if it is not built yet
+        if self.vlm is not None:
+            return filled
+        return [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
             )
-        out = []
-        for i, text in enumerate(texts):
-            m = meta[i] if meta[i] is not None else {}
-            values = {**m, "response": text}
-            if prompts is not None:
-                values["prompt"] = prompts[i]
-            missing = [f for f in self.fields if f not in values]
-            if missing:
-                raise ValueError(
-                    f"node {self.name!r}: template placeholder {{{missing[0]}}} has no value for "
-                    f"sample {i} (its meta keys: {sorted(m)}); the template may use {{prompt}}, "
-                    "{response} and the samples' meta keys"
-                )
-            out.append(self.template.format_map(values))
-        return out
+            for text in filled
+        ]
 
     def score_samples(self, texts, meta, prompts, images):
         inputs = self.judge_inputs(texts, meta, prompts)
         if not inputs:
             return torch.zeros(0)
-        model, tokenizer = self.model, self.tokenizer
         word_ids = torch.tensor(self.word_ids, device=self.device)  # (W,)
         values = torch.tensor(list(self.score_words.values()), dtype=torch.float32)  # (W,)
         order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))  # longest first
@@ -273,20 +283,46 @@ class JudgeReward(RewardNode):
         with torch.inference_mode():
             for start in range(0, len(order), self.max_batch):
                 rows = order[start : start + self.max_batch]
-                enc = tokenizer(
-                    [inputs[i] for i in rows],
-                    padding=True,
-                    truncation=True,
-                    max_length=self.max_length,
-                    add_special_tokens=True,
-                    return_tensors="pt",
-                )
-                ids = enc["input_ids"].to(self.device)  # (b, L) left-padded
-                mask = enc["attention_mask"].to(self.device)  # (b, L)
-                positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (b, L) real tokens from 0
-                logits = model(
-                    input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1
-                ).logits[:, -1, :]  # (b, V) the next token after each input
+                chunk = [inputs[i] for i in rows]
+                if self.vlm is not None:
+                    logits = self._vlm_logits(
+                        chunk, None if images is None else [images[i] for i in rows]
+                    )
+                else:
+                    logits = self._text_logits(chunk)  # (b, V)
                 probs = logits.float()[:, word_ids].softmax(dim=-1).cpu()  # (b, W)
                 scores[rows] = probs @ values  # (b,)
         return scores  # (B,)
+
+    def _text_logits(self, chunk: list[str]) -> torch.Tensor:
+        """Next-token logits (b, V) after each text, left-padded, positions from 0 per row."""
+        enc = self.tokenizer(
+            chunk,
+            padding=True,
+            truncation=True,
+            max_length=self.max_length,
+            add_special_tokens=not self.chat_template,  # the chat template holds its own
+            return_tensors="pt",
+        )
+        ids = enc["input_ids"].to(self.device)  # (b, L) left-padded
+        mask = enc["attention_mask"].to(self.device)  # (b, L)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (b, L) real tokens from 0
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1
+        )
+        return out.logits[:, -1, :]  # (b, V)
+
+    def _vlm_logits(self, chunk: list[str], images: list[Any] | None) -> torch.Tensor:
+        """Next-token logits (b, V) of a VLM judge, with each sample's image when given."""
+        batch = self.vlm.encode_prompts(chunk, images=images)
+        extra = {}
+        for key, value in batch.model_inputs.items():
+            value = value.to(self.device)
+            extra[key] = value.to(self.model.dtype) if value.is_floating_point() else value
+        out = self.model(
+            input_ids=batch.prompt_ids.to(self.device),  # (b, L) left-padded
+            attention_mask=batch.prompt_mask.to(self.device),  # (b, L)
+            logits_to_keep=1,
+            **extra,
+        )
+        return out.logits[:, -1, :]  # (b, V)

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from nodes.rewards import JudgeReward
-from nodes.rewards.judge import template_fields
 from nodes.rewards.models import char_tokenizer
 
 PROMPTS = ["what colour is the shape ?", "what shape is it ?", "how many ?", "q"]
@@ -74,10 +73,54 @@ def test_judge_templates_with_meta_placeholders_and_errors():
         JudgeReward("tiny", template="{response")
     with pytest.raises(ValueError, match=r"must contain \{response\}"):
         JudgeReward("tiny", template="{prompt} ?")
-    g = JudgeReward("tiny", template="{grade} {response}", name="g")
-    with pytest.raises(ValueError, match=r"node 'g': template placeholder \{grade\} .* sample 0"):
+    # a placeholder that is no declared meta key is refused when the node is declared
+    with pytest.raises(
+        ValueError, match=r"node 'g': .*unknown placeholder \{grade\}.*add a data column's name"
+    ):
+        JudgeReward("tiny", template="{grade} {response}", name="g")
+    g = JudgeReward("tiny", template="{grade} {response}", meta_keys=["answer", "grade"], name="g")
+    assert g.judge_inputs(["x"], [meta[1]], None) == ["A x"]
+    with pytest.raises(ValueError, match=r"node 'g': sample 0: meta has no 'grade' .*\{grade\}"):
         g.run(texts=["a", "b"], meta=meta)
-    assert template_fields("{prompt}{response}{prompt}") == ["prompt", "response"]
+    with pytest.raises(ValueError, match=r"reads \{prompt\} but no prompts were given"):
+        JudgeReward("tiny").forward(texts=["a"])
+
+
+def test_a_judge_that_reads_its_last_token_scores_yes_answers_higher_in_any_batch():
+    """A tiny judge made deterministic: its blocks and position embeddings zeroed, so the next
+    token depends on the last input token only (ln_f(wte[last]) @ wte.T, weights tied), and
+    "yes"/"no" embeddings orthogonal. Answers ending in "yes" score ~1 and in "no" ~0, also
+    when left padding shifts them in a batch of mixed lengths."""
+    j = JudgeReward("tiny", template="{response}", meta_keys=(), max_batch=4)
+    gpt2 = j.model.transformer
+    with torch.no_grad():
+        gpt2.wpe.weight.zero_()
+        for block in gpt2.h:
+            for proj in (block.attn.c_proj, block.mlp.c_proj):
+                proj.weight.zero_()
+                proj.bias.zero_()
+        yes, no = j.word_ids
+        gpt2.wte.weight[[yes, no]] = 0.0
+        gpt2.wte.weight[yes, :2] = torch.tensor([5.0, -5.0])
+        gpt2.wte.weight[no, 2:4] = torch.tensor([5.0, -5.0])
+    texts = ["yes", "it is a red circle , no", "no", "red circle yes", "circle circle no"]
+    scores = j.run(texts=texts)["scores"]
+    assert scores[[0, 3]].min() > 0.99 and scores[[1, 2, 4]].max() < 0.01, scores
+    alone = torch.cat([j.run(texts=[t])["scores"] for t in texts])
+    torch.testing.assert_close(alone, scores, atol=1e-5, rtol=1e-5)
+
+
+def test_judge_chat_template(tmp_path):
+    chat = JudgeReward("tiny", seed=1, chat_template=True, max_batch=3)
+    inputs = chat.judge_inputs(TEXTS, [{}] * 4, PROMPTS)
+    assert (
+        inputs[0]
+        == "judge : Question: what colour is the shape ?\nAnswer: red\nIs the answer correct? "
+    )
+    scores = chat.run(texts=TEXTS, prompts=PROMPTS)["scores"]
+    torch.testing.assert_close(scores, manual_scores(chat, inputs), atol=1e-5, rtol=1e-5)
+    plain = JudgeReward("tiny", seed=1).run(texts=TEXTS, prompts=PROMPTS)["scores"]
+    assert not torch.allclose(plain, scores)  # the judge reads the chat turn
 
 
 def test_judge_score_word_checks(tmp_path):
@@ -148,3 +191,45 @@ def test_judge_nan_is_refused_or_skipped():
     j.on_bad_sample = "skip"
     out = j.run(texts=["a", "b"], prompts=["p", "q"])
     assert out["scores"].tolist() == [0.0, 0.0] and j.last_bad_count == 2
+
+
+def test_judge_chat_template_needs_one_in_the_dir(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = char_tokenizer()
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=len(tok), n_layer=1, n_head=2, n_embd=16)
+    ).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(
+        ValueError, match="node 'cj': chat_template=True, but the judge in .* has no"
+    ):
+        JudgeReward(
+            str(tmp_path), score_words={"y": 1, "n": 0}, chat_template=True, name="cj"
+        ).setup()
+
+
+def test_a_vlm_judge_reads_the_images(tmp_path):
+    from PIL import Image
+
+    from nodes.models.hf_vlm import tiny_qwen2_vl
+
+    tiny_qwen2_vl(seed=0).save_pretrained(tmp_path)
+    j = JudgeReward(
+        str(tmp_path),
+        template="{response} ?",
+        meta_keys=(),
+        score_words={"Y": 1, "N": 0},
+        max_batch=2,
+    )
+    assert j.needs_images and not j.needs_prompts and not JudgeReward("tiny").needs_images
+    red, blue = Image.new("RGB", (32, 32), (255, 0, 0)), Image.new("RGB", (32, 32), (0, 0, 255))
+    texts, images = ["red", "red", "a blue one"], [red, blue, Image.new("RGB", (40, 30), "green")]
+    scores = j.run(texts=texts, images=images)["scores"]
+    assert ((scores > 0) & (scores < 1)).all()
+    assert scores[0] != scores[1]  # same text, other image
+    alone = torch.cat([j.run(texts=[t], images=[im])["scores"] for t, im in zip(texts, images)])
+    torch.testing.assert_close(alone, scores, atol=1e-5, rtol=1e-5)
+    text_only = j.run(texts=texts)["scores"]  # a VLM judge also judges without images
+    assert text_only[0] == pytest.approx(float(text_only[1]), abs=1e-6)
+    assert not torch.allclose(text_only, scores)
