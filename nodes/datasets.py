@@ -140,7 +140,8 @@ class DatasetSource(Node):
         path: a ``.jsonl``/``.json``, ``.parquet`` or ``.csv`` file, or a ``save_to_disk``
             folder (a saved DatasetDict gives its ``train`` split).
         batch_size: rows per call; never more than the dataset holds (a smaller dataset gives
-            all its rows each call, once each).
+            all its rows each call, once each; with skipped rows, a call reads each row at
+            most once, so data with fewer good rows than ``batch_size`` gives shorter batches).
         seed: the per-epoch permutation is a function of ``(seed, epoch)``.
         prompt_key, image_key, answer_key: the columns of the prompt, image and answer.
         shuffle: False keeps file order.
@@ -149,6 +150,9 @@ class DatasetSource(Node):
         on_bad_sample: ``"raise"`` a ValueError naming file, row and column, or ``"skip"`` the
             row (filled from the next rows, counted in ``skipped``).
         emit_stats: add the ``stats`` output, ``{"epoch": int, "skipped": int}``.
+
+    State (``state_dict``): ``{"epoch", "position", "skipped"}``; loading it resumes the
+    stream exactly. :meth:`rows` reads a range in file order without moving it (validation).
     """
 
     kind = "data"
@@ -339,15 +343,56 @@ class DatasetSource(Node):
         except BaseException:
             self.load_state_dict(start)  # a failed call leaves the stream where it was
             raise
-        images, prompts, meta = (list(x) for x in zip(*samples))
+        return self._outputs(samples, self.skipped)
+
+    def _outputs(self, samples: list[tuple[Any, str, dict[str, Any]]], skipped: int) -> dict:
         out: dict[str, Any] = {
-            "images": images if self.use_images else None,
-            "prompts": prompts,
-            "meta": meta,
+            "images": [s[0] for s in samples] if self.use_images else None,
+            "prompts": [s[1] for s in samples],
+            "meta": [s[2] for s in samples],
         }
         if self.emit_stats:
-            out["stats"] = {"epoch": self.epoch, "skipped": self.skipped}
+            out["stats"] = {"epoch": self.epoch, "skipped": skipped}
         return out
+
+    # --- one pass in file order (validation) --------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        """How many rows the dataset holds (good or bad); loads it on first use."""
+        self.setup()
+        return len(self.dataset)
+
+    def rows(self, start: int = 0, count: int | None = None) -> dict[str, Any]:
+        """File rows ``start .. start + count - 1`` (to the end when ``count`` is None), as
+        :meth:`forward`'s outputs, in file order whatever ``shuffle`` says.
+
+        For a validation pass that reads every row once::
+
+            for start in range(0, source.num_rows, k):
+                batch = source.rows(start, k)
+
+        It never moves the stream (epoch, position and ``skipped`` stay as they are), so a
+        training source and a validation pass do not disturb each other. Bad rows raise as in
+        :meth:`forward`, or with ``on_bad_sample="skip"`` are left out: the batch is then
+        shorter (possibly empty), and ``stats["skipped"]`` counts the rows left out of it.
+        """
+        n = self.num_rows
+        if not isinstance(start, int) or not 0 <= start <= n:
+            raise ValueError(f"{self.file_label}: rows(start={start!r}) is outside 0..{n}")
+        if count is not None and (not isinstance(count, int) or count < 0):
+            raise ValueError(f"{self.file_label}: rows(count={count!r}) must be an int >= 0")
+        stop = n if count is None else min(n, start + count)
+        samples: list[tuple[Any, str, dict[str, Any]]] = []
+        skipped = 0
+        for index in range(start, stop):
+            sample, why = self._read(index)
+            if sample is not None:
+                samples.append(sample)
+            elif self.on_bad_sample == "raise":
+                raise ValueError(f"{why}; fix the row or pass --on-bad-sample skip")
+            else:
+                skipped += 1
+        return self._outputs(samples, skipped)
 
     # --- state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -257,6 +257,43 @@ def test_validation_pattern_reads_the_first_rows_each_time(tmp_path):
         assert source.forward()["prompts"] == ["q0", "q1", "q2"]
 
 
+def test_rows_reads_one_pass_in_file_order_and_leaves_the_stream(tmp_path):
+    source = DatasetSource(
+        str(_jsonl(tmp_path / "t.jsonl", _text_rows(7))), batch_size=2, seed=1, emit_stats=True
+    )
+    source.run()
+    state = source.state_dict()
+    assert source.num_rows == 7
+    batches = [source.rows(start, 3) for start in range(0, source.num_rows, 3)]
+    assert [b["prompts"] for b in batches] == [["q0", "q1", "q2"], ["q3", "q4", "q5"], ["q6"]]
+    assert batches[0]["images"] is None and batches[0]["stats"]["skipped"] == 0
+    assert source.rows()["prompts"] == [f"q{i}" for i in range(7)]
+    assert source.rows(7)["prompts"] == []
+    assert source.state_dict() == state
+    with pytest.raises(ValueError, match=r"t.jsonl: rows\(start=8\) is outside 0..7"):
+        source.rows(8)
+    with pytest.raises(ValueError, match=r"rows\(count=-1\) must be an int >= 0"):
+        source.rows(0, -1)
+
+
+def test_rows_raises_or_leaves_bad_rows_out(tmp_path):
+    path = str(_bad_rows(tmp_path))
+    with pytest.raises(
+        ValueError, match=r"data.jsonl row 2, column 'prompt'.*--on-bad-sample skip"
+    ):
+        DatasetSource(path).rows()
+    skip = DatasetSource(path, on_bad_sample="skip", emit_stats=True)
+    out = skip.rows()
+    assert out["prompts"] == ["good0", "good1"] and len(out["images"]) == 2
+    assert out["stats"]["skipped"] == 6 and skip.state_dict()["skipped"] == 0
+    assert skip.rows(1, 2) == {
+        "images": [],
+        "prompts": [],
+        "meta": [],
+        "stats": {"epoch": 0, "skipped": 2},
+    }
+
+
 def test_reshuffle_differs_between_epochs_but_is_seeded(tmp_path):
     path = str(_jsonl(tmp_path / "t.jsonl", _text_rows(20)))
 
