@@ -16,11 +16,10 @@ import torch
 
 from nodes.models.files import _check_checkpoint_dir, _loading, _read_json
 from nodes.rewards.base import RewardNode, fill_template, template_fields
-from nodes.rewards.clip import ClipScoreReward, clip_score
+from nodes.rewards.clip import ClipScoreReward, clip_score  # noqa: F401 (older plans name them here)
 from yatt_graph.node import Built
 
 __all__ = ["RewardModel", "char_tokenizer"]
-_MOVED = (ClipScoreReward, clip_score)  # importable from here still: older plans name this module
 
 # ---------------------------------------------------------------------------------------------
 # learned reward model
