@@ -13,6 +13,7 @@ from typing import Any
 from graphs.common import connect_weights, sample_and_score
 from graphs.config import GRPOConfig, TextGRPOConfig
 from nodes.advantage import GroupAdvantage
+from nodes.shared_models import set_share
 from nodes.sync import WeightSync
 from nodes.update import GRPOUpdate
 from yatt_graph import Graph
@@ -37,6 +38,8 @@ def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Grap
     """The GRPO graph; ``vision``: the vision tower, or None for a text-only graph."""
     with Graph(name) as g:
         s = sample_and_score(g, config, vision=vision, n=config.group_size)
+        set_share(s.rollout, "policy")  # one policy module on an on-policy executor
+        set_share(g.nodes["reference"], "policy")  # its frozen base, for a LoRA policy
         adv = GroupAdvantage(config.estimator, name="group_advantage")(
             scores=s.scores, group_ids=s.sample.group_ids, response_mask=s.sample.response_mask
         )
@@ -49,6 +52,7 @@ def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Grap
             temperature=config.temperature,
             seed=config.seed,
             device=s.device,
+            share="policy",
             name="grpo",
         )(
             **s.tensors,

@@ -15,6 +15,7 @@ from graphs.common import sample_and_score
 from graphs.config import MultimodalPPOConfig, PPOConfig
 from nodes.advantage import GAEAdvantage
 from nodes.reference import Critic
+from nodes.shared_models import set_share
 from nodes.sync import WeightSync
 from nodes.update import PPOUpdate
 from yatt_graph import Graph
@@ -41,8 +42,11 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
     seed = config.seed
     with Graph(name) as g:
         s = sample_and_score(g, config, vision=vision)
+        # one policy and one value model where the executor allows it (nodes/shared_models.py)
+        set_share(s.rollout, "policy")
+        set_share(g.nodes["reference"], "policy")  # its frozen base, for a LoRA policy
         critic_spec = {**s.spec, "seed": seed + 1} if "seed" in s.spec else s.spec
-        critic = Critic(critic=critic_spec, head_seed=seed, name="critic")
+        critic = Critic(critic=critic_spec, head_seed=seed, share="critic", name="critic")
         values = critic(**s.tensors, **s.image_port)
         adv = GAEAdvantage(gamma=config.gamma, lam=config.lam, kl_coef=config.kl_coef, name="gae")(
             scores=s.scores,
@@ -61,6 +65,8 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
             epochs=config.epochs,
             temperature=config.temperature,
             seed=seed,
+            share="policy",
+            critic_share="critic",
             name="ppo",
         )(
             **s.tensors,
@@ -71,7 +77,9 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
             ref_logprobs=s.ref_logprobs,
             **s.image_port,
         )
-        g.connect(WeightSync(name="sync")(update.weights), s.rollout, "weights", delay=1)
+        # no second snapshot: the update already publishes one (or, sharing, the live tensors)
+        sync = WeightSync(snapshot=False, name="sync")
+        g.connect(sync(update.weights), s.rollout, "weights", delay=1)
         g.connect(update.critic_weights, critic, "weights", delay=1)
         g.output("scores", s.scores)
         g.output("metrics", update.metrics)

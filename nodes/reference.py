@@ -14,7 +14,9 @@ prompt, grouped as the rollout groups them): rows are then repeated n times to m
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,12 +24,19 @@ import torch
 from torch import Tensor, nn
 
 from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
+from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
 from nodes.sync import apply_weights, decode_weights
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built
 
-__all__ = ["Critic", "ReferenceLogprobs", "ValueModel", "build_value_model"]
+__all__ = [
+    "Critic",
+    "ReferenceLogprobs",
+    "ValueModel",
+    "build_value_model",
+    "value_model_fingerprint",
+]
 
 _INPUTS = {
     "prompt_ids": TensorPort("int64", "B", "P"),
@@ -68,7 +77,7 @@ def _prompt_batch(
         raise ValueError(f"node {node.name!r}: {err}") from err
 
 
-class ReferenceLogprobs(Node):
+class ReferenceLogprobs(Sharing, Node):
     """``ref_logprobs: float32[B, R]`` from a frozen copy of the policy (0 at padding).
 
     Args:
@@ -77,6 +86,10 @@ class ReferenceLogprobs(Node):
         temperature: the temperature the rollout sampled at (logprobs of ``logits / T``).
         device: where the model runs; outputs come back on the CPU.
         model: a live Policy to copy (deep copy: later training of it leaves the reference as is).
+        share: the policy's share key (e.g. ``"policy"``): when the shared policy of an
+            on-policy executor (:mod:`nodes.shared_models`) has LoRA adapters
+            (``policy.has_lora`` and ``policy.adapter_disabled()``), the reference reads its
+            frozen base instead of holding a copy; otherwise it keeps a frozen copy of its own.
     """
 
     kind = "reference"
@@ -92,11 +105,15 @@ class ReferenceLogprobs(Node):
         device: str = "cpu",
         model: Policy | None = None,
         name: str | None = None,
+        share: str | None = None,
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
     ) -> None:
         super().__init__(name, placement=placement, batch_policy=batch_policy)
+        self.share = check_share_key(share, f"node {self.name!r}")
+        self.base_shared = False
+        self._base_lock = threading.Lock()
         if temperature <= 0:
             raise ValueError(f"node {self.name!r}: temperature={temperature}; it must be > 0")
         if model is None:
@@ -108,17 +125,40 @@ class ReferenceLogprobs(Node):
         self._model = copy.deepcopy(model) if model is not None else None
 
     def build(self) -> None:
+        if self._model is None and self.share is not None and self._share_scope is not None:
+            live = self._acquire(
+                self.share,
+                fingerprint("policy", self.policy_spec, self.device),
+                lambda: build_policy(self.policy_spec).to(self.device),
+            )
+            if getattr(live, "has_lora", False) and callable(
+                getattr(live, "adapter_disabled", None)
+            ):
+                self.policy, self.base_shared = live, True  # its frozen base is the reference
+                return
+            self._release(self.share)  # no adapters: the base trains, keep a frozen copy
         reference = self._model if self._model is not None else build_policy(self.policy_spec)
         self.policy = reference.to(self.device).eval().requires_grad_(False)
+
+    def _frozen(self) -> contextlib.AbstractContextManager[Any]:
+        """The reference function: the own copy, or the shared policy with its adapters off
+        (one call at a time: the adapters are switched on the shared module)."""
+        if not self.base_shared:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._base_lock)
+        stack.enter_context(self.policy.adapter_disabled())
+        return stack
 
     @torch.no_grad()
     def forward(
         self, prompt_ids, prompt_mask, response_ids, response_mask, image_embeds, images
     ) -> dict[str, Tensor]:
         batch = _prompt_batch(self, self.policy, prompt_ids, prompt_mask, image_embeds, images)
-        ref = self.policy.response_logprobs(
-            batch, response_ids, response_mask, temperature=self.temperature
-        )  # (B, R)
+        with self._frozen():
+            ref = self.policy.response_logprobs(
+                batch, response_ids, response_mask, temperature=self.temperature
+            )  # (B, R)
         return {"ref_logprobs": ref.float().cpu()}
 
 
@@ -152,6 +192,13 @@ class ValueModel(nn.Module):
         return torch.where(real, values, 0.0)  # (B, R)
 
 
+def value_model_fingerprint(critic: Any, device: Any, detach_trunk: bool, head_seed: int) -> str:
+    """What a Critic and a PPOUpdate sharing one value model must agree on."""
+    return fingerprint(
+        "value_model", critic, device, detach_trunk=bool(detach_trunk), head_seed=int(head_seed)
+    )
+
+
 def build_value_model(
     critic: str | Mapping[str, Any],
     *,
@@ -170,7 +217,7 @@ def build_value_model(
         return ValueModel(trunk, detach_trunk=detach_trunk, seed=head_seed)
 
 
-class Critic(Node):
+class Critic(Sharing, Node):
     """``values: float32[B, R]`` from a value head on a policy trunk (0 at padding).
 
     Args:
@@ -181,6 +228,9 @@ class Critic(Node):
         detach_trunk: train only the head through ``value_model`` (see :class:`ValueModel`).
         head_seed: seeds the value head's initialization.
         device: where the model runs; outputs come back on the CPU.
+        share: a share key (e.g. ``"critic"``, as ``PPOUpdate(critic_share=...)``): on an
+            on-policy executor the nodes of that key use one value model
+            (:mod:`nodes.shared_models`); ignored with ``model``.
 
     The node's ``forward`` runs without grad (values for advantage estimation); an update
     node trains ``critic.value_model`` directly, which is differentiable, or trains its own
@@ -209,11 +259,13 @@ class Critic(Node):
         head_seed: int = 0,
         device: str = "cpu",
         name: str | None = None,
+        share: str | None = None,
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
     ) -> None:
         super().__init__(name, placement=placement, batch_policy=batch_policy)
+        self.share = check_share_key(share, f"node {self.name!r}")
         if model is None:
             check_policy_spec(critic)
         self.device = torch.device(device)
@@ -224,13 +276,22 @@ class Critic(Node):
         self._last_weights: Any = None
 
     def build(self) -> None:
-        self.value_model = build_value_model(
-            self.critic_spec,
-            detach_trunk=self.detach_trunk,
-            head_seed=self.head_seed,
-            device=self.device,
-            trunk=self._model,
+        def build() -> ValueModel:
+            return build_value_model(
+                self.critic_spec,
+                detach_trunk=self.detach_trunk,
+                head_seed=self.head_seed,
+                device=self.device,
+                trunk=self._model,
+            )
+
+        if self._model is not None:
+            self.value_model = build()
+            return
+        fp = value_model_fingerprint(
+            self.critic_spec, self.device, self.detach_trunk, self.head_seed
         )
+        self.value_model = self._acquire(self.share, fp, build)
 
     def _load(self, weights: Any) -> None:
         """Load a weight-sync payload into the value model (``PPOUpdate``'s ``critic_weights``:
@@ -244,7 +305,8 @@ class Critic(Node):
             update = decode_weights(weights)
             if update.version and update.version <= self.weights_version:
                 return
-            apply_weights(self.value_model, update)
+            if not (self.share is not None and same_storage(self.value_model, update.weights)):
+                apply_weights(self.value_model, update)  # (a shared model's own: no copy)
         except (TypeError, ValueError, RuntimeError) as err:
             raise ValueError(f"{who}: {err}") from err
         self._last_weights = weights

@@ -37,6 +37,7 @@ from nodes.models.policy import (
     check_policy_spec,
 )
 from nodes.models.vllm_engine import VLLMEngine, check_vllm_options, vllm_unavailable_reason
+from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
 from nodes.sync import decode_weights
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
@@ -61,7 +62,7 @@ def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**63 - 1)
 
 
-class Rollout(Node):
+class Rollout(Sharing, Node):
     """Prompts (+ images or image embeddings) -> sampled responses and their logprobs.
 
     With ``n`` samples per prompt, outputs have B = N * n rows, the n samples of a prompt in
@@ -95,6 +96,9 @@ class Rollout(Node):
         model: a live Policy to use instead of building one from ``policy`` (tests, notebooks).
         stream: hand out finished rows as they end (HF backend; not with ``recompute_logprobs``).
         stream_every: with ``stream``, how many decode steps a piece gathers finished rows.
+        share: a share key (e.g. ``"policy"``): on an on-policy executor, nodes with the same
+            key use one module (:mod:`nodes.shared_models`); HF backend only, ignored with
+            ``model``.
     """
 
     kind = "rollout"
@@ -138,6 +142,7 @@ class Rollout(Node):
         stream: bool = False,
         stream_every: int = 1,
         vllm_options: Mapping[str, Any] | None = None,
+        share: str | None = None,
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
@@ -183,6 +188,7 @@ class Rollout(Node):
         self.device = torch.device(device)
         self.policy_spec = policy
         self._model = model
+        self.share = check_share_key(share, where)
         self.step = 0
         self.next_group = 0
         self.weights_version = 0
@@ -190,7 +196,15 @@ class Rollout(Node):
         self._vllm: VLLMEngine | None = None
 
     def build(self) -> None:
-        model = self._model if self._model is not None else build_policy(self.policy_spec)
+        if self._model is not None:
+            model = self._model
+        else:
+            key = self.share if self.backend == "hf" else None  # vLLM holds its own weights
+            model = self._acquire(
+                key,
+                fingerprint("policy", self.policy_spec, self.device),
+                lambda: build_policy(self.policy_spec).to(self.device),
+            )
         self.policy = model.to(self.device).eval()
         if self.backend == "vllm":
             spec = self.policy_spec
@@ -245,7 +259,9 @@ class Rollout(Node):
             raise ValueError(f"{who}: {err}") from err
         if update.version and update.version <= self.weights_version:
             return
-        self.policy.load_weights(update.weights, strict=update.complete, who=who)
+        if not (self.share is not None and same_storage(self.policy, update.weights)):
+            # (a shared module's own tensors: nothing to copy)
+            self.policy.load_weights(update.weights, strict=update.complete, who=who)
         if self._vllm is not None:
             self._vllm.load_weights(update.weights)
         self._last_weights = weights

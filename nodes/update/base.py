@@ -19,6 +19,7 @@ from nodes.rl.losses import (
 )
 from nodes.rl.masked import _check_finite
 from nodes.rollout import _step_seed
+from nodes.shared_models import Sharing, check_share_key, fingerprint
 from nodes.sync import WeightUpdate
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
@@ -52,6 +53,14 @@ def _snapshot(module: nn.Module) -> dict[str, Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
 
+def _weights(module: nn.Module, shared: bool) -> dict[str, Tensor]:
+    """What an update publishes: a snapshot, or, when the module is shared with its consumers
+    in this process (on-policy only), its live tensors (they skip loading their own storage)."""
+    if shared:
+        return {k: v.detach() for k, v in module.state_dict().items()}
+    return _snapshot(module)
+
+
 def _item(x: Tensor) -> float:
     return float(x.detach())
 
@@ -61,7 +70,7 @@ def _require_finite(what: str, x: Tensor, real: Tensor) -> None:
         raise _NonFinite(what)
 
 
-class _Update(Node):
+class _Update(Sharing, Node):
     """What PPO and GRPO updates share: input checks, micro-batches, the guarded step, weights."""
 
     kind = "update"
@@ -89,6 +98,7 @@ class _Update(Node):
         seed: int,
         device: str,
         on_nonfinite: str,
+        share: str | None = None,
     ) -> None:
         where = f"node {self.name!r}"
         checks = [
@@ -130,12 +140,17 @@ class _Update(Node):
         self.device = torch.device(device)
         check_policy_spec(policy)
         self.policy_spec = policy
+        self.share = check_share_key(share, where)
         self.weight_decay = float(weight_decay)
         self.version = 0
         self.updates = 0
 
     def build(self) -> None:
-        self.policy = build_policy(self.policy_spec).to(self.device).eval()
+        self.policy = self._acquire(
+            self.share,
+            fingerprint("policy", self.policy_spec, self.device),
+            lambda: build_policy(self.policy_spec).to(self.device),
+        ).eval()
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=self.lr, weight_decay=self.weight_decay
         )
@@ -317,7 +332,7 @@ class _Update(Node):
 
     def _publish(self) -> WeightUpdate:
         self.version += 1
-        return WeightUpdate(_snapshot(self.policy), self.version, complete=True)
+        return WeightUpdate(_weights(self.policy, self._is_shared(self.share)), self.version)
 
     # --- state ---------------------------------------------------------------------------
     def _load_checked(self, state: Mapping[str, Any], keys: set[str]) -> None:

@@ -32,6 +32,8 @@ class GRPOUpdate(_Update):
         aggregation: ``"seq-mean-token-mean"`` (the paper's ``1/G sum_i 1/|o_i| sum_t``) or
             ``"token-mean"``; it also aggregates the entropy term.
         kl_coef: GRPO's beta (the paper uses 0.04; 0 disables the term and the input).
+        share: a share key (e.g. ``"policy"``, as on the Rollout): one policy module with the
+            nodes of that key on an on-policy executor (:mod:`nodes.shared_models`).
         The others are as in :class:`PPOUpdate`.
     """
 
@@ -60,6 +62,7 @@ class GRPOUpdate(_Update):
         on_nonfinite: str = "skip",
         device: str = "cpu",
         name: str | None = None,
+        share: str | None = None,
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
@@ -85,6 +88,7 @@ class GRPOUpdate(_Update):
             seed,
             device,
             on_nonfinite,
+            share,
         )
 
     def forward(

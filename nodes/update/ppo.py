@@ -10,15 +10,24 @@ import torch
 from torch import Tensor
 
 from nodes.models.policy import check_policy_spec
-from nodes.reference import build_value_model
+from nodes.reference import build_value_model, value_model_fingerprint
 from nodes.rl.losses import (
     aggregate_token_loss,
     kl_loss,
     ppo_policy_loss,
     value_loss,
 )
+from nodes.shared_models import check_share_key
 from nodes.sync import WeightUpdate
-from nodes.update.base import _INPUTS, _TOKENS, _item, _require_finite, _snapshot, _Update
+from nodes.update.base import (
+    _INPUTS,
+    _TOKENS,
+    _item,
+    _require_finite,
+    _snapshot,
+    _Update,
+    _weights,
+)
 from yatt_graph import ANY, BatchPolicy, Port
 from yatt_graph.node import Built
 
@@ -62,6 +71,10 @@ class PPOUpdate(_Update):
             left as it was.
         on_nonfinite: ``"skip"`` or ``"error"`` (see the module docstring).
         device: where the models train; outputs come back on the CPU.
+        share, critic_share: share keys for the policy (e.g. ``"policy"``, as on the Rollout)
+            and the value model (e.g. ``"critic"``, as on the Critic): on an on-policy executor
+            the nodes of a key use one module (:mod:`nodes.shared_models`), and the published
+            weights are then its live tensors.
     """
 
     _metric_keys = (
@@ -111,6 +124,8 @@ class PPOUpdate(_Update):
         on_nonfinite: str = "skip",
         device: str = "cpu",
         name: str | None = None,
+        share: str | None = None,
+        critic_share: str | None = None,
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
@@ -140,11 +155,13 @@ class PPOUpdate(_Update):
             seed,
             device,
             on_nonfinite,
+            share,
         )
         check_policy_spec(critic)
         self.value_clip_eps = None if value_clip_eps is None else float(value_clip_eps)
         self.vf_coef = float(vf_coef)
         self.critic_spec = critic
+        self.critic_share = check_share_key(critic_share, where)
         self.detach_trunk, self.head_seed = bool(detach_trunk), int(head_seed)
         self.critic_lr = float(critic_lr if critic_lr is not None else lr)
         self.critic_version = 0
@@ -152,11 +169,17 @@ class PPOUpdate(_Update):
     def build(self) -> None:
         super().build()
         # built exactly as nodes.reference.Critic builds it, so both start identical
-        self.value_model = build_value_model(
-            self.critic_spec,
-            detach_trunk=self.detach_trunk,
-            head_seed=self.head_seed,
-            device=self.device,
+        self.value_model = self._acquire(
+            self.critic_share,
+            value_model_fingerprint(
+                self.critic_spec, self.device, self.detach_trunk, self.head_seed
+            ),
+            lambda: build_value_model(
+                self.critic_spec,
+                detach_trunk=self.detach_trunk,
+                head_seed=self.head_seed,
+                device=self.device,
+            ),
         ).eval()
         model = self.value_model
         critic_params = list((model.head if self.detach_trunk else model).parameters())
@@ -241,7 +264,8 @@ class PPOUpdate(_Update):
         metrics = self._train(self._slices(real.shape[0], group), micro_loss)
         metrics["critic_lr"] = float(self.critic_optimizer.param_groups[0]["lr"])
         self.critic_version += 1
-        critic_weights = WeightUpdate(_snapshot(self.value_model), self.critic_version)
+        shared = self._is_shared(self.critic_share)
+        critic_weights = WeightUpdate(_weights(self.value_model, shared), self.critic_version)
         return {"weights": self._publish(), "critic_weights": critic_weights, "metrics": metrics}
 
     # --- state ---------------------------------------------------------------------------

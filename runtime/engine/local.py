@@ -57,6 +57,13 @@ class LocalExecutor:
         self.max_staleness = check_staleness(max_staleness, "LocalExecutor")
         pool = device_pool(devices)
         nodes = self.graph.nodes
+        # Nodes that can share a model (nodes/shared_models.py) learn the staleness first: one
+        # registry per executor, used only on-policy (max_staleness 0).
+        shared: dict[str, Any] = {}
+        for name in self.graph.topological_order():
+            bind = getattr(nodes[name], "bind_executor", None)
+            if callable(bind):
+                bind(max_staleness=self.max_staleness, shared=shared)
         for name in self.graph.topological_order():  # build the models here, before a step
             nodes[name].setup()
         self.splitter = NodeSplitter(nodes, pool) if pool is not None else None
