@@ -131,8 +131,15 @@ class ReferenceLogprobs(Sharing, Node):
                 fingerprint("policy", self.policy_spec, self.device),
                 lambda: build_policy(self.policy_spec).to(self.device),
             )
-            if getattr(live, "has_lora", False) and callable(
-                getattr(live, "adapter_disabled", None)
+            # the base is the initial policy only when nothing but the adapters trains (a
+            # prefix-VLM's projector trains beside its LoRA adapters: keep a frozen copy then)
+            only_adapters = all(
+                "lora_" in name for name, p in live.named_parameters() if p.requires_grad
+            )
+            if (
+                getattr(live, "has_lora", False)
+                and callable(getattr(live, "adapter_disabled", None))
+                and only_adapters
             ):
                 self.policy, self.base_shared = live, True  # its frozen base is the reference
                 return
