@@ -129,7 +129,7 @@ class HFCausalPolicy(Policy):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, dtype: str = "float32", use_chat_template: bool = True
+        cls, path: str | Path, *, dtype: str = "float32", use_chat_template: bool = True
     ) -> HFCausalPolicy:
         """Load a causal LM and its tokenizer from a local directory (never downloads)."""
         from transformers import AutoModelForCausalLM
@@ -186,9 +186,13 @@ def tiny_causal_lm(
     words: Sequence[str] | None = None,
     hidden_size: int = 64,
     num_layers: int = 2,
+    chat_template: str | None = None,
 ) -> HFCausalPolicy:
     """A random GPT-2, Llama or Qwen2 (2 layers, 64 dims) with a tokenizer made in code: the
-    character tokenizer, or a word-level one over ``words``. Same seed, same weights."""
+    character tokenizer, or a word-level one over ``words``. Same seed, same weights.
+
+    ``chat_template`` (a Jinja string) is set on the tokenizer, so prompts are formatted as
+    one user turn and it is saved with the model; by default the tokenizer has none."""
     from transformers import AutoModelForCausalLM
 
     if arch not in TINY_ARCHS:
@@ -198,7 +202,13 @@ def tiny_causal_lm(
             f"tiny_causal_lm: hidden_size={hidden_size}, num_layers={num_layers}; need a "
             "hidden_size that is a multiple of 8 and num_layers >= 1"
         )
+    if chat_template is not None and not (isinstance(chat_template, str) and chat_template):
+        raise ValueError(
+            f"tiny_causal_lm: chat_template={chat_template!r}; give a Jinja template string "
+            "(or leave it out)"
+        )
     tokenizer = char_tokenizer() if words is None else word_tokenizer(words)
+    tokenizer.chat_template = chat_template
     config = _tiny_config(arch, tokenizer, hidden_size, num_layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -206,16 +216,34 @@ def tiny_causal_lm(
     return HFCausalPolicy(model, tokenizer).eval()
 
 
-def tiny_gpt2(seed=0, words=None, hidden_size=64, num_layers=2) -> HFCausalPolicy:
+def tiny_gpt2(
+    seed: int = 0,
+    words: Sequence[str] | None = None,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    chat_template: str | None = None,
+) -> HFCausalPolicy:
     """:func:`tiny_causal_lm` with ``arch="gpt2"``."""
-    return tiny_causal_lm("gpt2", seed, words, hidden_size, num_layers)
+    return tiny_causal_lm("gpt2", seed, words, hidden_size, num_layers, chat_template)
 
 
-def tiny_llama(seed=0, words=None, hidden_size=64, num_layers=2) -> HFCausalPolicy:
+def tiny_llama(
+    seed: int = 0,
+    words: Sequence[str] | None = None,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    chat_template: str | None = None,
+) -> HFCausalPolicy:
     """:func:`tiny_causal_lm` with ``arch="llama"``."""
-    return tiny_causal_lm("llama", seed, words, hidden_size, num_layers)
+    return tiny_causal_lm("llama", seed, words, hidden_size, num_layers, chat_template)
 
 
-def tiny_qwen2(seed=0, words=None, hidden_size=64, num_layers=2) -> HFCausalPolicy:
+def tiny_qwen2(
+    seed: int = 0,
+    words: Sequence[str] | None = None,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    chat_template: str | None = None,
+) -> HFCausalPolicy:
     """:func:`tiny_causal_lm` with ``arch="qwen2"``."""
-    return tiny_causal_lm("qwen2", seed, words, hidden_size, num_layers)
+    return tiny_causal_lm("qwen2", seed, words, hidden_size, num_layers, chat_template)

@@ -13,7 +13,8 @@ Three families implement :class:`Policy`:
   (``AutoModelForImageTextToText`` + ``AutoProcessor``; Qwen2-VL, Qwen2.5-VL, ...) from a local
   path, or a tiny random Qwen2-VL built in code.
 
-:func:`nodes.models.families.model_family` tells a directory's family; LoRA adapters are in
+:func:`nodes.models.families.model_family` tells a directory's family (and
+:func:`describe_model_dir` says it in one line); LoRA adapters are in
 :mod:`nodes.models.lora`. The interface, the batch types and the tokenizers are in
 :mod:`nodes.models.policy_base`; this module gathers them and builds policies from specs.
 
@@ -36,8 +37,9 @@ The interface (every method takes and returns batch-first tensors):
 Nodes build policies from JSON-able specs with :func:`build_policy` (a tiny name, a local
 directory, or ``{"builder": "module:function", ...kwargs}``). Name and path specs also take
 the options ``dtype`` (float32|bfloat16|float16), ``gradient_checkpointing`` (non-reentrant),
-``lora`` (:mod:`nodes.models.lora`) and ``chat_template``; path specs also ``image_dim``,
-``num_prefix_tokens`` and ``seed`` (see :func:`load_policy`).
+``lora`` (:mod:`nodes.models.lora`) and ``chat_template`` (true: the tokenizer's own, false:
+none, or a Jinja template string); path specs also ``image_dim``, ``num_prefix_tokens`` and
+``seed`` (see :func:`load_policy`). An unknown key is an error that lists the valid ones.
 Nothing here downloads: tiny models come from configs and a character tokenizer made in code.
 """
 
@@ -53,7 +55,9 @@ import torch
 from nodes.models.families import (
     OPTION_KEYS,
     check_options,
+    check_path_options,
     configure_policy,
+    describe_model_dir,
     load_policy,
     model_family,
 )
@@ -86,6 +90,7 @@ __all__ = [
     "build_policy",
     "char_tokenizer",
     "check_policy_spec",
+    "describe_model_dir",
     "load_policy",
     "model_family",
     "tiny_causal_lm",
@@ -160,7 +165,7 @@ def check_policy_spec(spec: str | Mapping[str, Any]) -> None:
                 f"build_policy: a path spec takes no key(s) {unknown}; valid keys: "
                 f"{sorted(_PATH_KEYS)}"
             )
-        check_options(kwargs, "build_policy")
+        check_path_options(kwargs, "build_policy")
         model_family(kwargs["path"])  # a local directory of a family we load
     else:
         module, sep, qualname = str(kwargs["builder"]).partition(":")

@@ -125,7 +125,16 @@ class PrefixVLM(Policy):
 
     # --- files -------------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:
-        """Write ``lm/`` (HF model + tokenizer), ``projector.safetensors`` and a marker file."""
+        """Write a directory that :meth:`from_pretrained` and ``load_policy`` read back:
+
+        * ``lm/``: the causal LM (``model.save_pretrained``, LoRA adapters merged into a copy)
+          and its tokenizer, a plain transformers checkpoint that ``AutoModelForCausalLM``
+          loads on its own (the text LM without the image prefix);
+        * ``projector.safetensors``: the Linear from image features to prefix embeddings
+          (``weight`` float[k*H, D], ``bias`` float[k*H]);
+        * ``prefix_vlm.json``: ``{"image_dim": D, "num_prefix_tokens": k}``, the marker that
+          ``model_family`` recognises as ``"prefix-vlm"``.
+        """
         from safetensors.torch import save_file
 
         path = Path(path)

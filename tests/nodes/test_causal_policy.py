@@ -185,3 +185,56 @@ def test_causal_lm_dir_with_image_dim_is_a_prefix_vlm(tmp_path):
     assert out.logits.shape[:2] == ids.shape and out.hidden.shape[-1] == policy.hidden_size
     assert torch.allclose(tf, gen.logprobs, atol=ATOL)
     assert not torch.allclose(out.logits, other)  # the images are read
+
+
+def test_gradient_checkpointing_gives_the_same_grads_and_a_step_trains():
+    def loss_and_grads(policy):
+        policy.train()
+        ids, mask = _ids(policy, ["abc", "de", "f"])
+        lp = policy.response_logprobs(policy.encode_prompts(PROMPTS), ids, mask)  # (B, R)
+        loss = -(lp * mask).sum() / mask.sum()
+        loss.backward()
+        return loss, {n: p.grad.clone() for n, p in policy.named_parameters()}
+
+    plain = build_policy({"name": "tiny-qwen2", "seed": 5})
+    checkpointed = build_policy({"name": "tiny-qwen2", "seed": 5, "gradient_checkpointing": True})
+    assert checkpointed.model.is_activation_checkpointing
+    assert not plain.model.is_activation_checkpointing
+    loss, grads = loss_and_grads(plain)
+    loss_ckpt, grads_ckpt = loss_and_grads(checkpointed)
+    assert torch.allclose(loss, loss_ckpt, atol=1e-6)
+    assert grads.keys() == grads_ckpt.keys()
+    for name, grad in grads.items():
+        assert torch.allclose(grad, grads_ckpt[name], atol=1e-6), name
+    before = {n: p.detach().clone() for n, p in checkpointed.named_parameters()}
+    torch.optim.SGD(checkpointed.parameters(), lr=0.1).step()
+    changed = [n for n, p in checkpointed.named_parameters() if not torch.equal(p, before[n])]
+    assert "model.model.layers.0.self_attn.q_proj.weight" in changed
+
+
+TEMPLATE = (
+    "{% for m in messages %}U:{{ m['content'] }};{% endfor %}"
+    "{% if add_generation_prompt %}A:{% endif %}"
+)
+
+
+def test_chat_template_strings_from_builder_and_spec(tmp_path):
+    built = tiny_causal_lm("llama", chat_template=TEMPLATE)
+    from_spec = build_policy({"name": "tiny-llama", "chat_template": TEMPLATE})
+    for policy in (built, from_spec):
+        ids = policy.encode_prompts(["hi"]).prompt_ids[0].tolist()
+        assert policy.tokenizer.decode(ids) == "U:hi;A:"
+    built.save_pretrained(tmp_path / "lm")  # the template is saved with the tokenizer
+    loaded = load_policy(tmp_path / "lm")
+    assert loaded.tokenizer.decode(loaded.encode_prompts(["hi"]).prompt_ids[0]) == "U:hi;A:"
+    other = "{% for m in messages %}Q={{ m['content'] }}{% endfor %}"
+    override = load_policy(tmp_path / "lm", chat_template=other)
+    assert override.tokenizer.decode(override.encode_prompts(["hi"]).prompt_ids[0]) == "Q=hi"
+    with pytest.raises(ValueError, match="chat_template=''; give true"):
+        check_policy_spec({"name": "tiny-gpt2", "chat_template": ""})
+    with pytest.raises(ValueError, match="chat_template=3; give true"):
+        check_policy_spec({"path": str(tmp_path / "lm"), "chat_template": 3})
+    with pytest.raises(ValueError, match="PrefixVLM: chat_template=True, but this family"):
+        build_policy({"name": "tiny-prefix-vlm", "chat_template": True})
+    with pytest.raises(ValueError, match="give a Jinja template string"):
+        tiny_causal_lm("gpt2", chat_template=True)

@@ -169,3 +169,91 @@ def test_prefix_wrapped_lm_saves_as_prefix_vlm(tmp_path):
     kw = {"image_embeds": torch.randn(3, 16, generator=torch.Generator().manual_seed(0))}
     loaded = load_policy(tmp_path / "saved")
     assert torch.allclose(_logits(loaded, **kw), _logits(policy, **kw), atol=1e-5)
+
+
+def _unique_numel(module):
+    return sum(p.numel() for p in module.parameters())  # tied weights count once
+
+
+def _count(line):
+    """The parameter count a describe_model_dir line states (e.g. '109K parameters')."""
+    import re
+
+    number, unit = re.search(r", ([\d.]+)([KMB]?) parameters", line).groups()
+    return float(number) * {"": 1, "K": 1e3, "M": 1e6, "B": 1e9}[unit]
+
+
+def test_describe_model_dir_states_family_type_and_size(tmp_path):
+    from nodes.models.policy import describe_model_dir
+
+    lm = tiny_causal_lm("gpt2")
+    lm.save_pretrained(tmp_path / "lm")
+    line = describe_model_dir(tmp_path / "lm")
+    assert line.startswith("causal-lm gpt2 (GPT2LMHeadModel), ") and "(f32)" in line
+    assert _count(line) == pytest.approx(_unique_numel(lm), rel=5e-3)
+    vlm = tiny_qwen2_vl()
+    vlm.save_pretrained(tmp_path / "vlm")
+    line = describe_model_dir(tmp_path / "vlm")
+    assert line.startswith("vlm qwen2_vl (Qwen2VLForConditionalGeneration), ")
+    assert _count(line) == pytest.approx(_unique_numel(vlm), rel=5e-3)
+    prefix = tiny_prefix_vlm()
+    prefix.save_pretrained(tmp_path / "prefix")
+    line = describe_model_dir(tmp_path / "prefix")
+    assert line.startswith("prefix-vlm gpt2 (GPT2LMHeadModel) + projector 32 -> 2 tokens, ")
+    assert _count(line) == pytest.approx(_unique_numel(prefix), rel=5e-3)
+    build_policy({"name": "tiny-llama", "dtype": "bfloat16"}).save_pretrained(tmp_path / "bf")
+    assert "(bf16)" in describe_model_dir(tmp_path / "bf")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no config.json"):
+        describe_model_dir(tmp_path / "empty")
+
+
+def test_a_type_in_both_mappings_is_a_vlm_only_with_a_vision_config(tmp_path):
+    for name, config, family in [
+        ("vision", {"model_type": "gemma3", "vision_config": {"hidden_size": 8}}, "vlm"),
+        ("text", {"model_type": "gemma3"}, "causal-lm"),
+        ("qwen2", {"model_type": "qwen2"}, "causal-lm"),
+        ("qwen2_vl", {"model_type": "qwen2_vl"}, "vlm"),
+        ("arch", {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, "causal-lm"),
+    ]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        assert model_family(tmp_path / name) == family, name
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(ValueError, match=r"holds a 't5' model; yatt-graph loads causal LMs"):
+        model_family(tmp_path / "odd")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_causal_export_round_trips_through_auto_classes(arch, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    policy = tiny_causal_lm(arch, seed=2, words=["red", "blue", "green"])
+    policy.save_pretrained(tmp_path / arch)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / arch)
+    assert tokenizer("red blue green").input_ids == policy.tokenizer("red blue green").input_ids
+    again = HFCausalPolicy(AutoModelForCausalLM.from_pretrained(tmp_path / arch), tokenizer)
+    ids, mask = _ids(policy, ["red", "green blue", "blue"])
+    prompts = ["red blue", "green", "blue blue red"]
+    with torch.no_grad():
+        want = policy.forward_logits(policy.encode_prompts(prompts), ids, mask)
+        got = again.forward_logits(again.encode_prompts(prompts), ids, mask)
+    assert torch.equal(got, want)
+
+
+def test_vlm_export_round_trips_through_auto_classes(tmp_path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    policy = tiny_qwen2_vl(seed=3)
+    policy.save_pretrained(tmp_path / "vlm")
+    again = HFVisionLanguagePolicy(
+        AutoModelForImageTextToText.from_pretrained(tmp_path / "vlm"),
+        AutoProcessor.from_pretrained(tmp_path / "vlm"),
+    )
+    kw = {"images": _images()}
+    assert torch.equal(
+        again.encode_prompts(PROMPTS, **kw).prompt_ids,
+        policy.encode_prompts(PROMPTS, **kw).prompt_ids,
+    )
+    assert torch.equal(_logits(again, **kw), _logits(policy, **kw))
