@@ -257,3 +257,16 @@ def test_vlm_export_round_trips_through_auto_classes(tmp_path):
         policy.encode_prompts(PROMPTS, **kw).prompt_ids,
     )
     assert torch.equal(_logits(again, **kw), _logits(policy, **kw))
+
+
+def test_vlm_honours_the_chat_template_flag(tmp_path):
+    tiny_qwen2_vl().save_pretrained(tmp_path / "vlm")
+    on = load_policy(tmp_path / "vlm")
+    off = load_policy(tmp_path / "vlm", chat_template=False)
+    kw = {"images": _images()[:1]}
+    text_on = on.tokenizer.decode(on.encode_prompts(["hi"], **kw).prompt_ids[0])
+    text_off = off.tokenizer.decode(off.encode_prompts(["hi"], **kw).prompt_ids[0])
+    assert text_on.startswith("<|vision_start|><|image_pad|>") and text_on.endswith("hi")
+    assert text_off.startswith("<|image_pad|>") and "<|vision_start|>" not in text_off
+    named = build_policy({"name": "tiny-qwen2-vl", "chat_template": False})
+    assert not named.use_chat_template
