@@ -7,10 +7,12 @@ Backends:
 * ``"vllm"``: a vLLM engine (:mod:`nodes.models.vllm_engine`) on the policy's local checkpoint
   directory (a tiny policy built in code is saved to a temporary one), only when vllm is
   installed and CUDA is available (constructing it otherwise raises a ValueError saying which
-  is missing). Weight updates go into the running engine by name; its logprobs are vLLM's own
-  unless top-p/top-k is on or ``recompute_logprobs=True`` (then teacher-forced with the HF
-  policy). ``vllm_options``: gpu_memory_utilization, tensor_parallel_size, dtype,
-  enable_sleep_mode.
+  is missing). A weight update on the ``weights`` port goes into the HF policy and into the
+  running engine (checkpoint names, through a worker method called by name; one whose version
+  is not newer is skipped); its logprobs are vLLM's own unless top-p/top-k is on or
+  ``recompute_logprobs=True`` (then teacher-forced with the HF policy). ``vllm_options``:
+  gpu_memory_utilization, tensor_parallel_size, dtype, enable_sleep_mode (the engine sleeps
+  after each call, for colocated placement), bucket_mb (see ``vllm_engine.OPTIONS``).
 
 Logprobs (``logprobs`` port) are ``log softmax(logits / temperature)`` of each sampled token:
 the temperature-scaled policy *before* top-k/top-p truncation (T = 1 when greedy). Computed
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -62,6 +65,16 @@ def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**63 - 1)
 
 
+def _checkpoint_dir(spec: Any, model: Policy | None) -> str | None:
+    """The local directory a vLLM engine can start from: a path spec's, else None (a tiny
+    builder, a builder reference or a live model: the engine serves the policy saved)."""
+    if model is not None:
+        return None
+    if isinstance(spec, Mapping):
+        spec = spec.get("path")
+    return spec if isinstance(spec, str) and Path(spec).is_dir() else None
+
+
 class Rollout(Sharing, Node):
     """Prompts (+ images or image embeddings) -> sampled responses and their logprobs.
 
@@ -96,6 +109,7 @@ class Rollout(Sharing, Node):
         model: a live Policy to use instead of building one from ``policy`` (tests, notebooks).
         stream: hand out finished rows as they end (HF backend; not with ``recompute_logprobs``).
         stream_every: with ``stream``, how many decode steps a piece gathers finished rows.
+        vllm_options: with ``backend="vllm"``, engine options (:mod:`nodes.models.vllm_engine`).
         share: a share key (e.g. ``"policy"``): on an on-policy executor, nodes with the same
             key use one module (:mod:`nodes.shared_models`); HF backend only, ignored with
             ``model``.
@@ -207,13 +221,9 @@ class Rollout(Sharing, Node):
             )
         self.policy = model.to(self.device).eval()
         if self.backend == "vllm":
-            spec = self.policy_spec
-            path = spec.get("path") if isinstance(spec, Mapping) else None
-            if isinstance(spec, str) and spec not in ("tiny-prefix-vlm", "tiny-qwen2-vl"):
-                path = spec
             self._vllm = VLLMEngine(
-                self.policy, path, seed=self.seed, sampling=self.sampling,
-                options=self.vllm_options, who=f"node {self.name!r}",
+                self.policy, _checkpoint_dir(self.policy_spec, self._model), seed=self.seed,
+                sampling=self.sampling, options=self.vllm_options, who=f"node {self.name!r}",
             )  # fmt: skip
 
     # --- inputs ------------------------------------------------------------------------------
@@ -308,7 +318,8 @@ class Rollout(Sharing, Node):
         call = self._prepare(prompts, images, image_embeds, weights)
         batch = call.batch
         if self._vllm is not None:
-            gen = self._vllm.generate(call.prompts, call.images, call.seed)
+            gen = self._vllm.generate(call.prompts, call.images, call.seed, batch)
+            self._vllm.sleep()  # with enable_sleep_mode: the device is free until the next call
         else:
             with self._seeded(call.seed):
                 gen = self.policy.generate(batch, **self.sampling)

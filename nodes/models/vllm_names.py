@@ -2,12 +2,24 @@
 
 A vLLM model class's ``load_weights`` reads the tensor names of the checkpoint it was
 started from (what ``save_pretrained`` writes) and maps them to its own parameters itself
-(``hf_to_vllm_mapper``, stacked q/k/v and gate/up projections). A weight update must
+(``hf_to_vllm_mapper``; stacked q/k/v and gate/up projections). A weight update must
 therefore speak the checkpoint's names, not the names of the policy wrapper that holds the
-HF model (``HFVisionLanguagePolicy.model`` makes every name start with ``model.``). The mapping
-here strips the wrapper's attribute and reverts the renaming transformers does on save;
-tests check it against the tensor names of a saved checkpoint, so a transformers release that
-renames differently is caught.
+HF model (``HFVisionLanguagePolicy.model`` and ``HFCausalPolicy.model`` make every name start
+with ``model.``). :func:`checkpoint_items` does what ``save_pretrained`` does to a state
+dict, for any part of one:
+
+1. strip the wrapper's attribute (``model.``);
+2. drop a tied weight that its source also carries (``lm_head.weight`` when the embeddings
+   are tied, as ``save_pretrained`` leaves it out), or send it under the source's name when
+   the update holds only the tied one;
+3. revert transformers' renaming on load (``revert_weight_conversion``: in transformers 5
+   Qwen2-VL's ``model.language_model.*`` is saved as ``model.*``, ``model.visual.*`` as
+   ``visual.*``).
+
+tests/nodes/test_vllm.py checks the result against the tensor names of saved checkpoints
+(tiny Qwen2-VL, tiny Qwen2 tied and untied), so a transformers release that saves under other
+names is caught on a CPU. verl does the same step with ``_checkpoint_conversion_mapping``
+(``verl/utils/model.py: convert_weight_keys``), which transformers 5 replaced.
 
 A prefix-VLM (a Linear projector in front of an LM) has no vLLM model class, and a LoRA
 policy's names are peft's: both are refused with a clear error.
@@ -15,7 +27,7 @@ policy's names are peft's: both are refused with a clear error.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 from torch import Tensor, nn
 
@@ -23,32 +35,39 @@ __all__ = ["checkpoint_items", "hf_model_of"]
 
 
 def hf_model_of(policy: nn.Module, who: str = "vLLM") -> tuple[str, nn.Module]:
-    """``(attribute, model)``: the transformers model a policy wraps, for serving with vLLM."""
+    """``(attribute, model)``: the transformers model a policy wraps, for serving with vLLM.
+    Raises ValueError for a prefix-VLM, a LoRA policy or anything else vLLM cannot serve."""
     from transformers import PreTrainedModel
 
+    if hasattr(policy, "projector"):
+        raise ValueError(
+            f"{who}: {type(policy).__name__} is not a transformers model vLLM can serve (a "
+            "prefix-VLM puts its own projector in front of the LM, and vLLM has no model class "
+            "for that); use a causal LM or an image-text-to-text checkpoint, or rollout=hf"
+        )
     if getattr(policy, "has_lora", False):
         raise ValueError(
             f"{who}: a LoRA policy's weights are peft's (base_model.model...lora_A); the vLLM "
-            "rollout takes a full model: train without lora_r, or use rollout=hf"
+            "rollout takes a full model: train without a lora spec, or use rollout=hf"
         )
-    for attribute in ("model", "lm", "hf_model"):
-        model = getattr(policy, attribute, None)
-        if isinstance(model, PreTrainedModel) and not hasattr(policy, "projector"):
-            return attribute, model
-    raise ValueError(
-        f"{who}: {type(policy).__name__} is not a transformers model vLLM can serve (a prefix-VLM "
-        "has its own projector); use a causal LM or an image-text-to-text checkpoint, or rollout=hf"
-    )
+    attribute = getattr(policy, "_hf_attribute", "model")
+    model = getattr(policy, attribute, None)
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(
+            f"{who}: {type(policy).__name__} is not a transformers model vLLM can serve (its "
+            f"{attribute!r} is a {type(model).__name__}); use a causal LM or an "
+            "image-text-to-text checkpoint, or rollout=hf"
+        )
+    return attribute, model
 
 
 def checkpoint_items(
     policy: nn.Module, weights: Mapping[str, Tensor], who: str = "vLLM"
-) -> Iterator[tuple[str, Tensor]]:
-    """``(checkpoint name, tensor)`` for each policy weight in ``weights`` (policy names, as a
-    weight sync sends them): the wrapper's attribute stripped, then transformers' own renaming
-    on save reverted (``revert_weight_conversion``: Qwen2-VL's ``model.language_model.*`` is
-    saved as ``model.*``, ``model.visual.*`` as ``visual.*``). A name outside the wrapped model
-    is a ValueError."""
+) -> list[tuple[str, Tensor]]:
+    """``(checkpoint name, tensor)`` for the policy weights in ``weights`` (policy names, as a
+    weight sync sends them; any subset of the state dict): the names ``save_pretrained``
+    would write for them (see the module docstring). A name outside the served model is a
+    ValueError."""
     from transformers.core_model_loading import revert_weight_conversion
 
     attribute, model = hf_model_of(policy, who)
@@ -61,4 +80,10 @@ def checkpoint_items(
                 "the transformers model's weights can go into the engine"
             )
         own[name[len(prefix) :]] = tensor
-    yield from revert_weight_conversion(model, own).items()
+    # {tied name: its source}, only where this model really ties them (config-aware)
+    tied: Mapping[str, str] = getattr(model, "all_tied_weights_keys", None) or {}
+    for target, source in tied.items():
+        if target in own:
+            tensor = own.pop(target)
+            own.setdefault(source, tensor)
+    return list(revert_weight_conversion(model, own).items())

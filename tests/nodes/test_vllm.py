@@ -1,17 +1,39 @@
-"""The vLLM backend's parts that need no GPU: the names a weight update carries into the
-engine, the engine options, and the refusals. The engine itself runs in bench/gpu_check.py
-and in the gpu-marked test of tests/nodes/test_rollout.py."""
+"""The vLLM backend on a CPU: the names a weight update carries (checked against saved
+checkpoints), the payload's trip through msgpack as vLLM's engine core decodes it, the worker
+extension, and the engine and Rollout wiring against a stand-in ``vllm`` module (which runs the
+worker method by name after a msgpack round trip, as the V1 engine does). vLLM itself runs in
+bench/gpu_check.py and the gpu-marked test of tests/nodes/test_rollout.py."""
 
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgspec
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
-from nodes.models.policy import tiny_prefix_vlm, tiny_qwen2_vl
-from nodes.models.vllm_engine import check_vllm_options, vllm_unavailable_reason
+import nodes.rollout as rollout_module
+from nodes.models.hf_causal import HFCausalPolicy
+from nodes.models.policy import build_policy, char_tokenizer, tiny_prefix_vlm, tiny_qwen2_vl
+from nodes.models.vllm_engine import (
+    RECEIVE,
+    WeightReceiver,
+    check_vllm_options,
+    pack_weights,
+    unpack_weights,
+    vllm_unavailable_reason,
+)
 from nodes.models.vllm_names import checkpoint_items
+from nodes.rollout import Rollout
+from nodes.sync import WeightUpdate
 
 
-def _saved_names(path) -> set[str]:
+def _saved_names(path: Path) -> set[str]:
     names: set[str] = set()
     for file in path.glob("*.safetensors"):
         with safe_open(str(file), "pt") as f:
@@ -19,68 +41,255 @@ def _saved_names(path) -> set[str]:
     return names
 
 
-def _tied(model) -> set[str]:
-    """Names save_pretrained leaves out because they share storage with another weight."""
-    seen: dict[int, str] = {}
-    tied = set()
-    for name, tensor in model.state_dict().items():
-        key = tensor.untyped_storage().data_ptr()
-        if key in seen:
-            tied.add(name)
-        seen.setdefault(key, name)
-    return tied
+def tiny_qwen2(tie: bool) -> HFCausalPolicy:
+    """A tiny Qwen2 causal LM built directly from transformers, in the causal policy wrapper."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = char_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return HFCausalPolicy(Qwen2ForCausalLM(config), tokenizer).eval()
 
 
-def test_qwen2_vl_update_names_are_the_saved_checkpoints_names(tmp_path):
-    policy = tiny_qwen2_vl(seed=0)
+POLICIES = {
+    "qwen2_vl": lambda: tiny_qwen2_vl(seed=0),
+    "qwen2_tied": lambda: tiny_qwen2(tie=True),
+    "qwen2_untied": lambda: tiny_qwen2(tie=False),
+    "tiny-qwen2 spec": lambda: build_policy("tiny-qwen2"),
+}
+
+
+# --- names ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", sorted(POLICIES))
+def test_update_names_are_exactly_the_saved_checkpoints_names(kind, tmp_path):
+    policy = POLICIES[kind]()
     policy.save_pretrained(tmp_path)
     sent = dict(checkpoint_items(policy, policy.state_dict()))
-    saved = _saved_names(tmp_path)
-    assert saved, "save_pretrained wrote no safetensors file"
-    assert saved <= set(sent), f"names vLLM would not get: {sorted(saved - set(sent))[:5]}"
-    extra = set(sent) - saved
-    assert extra <= {f"{n}" for n in _tied(policy.model)}, sorted(extra)[:5]
-    with safe_open(str(next(tmp_path.glob("*.safetensors"))), "pt") as f:
-        name = next(iter(f.keys()))
-        assert torch.equal(f.get_tensor(name), sent[name])
+    assert set(sent) == _saved_names(tmp_path)
+    saved = {}
+    for file in tmp_path.glob("*.safetensors"):
+        saved.update(load_file(str(file)))
+    for name, tensor in saved.items():
+        assert torch.equal(sent[name], tensor), name
 
 
 def test_a_partial_update_maps_only_what_it_holds():
     policy = tiny_qwen2_vl(seed=0)
     name = next(k for k in policy.state_dict() if k.endswith("lm_head.weight"))
-    items = list(checkpoint_items(policy, {name: policy.state_dict()[name]}))
-    assert [n for n, _ in items] == [name.removeprefix("model.")]
+    items = checkpoint_items(policy, {name: policy.state_dict()[name]})
+    assert [n for n, _ in items] == ["lm_head.weight"]
+    layer = "model.model.language_model.layers.0.mlp.up_proj.weight"
+    items = checkpoint_items(policy, {layer: policy.state_dict()[layer]})
+    assert [n for n, _ in items] == ["model.layers.0.mlp.up_proj.weight"]
 
 
-def test_a_prefix_vlm_is_refused_clearly():
-    with pytest.raises(ValueError, match="not a transformers model vLLM can serve"):
-        list(checkpoint_items(tiny_prefix_vlm(seed=0), {}))
+def test_a_tied_head_alone_goes_under_the_embeddings_name():
+    policy = tiny_qwen2(tie=True)
+    head = policy.state_dict()["model.lm_head.weight"]
+    assert [n for n, _ in checkpoint_items(policy, {"model.lm_head.weight": head})] == [
+        "model.embed_tokens.weight"
+    ]
 
 
-def test_a_name_outside_the_served_model_is_refused():
-    policy = tiny_qwen2_vl(seed=0)
+def test_what_vllm_cannot_serve_is_refused_clearly():
+    with pytest.raises(ValueError, match="prefix-VLM puts its own projector"):
+        checkpoint_items(tiny_prefix_vlm(seed=0), {})
+    lora = build_policy({"name": "tiny-qwen2", "lora": {"r": 2}})
+    with pytest.raises(ValueError, match="a LoRA policy's weights are peft's"):
+        checkpoint_items(lora, {})
     with pytest.raises(ValueError, match="'head.weight' is not part of the served model"):
-        list(checkpoint_items(policy, {"head.weight": torch.zeros(1)}))
+        checkpoint_items(tiny_qwen2_vl(seed=0), {"head.weight": torch.zeros(1)})
+
+
+VLLM_MISSING = vllm_unavailable_reason() is not None and "not installed" in (
+    vllm_unavailable_reason() or ""
+)
+
+
+@pytest.mark.skipif(VLLM_MISSING, reason="vllm is not installed here (make install-gpu has it)")
+def test_vllm_model_classes_map_the_checkpoint_names_onto_their_modules():
+    from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
+
+    policy = tiny_qwen2_vl(seed=0)
+    mapper = Qwen2VLForConditionalGeneration.hf_to_vllm_mapper
+    mapped = [n for n, _ in mapper.apply(checkpoint_items(policy, policy.state_dict()))]
+    roots = ("language_model.model.", "language_model.lm_head.", "visual.")
+    assert mapped and all(n.startswith(roots) for n in mapped), [
+        n for n in mapped if not n.startswith(roots)
+    ][:5]
+
+
+# --- the payload ------------------------------------------------------------------------------
+def _through_the_engine_core(value):
+    """What a collective_rpc argument becomes in vLLM's V1 engine: msgpack, decoded untyped
+    (msgspec refuses a function, as vLLM does without insecure serialization)."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(value))
+
+
+def test_weights_survive_msgpack_in_every_dtype_and_shape():
+    g = torch.Generator().manual_seed(0)
+    items = [
+        ("a", torch.randn(3, 5, generator=g)),
+        ("b", torch.randn(4, 2, generator=g).to(torch.bfloat16)),
+        ("c", torch.randn(7, generator=g).half()),
+        ("d", torch.arange(6).reshape(2, 3)),
+        ("scalar", torch.tensor(2.5)),
+        ("empty", torch.zeros(0, 4)),
+        ("strided", torch.randn(4, 6, generator=g).t()),
+    ]
+    buckets = [_through_the_engine_core(b) for b in pack_weights(items, 2**20)]
+    back = [t for b in buckets for t in unpack_weights(b, "cpu")]
+    assert [n for n, _ in back] == [n for n, _ in items]
+    for (_, want), (_, got) in zip(items, back):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_buckets_hold_at_most_their_size_and_a_large_tensor_goes_alone():
+    items = [(f"w{i}", torch.zeros(256)) for i in range(10)] + [("big", torch.zeros(4096))]
+    buckets = list(pack_weights(items, bucket_bytes=3 * 1024))  # 3 float32[256] a bucket
+    assert [len(b) for b in buckets] == [3, 3, 3, 1, 1]
+    assert [row[0] for row in buckets[-1]] == ["big"]
+
+
+def test_the_receiver_loads_a_bucket_into_the_workers_model():
+    seen = []
+    model = torch.nn.Linear(2, 2)
+    model.load_weights = lambda weights: seen.extend(weights)  # vLLM's model API
+    worker = WeightReceiver()
+    worker.model_runner = SimpleNamespace(model=model)
+    bucket = _through_the_engine_core(next(pack_weights([("w", torch.ones(2, 2))], 2**20)))
+    assert getattr(worker, RECEIVE)(bucket) == 1
+    assert seen[0][0] == "w" and torch.equal(seen[0][1], torch.ones(2, 2))
 
 
 def test_engine_options_are_checked_before_anything_starts():
-    assert check_vllm_options({"gpu_memory_utilization": 0.3}, "x") == {
-        "gpu_memory_utilization": 0.3
-    }
+    assert check_vllm_options({"gpu_memory_utilization": 0.3}, "x")["gpu_memory_utilization"] == 0.3
     with pytest.raises(ValueError, match="unknown vllm option"):
         check_vllm_options({"gpu_mem": 0.3}, "x")
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.5; it must be in \(0, 1\]"):
         check_vllm_options({"gpu_memory_utilization": 1.5}, "x")
+    with pytest.raises(ValueError, match="dtype='fp8'"):
+        check_vllm_options({"dtype": "fp8"}, "x")
 
 
-@pytest.mark.skipif(
-    vllm_unavailable_reason() is not None and "not installed" in vllm_unavailable_reason(),
-    reason="vllm is not installed here (the GPU install has it: make install-gpu)",
-)
-def test_the_vllm_model_class_takes_the_checkpoint_names(tmp_path):
-    from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
+# --- the engine and the Rollout against a stand-in vllm ----------------------------------------
+class FakeLLM:
+    """vllm.LLM as far as the engine uses it. The served weights are the checkpoint's tensors
+    by name; the worker method runs by name on a WeightReceiver after a msgpack round trip."""
 
-    mapper = Qwen2VLForConditionalGeneration.hf_to_vllm_mapper
-    policy = tiny_qwen2_vl(seed=0)
-    mapped = list(mapper.apply(checkpoint_items(policy, policy.state_dict())))
-    assert all(not n.startswith("model.model.") for n, _ in mapped)
+    def __init__(self, model: str, **kwargs):
+        self.path, self.kwargs, self.calls = Path(model), kwargs, []
+        self.served = {}
+        for file in self.path.glob("*.safetensors"):
+            self.served.update(load_file(str(file)))
+        module_name, _, cls = kwargs["worker_extension_cls"].rpartition(".")
+        self.worker = getattr(sys.modules[module_name], cls)()
+        self.worker.model_runner = SimpleNamespace(model=self)
+
+    def parameters(self):
+        yield torch.zeros(1)
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            assert name in self.served and tensor.shape == self.served[name].shape, name
+            self.served[name] = tensor
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        assert isinstance(method, str), "only a method name crosses the process boundary"
+        self.calls.append(method)
+        args = _through_the_engine_core(list(args))
+        return [getattr(self.worker, method)(*args)]
+
+    def generate(self, requests, params, use_tqdm=True):
+        self.calls.append("generate")
+        self.requests, self.params = requests, params
+        out = SimpleNamespace(token_ids=[5, 6, 7], logprobs=[{t: SimpleNamespace(logprob=-t / 10)} for t in (5, 6, 7)])  # fmt: skip
+        return [SimpleNamespace(outputs=[out]) for _ in requests]
+
+    def sleep(self, level):
+        self.calls.append(f"sleep {level}")
+
+    def wake_up(self, tags=None):
+        self.calls.append(f"wake {','.join(tags)}")
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = FakeLLM
+    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setattr(rollout_module, "vllm_unavailable_reason", lambda: None)
+    return vllm
+
+
+def test_a_rollout_samples_with_the_engine_and_takes_its_logprobs(fake_vllm):
+    node = Rollout(policy="tiny-qwen2", backend="vllm", max_new_tokens=4, n=2, seed=3)
+    out = node.run(prompts=["ab", "c"])
+    llm = node._vllm.llm
+    assert (llm.path / "config.json").is_file(), "a tiny policy is served from a saved copy"
+    assert llm.kwargs["worker_extension_cls"] == "nodes.models.vllm_engine.WeightReceiver"
+    assert llm.kwargs["dtype"] == "float32" and llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    ids, mask = out["prompt_ids"], out["prompt_mask"].bool()
+    assert [r["prompt_token_ids"] for r in llm.requests] == [ids[b][mask[b]].tolist() for b in range(4)]  # fmt: skip
+    assert [p.seed for p in llm.params] == sorted({p.seed for p in llm.params})
+    assert out["response_ids"].tolist() == [[5, 6, 7]] * 4
+    assert torch.allclose(out["logprobs"], torch.tensor([[-0.5, -0.6, -0.7]] * 4))
+
+
+def test_top_p_makes_the_rollout_recompute_logprobs_with_the_policy(fake_vllm):
+    node = Rollout(policy="tiny-qwen2", backend="vllm", max_new_tokens=4, top_p=0.9)
+    out = node.run(prompts=["ab"])
+    assert node._vllm.llm.params[0].logprobs is None
+    batch = node.policy.prepare(out["prompt_ids"], out["prompt_mask"])
+    with torch.no_grad():
+        want = node.policy.response_logprobs(batch, out["response_ids"], out["response_mask"])
+    assert torch.allclose(out["logprobs"], want, atol=1e-6)
+
+
+def test_a_weight_update_reaches_the_served_checkpoint_once_per_version(fake_vllm):
+    node = Rollout(policy="tiny-qwen2", backend="vllm", max_new_tokens=4)
+    node.run(prompts=["ab"])
+    llm = node._vllm.llm
+    state = node.policy.state_dict()
+    new = {k: v + 1 for k, v in state.items() if k.endswith("up_proj.weight")}
+    node.run(prompts=["ab"], weights=WeightUpdate(new, version=1, complete=False))
+    for name, tensor in checkpoint_items(node.policy, new):
+        assert torch.equal(llm.served[name], tensor), name
+    assert llm.calls.count(RECEIVE) == 1
+    node.run(prompts=["ab"], weights=WeightUpdate(new, version=1, complete=False))
+    assert llm.calls.count(RECEIVE) == 1, "a version not newer is skipped"
+    node.run(prompts=["ab"], weights=WeightUpdate(state, version=2))
+    assert llm.calls.count(RECEIVE) == 2 and node.weights_version == 2
+
+
+def test_sleep_mode_frees_the_engine_between_calls_and_wakes_weights_first(fake_vllm):
+    node = Rollout(
+        policy="tiny-qwen2", backend="vllm", max_new_tokens=4,
+        vllm_options={"enable_sleep_mode": True, "gpu_memory_utilization": 0.3},
+    )  # fmt: skip
+    node.run(prompts=["ab"])
+    head = {"model.lm_head.weight": node.policy.state_dict()["model.lm_head.weight"] * 0}
+    node.run(prompts=["ab"], weights=WeightUpdate(head, version=1, complete=False))
+    llm = node._vllm.llm
+    assert llm.kwargs["enable_sleep_mode"] and llm.kwargs["gpu_memory_utilization"] == 0.3
+    assert llm.calls == [
+        "generate", "sleep 1", "wake weights", RECEIVE, "wake kv_cache", "generate", "sleep 1",
+    ]  # fmt: skip
+
+
+def test_a_checkpoint_directory_is_served_as_it_is(fake_vllm, tmp_path):
+    build_policy("tiny-qwen2").save_pretrained(tmp_path)
+    node = Rollout(policy=str(tmp_path), backend="vllm", max_new_tokens=2)
+    node.setup()
+    assert node._vllm.llm.path == tmp_path
+
+
+def test_a_prefix_vlm_rollout_is_refused_when_the_engine_starts(fake_vllm):
+    node = Rollout(policy="tiny-prefix-vlm", backend="vllm")
+    with pytest.raises(ValueError, match="not a transformers model vLLM can serve"):
+        node.setup()
