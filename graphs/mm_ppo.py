@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphs.common import sample_and_score
+from graphs.common import connect_weights, sample_and_score
 from graphs.config import MultimodalPPOConfig, PPOConfig
 from nodes.advantage import GAEAdvantage
 from nodes.reference import Critic
@@ -46,7 +46,9 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
         set_share(s.rollout, "policy")
         set_share(g.nodes["reference"], "policy")  # its frozen base, for a LoRA policy
         critic_spec = {**s.spec, "seed": seed + 1} if "seed" in s.spec else s.spec
-        critic = Critic(critic=critic_spec, head_seed=seed, share="critic", name="critic")
+        critic = Critic(
+            critic=critic_spec, head_seed=seed, share="critic", device=s.device, name="critic"
+        )
         values = critic(**s.tensors, **s.image_port)
         adv = GAEAdvantage(gamma=config.gamma, lam=config.lam, kl_coef=config.kl_coef, name="gae")(
             scores=s.scores,
@@ -67,6 +69,7 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
             seed=seed,
             share="policy",
             critic_share="critic",
+            device=s.device,
             name="ppo",
         )(
             **s.tensors,
@@ -79,7 +82,7 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
         )
         # no second snapshot: the update already publishes one (or, sharing, the live tensors)
         sync = WeightSync(snapshot=False, name="sync")
-        g.connect(sync(update.weights), s.rollout, "weights", delay=1)
+        connect_weights(g, s, sync(update.weights))
         g.connect(update.critic_weights, critic, "weights", delay=1)
         g.output("scores", s.scores)
         g.output("metrics", update.metrics)
