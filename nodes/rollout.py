@@ -133,8 +133,12 @@ class Rollout(Sharing, Node):
         "group_ids": TensorPort("int64", "B"),
     }
     batch_policy = BatchPolicy(max_batch_size=64, splittable=False)
-    """Not splittable: a call draws from one random stream seeded by the call count, so two
-    halves of a batch would not sample what the whole batch samples."""
+    """Not splittable by the in-process splitter: a call draws from one random stream seeded by
+    the call count, so two halves of a batch would not sample what the whole batch samples.
+    Replicas (``BatchPolicy(replicas=R)``, :mod:`runtime.sched.replicas`) cut a step into
+    pieces another way: each piece is sampled with a seed of its own (:meth:`begin_piece`)."""
+    left_padded = ("prompt_ids", "prompt_mask")
+    """Outputs padded on the left, for joining pieces of different widths."""
     policy = Built("the policy that samples, built from the ``policy`` spec by setup()")
 
     def __init__(
@@ -208,6 +212,7 @@ class Rollout(Sharing, Node):
         self.weights_version = 0
         self._last_weights: Any = None
         self._vllm: VLLMEngine | None = None
+        self._piece: tuple[Mapping[str, int], list[int]] | None = None
 
     def build(self) -> None:
         if self._model is not None:
@@ -293,6 +298,13 @@ class Rollout(Sharing, Node):
         embeds_b = None if image_embeds is None else image_embeds.repeat_interleave(n, 0)  # (B, D)
         batch = self.policy.encode_prompts(prompts_b, images=images_b, image_embeds=embeds_b)
         seed = _step_seed(self.seed, self.step)
+        if self._piece is not None:  # a replica's piece: its own seed, from its first row
+            ctx, rows = self._piece
+            if len(rows) != N:
+                raise ValueError(
+                    f"node {self.name!r}: begin_piece was given {len(rows)} rows for {N} prompts"
+                )
+            seed = _step_seed(_step_seed(self.seed, ctx["step"]), 1 + rows[0])
         return _Call(N, prompts_b, images_b, batch.to(self.device), seed)
 
     def _outputs(
@@ -307,12 +319,46 @@ class Rollout(Sharing, Node):
             "logprobs": logprobs.float(),
             "response_lengths": gen.response_lengths,
             "texts": gen.texts,
-            "group_ids": self.next_group + rows // self.n,
+            "group_ids": self._group_ids(rows),
         }
 
+    def _group_ids(self, rows: Tensor) -> Tensor:
+        prompt = rows // self.n  # the prompt of each response row, in this call
+        if self._piece is None:
+            return self.next_group + prompt
+        ctx, piece_rows = self._piece  # prompt i of the piece is prompt piece_rows[i] of the step
+        return ctx["next_group"] + torch.tensor(piece_rows, dtype=torch.int64)[prompt]
+
     def _done(self, call: _Call) -> None:
-        self.step += 1
-        self.next_group += call.N
+        if self._piece is None:  # a piece leaves the counters to end_pieces
+            self.step += 1
+            self.next_group += call.N
+
+    # --- replicas (runtime.sched.replicas) ---------------------------------------------------
+    def piece_context(self) -> dict[str, int]:
+        """What every replica needs to sample its piece of this step as the step's own: the
+        call count (for the seed) and the first group label."""
+        return {"step": self.step, "next_group": self.next_group}
+
+    def begin_piece(self, context: Mapping[str, int], rows: Sequence[int]) -> None:
+        """The next call is the piece of a step holding prompts ``rows`` (their positions in
+        the step's batch): it is seeded from ``context["step"]`` and ``rows[0]``, so a piece
+        samples the same tokens on whichever replica runs it, and its ``group_ids`` are the
+        step's. :meth:`end_piece` ends the piece."""
+        self._piece = ({k: int(v) for k, v in context.items()}, [int(r) for r in rows])
+
+    def end_piece(self) -> None:
+        self._piece = None
+
+    def end_pieces(self, context: Mapping[str, int], prompts: int) -> None:
+        """All pieces of the step that ``context`` began are in: count it as one call."""
+        self.step = int(context["step"]) + 1
+        self.next_group = int(context["next_group"]) + int(prompts)
+
+    def pad_values(self) -> dict[str, int]:
+        """Pad values of the ragged outputs, for joining pieces (ids: the tokenizer's pad id)."""
+        pad = self.policy.pad_token_id
+        return {"prompt_ids": pad, "response_ids": pad}
 
     def forward(self, prompts, images, image_embeds, weights) -> dict[str, Any]:
         call = self._prepare(prompts, images, image_embeds, weights)

@@ -55,11 +55,16 @@ class BatchPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
     """Whether a batch may be cut into micro-batches across devices."""
     timeout_s: float = 0.0
     """Longest one call may run before it is reported as hung; 0 means no limit."""
+    replicas: int = 1
+    """Copies of the node the executor runs, each on its own cores or device; a step's batch
+    is cut across them by cost (inference nodes: the rollout and the splittable ones)."""
 
     def verify(self) -> BatchPolicy:
         for field in ("max_batch_size", "max_tokens", "timeout_s"):
             if getattr(self, field) < 0:
                 raise ValueError(f"BatchPolicy.{field} must be >= 0, got {getattr(self, field)}")
+        if self.replicas < 1:
+            raise ValueError(f"BatchPolicy.replicas must be >= 1, got {self.replicas}")
         return self
 
 

@@ -89,13 +89,19 @@ def _run_in_folder(
             load_node_states(graph, final["state"])  # a ZeroMQ run trained other processes' copies
         splitter = getattr(ex, "splitter", None)
         summary = splitter.summary() if splitter is not None else {}
-        if summary:
+        if summary.get("devices"):
             shares = ", ".join(
                 f"{name} {100 * d['utilization']:.0f}%" for name, d in summary["devices"].items()
             )
             device_lines.append(
                 f"devices (nodes {', '.join(splitter.split_nodes)} split across them): {shares} busy"
             )
+        for name, rs in summary.get("replicas", {}).items():
+            parts = ", ".join(
+                f"{label} {d['pieces']} pieces / {d['busy_s']:.1f} s"
+                for label, d in rs["by_replica"].items()
+            )
+            device_lines.append(f"replicas of {name}: {parts}")
 
     started = time.perf_counter()
     try:

@@ -61,6 +61,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "across N CPU slots per process (auto: $YATT_CPU_SLOTS or the cores); default: none",
     )
     p.add_argument(
+        "--replicas",
+        default=None,
+        metavar="NODE=R,...",
+        help="run R copies of an inference node (rollout, vision, reference, critic, reward), "
+        "each on its own core or GPU; each step's batch is cut across them by cost "
+        "(e.g. rollout=2)",
+    )
+    p.add_argument(
         "--max-staleness",
         type=int,
         default=0,
@@ -206,10 +214,31 @@ def parse_devices(value: str | None) -> int | str | None:
     return n
 
 
+def parse_replicas(value: str | None) -> dict[str, int]:
+    """``rollout=2,reference=2`` as ``{"rollout": 2, "reference": 2}``."""
+    out: dict[str, int] = {}
+    for item in (value or "").split(","):
+        if not item.strip():
+            continue
+        name, sep, count = item.partition("=")
+        try:
+            r = int(count)
+        except ValueError:
+            r = 0
+        if not sep or not name.strip() or r < 1:
+            raise UsageError(
+                f"--replicas takes NODE=R pairs with R >= 1, separated by commas (rollout=2), "
+                f"got {item!r}"
+            )
+        out[name.strip()] = r
+    return out
+
+
 def check_flags(args: Any) -> tuple[Any, bool]:
     """Every flag that cannot work, refused before anything is built; (devices, distributed)."""
     _check_numbers(args)
     devices = parse_devices(args.devices)
+    args.replica_counts = parse_replicas(args.replicas)
     distributed = args.controllers > 1 or bool(args.listen)
     _check_run_flags(args, distributed)
     return devices, distributed

@@ -1,0 +1,183 @@
+"""Replica processes: copies of a node that run pieces of its calls for a
+:class:`~runtime.sched.replicas.ReplicaSet`.
+
+:func:`spawn_replica` starts ``python -m runtime.zmq.replica_main`` (a plain subprocess: no
+fork of a process that has torch loaded) on its own core (``os.sched_setaffinity``) with one
+torch thread, or on its own GPU (``CUDA_VISIBLE_DEVICES``) when the node runs on CUDA. It
+rebuilds the node from its :class:`~yatt_graph.serialize.NodeSpec` (the same seeded build as
+every other copy) and serves pieces over a zmq PAIR socket on ``ipc://``: a msgpack header
+plus the value codec's frames (:mod:`runtime.zmq.serial`), nothing pickled. A weight update
+(a shared input with a ``version``) reaches each process once per version.
+
+A replica process that exits is an error naming the node, the replica, its pid and exit code,
+with the tail of its log, raised from the call that was waiting on it; so a run with
+``--restart on-failure`` restarts from the last checkpoint. A replica exits by itself when its
+parent does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from runtime.zmq.serial import decode_value, encode_value
+from yatt_graph.serialize import node_spec
+
+__all__ = ["ReplicaDied", "ReplicaProcess", "spawn_replica"]
+
+_POLL_MS = 200
+
+
+class ReplicaDied(RuntimeError):
+    """A replica process exited or could not start."""
+
+
+class ReplicaProcess:
+    """Replica ``index`` of ``node`` in a process of its own (see the module doc)."""
+
+    def __init__(
+        self,
+        node: Any,
+        index: int,
+        cores: Sequence[int] | None = None,
+        threads: int = 1,
+        gpu: str | None = None,
+        startup_timeout_s: float = 300.0,
+    ):
+        self.name, self.index = node.name, index
+        try:
+            spec = msgspec.json.encode(node_spec(node))
+        except Exception as exc:
+            raise ValueError(
+                f"node {node.name!r} cannot have replica processes: its configuration does not "
+                f"travel ({exc}); give it JSON-able arguments (a policy spec, not a live model)"
+            ) from None
+        self.dir = tempfile.mkdtemp(prefix="yatt-replica-")
+        self.log_path = os.path.join(self.dir, "replica.log")
+        address = f"ipc://{self.dir}/pair"
+        self.sock = zmq.Context.instance().socket(zmq.PAIR)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(address)
+        from yatt_graph.refs import import_roots
+
+        paths = [p or os.getcwd() for p in sys.path] + import_roots()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+        env["OMP_NUM_THREADS"] = str(threads)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        cmd = [
+            sys.executable, "-m", "runtime.zmq.replica_main", "--connect", address,
+            "--parent-pid", str(os.getpid()), "--threads", str(threads),
+            *(["--cores", ",".join(map(str, cores))] if cores else []),
+        ]  # fmt: skip
+        with open(self.log_path, "wb") as log:
+            self.popen = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                cwd=os.getcwd(),
+            )  # fmt: skip
+        self.pid = self.popen.pid
+        self.label = f"process {index} (pid {self.pid})"
+        self._sent: Any = {}  # shared port -> the last value sent (a weight update is sent once)
+        try:
+            self.sock.send(spec)
+            header, _ = self._reply(startup_timeout_s, "starting")
+            if header.get("op") != "ready":
+                raise ReplicaDied(self._why("did not start", header.get("message", "")))
+        except BaseException:
+            self.close()
+            raise
+
+    # --- calls -------------------------------------------------------------------------------
+    def call(
+        self, inputs: dict[str, Any], context: Mapping[str, int] | None, rows: list[int]
+    ) -> dict[str, Any]:
+        inputs = self._once_per_version(inputs)
+        frames = encode_value(inputs, where=f"node {self.name!r} replica {self.index} inputs")
+        header = msgspec.json.encode({"op": "call", "context": context, "rows": rows})
+        self.sock.send_multipart([header, *frames], copy=False)
+        reply, frames = self._reply(None, "running a piece")
+        if reply.get("op") == "error":
+            raise RuntimeError(
+                f"node {self.name!r} replica {self.index} (pid {self.pid}): {reply['message']}"
+            )
+        return decode_value(frames, where=f"node {self.name!r} replica {self.index} outputs")
+
+    def _once_per_version(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """A shared input with a ``version`` (a WeightUpdate) that this process already has
+        is sent as None (the node keeps what it loaded)."""
+        out = dict(inputs)
+        for port, value in inputs.items():
+            version = getattr(value, "version", None)
+            if version is None:
+                continue
+            last = self._sent.get(port)
+            if last is value or (version and getattr(last, "version", None) == version):
+                out[port] = None
+            else:
+                self._sent[port] = value
+        return out
+
+    def _reply(self, timeout_s: float | None, doing: str) -> tuple[dict[str, Any], list[Any]]:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.sock.poll(_POLL_MS):
+            code = self.popen.poll()
+            if code is not None:
+                raise ReplicaDied(self._why(f"exited with code {code} while {doing}"))
+            if deadline is not None and time.monotonic() > deadline:
+                raise ReplicaDied(self._why(f"gave no answer in {timeout_s:.0f} s while {doing}"))
+        frames = self.sock.recv_multipart(copy=False)
+        return msgspec.json.decode(frames[0].bytes), list(frames[1:])
+
+    def _why(self, what: str, message: str = "") -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                tail = f.read()[-2000:]
+        except OSError:
+            tail = ""
+        text = f"replica {self.index} of node {self.name!r} (pid {self.pid}) {what}"
+        return (
+            text
+            + (f": {message}" if message else "")
+            + (f"\n--- its log ---\n{tail}" if tail else "")
+        )
+
+    def close(self) -> None:
+        popen = getattr(self, "popen", None)
+        if popen is not None and popen.poll() is None:
+            try:
+                self.sock.send(msgspec.json.encode({"op": "stop"}), zmq.NOBLOCK)
+                popen.wait(timeout=10)
+            except (zmq.ZMQError, subprocess.TimeoutExpired):
+                popen.kill()
+                popen.wait(timeout=10)
+        self.sock.close(linger=0)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def spawn_replica(node: Any, index: int, count: int) -> ReplicaProcess:
+    """Replica ``index`` of ``count``: on GPU ``index`` when the node runs on CUDA and that
+    many GPUs are visible, else on core ``index`` of this process's cores (one torch thread)."""
+    device = str(getattr(node, "device", "cpu"))
+    if device.startswith("cuda"):
+        import torch
+
+        n = torch.cuda.device_count()
+        if n < count:
+            raise ValueError(
+                f"node {node.name!r}: {count} replicas on CUDA need {count} GPUs, {n} visible"
+            )
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(i) for i in range(n)]
+        return ReplicaProcess(node, index, gpu=gpus[index])
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    core = [cores[index % len(cores)]] if cores else None
+    return ReplicaProcess(node, index, cores=core, threads=1)

@@ -1,0 +1,187 @@
+"""Replicas: a node's calls cut across copies (runtime/sched/replicas.py), replica processes
+(runtime/zmq/replicas.py), and the rollout's pieces (nodes/rollout.py begin_piece).
+
+What is exact and why: the cut changes only which rows a call holds, so nodes with no
+randomness give the whole call's values (here bitwise: one torch thread, tiny models). The
+rollout seeds each piece from the step and its first row, so its *sampled* tokens differ from
+a one-copy run, but a piece samples the same tokens on any replica (checked bitwise), and its
+greedy tokens equal the one-copy run's.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+
+import pytest
+import torch
+
+from nodes.rollout import Rollout
+from nodes.sync import WeightUpdate
+from runtime.sched.replicas import LocalReplica, ReplicaSet, replica_counts
+from runtime.zmq.replicas import ReplicaDied, spawn_replica
+from yatt_graph import BatchPolicy, Node, Tensor
+
+PROMPTS = [f"prompt {'x' * (i % 5)} {i}" for i in range(10)]
+
+
+class Twice(Node):
+    """Two output rows per input row (like a rollout with n=2), ``rows`` tagged by input."""
+
+    inputs = {"x": Tensor("float32", "N")}  # noqa: RUF012
+    outputs = {"y": Tensor("float32", "B"), "tag": Tensor("int64", "B")}  # noqa: RUF012
+    batch_policy = BatchPolicy(max_batch_size=64)
+
+    def forward(self, x):
+        y = torch.stack([x, x + 0.5], 1).reshape(-1)
+        return {"y": y, "tag": torch.arange(len(y)) // 2}
+
+
+class Taking:
+    """An in-process replica over its own copy of a node. The copies take turns (one lock):
+    HF sampling draws from the process's global generator, which is why a process holds one
+    local replica and the others are processes. Which copy takes which piece still varies."""
+
+    lock = threading.Lock()
+
+    def __init__(self, node, label):
+        self.inner, self.label = LocalReplica(node, threads=None), label
+
+    def call(self, inputs, context, rows):
+        with self.lock:
+            return self.inner.call(inputs, context, rows)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_every_sample_comes_back_once_in_order(seed):
+    rng = random.Random(seed)
+    size, copies, per = rng.randint(1, 40), rng.randint(1, 4), rng.randint(1, 3)
+    node = Twice()
+    x = torch.tensor([rng.random() for _ in range(size)])
+    rs = ReplicaSet(node, [Taking(node, f"r{i}") for i in range(copies)], per)
+    try:
+        out = rs.call({"x": x})
+    finally:
+        rs.close()
+    whole = node.run({"x": x})
+    assert torch.equal(out["y"], whole["y"])  # every row once, in the batch's order
+    pieces = sum(r["pieces"] for r in rs.stats.values())
+    assert pieces == min(size, copies * per)
+    assert sum(r["samples"] for r in rs.stats.values()) == size
+
+
+def _rollout(**kw):
+    return Rollout(policy="tiny-prefix-vlm", n=2, max_new_tokens=6, seed=3, **kw)
+
+
+def _embeds(n=10):
+    return torch.randn(n, 32, generator=torch.Generator().manual_seed(1))
+
+
+def _call(rs, embeds):
+    return rs.call({"prompts": PROMPTS, "image_embeds": embeds, "weights": None})
+
+
+def test_greedy_pieces_equal_the_whole_call_and_groups_are_the_steps():
+    embeds = _embeds()
+    whole = _rollout(temperature=0.0).run({"prompts": PROMPTS, "image_embeds": embeds})
+    node = _rollout(temperature=0.0)
+    rs = ReplicaSet(node, [Taking(node, "a"), Taking(_rollout(temperature=0.0), "b")], 2)
+    try:
+        out = _call(rs, embeds)
+        second = _call(rs, embeds)
+    finally:
+        rs.close()
+    m = whole["response_mask"].bool()
+    assert torch.equal(out["response_mask"][:, : m.shape[1]].bool(), m)
+    assert torch.equal(out["response_ids"][:, : m.shape[1]][m], whole["response_ids"][m])
+    assert out["texts"] == whole["texts"]
+    assert torch.equal(out["group_ids"], whole["group_ids"])
+    # the node's counters moved once per step: the next step's groups follow on
+    assert torch.equal(second["group_ids"], whole["group_ids"] + len(PROMPTS))
+    assert node.step == 2 and node.next_group == 2 * len(PROMPTS)
+
+
+def test_a_sampled_piece_gives_the_same_tokens_on_any_replica():
+    embeds = _embeds()
+    outs = []
+    for order in (0, 1):
+        a, b = _rollout(), _rollout()
+        copies = [Taking(a, "a"), Taking(b, "b")]
+        rs = ReplicaSet(a, copies if order == 0 else copies[::-1], 3)
+        try:
+            outs.append(_call(rs, embeds))
+        finally:
+            rs.close()
+    for port in ("response_ids", "logprobs", "group_ids", "prompt_ids"):
+        assert torch.equal(outs[0][port], outs[1][port]), port
+
+
+def test_replica_counts_refuse_what_cannot_be_copied():
+    from nodes.update import GRPOUpdate
+
+    nodes = {"rollout": _rollout(), "grpo": GRPOUpdate(policy="tiny-prefix-vlm")}
+    assert replica_counts(nodes, {"rollout": 2}) == {"rollout": 2}
+    with pytest.raises(ValueError, match="'grpo' cannot have 2 replicas"):
+        replica_counts(nodes, {"grpo": 2})
+    with pytest.raises(ValueError, match="no node 'nope' in the graph"):
+        replica_counts(nodes, {"nope": 2})
+    streamed = {"rollout": _rollout(stream=True)}
+    with pytest.raises(ValueError, match="streams"):
+        replica_counts(streamed, {"rollout": 2})
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_process_samples_what_a_local_replica_samples():
+    embeds = _embeds()
+    local_node = _rollout()
+    rs_local = ReplicaSet(local_node, [LocalReplica(local_node)], 2)  # the same 2 pieces
+    node = _rollout()
+    proc = spawn_replica(node, 1, 2)
+    rs = ReplicaSet(node, [LocalReplica(node), proc], 1)
+    try:
+        expected = _call(rs_local, embeds)
+        got = _call(rs, embeds)
+        assert rs.stats[proc.label]["pieces"] == 1  # the process ran one of the two pieces
+    finally:
+        rs.close()
+        rs_local.close()
+    for port in ("response_ids", "response_mask", "logprobs", "group_ids"):
+        assert torch.equal(got[port], expected[port]), port
+
+
+@pytest.mark.timeout(300)
+def test_weights_reach_a_replica_process_once_per_version():
+    node = _rollout()
+    proc = spawn_replica(node, 1, 2)
+    try:
+        weights = {k: v + 0.01 for k, v in node.policy.state_dict().items()}
+        update = WeightUpdate(weights, version=1)
+        assert proc._once_per_version({"weights": update})["weights"] is update
+        assert proc._once_per_version({"weights": update})["weights"] is None
+        again = WeightUpdate(weights, version=1)
+        assert proc._once_per_version({"weights": again})["weights"] is None
+        newer = WeightUpdate(weights, version=2)
+        assert proc._once_per_version({"weights": newer})["weights"] is newer
+    finally:
+        proc.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_replica_process_is_named():
+    node = _rollout()
+    proc = spawn_replica(node, 1, 2)
+    rs = ReplicaSet(node, [proc], 1)  # the process alone, so the call must wait on it
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        with pytest.raises(
+            ReplicaDied, match=rf"replica 1 of node 'rollout' \(pid {proc.pid}\) exited"
+        ):
+            _call(rs, _embeds())
+    finally:
+        rs.close()
