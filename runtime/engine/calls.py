@@ -37,6 +37,13 @@ class StepResult(msgspec.Struct):
     """When each node's call began (``time.time()``, comparable across processes)."""
     node_controller: dict[str, int] = {}
     """The controller that ran each node."""
+    staleness: dict[str, int | None] = {}
+    """For each input on a delayed edge (``"dst.port"``), how many versions old the value it
+    read was: 0 is the previous step's (on-policy), N the value of step ``step-1-N``; None
+    when it read None (nothing produced yet)."""
+    sched: dict[str, float] = {}
+    """What the executor computed on for this step, as ``sched/*`` metrics (a ZeroMQ run:
+    each controller's threads and cores, the adaptive partitioner's changes so far)."""
 
 
 def describe(value: Any) -> str:

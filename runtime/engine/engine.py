@@ -4,9 +4,12 @@ One engine holds the nodes of one process (all of them in-process, a controller'
 ZeroMQ runtime) and has no sockets inside. It keeps, per step, the inputs that have arrived,
 and a node may run step k once the engine was allowed step k (:meth:`StepEngine.allow`), the
 node has finished step k-1, and all of its inputs for step k are in. An input on a delayed edge
-is the producer's value from step k - lag (lag = 1 + ``max_staleness``), None for the first
-lag steps. Among ready nodes the lowest (step, topological index) goes first, so one process
-running one step at a time runs the graph's topological order.
+reads a value the producer made at a step in ``[k-1-max_staleness, k-1]``: exactly the oldest
+(``staleness="fixed"``, None for the first ``1 + max_staleness`` steps) or the newest there is
+(``"bound"``), by the rule of :mod:`runtime.engine.delayed`; each step reports how many
+versions old each such read was (``StepResult.staleness``). Among ready nodes the lowest
+(step, topological index) goes first, so one process running one step at a time runs the
+graph's topological order.
 
 Values reach the engine from its own nodes (handed on directly when a call ends) or from
 another process (:meth:`deliver`, :meth:`deliver_piece`, :meth:`end_stream`); what must leave
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from runtime.engine.calls import StepResult, run_node, stream_node
+from runtime.engine.delayed import DelayedValues
 from runtime.engine.rng import rng_state, set_rng_state
 from runtime.engine.streams import StreamBook, call_piece, per_piece
 from yatt_graph import NodeExecutionError
@@ -94,7 +98,9 @@ class StepEngine:
         assignment: node -> controller, for the nodes of other processes (their values come
             through :meth:`deliver` and go out through ``outbox``).
         here: this process's controller index (in error messages and results).
-        max_staleness: delayed edges carry the value from ``1 + max_staleness`` steps back.
+        max_staleness: a delayed edge at step k reads a value from steps ``[k-1-max_staleness,
+            k-1]``; staleness: which one: ``"fixed"`` (the oldest: reproducible) or ``"bound"``
+            (the newest that has arrived), see :mod:`runtime.engine.delayed`.
         window: the most steps allowed at once; values for steps further ahead are refused.
         limits: node -> the longest one call may run (for :class:`Running`), 0: none.
     """
@@ -109,6 +115,7 @@ class StepEngine:
         *,
         here: int = 0,
         max_staleness: int = 0,
+        staleness: str = "fixed",
         window: int = 1,
         outbox: Outbox | None = None,
         splitter: Any = None,
@@ -118,6 +125,8 @@ class StepEngine:
         self.nodes = dict(nodes)
         self.order = [n for n in order if n in self.nodes]
         self.here, self.lag, self.window = here, 1 + max_staleness, max(1, window)
+        self.max_staleness, self.staleness_mode = max_staleness, staleness
+        DelayedValues(max_staleness, staleness)  # checks the mode before anything is kept
         self.outbox, self.splitter, self.check_finite = outbox, splitter, check_finite
         self.limits = dict.fromkeys(self.nodes, 0.0) | dict(limits or {})
         self.in_edges: dict[str, list[Any]] = {n: [] for n in self.nodes}
@@ -144,6 +153,12 @@ class StepEngine:
             k: (h.node, h.port) for k, h in outputs.items() if h.node in self.nodes
         }
         self.delayed_in = [e for e in edges if e.delay and e.dst in self.nodes]
+        self.delayed_of: dict[str, list[Any]] = {n: [] for n in self.nodes}
+        self.delayed_keys: dict[tuple[str, str], list[Any]] = {}
+        """(src, port) read through a delayed edge here -> those edges."""
+        for e in self.delayed_in:
+            self.delayed_of[e.dst].append(e)
+            self.delayed_keys.setdefault((e.src, e.src_port), []).append(e)
         self.running: Running | None = None
         self.reset(0)
 
@@ -152,6 +167,9 @@ class StepEngine:
         self.next_step = dict.fromkeys(self.order, step)
         self.reported = self.until = step
         self.pending: dict[tuple[int, str], dict[str, Any]] = {}
+        """Inputs that arrived, by (step, node): every input except those of delayed edges."""
+        self.delayed = DelayedValues(self.max_staleness, self.staleness_mode)
+        self.staleness: dict[int, dict[str, int | None]] = defaultdict(dict)
         self.book = StreamBook()
         self.consumers: dict[tuple[int, str], _Consumer] = {}
         self._delayed_joined: set[tuple[int, str, str]] = set()
@@ -179,14 +197,33 @@ class StepEngine:
             return [f"data for {src}.{port}, which no node here reads"]
         dropped = []
         for e in edges:
-            target = step + (self.lag if e.delay else 0)
-            slot = self.pending.get((target, e.dst), {})
-            if not self._accepts(e.dst, target) or e.dst_port in slot:
+            if e.delay:
+                continue
+            slot = self.pending.get((step, e.dst), {})
+            if not self._accepts(e.dst, step) or e.dst_port in slot:
                 why = "a second copy" if e.dst_port in slot else "outside the steps being run"
                 dropped.append(f"data {src}.{port} of step {step} for {e.dst}.{e.dst_port}: {why}")
                 continue
-            self.pending.setdefault((target, e.dst), {})[e.dst_port] = value
+            self.pending.setdefault((step, e.dst), {})[e.dst_port] = value
+        if (src, port) in self.delayed_keys:
+            dropped += self._keep_delayed(src, port, step, value)
         return dropped
+
+    def _keep_delayed(self, src: str, port: str, step: int, value: Any) -> list[str]:
+        """Keep another process's value for the delayed edges here (once, while a reader's
+        window may still reach it); returns why it was dropped."""
+        if self.delayed.has(src, port, step):
+            why = "a second copy"
+        elif not self._delayed_floor(src, port) <= step < self.until + 2 * self.window:
+            why = "outside the steps being run"
+        else:
+            self.delayed.put(src, port, step, value)
+            return []
+        return [f"data {src}.{port} of step {step} for its delayed edges: {why}"]
+
+    def _delayed_floor(self, src: str, port: str) -> int:
+        """The oldest producing step of ``src.port`` that a reader here may still read."""
+        return min(self.next_step[e.dst] for e in self.delayed_keys[(src, port)]) - self.lag
 
     def deliver_piece(self, step: int, src: str, port: str, index: int, piece: Piece) -> list[str]:
         """Piece ``index`` of another process's streamed output; returns why it was dropped."""
@@ -194,40 +231,55 @@ class StepEngine:
             return [f"data for {src}.{port}, which no node here reads"]
         if not self.book.add(step, src, port, index, piece.rows, piece.outputs[port], piece.size):
             return [f"piece {index} of {src}.{port} at step {step}: a second copy"]
-        self._join_for_delayed(step, src, port)
-        return []
+        return self._join_for_delayed(step, src, port)
 
     def end_stream(self, step: int, src: str, port: str, count: int) -> list[str]:
         """The end of another process's streamed output: ``count`` pieces in all."""
         if not self.remote_in.get((src, port)):
             return [f"data for {src}.{port}, which no node here reads"]
         self.book.end(step, src, port, count)
-        self._join_for_delayed(step, src, port)
-        return []
+        return self._join_for_delayed(step, src, port)
 
-    def _join_for_delayed(self, step: int, src: str, port: str) -> None:
+    def _join_for_delayed(self, step: int, src: str, port: str) -> list[str]:
         """Readers here on a delayed edge get the joined value once the stream is complete."""
-        delayed = [e for e in self.remote_in.get((src, port), ()) if e.delay]
+        dropped = []
         done = (step, src, port) in self._delayed_joined
-        if delayed and not done and self.book.count(step, src, {port}) is not None:
+        complete = self.book.count(step, src, {port}) is not None
+        if (src, port) in self.delayed_keys and not done and complete:
             self._delayed_joined.add((step, src, port))
-            value = self.book.joined(step, src, port)
-            for e in delayed:
-                self.pending.setdefault((step + self.lag, e.dst), {})[e.dst_port] = value
+            dropped = self._keep_delayed(src, port, step, self.book.joined(step, src, port))
         if self.book:
             self._prune_streams()
+        return dropped
 
     # --- running ------------------------------------------------------------------------------
     def _ready(self, name: str) -> bool:
         step = self.next_step[name]
         if step >= self.until:
             return False
+        if (step, name) in self.consumers:  # fed per piece: its delayed inputs are read
+            return self._stream_ready(name, step)
+        for e in self.delayed_of[name]:
+            if not self.delayed.pick(e.src, e.src_port, step)[0]:
+                return False
         have = self.pending.get((step, name), {})
         for e in self.in_edges[name]:
-            if e.dst_port in have or (e.delay and step < self.lag):
+            if e.delay or e.dst_port in have:
                 continue
             return bool(self.book) and self._stream_ready(name, step)
         return True
+
+    def _read_delayed(self, name: str, step: int) -> dict[str, Any]:
+        """The inputs of ``name`` on delayed edges for ``step`` (it is ready), read now, and
+        how many versions old each is (``staleness[step]["dst.port"]``; None for a None read)."""
+        inputs = {}
+        for e in self.delayed_of[name]:
+            _, produced = self.delayed.pick(e.src, e.src_port, step)
+            value = None if produced is None else self.delayed.get(e.src, e.src_port, produced)
+            inputs[e.dst_port] = value
+            age = None if produced is None or value is None else step - 1 - produced
+            self.staleness[step][f"{name}.{e.dst_port}"] = age
+        return inputs
 
     def run_one(self) -> bool:
         """Run the ready node with the lowest (step, topological index); False if none is ready."""
@@ -243,6 +295,7 @@ class StepEngine:
             self._run_piece(best, step, consumer)
             return True
         inputs = self.pending.pop((step, best), {})
+        inputs.update(self._read_delayed(best, step))
         for e in self.in_edges[best]:
             inputs.setdefault(e.dst_port, None)
         node = self.nodes[best]
@@ -265,17 +318,19 @@ class StepEngine:
         went as pieces, except along delayed edges, which get the joined value)."""
         self.next_step[name] = step + 1
         for port, value in out.items():
+            if (name, port) in self.delayed_keys:
+                self.delayed.put(name, port, step, value)
             for e in self.local_out.get((name, port), ()):
-                if streamed and not e.delay:
-                    continue
-                target = step + (self.lag if e.delay else 0)
-                self.pending.setdefault((target, e.dst), {})[e.dst_port] = value
+                if not (streamed or e.delay):
+                    self.pending.setdefault((step, e.dst), {})[e.dst_port] = value
             dests = self.remote_out.get((name, port))
             if dests and not streamed and self.outbox is not None:
                 self.outbox.value(step, name, port, value, dests)
         for key, (node, port) in self.graph_outputs.items():
             if node == name:
                 self.step_outputs[step][key] = out[port]
+        for e in self.delayed_of[name]:  # a value no window of a reader here reaches goes
+            self.delayed.prune(e.src, e.src_port, self._delayed_floor(e.src, e.src_port))
         if self.book:
             self._prune_streams()
 
@@ -291,6 +346,7 @@ class StepEngine:
                 {n: seconds[n] for n in self.order if n in seconds},
                 {n: starts[n] for n in self.order if n in starts},
                 dict.fromkeys(seconds, self.here),
+                self.staleness.pop(step, {}),
             )
 
     # --- streams ------------------------------------------------------------------------------
@@ -301,17 +357,19 @@ class StepEngine:
         if c is None:
             have = self.pending.get((step, name), {})
             sources = set()
-            for e in self.in_edges[name]:
-                if e.dst_port in have or (e.delay and step < self.lag):
+            for e in self.in_edges[name]:  # delayed inputs: _ready saw they can be read
+                if e.delay or e.dst_port in have:
                     continue
-                if e.delay or not self.book.has(step, e.src):
+                if not self.book.has(step, e.src):
                     return False  # an input that is not streamed has not arrived yet
                 sources.add(e.src)
             edges = [e for e in self.in_edges[name] if not e.delay and e.src in sources]
             ports = {e.dst_port: e.src_port for e in edges}
-            inputs = {e.dst_port: have.get(e.dst_port) for e in self.in_edges[name]}
+            inputs = {e.dst_port: have.get(e.dst_port) for e in self.in_edges[name] if not e.delay}
             source = next(iter(sources)) if len(sources) == 1 else None
             size = self.book.size(step, source) if source is not None else None
+            if source is not None:  # read now: a run whole reads them again when it starts
+                inputs.update(self._read_delayed(name, step))
             if source is not None and per_piece(self.nodes[name], ports, inputs, size):
                 self.pending.pop((step, name), None)
                 for port in ports:
@@ -396,14 +454,15 @@ class StepEngine:
                 self._delayed_joined = {k for k in self._delayed_joined if k[:2] != (step, src)}
 
     # --- state, between steps -----------------------------------------------------------------
-    def _delayed_slots(self, step: int) -> list[tuple[Any, int]]:
-        """(delayed in-edge, producing step) pairs whose values the steps from ``step`` on read."""
-        return [(e, p) for e in self.delayed_in for p in range(max(0, step - self.lag), step)]
+    def _delayed_slots(self, step: int) -> list[tuple[str, str, int]]:
+        """(src, port, producing step) of the delayed values the steps from ``step`` on may read."""
+        return [(*key, p) for key in self.delayed_keys for p in self.delayed.window(step)]
 
     def state(self, step: int) -> dict[str, Any] | None:
         """Everything a process needs to go on from ``step``: ``{"nodes": each node's
         ``state_dict()``, "delayed": [[src, port, produced_step, value], ...] (the delayed
-        values the next steps read), "rng": this process's RNG states}``.
+        values the next steps may read: those of steps ``[step-1-max_staleness, step-1]``, in
+        either staleness mode), "rng": this process's RNG states}``.
 
         None while a value from another process is still on its way; :class:`StateNotReady`
         while the step before is still running; RuntimeError if nodes are past ``step``.
@@ -415,11 +474,10 @@ class StepEngine:
                 f"state of step {step} requested, but nodes are at steps {self.next_step}"
             )
         values: dict[tuple[str, str, int], Any] = {}
-        for e, p in self._delayed_slots(step):
-            slot = self.pending.get((p + self.lag, e.dst), {})
-            if e.dst_port not in slot:
+        for src, port, p in self._delayed_slots(step):
+            if not self.delayed.has(src, port, p):
                 return None
-            values.setdefault((e.src, e.src_port, p), slot[e.dst_port])
+            values[(src, port, p)] = self.delayed.get(src, port, p)
         nodes = {}
         for name in self.order:
             try:
@@ -444,9 +502,8 @@ class StepEngine:
                     raise _state_error(name, step, "load_state_dict", exc) from exc
         self.reset(step)
         given = {(s, p, int(k)): v for s, p, k, v in state.get("delayed", [])}
-        for e, p in self._delayed_slots(step):
-            value = given.get((e.src, e.src_port, p))
-            self.pending.setdefault((p + self.lag, e.dst), {})[e.dst_port] = value
+        for src, port, p in self._delayed_slots(step):
+            self.delayed.put(src, port, p, given.get((src, port, p)))
         set_rng_state(state.get("rng") or {})
 
 
