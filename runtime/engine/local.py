@@ -8,12 +8,14 @@ the next.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from runtime.engine.calls import StepResult, describe
+from runtime.engine.delayed import check_staleness_mode
 from runtime.engine.engine import StepEngine
-from runtime.sched.splitting import NodeSplitter, device_pool
+from runtime.sched.replicas import node_caller
+from runtime.sched.splitting import device_pool
 from yatt_graph import Graph, Plan
 
 __all__ = ["LocalExecutor", "StepResult", "describe"]
@@ -37,10 +39,17 @@ class LocalExecutor:
         devices: None, a CPU slot count, ``"auto"`` or a DevicePool: splits the calls of
             splittable nodes across that many devices (:mod:`runtime.sched.splitting`);
             ``close()`` (or ``with``) stops their worker threads.
-        max_staleness: an input on a delayed edge at step k is the producer's value from
-            step k-1-max_staleness (None before that): a fixed lag, as on the ZeroMQ runtime
-            with the same setting, so both give the same results.
+        max_staleness: an input on a delayed edge at step k reads the producer's value from
+            a step in ``[k-1-max_staleness, k-1]``; staleness: which one (see
+            :mod:`runtime.engine.delayed`): ``"fixed"``, exactly step k-1-max_staleness (None
+            before that), as on the ZeroMQ runtime with the same setting, so both give the same
+            results; ``"bound"``, the newest there is, which here, one step at a time, is
+            always step k-1 (on-policy results).
         check_finite: stop at the node whose float tensor output holds NaN or inf.
+        replicas: ``{node: R}``, over each node's ``BatchPolicy.replicas``: run R copies of
+            an inference node and cut each call across them (:mod:`runtime.sched.replicas`).
+        replica_factory: starts replica i of a node (``runtime.zmq.replicas.spawn_replica``,
+            which the CLI passes; this layer does not start processes itself).
     """
 
     def __init__(
@@ -49,12 +58,16 @@ class LocalExecutor:
         *,
         devices: Any = None,
         max_staleness: int = 0,
+        staleness: str = "fixed",
         check_finite: bool = False,
+        replicas: Mapping[str, int] | None = None,
+        replica_factory: Callable[[Any, int, int], Any] | None = None,
     ):
         self.plan = plan if isinstance(plan, Plan) else plan.plan(1)
         self.graph = self.plan.graph
         self.graph.validate()
         self.max_staleness = check_staleness(max_staleness, "LocalExecutor")
+        self.staleness = check_staleness_mode(staleness, "LocalExecutor")
         pool = device_pool(devices)
         nodes = self.graph.nodes
         # Nodes that can share a model (nodes/shared_models.py) learn the staleness first: one
@@ -66,7 +79,7 @@ class LocalExecutor:
                 bind(max_staleness=self.max_staleness, shared=shared)
         for name in self.graph.topological_order():  # build the models here, before a step
             nodes[name].setup()
-        self.splitter = NodeSplitter(nodes, pool) if pool is not None else None
+        self.splitter = node_caller(nodes, pool, replicas, replica_factory)
         self.engine = StepEngine(
             nodes,
             self.graph.edges,
@@ -74,6 +87,7 @@ class LocalExecutor:
             self.graph.topological_order(),
             self.plan.assignment,
             max_staleness=self.max_staleness,
+            staleness=self.staleness,
             splitter=self.splitter,
             check_finite=check_finite,
         )
@@ -125,7 +139,7 @@ class LocalExecutor:
         return results
 
     def close(self) -> None:
-        """Stop the device workers of ``devices=`` (nothing else holds resources)."""
+        """Stop the device workers of ``devices=`` and the replica processes."""
         if self.splitter is not None:
             self.splitter.close()
             self.splitter = None

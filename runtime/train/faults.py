@@ -131,6 +131,7 @@ def train_with_restarts(
     resumes only from a checkpoint of this graph (see :func:`runtime.train.loop.train`).
     """
     from runtime.errors import ControllerError, HandshakeError
+    from yatt_graph import NodeExecutionError
 
     if restart not in ("never", "on-failure"):
         raise ValueError(f"restart must be 'never' or 'on-failure', got {restart!r}")
@@ -162,7 +163,11 @@ def train_with_restarts(
             if on_done is not None:
                 on_done(executor)
             return kept + rows, restarts
-        except ControllerError as exc:
+        except (ControllerError, NodeExecutionError) as exc:
+            if isinstance(exc, NodeExecutionError):  # in-process: a replica process it ran on
+                if not isinstance(exc.__cause__, ControllerError):
+                    raise
+                exc = ControllerError(str(exc), -1, [exc.node])
             if isinstance(exc, HandshakeError) or restart != "on-failure":
                 raise
             if restarts >= max_restarts:

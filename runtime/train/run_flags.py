@@ -177,10 +177,10 @@ def same_folder(out: str, resume: str) -> bool:
 
 def _check_run_flags(args: Any, distributed: bool) -> None:
     if args.restart == "on-failure":
-        if not distributed:
+        if not distributed and not args.replica_counts:
             raise UsageError(
-                "--restart on-failure restarts controller processes; it needs --controllers N "
-                "(N > 1) or --listen"
+                "--restart on-failure restarts controller or replica processes; it needs "
+                "--controllers N (N > 1), --listen or --replicas"
             )
         if not args.out and not args.resume:
             raise UsageError("--restart on-failure needs --out DIR, where checkpoints are kept")

@@ -17,7 +17,9 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-__all__ = ["main"]
+__all__ = ["FAULT_ENV", "main"]
+
+FAULT_ENV = "YATT_REPLICA_EXIT"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,6 +44,20 @@ def _error(exc: BaseException) -> bytes:
     return msgspec.json.encode({"op": "error", "message": text})
 
 
+def _fault(calls: int) -> None:
+    """Fault injection for the tests: ``$YATT_REPLICA_EXIT=FILE:K`` exits at call K, once
+    (the first process to get there creates FILE; later ones go on)."""
+    spec = os.environ.get(FAULT_ENV)
+    if spec:
+        path, _, k = spec.rpartition(":")
+        if calls == int(k):
+            try:
+                open(path, "x").close()
+            except FileExistsError:
+                return
+            os._exit(17)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
@@ -59,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sock.send(_error(exc))
         return 1
     sock.send(msgspec.json.encode({"op": "ready"}))
+    calls = 0
     while True:
         if not sock.poll(1000):
             if os.getppid() != args.parent_pid:
@@ -68,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         header = msgspec.json.decode(frames[0].bytes)
         if header.get("op") == "stop":
             return 0
+        calls += 1
+        _fault(calls)
         try:
             inputs = decode_value(list(frames[1:]), where="piece inputs")
             context = header.get("context")

@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from runtime.errors import ControllerError
 from runtime.zmq.serial import decode_value, encode_value
 from yatt_graph.serialize import node_spec
 
@@ -37,8 +38,9 @@ __all__ = ["ReplicaDied", "ReplicaProcess", "spawn_replica"]
 _POLL_MS = 200
 
 
-class ReplicaDied(RuntimeError):
-    """A replica process exited or could not start."""
+class ReplicaDied(ControllerError):
+    """A replica process exited or could not start: a process fault, like a dead controller,
+    so ``--restart on-failure`` restarts the run from its last checkpoint."""
 
 
 class ReplicaProcess:

@@ -10,6 +10,7 @@ greedy tokens equal the one-copy run's.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -185,3 +186,39 @@ def test_a_dead_replica_process_is_named():
             _call(rs, _embeds())
     finally:
         rs.close()
+
+
+# --- through `yatt-graph run` -------------------------------------------------------------------
+GRPO = ["run", "graphs/mm_grpo.py", "--set", "batch_size=4", "--seed", "0", "--quiet"]
+
+
+def _scores(out):
+    return [json.loads(line)["scores/mean"] for line in (out / "metrics.jsonl").open()]
+
+
+@pytest.mark.timeout(600)
+def test_a_run_with_rollout_replicas_is_the_same_in_process_and_on_controllers(tmp_path):
+    from runtime.cli import main
+
+    local, zmq_run = tmp_path / "local", tmp_path / "zmq"
+    assert main([*GRPO, "--steps", "3", "--replicas", "rollout=2", "--out", str(local)]) == 0
+    flags = ["--controllers", "2", "--replicas", "rollout=2", "--out", str(zmq_run)]
+    assert main([*GRPO, "--steps", "3", *flags]) == 0
+    assert _scores(local) == _scores(zmq_run)  # the same pieces, seeds and weights: bitwise
+
+
+@pytest.mark.timeout(600)
+def test_a_dead_replica_restarts_the_run_from_its_checkpoint(tmp_path, monkeypatch, capsys):
+    from runtime.cli import main
+    from runtime.zmq.replica_main import FAULT_ENV
+
+    out = tmp_path / "run"
+    monkeypatch.setenv(FAULT_ENV, f"{tmp_path / 'died'}:4")  # the replica exits at its 4th piece
+    flags = ["--replicas", "rollout=2", "--restart", "on-failure", "--checkpoint-every", "2"]
+    assert main([*GRPO, "--steps", "6", *flags, "--out", str(out)]) == 0
+    assert (tmp_path / "died").exists()
+    err = capsys.readouterr().err
+    assert "replica 1 of node 'rollout'" in err and "exited with code 17" in err
+    assert "restarting the run (1 of at most 3)" in err
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").open()]
+    assert steps == list(range(6))  # resumed at the checkpoint: no step lost or repeated

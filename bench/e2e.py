@@ -1,0 +1,196 @@
+"""End to end: the ready graphs through ``yatt-graph run`` in every runtime configuration, side by
+side in one run (issue 16's targets; figures in docs/PERFORMANCE.md, "End to end").
+
+    .venv/bin/python -m bench.e2e --workloads a b --steps-a 60 --steps-b 16 --rounds 1
+
+Workloads:
+- (a) the demo as it is (``graphs/mm_ppo.py``; update-bound: 2-token answers);
+- (b) generation-bound with a long tail: ``graphs/mm_grpo.py`` with ``max_new_tokens=64``
+  (the random-init policy's responses run 1 to 64 tokens, a wide spread) and the tiny LLM
+  judge (``--judge tiny``) as the reward.
+
+Each configuration is one ``yatt-graph run`` (a subprocess), the configurations interleaved
+round by round so that load spreads over all of them. From each run's ``metrics.jsonl``: the
+median ``time/step`` after ``--warmup`` steps (the per-step wall time the training loop
+records; for pipelined runs the time between two finished steps), samples/s, the rollout
+phase's median time, the mean reward over the first and last windows, and the busy share per
+controller (``util/controller_i``; idle is the rest).
+
+``--replica-check`` also measures generation alone: one Rollout call of workload (b)'s shape
+on 1 copy (1 and 2 torch threads) against 2 copies (the node and a replica process, one core
+each), tokens generated per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench._util import load_average, machine, table
+
+WORKLOADS = {
+    "a": ["graphs/mm_ppo.py"],
+    "b": ["graphs/mm_grpo.py", "--set", "max_new_tokens=64", "--set", "batch_size=8", "--judge", "tiny"],
+}  # fmt: skip
+
+CONFIGS = {
+    "in-process": [],
+    "2 controllers, colocated": ["--controllers", "2"],
+    "partial": ["--controllers", "2", "--placement", "partial"],
+    "partial + async K=1": ["--controllers", "2", "--placement", "partial", "--max-staleness", "1"],
+    "rollout replicas=2": ["--replicas", "rollout=2"],
+    "partial + async K=1 + replicas=2": [
+        "--controllers", "2", "--placement", "partial", "--max-staleness", "1",
+        "--replicas", "rollout=2",
+    ],
+}  # fmt: skip
+
+
+def _run(graph_args: list[str], flags: list[str], steps: int, out: Path) -> list[dict[str, Any]]:
+    cli = Path(sys.executable).with_name("yatt-graph")
+    cmd = [str(cli), "run", *graph_args, *flags, "--steps", str(steps), "--seed", "0"]
+    cmd += ["--quiet", "--out", str(out), "--overwrite", "--window", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _figures(rows: list[dict[str, Any]], warmup: int, window: int) -> dict[str, Any]:
+    kept = rows[warmup:]
+    step = statistics.median(r["time/step"] for r in kept)
+    rollout = statistics.median(r.get("time/rollout", 0.0) for r in kept)
+    samples = statistics.median(r.get("samples", 0.0) for r in kept)
+    scores = [r.get("scores/mean", 0.0) for r in rows]
+    utils = {
+        k: statistics.mean(r[k] for r in kept if k in r) for k in kept[-1] if k.startswith("util/")
+    }
+    sched = {k: kept[-1][k] for k in kept[-1] if k.startswith("sched/")}
+    return {
+        "step_s": step,
+        "rollout_s": rollout,
+        "samples_per_s": samples / step if step else 0.0,
+        "reward_first": statistics.mean(scores[:window]),
+        "reward_last": statistics.mean(scores[-window:]),
+        "util": utils,
+        "sched": sched,
+    }
+
+
+def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over rounds."""
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k not in ("util", "sched")}
+    out["util"] = {
+        k: statistics.median(r["util"].get(k, 0.0) for r in runs) for k in runs[0]["util"]
+    }
+    out["sched"] = runs[-1]["sched"]
+    return out
+
+
+def workload(name: str, steps: int, rounds: int, warmup: int, configs: list[str]) -> dict[str, Any]:
+    results: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    with tempfile.TemporaryDirectory(prefix="yatt-e2e-") as tmp:
+        for r in range(rounds):
+            for c in configs:
+                t0 = time.perf_counter()
+                rows = _run(WORKLOADS[name], CONFIGS[c], steps, Path(tmp) / f"{name}-{r}")
+                results[c].append(_figures(rows, warmup, window=max(2, steps // 4)))
+                print(
+                    f"  ({name}) {c}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True
+                )
+    return {c: _merge(v) for c, v in results.items()}
+
+
+def _table(name: str, res: dict[str, Any]) -> str:
+    base = res.get("in-process")
+    rows = []
+    for c, f in res.items():
+        util = ", ".join(
+            f"{k.removeprefix('util/controller_')}: {100 * v:.0f}%" for k, v in f["util"].items()
+        )
+        speed = f"{base['step_s'] / f['step_s']:.2f}x" if base else "-"
+        rows.append([
+            c, f"{1000 * f['step_s']:.0f}", speed, f"{f['samples_per_s']:.1f}",
+            f"{1000 * f['rollout_s']:.0f}", f"{f['reward_first']:.3f} -> {f['reward_last']:.3f}", util,
+        ])  # fmt: skip
+    head = ["configuration", "step ms", "speed vs in-process", "samples/s", "rollout ms"]
+    return f"workload ({name})\n" + table(
+        [*head, "reward first -> last", "busy per controller"], rows
+    )
+
+
+def replica_check(repeats: int = 3) -> str:
+    """Generation alone, workload (b)'s shape: 8 prompts x 4 samples, up to 64 tokens."""
+    import torch
+
+    from nodes.rollout import Rollout
+    from runtime.sched.replicas import LocalReplica, ReplicaSet
+    from runtime.zmq.replicas import spawn_replica
+
+    prompts = [f"What colour is shape {i}?" for i in range(8)]
+    embeds = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    inputs = {"prompts": prompts, "image_embeds": embeds, "weights": None}
+    rows = []
+    for label, threads, copies in (
+        ("1 copy, 1 thread", 1, 1),
+        ("1 copy, 2 threads", 2, 1),
+        ("2 copies", 1, 2),
+    ):
+        node = Rollout(policy="tiny-prefix-vlm", n=4, max_new_tokens=64, seed=0)
+        node.setup()
+        reps: list[Any] = [LocalReplica(node, threads=threads)]
+        reps += [spawn_replica(node, i, copies) for i in range(1, copies)]
+        rs = ReplicaSet(node, reps, 1)
+        try:
+            rs.call(inputs)  # warm up
+            times, tokens = [], []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                out = rs.call(inputs)
+                times.append(time.perf_counter() - t0)
+                tokens.append(float(out["response_lengths"].sum()))
+        finally:
+            rs.close()
+        t = statistics.median(times)
+        rows.append([label, f"{1000 * t:.0f}", f"{statistics.median(tokens) / t:.0f}"])
+    base = float(rows[0][2])
+    for r in rows:
+        r.append(f"{float(r[2]) / base:.2f}x")
+    return "generation alone (8 prompts x 4 samples, <= 64 tokens)\n" + table(
+        ["copies", "call ms", "tokens/s", "vs 1 copy, 1 thread"], rows
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.e2e")
+    p.add_argument("--workloads", nargs="+", default=["a", "b"], choices=sorted(WORKLOADS))
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--steps-a", type=int, default=60)
+    p.add_argument("--steps-b", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--replica-check", action="store_true")
+    args = p.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    print(f"machine: {machine()}; load before: {load_average()}")
+    for w in args.workloads:
+        steps = args.steps_a if w == "a" else args.steps_b
+        res = workload(w, steps, args.rounds, args.warmup, args.configs)
+        print(_table(w, res))
+        print(json.dumps({w: res}, default=float))
+    if args.replica_check:
+        print(replica_check())
+    print(f"load after: {load_average()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
