@@ -39,6 +39,19 @@ def _progress_fields(row: dict[str, Any], samples_per_s: float) -> dict[str, str
     return fields
 
 
+def scheduling(result: Any) -> dict[str, float]:
+    """``staleness/<dst.port>`` (versions behind the newest: 0 on-policy, -1 when the input
+    read None) and the executor's ``sched/*`` figures (threads and cores per controller, the
+    adaptive partitioner's changes)."""
+    row = {
+        f"staleness/{key}": -1 if age is None else age
+        for key, age in getattr(result, "staleness", {}).items()
+    }
+    for key, value in getattr(result, "sched", {}).items():
+        row[key if key.startswith("sched/") else f"sched/{key}"] = value
+    return row
+
+
 def utilization(result: Any, step_seconds: float) -> dict[str, float]:
     """Per controller, the share of the step's wall time its nodes were running."""
     busy: dict[int, float] = {}
@@ -102,6 +115,12 @@ def train(
         samples = len(scores) if scores is not None and hasattr(scores, "__len__") else 0
         row["samples_per_s"] = samples / seconds if seconds > 0 else 0.0
         row.update(utilization(result, seconds))
+        row.update(scheduling(result))
+        if rows and row.get("sched/rebalances", 0) != rows[-1].get("sched/rebalances", 0):
+            tracer.instant(
+                "rebalance", time.time(), step=result.step,
+                **{k: v for k, v in row.items() if k.startswith("sched/")},
+            )  # fmt: skip
         rows.append(row)
         for node, start in result.node_start.items():
             controller = result.node_controller.get(node, 0)

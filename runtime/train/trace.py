@@ -51,6 +51,22 @@ class Tracer:
             }
         )
 
+    def instant(self, name: str, at_s: float, **args: Any) -> None:
+        """A global instant event ('i') at ``at_s`` (``time.time()``): a scheduler decision."""
+        if self._origin is None:
+            self._origin = at_s
+        self.events.append(
+            {
+                "ph": "i",
+                "s": "g",
+                "name": name,
+                "pid": 0,
+                "tid": 0,
+                "ts": (at_s - self._origin) * 1e6,
+                "args": args,
+            }
+        )
+
     def keep_earlier(self, path: str | Path, before_step: int) -> None:
         """Start from the spans of steps before ``before_step`` in an earlier ``trace.json``
         (a resumed run continues its trace); a missing or unreadable file is skipped."""
