@@ -28,8 +28,8 @@ __all__ = ["Peers"]
 class Peers:
     """The data sockets of one controller (see the module docstring).
 
-    The inbox binds at once (its address goes in HELLO): to ``bind``, to a free port on
-    ``host`` (tcp), or next to the driver's ipc socket.
+    The inbox binds at once (its address goes in HELLO): to ``bind`` (``tcp://HOST:*``: a free
+    port there), to a free port on ``host`` (tcp), or next to the driver's ipc socket.
     """
 
     def __init__(
@@ -49,6 +49,8 @@ class Peers:
         if bind:
             self.inbox.bind(bind)
             self.address = bind
+            if bind.startswith("tcp://") and bind.endswith((":*", ":0")):  # the port it got
+                self.address = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
         elif host:
             port = self.inbox.bind_to_random_port(f"tcp://{host}")
             self.address = f"tcp://{host}:{port}"

@@ -1,0 +1,250 @@
+"""This host's share of a run that spans hosts: its controller processes, started, watched, stopped.
+
+Every host of such a run starts its own controllers (:class:`HostShare`); they join the driver
+on node 0 over tcp (with CURVE keys between hosts), as ``yatt-graph controller`` does by hand,
+and listen for their peers' data on this host's address (``data_host``, else the interface
+that routes to the driver). The driver waits for all of them (``ZmqExecutor(spawn=False)``),
+so a controller is watched there by its heartbeats, wherever it runs.
+
+:func:`start_host` is ``yatt-graph run``'s side: it reads the launch (:mod:`runtime.launch`),
+checks it, says it in one line, and starts this host's share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from runtime.launch import Launch, LaunchError, controller_shares, resolve_launch
+
+__all__ = ["HostRun", "HostShare", "check_listen", "resolve_ipv4", "start_host"]
+
+
+def resolve_ipv4(host: str, who: str) -> str:
+    """``host`` (a name or an IPv4 address) as an IPv4 address; ValueError naming ``who``."""
+    try:
+        return str(ipaddress.IPv4Address(host))
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(
+            f"{who} {host!r} does not resolve to an IPv4 address on this host ({exc.strerror}); "
+            "pass an address (--master 10.0.0.1:PORT, MASTER_ADDR=10.0.0.1)"
+        ) from None
+    return str(infos[0][4][0])
+
+
+def check_listen(ip: str, port: int, who: str) -> None:
+    """That the driver can listen on ``ip:port`` here (the address is this host's and the
+    port is free): ValueError saying which, before anything starts."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((ip, port))
+        except OSError as exc:
+            hint = (
+                "the port is taken: pick another one"
+                if exc.errno == 98  # EADDRINUSE
+                else "it is not an address of this host: node rank 0 runs the driver, so the "
+                "master must be node 0's own address"
+            )
+            raise ValueError(
+                f"{who}: the driver cannot listen on {ip}:{port} ({exc.strerror}); {hint}"
+            ) from None
+
+
+def _signal_name(code: int) -> str:
+    with contextlib.suppress(ValueError):
+        return signal.Signals(-code).name
+    return f"signal {-code}"
+
+
+class HostShare:
+    """The controllers of one host (``indices``), started at once; they join the driver at
+    ``connect`` and wait for it (``startup_timeout_s``).
+
+    Each is ``python -m runtime.zmq.controller_main`` with this process's ``sys.path``, watching
+    this process (``--parent-pid``: it exits when this process does) and ignoring Ctrl-C (the
+    driver stops the run; :meth:`stop` ends what is left).
+    """
+
+    def __init__(
+        self,
+        indices: Sequence[int],
+        connect: str,
+        *,
+        keys_dir: str | None,
+        allow_remote: bool,
+        data_host: str | None = None,
+        preload: Sequence[str] = (),
+        startup_timeout_s: float = 120.0,
+        max_message_bytes: int | None = None,
+        label: str = "",
+    ):
+        from yatt_graph.refs import import_roots
+
+        self.indices, self.connect, self.label = list(indices), connect, label
+        paths = [p or os.getcwd() for p in sys.path] + import_roots()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+        env.setdefault(
+            "OMP_NUM_THREADS", "1"
+        )  # as controllers the driver spawns (their SETUP sets torch's)
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        try:
+            for index in self.indices:
+                cmd = [
+                    sys.executable, "-m", "runtime.zmq.controller_main", "--connect", connect,
+                    "--index", str(index), "--parent-pid", str(os.getpid()), "--spawned",
+                    "--startup-timeout", str(startup_timeout_s),
+                    *(["--keys", keys_dir] if keys_dir else []),
+                    *(["--allow-remote"] if allow_remote else []),
+                    *(["--bind", f"tcp://{data_host}:*"] if data_host else []),
+                    *(["--max-message-bytes", str(max_message_bytes)] if max_message_bytes else []),
+                    *(arg for ref in preload for arg in ("--preload", ref)),
+                ]  # fmt: skip
+                self.procs[index] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
+        except BaseException:
+            self.stop(grace_s=0)
+            raise
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """Controller index -> process id."""
+        return {i: p.pid for i, p in self.procs.items()}
+
+    def _failure(self, index: int, code: int) -> str:
+        how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+        return f"controller {index} (pid {self.procs[index].pid}{self.label}) {how}"
+
+    def wait(self) -> int:
+        """Wait until every controller here has exited; 0 if all ended cleanly, else 1 (each
+        failure said on stderr, naming the controller)."""
+        failed = []
+        try:
+            for index, proc in self.procs.items():
+                code = proc.wait()
+                if code != 0:
+                    failed.append(self._failure(index, code))
+        finally:
+            self.stop(grace_s=0)
+        for line in failed:
+            print(f"yatt-graph run: {line}", file=sys.stderr, flush=True)
+        return 1 if failed else 0
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Give the controllers ``grace_s`` to exit (after the driver's SHUTDOWN they do), then
+        terminate, then kill what is left."""
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5.0)
+
+
+# --- yatt-graph run -------------------------------------------------------------------------- -----------------------------------------------------------------------
+@dataclass
+class HostRun:
+    """What ``yatt-graph run`` does on this host of a run across hosts."""
+
+    launch: Launch
+    share: HostShare
+    """This host's controllers."""
+
+    @property
+    def runs_driver(self) -> bool:
+        return self.launch.node_rank == 0
+
+
+def _is_loopback_text(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def start_host(args: argparse.Namespace, env: Mapping[str, str]) -> HostRun | None:
+    """For ``yatt-graph run``: read the launch (flags, else ``env``), say it in one line, check
+    it, and start this host's controllers; on node 0 set ``args`` so that the driver listens
+    at the master address and waits for every controller. None for a one-host run.
+    LaunchError for anything that cannot work (before a process starts)."""
+    from runtime.zmq.keys import is_loopback, load_keys  # zmq: only when a launch is asked for
+
+    launch = resolve_launch(args.nnodes, args.node_rank, args.master, env)
+    if launch is None or launch.nnodes == 1:
+        if args.data_host:
+            raise LaunchError("--data-host applies to a run across hosts (--nnodes 2 or more)")
+        if launch is not None:
+            print(f"yatt-graph run: {launch.describe()}", file=sys.stderr, flush=True)
+        return None
+    for flag, value in (("--listen", args.listen), ("--no-spawn", args.no_spawn)):
+        if value:
+            raise LaunchError(
+                f"{flag} and a run across hosts ({launch.source}): the driver's address comes "
+                f"from --master (or MASTER_ADDR/MASTER_PORT); drop {flag}"
+            )
+    if args.restart == "on-failure":
+        raise LaunchError(
+            "--restart on-failure restarts controllers this process started; across hosts let "
+            "the launcher restart the job (torchrun --max-restarts, Slurm --requeue) with --resume"
+        )
+    shares = controller_shares(args.controllers, launch.nnodes)
+    try:
+        ip = resolve_ipv4(launch.host, "the master")
+        if ip.startswith("127.") and not _is_loopback_text(launch.host):
+            raise ValueError(
+                f"the master {launch.host!r} resolves to {ip} here, a loopback address, so the "
+                "other nodes cannot reach the driver; give node 0's address on the network the "
+                "nodes share"
+            )
+        address = f"tcp://{ip}:{launch.port}"
+        data_host = resolve_ipv4(args.data_host, "--data-host") if args.data_host else None
+        if data_host == "0.0.0.0":
+            raise ValueError("--data-host 0.0.0.0: give the address peers reach this host at")
+        remote = not is_loopback(address) or (
+            data_host is not None and not data_host.startswith("127.")
+        )
+        if remote and not args.keys:
+            raise ValueError(
+                f"the driver's address {address} is not a loopback address, so the run needs CURVE "
+                "keys: make them with `yatt-graph keys DIR`, give every host the folder, and pass "
+                "--keys DIR on every node"
+            )
+        if args.keys:
+            load_keys(args.keys, "controller")
+            if launch.node_rank == 0:
+                load_keys(args.keys, "driver")
+        if launch.node_rank == 0:
+            check_listen(ip, launch.port, "node 0")
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    mine = shares[launch.node_rank]
+    role = (
+        "the driver and controllers" if launch.node_rank == 0 else "controllers"
+    ) + f" {', '.join(map(str, mine))} run here"
+    if launch.node_rank > 0:
+        role += "; the driver on node 0 writes the metrics and checkpoints"
+    print(f"yatt-graph run: {launch.describe()}: {role}", file=sys.stderr, flush=True)
+    if launch.node_rank == 0:
+        args.listen, args.no_spawn = address, True
+        args.allow_remote = args.allow_remote or remote
+    share = HostShare(
+        mine, address, keys_dir=args.keys, allow_remote=remote, data_host=data_host,
+        preload=(args.graph,), max_message_bytes=int(args.max_message_mb * (1 << 20)),
+        label=f" on node {launch.node_rank}",
+    )  # fmt: skip
+    return HostRun(launch, share)
