@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from runtime.launch import add_launch_arguments
 from runtime.train.errors import Terminated, UsageError
 from runtime.train.export import export_checkpoint
 from runtime.train.run_flags import add_run_arguments
@@ -237,14 +238,26 @@ def _executor_factory(
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from runtime.train.run_command import run_command
+    import os
 
+    from runtime.launch import LaunchError
+    from runtime.train.run_command import run_command
+    from runtime.zmq.hosts import start_host
+
+    try:  # a run across hosts (--nnodes, torchrun, srun): this host's controllers start here
+        host = start_host(args, os.environ)
+    except LaunchError as exc:
+        raise UsageError(str(exc)) from None
+    if host is not None and not host.runs_driver:
+        return host.share.wait()  # the driver on node 0 runs the graph
     try:
         return run_command(args, _build, _executor_factory)
     finally:
         early = vars(args).pop("early_group", None)
         if early is not None:  # the run stopped before it needed them
             early.shutdown("the run stopped before its first step")
+        if host is not None:
+            host.share.stop()
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -372,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = graph_command("run", "run a graph for some steps in this process")
     add_run_arguments(p)
+    add_launch_arguments(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser(
@@ -450,3 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+if __name__ == "__main__":  # python -m runtime.cli (torchrun -m runtime.cli)
+    sys.exit(main())
