@@ -20,9 +20,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from runtime.launch import Launch, LaunchError, controller_shares, resolve_launch
 
@@ -90,10 +92,16 @@ class HostShare:
         startup_timeout_s: float = 120.0,
         max_message_bytes: int | None = None,
         label: str = "",
+        forward_sigterm: bool = False,
     ):
         from yatt_graph.refs import import_roots
 
         self.indices, self.connect, self.label = list(indices), connect, label
+        self._old_sigterm: Any = None
+        self._stopping = False
+        if forward_sigterm and threading.current_thread() is threading.main_thread():
+            # srun and torchrun stop a job with SIGTERM: pass it on, and wait() reports them
+            self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: self.terminate())
         paths = [p or os.getcwd() for p in sys.path] + import_roots()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
         env.setdefault(
@@ -102,6 +110,8 @@ class HostShare:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         try:
             for index in self.indices:
+                if self._stopping:  # SIGTERM while starting them: start no more
+                    break
                 cmd = [
                     sys.executable, "-m", "runtime.zmq.controller_main", "--connect", connect,
                     "--index", str(index), "--parent-pid", str(os.getpid()), "--spawned",
@@ -115,6 +125,7 @@ class HostShare:
                 self.procs[index] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
         except BaseException:
             self.stop(grace_s=0)
+            self._restore_sigterm()
             raise
 
     @property
@@ -125,6 +136,13 @@ class HostShare:
     def _failure(self, index: int, code: int) -> str:
         how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
         return f"controller {index} (pid {self.procs[index].pid}{self.label}) {how}"
+
+    def terminate(self) -> None:
+        """SIGTERM to every controller still running (and start no more)."""
+        self._stopping = True
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
 
     def wait(self) -> int:
         """Wait until every controller here has exited; 0 if all ended cleanly, else 1 (each
@@ -137,9 +155,15 @@ class HostShare:
                     failed.append(self._failure(index, code))
         finally:
             self.stop(grace_s=0)
+            self._restore_sigterm()
         for line in failed:
             print(f"yatt-graph run: {line}", file=sys.stderr, flush=True)
         return 1 if failed else 0
+
+    def _restore_sigterm(self) -> None:
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Give the controllers ``grace_s`` to exit (after the driver's SHUTDOWN they do), then
@@ -238,13 +262,13 @@ def start_host(args: argparse.Namespace, env: Mapping[str, str]) -> HostRun | No
     ) + f" {', '.join(map(str, mine))} run here"
     if launch.node_rank > 0:
         role += "; the driver on node 0 writes the metrics and checkpoints"
-    print(f"yatt-graph run: {launch.describe()}: {role}", file=sys.stderr, flush=True)
     if launch.node_rank == 0:
         args.listen, args.no_spawn = address, True
         args.allow_remote = args.allow_remote or remote
     share = HostShare(
         mine, address, keys_dir=args.keys, allow_remote=remote, data_host=data_host,
         preload=(args.graph,), max_message_bytes=int(args.max_message_mb * (1 << 20)),
-        label=f" on node {launch.node_rank}",
+        label=f" on node {launch.node_rank}", forward_sigterm=launch.node_rank > 0,
     )  # fmt: skip
+    print(f"yatt-graph run: {launch.describe()}: {role}", file=sys.stderr, flush=True)
     return HostRun(launch, share)

@@ -180,7 +180,7 @@ def _wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 120
 
 
 def _metrics(path: Path) -> list[dict]:
-    """The rows of metrics.jsonl without wall-clock figures."""
+    """The rows of metrics.jsonl without wall-clock and scheduling figures."""
     rows = []
     for line in path.read_text().splitlines():
         row = json.loads(line)
@@ -188,10 +188,19 @@ def _metrics(path: Path) -> list[dict]:
             {
                 k: v
                 for k, v in row.items()
-                if not k.startswith(("time/", "util/")) and k != "samples_per_s"
+                if not k.startswith(("time/", "util/", "sched/")) and k != "samples_per_s"
             }
         )
     return rows
+
+
+def _assert_same_results(got: list[dict], want: list[dict]) -> None:
+    """Every result both runs report is equal, bit for bit; loss and scores are among them."""
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want, strict=True):
+        common = a.keys() & b.keys()
+        assert {"loss", "scores/mean", "scores/std", "samples_total"} <= common
+        assert {k: a[k] for k in common} == {k: b[k] for k in common}
 
 
 def _one_host_metrics(tmp_path: Path, steps: int) -> list[dict]:
@@ -247,7 +256,7 @@ def test_a_torchrun_launch_across_two_hosts_equals_the_one_host_run(hosts, keys,
     driver = f"driver at {hosts.driver_ip}:{port + 1}"
     assert "node 0 of 2 (torchrun environment" in log0 and driver in log0
     assert "node 1 of 2 (torchrun environment" in log1 and "controllers 2 run here" in log1
-    assert _metrics(out / "metrics.jsonl") == _one_host_metrics(tmp_path, 3)
+    _assert_same_results(_metrics(out / "metrics.jsonl"), _one_host_metrics(tmp_path, 3))
 
 
 @pytest.mark.timeout(420)
@@ -273,7 +282,7 @@ def test_an_srun_launch_on_loopback_addresses_equals_the_one_host_run(loopback, 
         assert code == 0, log
     assert "node 0 of 2 (Slurm environment" in results[0][1]
     assert "SLURM_JOB_NODELIST=127.0.0.[1-2] (first host)" in results[1][1]
-    assert _metrics(out / "metrics.jsonl") == _one_host_metrics(tmp_path, 3)
+    _assert_same_results(_metrics(out / "metrics.jsonl"), _one_host_metrics(tmp_path, 3))
 
 
 # --- the driver in this process, controllers on both hosts --------------------------------------
@@ -383,3 +392,27 @@ def test_controllers_with_the_wrong_keys_are_refused_and_the_driver_says_so(
     reference = LocalExecutor(load_graph("graphs.toy", seed=1).plan(1)).run(2)
     for ref, got in zip(reference, results, strict=True):
         assert torch.equal(ref.outputs["scores"], got.outputs["scores"])
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_to_a_controller_host_stops_its_controllers_and_names_them(tmp_path):
+    """What srun does to a cancelled job: the host's yatt-graph run passes SIGTERM on."""
+    import psutil
+
+    log = tmp_path / "node1.log"
+    port = _free_port("127.0.0.1")  # no driver there: the controllers wait for one
+    cmd = [PYTHON, "-m", "runtime.cli", "run", "graphs.toy", "--nnodes", "2", "--node-rank", "1"]
+    cmd += ["--master", f"127.0.0.1:{port}", "--controllers", "3"]
+    with open(log, "wb") as out:
+        agent = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
+                                 stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)  # fmt: skip
+    try:
+        _wait_until(lambda: "controllers 2 run here" in log.read_text(), "the host's line")
+        [child] = psutil.Process(agent.pid).children()
+        agent.send_signal(signal.SIGTERM)
+        code, text = _finish(agent, log, timeout_s=60)
+    finally:
+        _stop([agent])
+    assert code == 1, text
+    assert f"controller 2 (pid {child.pid} on node 1) was killed by SIGTERM" in text
+    assert not psutil.pid_exists(child.pid) or child.status() == psutil.STATUS_ZOMBIE
