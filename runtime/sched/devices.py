@@ -1,4 +1,5 @@
-"""The device pool: CUDA devices when present, else CPU worker slots; busy/idle accounting.
+"""The device pool: CUDA devices when present, else CPU worker slots; busy/idle accounting;
+and the :class:`Resources` each controller process owns.
 
 A :class:`Device` is what one worker of the scheduler runs on: ``cuda:i`` or a CPU slot
 ``cpu:i`` (on a machine without GPUs, slots are threads that each own a share of the
@@ -6,6 +7,12 @@ cores). The :class:`DevicePool` keeps, per device, how long it was busy running 
 how long it spent switching roles (offload/reload when roles time-share a device), and so
 how long it sat idle, over a window that starts with :meth:`DevicePool.start`. For every
 device ``busy_s + switch_s + idle_s == window_s``.
+
+:class:`Resources` is what one process computes on: a set of CPU cores (its affinity), the
+torch threads of the thread that runs its nodes, and the GPUs it may use
+(``CUDA_VISIBLE_DEVICES``). :func:`assign_resources` gives each controller of a run its share
+(:mod:`runtime.sched.affinity` applies it in the process; :mod:`runtime.sched.partition`
+re-balances it between steps).
 """
 
 from __future__ import annotations
@@ -18,7 +25,21 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Device", "DevicePool", "DeviceStats", "cpu_slot_count", "usable_cores"]
+import msgspec
+
+__all__ = [
+    "Device",
+    "DevicePool",
+    "DeviceStats",
+    "Resources",
+    "assign_resources",
+    "cpu_slot_count",
+    "cuda_visible_devices",
+    "split_evenly",
+    "usable_cores",
+    "usable_core_ids",
+    "visible_gpus",
+]
 
 CPU_SLOTS_ENV = "YATT_CPU_SLOTS"
 
@@ -78,10 +99,131 @@ def cpu_slot_count(default: int | None = None) -> int:
 
 def usable_cores() -> int:
     """The cores this process may run on."""
+    return len(usable_core_ids())
+
+
+def usable_core_ids() -> tuple[int, ...]:
+    """The ids of the cores this thread may run on (its affinity), in order."""
     try:
-        return len(os.sched_getaffinity(0))
+        return tuple(sorted(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        return tuple(range(os.cpu_count() or 1))
+
+
+class Resources(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What one process computes on. Crosses processes (SETUP, RESOURCES, READY, STEP_DONE)."""
+
+    cores: tuple[int, ...] = ()
+    """CPU ids (its affinity); ``()``: every core of its host it may use."""
+    threads: int = 0
+    """``torch.set_num_threads`` on the thread that runs its nodes; 0: one per core."""
+    cuda: tuple[int, ...] = ()
+    """GPU ordinals among the driver's visible GPUs (its ``CUDA_VISIBLE_DEVICES``); ``()``: none
+    assigned (the process keeps the environment it was started with)."""
+
+    def describe(self) -> str:
+        """``cores 0-1, 2 threads, cuda 0``: for logs and errors."""
+        cores = _ranges(self.cores) if self.cores else "all"
+        text = f"cores {cores}, {self.threads or 'one per core'} threads"
+        return text + (f", cuda {_ranges(self.cuda)}" if self.cuda else "")
+
+
+def _ranges(ids: Sequence[int]) -> str:
+    """``0-3,6``: sorted ids as ranges."""
+    out: list[str] = []
+    for i in sorted(ids):
+        if out and int(out[-1].split("-")[-1]) == i - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ",".join(out)
+
+
+def visible_gpus() -> int:
+    """How many GPUs this process sees, without initializing CUDA (torch asks NVML)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.backends.cuda.is_built() else 0
+
+
+def assign_resources(
+    controllers: int,
+    *,
+    cores: Sequence[int],
+    placement: str = "colocated",
+    max_staleness: int = 0,
+    device: str = "cpu",
+    gpus: int = 0,
+) -> list[Resources]:
+    """Each controller's :class:`Resources` for a run (a pure function).
+
+    CPU cores (``cores``: the ids the run may use):
+
+    * ``colocated`` and on-policy (``max_staleness`` 0): every controller gets every core,
+      with one torch thread per core. A step's nodes wait on each other, so the controllers
+      take turns: when one role's phase ends, its cores are in effect the next one's.
+    * ``partial``, or ``max_staleness`` > 0: the sides run at once, so each controller gets a
+      disjoint, even share (contiguous, at least one core; with more controllers than cores,
+      core ``c mod len(cores)``), one thread per core of it. The adaptive partitioner moves
+      them from there.
+
+    GPUs (``device`` ``cuda``, or ``auto`` with ``gpus`` > 0): controller c gets an even,
+    contiguous share of the ``gpus`` visible ones, or GPU ``c mod gpus`` when there are fewer
+    GPUs than controllers (those controllers share it). ``device="cuda"`` with no GPU is an
+    error; ``cpu`` assigns none.
+    """
+    if controllers < 1:
+        raise ValueError(f"assign_resources: controllers must be >= 1, got {controllers}")
+    if placement not in ("colocated", "partial"):
+        raise ValueError(
+            f"assign_resources: placement must be 'colocated' or 'partial', got {placement!r}"
+        )
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(
+            f"assign_resources: device must be 'auto', 'cpu' or 'cuda', got {device!r}"
+        )
+    if device == "cuda" and gpus < 1:
+        raise RuntimeError(
+            "device=cuda, but no CUDA device is visible to the driver; use --device cpu "
+            "(or auto: CUDA where present)"
+        )
+    ids = tuple(sorted(set(cores)))
+    if not ids:
+        raise ValueError("assign_resources: no CPU cores to assign")
+    if placement == "colocated" and max_staleness == 0:
+        shares = [ids] * controllers
+    else:
+        shares = split_evenly(ids, controllers)
+    use_gpus = gpus if device != "cpu" else 0
+    gpu_shares = split_evenly(tuple(range(use_gpus)), controllers) if use_gpus else None
+    return [
+        Resources(share, len(share), gpu_shares[c] if gpu_shares else ())
+        for c, share in enumerate(shares)
+    ]
+
+
+def split_evenly(ids: tuple[int, ...], parts: int) -> list[tuple[int, ...]]:
+    """``ids`` cut into ``parts`` contiguous runs as even as possible (the first ones get the
+    extra); with fewer ids than parts, part c gets ``ids[c mod len(ids)]``."""
+    if len(ids) < parts:
+        return [(ids[c % len(ids)],) for c in range(parts)]
+    return [ids[c * len(ids) // parts : (c + 1) * len(ids) // parts] for c in range(parts)]
+
+
+def cuda_visible_devices(cuda: Sequence[int], parent: str | None) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` value for a child that may use GPUs ``cuda`` (ordinals
+    among the parent's visible GPUs): the parent's own entries when it has the variable set
+    (ids or UUIDs), else the ordinals."""
+    entries = [e.strip() for e in parent.split(",")] if parent else None
+    if entries is not None:
+        bad = [i for i in cuda if not 0 <= i < len(entries)]
+        if bad:
+            raise ValueError(
+                f"GPU ordinals {bad} are not among the {len(entries)} in "
+                f"CUDA_VISIBLE_DEVICES={parent!r}"
+            )
+        return ",".join(entries[i] for i in cuda)
+    return ",".join(str(i) for i in cuda)
 
 
 class DevicePool:

@@ -37,7 +37,9 @@ from typing import Any
 import zmq
 
 from runtime.engine.engine import StateNotReady, StepEngine
-from runtime.errors import SendError
+from runtime.errors import ControllerError, SendError
+from runtime.sched.affinity import apply_resources
+from runtime.sched.devices import Resources
 from runtime.zmq import messages as m
 from runtime.zmq.control_link import (
     ControlLink,
@@ -121,6 +123,10 @@ class Controller:
         self._failed = False
         self._state_wanted: int | None = None
         self._longest: dict[str, float] = {}
+        self.pinned_threads: int | None = None
+        self.applied = Resources()
+        """The cores, threads and GPUs applied (runtime.sched.affinity), told to the driver."""
+        self._tell_applied = False
 
     def _driver_socket(self, identity: bytes | None = None, linger_ms: int = 0) -> zmq.Socket:
         keys = self.keys
@@ -170,20 +176,25 @@ class Controller:
 
     def _setup(self, setup: m.Setup) -> None:
         self.index = setup.controller
-        if setup.num_threads > 0:
-            import torch
-
-            torch.set_num_threads(setup.num_threads)
+        # Cores, threads and GPUs first: CUDA must see only this controller's GPUs when the
+        # nodes build their models.
+        self.pinned_threads = None if setup.num_threads < 0 else setup.num_threads
+        self.applied = apply_resources(
+            setup.resources or Resources(), pinned_threads=self.pinned_threads
+        )
         nodes, edges, outputs, assignment = nodes_from_setup(setup, self._track)
         for name in setup.order:  # build each node's models here, in the plan's order
             if name in nodes:
                 self._building = name
                 nodes[name].setup()
         self._building = ""
-        from runtime.sched.splitting import NodeSplitter, device_pool
+        from runtime.sched.replicas import node_caller
+        from runtime.sched.splitting import device_pool
+        from runtime.zmq.replicas import spawn_replica
 
         pool = device_pool({0: None, -1: "auto"}.get(setup.devices, setup.devices))
-        self.splitter = NodeSplitter(nodes, pool) if pool is not None else None
+        mine = {n: r for n, r in setup.replicas.items() if n in nodes}  # (the others' are theirs)
+        self.splitter = node_caller(nodes, pool, mine, spawn_replica)
         limits = {
             n: node.batch_policy.timeout_s or setup.node_timeout_s for n, node in nodes.items()
         }
@@ -195,6 +206,7 @@ class Controller:
             assignment,
             here=self.index,
             max_staleness=setup.max_staleness,
+            staleness=setup.staleness,
             window=setup.pipeline_depth,
             outbox=self.peers,
             splitter=self.splitter,
@@ -213,6 +225,9 @@ class Controller:
             return
         if kind is m.Kind.RUN:
             self.engine.allow(msg.until)
+        elif kind is m.Kind.RESOURCES:  # on the compute thread, so between node calls
+            self.applied = apply_resources(msg.resources, pinned_threads=self.pinned_threads)
+            self._tell_applied = True
         elif kind is m.Kind.STATE_REQUEST:
             self._state_wanted = msg.step
         elif kind is m.Kind.STATE_LOAD:
@@ -255,9 +270,12 @@ class Controller:
             except UnsupportedValueError as exc:
                 raise SendError(node, step, f"{where()}{exc}") from None
             self.peers.check_size(frames, where, node, step)
-            self._to_driver(
-                m.StepDone(self.index, step, result.node_seconds, result.node_start), frames
-            )
+            applied, self._tell_applied = self.applied if self._tell_applied else None, False
+            done = m.StepDone(
+                self.index, step, result.node_seconds, result.node_start,
+                resources=applied, staleness=result.staleness,
+            )  # fmt: skip
+            self._to_driver(done, frames)
 
     def _send_state(self) -> None:
         """Answer a STATE_REQUEST once the engine has every value its state holds."""
@@ -353,6 +371,8 @@ class Controller:
         if isinstance(exc, NodeExecutionError):
             step = int(exc.context.get("step", -1))
             during = str(exc.context.get("during", "step"))
+            if isinstance(exc.__cause__, ControllerError):  # a process it ran on died (a replica)
+                during = "replica"
             error = m.Error(self.index, str(exc), exc.node, step, exc.remote_traceback, during)
         elif isinstance(exc, SendError):
             tb = traceback.format_exc()
@@ -395,7 +415,7 @@ class Controller:
                 drops=self.drops,
             )  # fmt: skip
             # READY on the work link: once the driver has it, its ROUTER can route RUN there.
-            self._to_driver(m.Ready(self.index, list(self.engine.order)))
+            self._to_driver(m.Ready(self.index, list(self.engine.order), self.applied))
             self.link.start()
             self._loop()
             self.link.stop(timeout_s=0)

@@ -26,9 +26,11 @@ nodes; a node call past its ``BatchPolicy.timeout_s`` (or ``node_timeout_s``) a
 ``max_message_bytes`` or comes from a stranger is dropped and logged (``dropped_messages``).
 
 Pipelining: up to ``pipeline_depth`` steps are allowed at once in :meth:`~ZmqExecutor.run`.
-``max_staleness=N`` makes a delayed edge at step k carry the producer's value from step
-k-1-N (None before): a fixed lag, as in the in-process executor, so runs stay reproducible
-and the graph upstream of the delayed edges may run N steps ahead. :meth:`~ZmqExecutor.step`
+``max_staleness=N`` makes a delayed edge at step k read the producer's value from a step in
+``[k-1-N, k-1]`` (:mod:`runtime.engine.delayed`): with ``staleness="fixed"`` exactly k-1-N
+(None before), as in the in-process executor, so runs stay reproducible; with ``"bound"`` the
+newest that has reached the reader's controller, so a consumer waits only for a value at most
+N versions old. Either way the graph upstream of the delayed edges may run N steps ahead. :meth:`~ZmqExecutor.step`
 runs exactly one step with no run-ahead.
 """
 
@@ -37,17 +39,23 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from runtime.engine.calls import StepResult
+from runtime.engine.delayed import check_staleness_mode
 from runtime.errors import ControllerError, HandshakeError, NodeTimeoutError
+from runtime.sched.affinity import start_cores
+from runtime.sched.devices import Resources
+from runtime.sched.partition import Partitioner
+from runtime.sched.replicas import replica_counts
 from runtime.zmq import messages as m
 from runtime.zmq.driver_link import Received
 from runtime.zmq.driver_state import merge_replies, split_state
 from runtime.zmq.group import ControllerGroup, error_from
 from runtime.zmq.keys import load_keys
-from runtime.zmq.options import check_options, setup_fields
+from runtime.zmq.options import check_options, plan_resources, setup_fields
+from runtime.zmq.rebalance import Rebalancer, sched_metrics
 from runtime.zmq.serial import DecodeError, decode_value
 from runtime.zmq.transport import DEFAULT_MAX_MESSAGE_BYTES
 from yatt_graph import Graph, Plan
@@ -64,6 +72,8 @@ class ZmqExecutor:
             for ``rebuild="graph"`` (see the module docstring).
         max_staleness: 0 = on-policy (reference semantics); N = delayed edges carry the
             value from N+1 steps back, so the graph upstream of them runs N steps ahead.
+        staleness: ``"fixed"`` (reproducible: always the value from N+1 steps back) or
+            ``"bound"`` (the newest value at most N versions old); see the module docstring.
         pipeline_depth: most steps in flight in :meth:`run` (at least ``max_staleness + 1``).
         spawn: start the controllers here; False waits for ``yatt-graph controller
             --connect ADDRESS`` processes (``address`` must then be given).
@@ -77,11 +87,24 @@ class ZmqExecutor:
             sends: a larger output is an error naming it); libzmq disconnects a peer that
             sends a larger one (0: no limit). Default 4 GiB.
         state_timeout_s: how long :meth:`state_dict` / :meth:`load_state_dict` wait.
-        num_threads: ``torch.set_num_threads`` in each controller (0: torch's default).
+        num_threads: ``torch.set_num_threads`` in each controller, fixed for the run (0:
+            torch's default); None: each controller's ``Resources.threads`` (one per core it
+            owns), which adaptive partitioning may change.
+        placement / device: what :func:`runtime.sched.devices.assign_resources` gives each
+            controller: with ``"colocated"`` and ``max_staleness=0`` every controller gets
+            every core (they take turns), else a disjoint share; ``device`` ``"cuda"`` (or
+            ``"auto"`` where GPUs are visible) gives each its GPUs (``CUDA_VISIBLE_DEVICES``).
+        resources: each controller's :class:`~runtime.sched.devices.Resources` instead.
+        adaptive: re-balance cores between controllers between steps from their measured busy
+            time (:mod:`runtime.sched.partition`; ``sched/*`` in :attr:`StepResult.sched`);
+            only with ``num_threads=None`` and controllers started here. False keeps the
+            starting Resources.
         shm_threshold: tensors of at least this many bytes go controller to controller
             through shared memory (one host); 0 sends everything as zmq frames.
         controller_output: ``"capture"`` (to a log file per controller, whose tail errors
             include) or ``"inherit"`` (this process's stdout/stderr).
+        replicas: ``{node: R}``: R copies of an inference node, on the controller that owns it
+            and R-1 replica processes beside it (:mod:`runtime.sched.replicas`).
         devices: CPU slots per controller that splittable nodes' calls are cut across
             (:mod:`runtime.sched.splitting`); None/0: none; ``"auto"``: ``$YATT_CPU_SLOTS`` or the
             usable cores of each controller's host.
@@ -108,6 +131,7 @@ class ZmqExecutor:
         graph_options: dict[str, Any] | None = None,
         rebuild: str = "auto",
         max_staleness: int = 0,
+        staleness: str = "fixed",
         pipeline_depth: int = 2,
         spawn: bool = True,
         address: str | None = None,
@@ -121,7 +145,7 @@ class ZmqExecutor:
         heartbeat_timeout_s: float = 5.0,
         startup_timeout_s: float = 120.0,
         shutdown_grace_s: float = 5.0,
-        num_threads: int = 1,
+        num_threads: int | None = None,
         shm_threshold: int = 1 << 20,
         controller_output: str = "capture",
         devices: int | str | None = None,
@@ -129,6 +153,11 @@ class ZmqExecutor:
         check_finite: bool = False,
         hang_warning_s: float = 0.0,
         group: ControllerGroup | None = None,
+        replicas: Mapping[str, int] | None = None,
+        placement: str = "colocated",
+        device: str = "auto",
+        resources: Sequence[Resources] | None = None,
+        adaptive: bool = True,
     ):
         if isinstance(plan, Graph):
             plan = plan.plan(controllers or 1)
@@ -140,6 +169,15 @@ class ZmqExecutor:
             max_staleness, pipeline_depth, rebuild, controller_output, spawn, address,
             allow_tcp, allow_remote, devices, node_timeout_s, max_message_bytes, spin_s,
         )  # fmt: skip
+        self.staleness = check_staleness_mode(staleness, "ZmqExecutor")
+        if num_threads is not None and (isinstance(num_threads, bool) or num_threads < 0):
+            raise ValueError(f"ZmqExecutor: num_threads must be None or >= 0, got {num_threads!r}")
+        spawned = spawn if group is None else bool(group.res.procs)
+        start = plan_resources(
+            plan.controllers, spawn=spawned, placement=placement, max_staleness=max_staleness,
+            device=device, resources=resources,
+        )  # fmt: skip
+        replica_counts(plan.graph.nodes, replicas)  # an unknown or uncopyable node: now, here
         self.spin_s = float(spin_s)
         self._wait_s = 0.0  # how long the last step's results took to come in
         self.keys = load_keys(keys, "driver") if keys is not None else None
@@ -169,9 +207,10 @@ class ZmqExecutor:
         self._setup_kw = setup_fields(self.plan, self.order, graph_ref, graph_options, rebuild)
         self._setup_kw.update(
             max_staleness=max_staleness,
+            staleness=self.staleness,
             heartbeat_interval_s=heartbeat_interval_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
-            num_threads=num_threads,
+            num_threads=-1 if num_threads is None else num_threads,
             shm_threshold=shm_threshold,
             node_timeout_s=node_timeout_s,
             max_message_bytes=max_message_bytes,
@@ -179,16 +218,17 @@ class ZmqExecutor:
             devices=-1 if devices == "auto" else int(devices or 0),
             check_finite=check_finite,
             hang_warning_s=hang_warning_s,
+            replicas=dict(replicas or {}),
         )
         owned = [
             [n for n in self.order if plan.assignment[n] == c] for c in range(plan.controllers)
         ]
         self.group = group or ControllerGroup(
             plan.controllers, address=address, keys=self.keys, keys_dir=self.keys_dir,
-            spawn=spawn, controller_output=controller_output, num_threads=num_threads,
+            spawn=spawn, controller_output=controller_output, num_threads=num_threads or 0,
             max_message_bytes=max_message_bytes, heartbeat_interval_s=heartbeat_interval_s,
             heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=startup_timeout_s,
-            shutdown_grace_s=shutdown_grace_s,
+            shutdown_grace_s=shutdown_grace_s, resources=start,
         )  # fmt: skip
         try:
             self.group.attach(owned, self._when, lambda: self._until > 0)
@@ -201,12 +241,35 @@ class ZmqExecutor:
             self.group.start(
                 lambda c: m.Setup(
                     controller=c.index, peers=[x.data_address for x in self.controllers],
-                    run_id=self.group.res.run_id, **self._setup_kw,
+                    run_id=self.group.res.run_id, resources=start[c.index], **self._setup_kw,
                 )
             )  # fmt: skip
         except BaseException:
             self._shutdown("start-up failed")
             raise
+        self._rebalancer: Rebalancer | None = None
+        if adaptive and spawned and num_threads is None and len(self.controllers) > 1:
+            now = [c.resources or r for c, r in zip(self.controllers, start, strict=True)]
+            self._rebalancer = Rebalancer(Partitioner(now, start_cores()))
+
+    @property
+    def resources(self) -> list[Resources | None]:
+        """What each controller reported it computes on (cores, threads, GPUs), by index."""
+        return [c.resources for c in self.controllers]
+
+    def set_resources(self, resources: Sequence[Resources]) -> None:
+        """Give each controller new cores and threads, applied before its next node call and
+        reported in :attr:`resources` once a step has run (a controller that has used CUDA
+        already refuses other GPUs). The adaptive partitioner starts over from them."""
+        self._check_open()
+        new = plan_resources(
+            len(self.controllers), spawn=True, placement="colocated", max_staleness=0,
+            device="cpu", resources=resources,
+        )  # fmt: skip
+        for c, r in zip(self.controllers, new, strict=True):
+            self.link.send_work(c, m.SetResources(r))
+        if self._rebalancer is not None:
+            self._rebalancer = Rebalancer(Partitioner(new, start_cores()))
 
     # --- start-up ---------------------------------------------------------------------------
     @property
@@ -252,6 +315,8 @@ class ZmqExecutor:
         self._check_open()
         last = self.next_step + steps
         results = []
+        if self._rebalancer is not None:
+            self._rebalancer.start()
         try:
             while self.next_step < last:
                 if results and stop is not None and stop():
@@ -263,6 +328,7 @@ class ZmqExecutor:
                         self.link.send_work(c, m.Run(want))
                 result = self._collect(self.next_step)
                 self.next_step += 1
+                self._rebalance(result)
                 results.append(result)
                 if on_step is not None:
                     on_step(result)
@@ -270,6 +336,17 @@ class ZmqExecutor:
             self._shutdown(f"{type(exc).__name__} in the driver")
             raise
         return results
+
+    def _rebalance(self, result: StepResult) -> None:
+        """Send the partitioner's new Resources (if it decides a change); the step's sched/*."""
+        result.sched = sched_metrics(self.resources)
+        if self._rebalancer is None:
+            return
+        new = self._rebalancer.after_step(result)
+        for c, r in zip(self.controllers, new or (), strict=False):
+            if r != c.resources:
+                self.link.send_work(c, m.SetResources(r))
+        result.sched.update(self._rebalancer.metrics())
 
     def _collect(self, step: int) -> StepResult:
         # Spin only if the last step's results came within the spin time: a run whose steps
@@ -298,14 +375,18 @@ class ZmqExecutor:
                 where = f"graph outputs of step {msg.step} from controller {index}"
                 raise ControllerError(f"{where}{exc}", index) from None
             self._partial.setdefault(msg.step, {})[index] = (msg, outputs)
+            if msg.resources is not None:  # it applied a RESOURCES
+                self.controllers[index].resources = msg.resources
         self._wait_s = time.perf_counter() - t0
         parts = self._partial.pop(step)
         seconds: dict[str, float] = {}
         starts: dict[str, float] = {}
+        staleness: dict[str, int | None] = {}
         outputs: dict[str, Any] = {}
         for done, out in parts.values():
             seconds.update(done.node_seconds)
             starts.update(done.node_start)
+            staleness.update(done.staleness)
             outputs.update(out)
         return StepResult(
             step,
@@ -313,6 +394,7 @@ class ZmqExecutor:
             {n: seconds[n] for n in self.order if n in seconds},
             {n: starts[n] for n in self.order if n in starts},
             dict(self.plan.assignment),
+            dict(sorted(staleness.items())),
         )
 
     def _other_event(self, event: Received, during: str = "") -> None:
@@ -341,6 +423,7 @@ class ZmqExecutor:
             "kind": "zmq",
             "controllers": len(self.controllers),
             "max_staleness": self.max_staleness,
+            "staleness": self.staleness,
         }
         try:
             return merge_replies(replies, step, self.order, executor)

@@ -14,12 +14,13 @@ import os
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
 
 from runtime.errors import ControllerError, HandshakeError, NodeTimeoutError
+from runtime.sched.devices import Resources
 from runtime.zmq import messages as m
 from runtime.zmq.driver_link import DriverLink, HelloRefused, Received
 from runtime.zmq.keys import start_authenticator
@@ -54,15 +55,19 @@ class ControllerGroup:
         keys_dir: str | None = None,
         spawn: bool = True,
         controller_output: str = "capture",
-        num_threads: int = 1,
+        num_threads: int = 0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         heartbeat_interval_s: float = 0.5,
         heartbeat_timeout_s: float = 5.0,
         startup_timeout_s: float = 120.0,
         shutdown_grace_s: float = 5.0,
         preload: tuple[str, ...] = (),
+        resources: Sequence[Resources] | None = None,
     ):
-        """The options are :class:`~runtime.zmq.driver.ZmqExecutor`'s, with its defaults."""
+        """The options are :class:`~runtime.zmq.driver.ZmqExecutor`'s, with its defaults.
+        ``resources`` (one per controller; :func:`runtime.zmq.options.plan_resources`) set each
+        spawned controller's GPUs and thread count in its environment; SETUP applies them
+        (and, for a group started without them, the executor's) in any case."""
         self.controllers = [ControllerProc(c, []) for c in range(count)]
         self.heartbeat_timeout_s, self.startup_timeout_s = heartbeat_timeout_s, startup_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
@@ -92,7 +97,7 @@ class ControllerGroup:
                     self.controllers, self.res, address=self.address, run_dir=self.run_dir,
                     output=controller_output, num_threads=num_threads,
                     startup_timeout_s=startup_timeout_s, max_message_bytes=max_message_bytes,
-                    keys_dir=keys_dir, preload=preload,
+                    keys_dir=keys_dir, preload=preload, resources=list(resources or ()),
                 )  # fmt: skip
         except BaseException:
             self.shutdown("start-up failed")
@@ -129,7 +134,8 @@ class ControllerGroup:
             if event is None:
                 continue
             if event.kind is m.Kind.READY:
-                self.link.by_identity[event.identity].state = m.State.READY
+                c = self.link.by_identity[event.identity]
+                c.state, c.resources = m.State.READY, event.msg.resources
             elif event.kind is m.Kind.ERROR:
                 raise error_from(event.msg, self.controllers)
         self.link.started = True

@@ -19,9 +19,10 @@ Conversation (driver D, controllers C0..Cn-1)::
     D -> C  SETUP(plan, peers, knobs)                               once all HELLOs are in
     C -> D  READY(nodes) (work link)  |  ERROR(...)                 nodes built (or not)
     D -> C  RUN(until)                                              steps < until may run
+    D -> C  RESOURCES(resources)                                    new cores/threads (adaptive)
     C -> C  DATA(step, src, port) + value                           the data plane, never via D
     C -> C  RELEASE(segment)                                        a shared-memory slot is free again
-    C -> D  STEP_DONE(step, node_seconds) + graph outputs           per controller per step
+    C -> D  STEP_DONE(step, node_seconds[, resources]) + outputs    per controller per step
     C -> D  ERROR(node, step, message, traceback)                   a node raised or timed out
     C -> D  WARN(node, step, message)                               a node runs far past its usual time
     C <-> D HEARTBEAT                                               both ways, every interval
@@ -47,6 +48,8 @@ from typing import Any
 
 import msgspec
 
+from runtime.sched.devices import Resources
+
 __all__ = [
     "PROTOCOL_VERSION",
     "Data",
@@ -60,6 +63,7 @@ __all__ = [
     "Refused",
     "Release",
     "Run",
+    "SetResources",
     "Setup",
     "Shutdown",
     "State",
@@ -75,7 +79,7 @@ __all__ = [
     "hello_protocol",
 ]
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped on any change to the messages below other than an appended field with a default.
 2: STATE_* messages (checkpoints of a ZeroMQ run), Data.epoch, node timeouts.
 3: the work link: HELLO announces a second DEALER (``work_identity``) that receives RUN and
@@ -84,7 +88,9 @@ the kind byte and the header share one frame (``head``). A protocol-2 HELLO (kin
 in two frames) is still read, so that such a peer is refused with the reason.
 4: streamed outputs: DATA carries ``piece``, ``rows``, ``end`` and ``size`` (a protocol-3 peer
 would take a piece for the whole value).
-5: WARN (a node call far past its usual time, with its stack; the run goes on)."""
+5: WARN (a node call far past its usual time, with its stack; the run goes on).
+6: each controller's Resources: SETUP says them (``num_threads`` -1: its threads come from
+them), RESOURCES changes them between node calls, READY and STEP_DONE report what is applied."""
 
 MAX_HEADER_BYTES = 16 << 20
 """A header frame (the Struct, not the value frames) larger than this is refused undecoded."""
@@ -110,6 +116,7 @@ class Kind(enum.IntEnum):
     STATE_LOAD = 15
     STATE_LOADED = 16
     WARN = 17
+    RESOURCES = 18
 
     @property
     def frame(self) -> bytes:
@@ -175,10 +182,13 @@ class Setup(_Msg):
     peers: list[str] = []
     """Data address of every controller, by index."""
     max_staleness: int = 0
+    staleness: str = "fixed"
+    """How a delayed edge reads within max_staleness: "fixed" or "bound" (runtime.engine.delayed)."""
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 5.0
-    num_threads: int = 1
-    """torch.set_num_threads in the controller; 0 leaves torch's default."""
+    num_threads: int = -1
+    """torch.set_num_threads in the controller, fixed for the run; 0 leaves torch's default;
+    -1: the ``threads`` of ``resources`` (which RESOURCES may change)."""
     shm_threshold: int = 0
     """Tensors of at least this many bytes go through shared memory; 0 turns it off."""
     run_id: str = ""
@@ -198,20 +208,33 @@ class Setup(_Msg):
     -1: ``$YATT_CPU_SLOTS`` or the usable cores."""
     check_finite: bool = False
     """Stop at a node whose float tensor output holds NaN/inf (runtime.engine.calls)."""
+    replicas: dict[str, int] = {}
+    """Copies per node, over each node's ``BatchPolicy.replicas`` (runtime.sched.replicas)."""
     hang_warning_s: float = 0.0
     """Warn (WARN, with the stack) when a call without a time limit runs this long; 0: when it
     runs past ``max(60 s, 10 x`` the node's longest earlier call), or 300 s for a first call."""
+    resources: Resources | None = None
+    """The cores, threads and GPUs it computes on (runtime.sched.devices); None: every core of
+    its host, one thread per core (a controller on another host)."""
 
 
 class Ready(_Msg):
     controller: int
     nodes: list[str] = []
+    resources: Resources | None = None
+    """What the controller applied: the cores it may run on, torch's threads, its GPUs."""
 
 
 class Run(_Msg):
     """Driver -> controller: steps ``< until`` may run (nodes start as their inputs arrive)."""
 
     until: int
+
+
+class SetResources(_Msg):
+    """Driver -> controller (work link): compute on these from the next node call on."""
+
+    resources: Resources
 
 
 class Data(_Msg):
@@ -247,6 +270,10 @@ class StepDone(_Msg):
     node_seconds: dict[str, float] = {}
     node_start: dict[str, float] = {}
     """``time.time()`` at each node's call start (comparable across processes on one host)."""
+    resources: Resources | None = None
+    """Set in the first STEP_DONE after a RESOURCES: what the controller applied."""
+    staleness: dict[str, int | None] = {}
+    """Versions old of each delayed-edge read here, by "dst.port" (``StepResult.staleness``)."""
 
 
 class Error(_Msg):
@@ -259,7 +286,8 @@ class Error(_Msg):
     traceback: str = ""
     during: str = "step"
     """``setup`` (building nodes), ``step`` (a node call), ``send`` (encoding), ``io``,
-    ``timeout`` (a node call ran past its limit), ``state`` (state_dict/load_state_dict)."""
+    ``timeout`` (a node call ran past its limit), ``state`` (state_dict/load_state_dict),
+    ``replica`` (a replica process of the node died: a process fault, restartable)."""
     seconds: float = 0.0
     """With ``timeout``: how long the call had been running."""
     limit_s: float = 0.0
@@ -340,6 +368,7 @@ _TYPES: dict[Kind, type[_Msg]] = {
     Kind.STATE_LOAD: StateLoad,
     Kind.STATE_LOADED: StateLoaded,
     Kind.WARN: Warn,
+    Kind.RESOURCES: SetResources,
 }
 _KIND_OF = {cls: kind for kind, cls in _TYPES.items()}
 _encoder = msgspec.msgpack.Encoder()

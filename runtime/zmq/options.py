@@ -4,17 +4,19 @@ graph: written by the driver (:func:`setup_fields`), read by each controller
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
 from runtime.engine.local import check_staleness
+from runtime.sched.affinity import start_cores
+from runtime.sched.devices import Resources, assign_resources, visible_gpus
 from runtime.zmq import messages as m
 from runtime.zmq.keys import check_address
 from yatt_graph import Plan
 
-__all__ = ["check_options", "nodes_from_setup", "setup_fields"]
+__all__ = ["check_options", "nodes_from_setup", "plan_resources", "setup_fields"]
 
 
 def check_options(
@@ -49,6 +51,48 @@ def check_options(
             f"ZmqExecutor: spin_s must be between 0 and 1 second, got {spin_s!r} "
             "(0.001 is the default; 0 never spins)"
         )
+
+
+def plan_resources(
+    controllers: int, *, spawn: bool, placement: str, max_staleness: int, device: str,
+    resources: Sequence[Resources] | None,
+) -> list[Resources]:  # fmt: skip
+    """Each controller's Resources at the start of a run (:func:`assign_resources` over this
+    host's cores and GPUs), or ``resources`` as given (checked). Controllers that join from
+    elsewhere (``spawn=False``) get every core of their own host and the GPUs they see."""
+    if resources is not None:
+        resources = list(resources)
+        if len(resources) != controllers or not all(isinstance(r, Resources) for r in resources):
+            raise ValueError(
+                f"ZmqExecutor: resources must be {controllers} Resources, one per controller, "
+                f"got {resources!r}"
+            )
+        here = set(start_cores())
+        for c, r in enumerate(resources):
+            if not set(r.cores) <= here or r.threads < 0:
+                raise ValueError(
+                    f"ZmqExecutor: resources[{c}] ({r.describe()}) names cores outside this "
+                    f"process's {sorted(here)} or a negative thread count"
+                )
+        return resources
+    if placement not in ("colocated", "partial"):
+        raise ValueError(
+            f"ZmqExecutor: placement must be 'colocated' or 'partial', got {placement!r}"
+        )
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"ZmqExecutor: device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    gpus = visible_gpus() if device != "cpu" else 0
+    if device == "cuda" and gpus < 1:
+        raise RuntimeError(
+            "ZmqExecutor(device='cuda'): no CUDA device is visible to the driver; use "
+            "--device cpu (or auto: CUDA where present)"
+        )
+    if not spawn:
+        return [Resources()] * controllers
+    return assign_resources(
+        controllers, cores=start_cores(), placement=placement, max_staleness=max_staleness,
+        device=device, gpus=gpus,
+    )  # fmt: skip
 
 
 def setup_fields(

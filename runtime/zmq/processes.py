@@ -17,12 +17,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import zmq
 
 from runtime.pids import pid_alive
+from runtime.sched.affinity import child_env
+from runtime.sched.devices import Resources
 from runtime.zmq import messages as m
 from runtime.zmq.transport import remove_run_segments
 
@@ -51,6 +53,8 @@ class ControllerProc:
         self.pid = 0
         self.state = m.State.STARTING
         self.last_beat: m.Heartbeat | None = None
+        self.resources: Resources | None = None
+        """What it reported it computes on (READY, then STEP_DONE after each change)."""
 
     def doing(self) -> str:
         """What its last heartbeat said it was running, for error messages."""
@@ -171,12 +175,15 @@ def spawn_controllers(
     max_message_bytes: int,
     keys_dir: str | None,
     preload: tuple[str, ...] = (),
+    resources: Sequence[Resources | None] = (),
 ) -> None:
     """Start ``python -m runtime.zmq.controller_main`` for each controller (plain subprocesses: no fork
     of a process that has torch loaded), with Ctrl-C ignored in them (the driver stops them).
 
     ``output="capture"`` writes each one's output to ``run_dir/controller-N.log``; ``res``
-    keeps the processes, so they are stopped at close whatever happens.
+    keeps the processes, so they are stopped at close whatever happens. ``resources[c]``
+    (when given) sets controller c's ``CUDA_VISIBLE_DEVICES`` and ``OMP_NUM_THREADS``, so its
+    first CUDA call and first thread pool already see its own share.
     """
     from yatt_graph.refs import import_roots
 
@@ -206,9 +213,14 @@ def spawn_controllers(
                 c.log_path = os.path.join(run_dir, f"controller-{c.index}.log")
                 out = open(c.log_path, "wb")  # noqa: SIM115 - the child holds it
             try:
+                share = resources[c.index] if c.index < len(resources) else None
+                own = dict(child_env(env, share))
+                threads = share.threads or len(share.cores) if share is not None else 0
+                if threads and num_threads <= 0:
+                    own.setdefault("OMP_NUM_THREADS", str(threads))
                 c.popen = subprocess.Popen(
                     cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT if out else None,
-                    env=env, cwd=os.getcwd(),
+                    env=own, cwd=os.getcwd(),
                 )  # fmt: skip
             finally:
                 if out is not None:

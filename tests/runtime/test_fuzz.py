@@ -10,6 +10,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from runtime.sched.devices import Resources
 from runtime.zmq import messages as m
 from runtime.zmq.transport import split
 
@@ -33,6 +34,8 @@ _SAMPLES = [
     m.StateReply(1, 4),
     m.StateLoad(4, 2),
     m.StateLoaded(1, 4),
+    m.SetResources(Resources((0, 1), 2, (0,))),
+    m.StepDone(0, 5, resources=Resources((1,), 1)),
 ]
 
 
