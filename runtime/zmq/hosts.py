@@ -104,9 +104,6 @@ class HostShare:
             self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: self.terminate())
         paths = [p or os.getcwd() for p in sys.path] + import_roots()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
-        env.setdefault(
-            "OMP_NUM_THREADS", "1"
-        )  # as controllers the driver spawns (their SETUP sets torch's)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         try:
             for index in self.indices:
