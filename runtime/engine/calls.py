@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -22,7 +23,19 @@ import torch
 from yatt_graph import NodeExecutionError
 from yatt_graph.stream import Piece
 
-__all__ = ["StepResult", "describe", "first_non_finite", "run_node", "stream_node"]
+__all__ = ["Running", "StepResult", "describe", "first_non_finite", "run_node", "stream_node"]
+
+
+@dataclass(frozen=True)
+class Running:
+    """The node call in progress, read by a watchdog thread for timeouts and heartbeats."""
+
+    node: str
+    step: int
+    started: float
+    """``time.monotonic()`` at the start of the call."""
+    limit_s: float
+    """Its time limit; 0: none."""
 
 
 class StepResult(msgspec.Struct):

@@ -13,9 +13,9 @@ graph's topological order.
 
 Values reach the engine from its own nodes (handed on directly when a call ends) or from
 another process (:meth:`deliver`, :meth:`deliver_piece`, :meth:`end_stream`); what must leave
-goes to the ``outbox`` (the controller's sockets). Streamed outputs (:mod:`runtime.engine.streams`)
-feed their consumers here piece by piece, by the same rule in every process, so a ZeroMQ run
-equals the in-process one. :meth:`finished` gives each step once every node here has run it;
+goes to the ``outbox`` (the controller's sockets). Streamed outputs feed their consumers here
+piece by piece (:mod:`runtime.engine.stream_steps`, by the rule of :mod:`runtime.engine.streams`),
+the same in every process, so a ZeroMQ run equals the in-process one. :meth:`finished` gives each step once every node here has run it;
 :meth:`state` and :meth:`restore` move its state between steps, for checkpoints.
 
 :class:`LocalExecutor <runtime.engine.local.LocalExecutor>` is this engine plus a loop; a
@@ -27,15 +27,15 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from runtime.engine.calls import StepResult, run_node, stream_node
+from runtime.engine.calls import Running, StepResult, run_node
 from runtime.engine.delayed import DelayedValues
 from runtime.engine.rng import rng_state, set_rng_state
-from runtime.engine.streams import StreamBook, call_piece, per_piece
+from runtime.engine.stream_steps import StreamSteps, _Consumer
+from runtime.engine.streams import StreamBook
 from yatt_graph import NodeExecutionError
-from yatt_graph.stream import Piece, join_pieces
+from yatt_graph.stream import Piece
 
 __all__ = ["Outbox", "Running", "StateNotReady", "StepEngine"]
 
@@ -52,43 +52,11 @@ class Outbox(Protocol):
     def end(self, step: int, src: str, port: str, count: int, dests: list[int]) -> None: ...
 
 
-@dataclass(frozen=True)
-class Running:
-    """The node call in progress, read by a watchdog thread for timeouts and heartbeats."""
-
-    node: str
-    step: int
-    started: float
-    """``time.monotonic()`` at the start of the call."""
-    limit_s: float
-    """Its time limit; 0: none."""
-
-
 class StateNotReady(Exception):
     """:meth:`StepEngine.state` was asked before the step before it finished here."""
 
 
-@dataclass
-class _Consumer:
-    """A node fed per piece of a stream at one step: what it has taken so far."""
-
-    src: str
-    ports: dict[str, str]
-    """Its input port -> the producer's output port."""
-    inputs: dict[str, Any]
-    """Its other inputs."""
-    next: int = 0
-    seen: set[int] = field(default_factory=set)
-    pieces: list[Piece] = field(default_factory=list)
-    seconds: float = 0.0
-    start: float = 0.0
-
-    @property
-    def src_ports(self) -> set[str]:
-        return set(self.ports.values())
-
-
-class StepEngine:
+class StepEngine(StreamSteps):
     """The nodes of one process and the state of the steps they run (see the module docstring).
 
     Args:
@@ -225,33 +193,6 @@ class StepEngine:
         """The oldest producing step of ``src.port`` that a reader here may still read."""
         return min(self.next_step[e.dst] for e in self.delayed_keys[(src, port)]) - self.lag
 
-    def deliver_piece(self, step: int, src: str, port: str, index: int, piece: Piece) -> list[str]:
-        """Piece ``index`` of another process's streamed output; returns why it was dropped."""
-        if not self.remote_in.get((src, port)):
-            return [f"data for {src}.{port}, which no node here reads"]
-        if not self.book.add(step, src, port, index, piece.rows, piece.outputs[port], piece.size):
-            return [f"piece {index} of {src}.{port} at step {step}: a second copy"]
-        return self._join_for_delayed(step, src, port)
-
-    def end_stream(self, step: int, src: str, port: str, count: int) -> list[str]:
-        """The end of another process's streamed output: ``count`` pieces in all."""
-        if not self.remote_in.get((src, port)):
-            return [f"data for {src}.{port}, which no node here reads"]
-        self.book.end(step, src, port, count)
-        return self._join_for_delayed(step, src, port)
-
-    def _join_for_delayed(self, step: int, src: str, port: str) -> list[str]:
-        """Readers here on a delayed edge get the joined value once the stream is complete."""
-        dropped = []
-        done = (step, src, port) in self._delayed_joined
-        complete = self.book.count(step, src, {port}) is not None
-        if (src, port) in self.delayed_keys and not done and complete:
-            self._delayed_joined.add((step, src, port))
-            dropped = self._keep_delayed(src, port, step, self.book.joined(step, src, port))
-        if self.book:
-            self._prune_streams()
-        return dropped
-
     # --- running ------------------------------------------------------------------------------
     def _ready(self, name: str) -> bool:
         step = self.next_step[name]
@@ -348,110 +289,6 @@ class StepEngine:
                 dict.fromkeys(seconds, self.here),
                 self.staleness.pop(step, {}),
             )
-
-    # --- streams ------------------------------------------------------------------------------
-    def _stream_ready(self, name: str, step: int) -> bool:
-        """Whether ``name`` can take a piece (or finish) of the streams it reads, or, when it
-        runs whole, whether those streams are complete (then joined into its inputs)."""
-        c = self.consumers.get((step, name))
-        if c is None:
-            have = self.pending.get((step, name), {})
-            sources = set()
-            for e in self.in_edges[name]:  # delayed inputs: _ready saw they can be read
-                if e.delay or e.dst_port in have:
-                    continue
-                if not self.book.has(step, e.src):
-                    return False  # an input that is not streamed has not arrived yet
-                sources.add(e.src)
-            edges = [e for e in self.in_edges[name] if not e.delay and e.src in sources]
-            ports = {e.dst_port: e.src_port for e in edges}
-            inputs = {e.dst_port: have.get(e.dst_port) for e in self.in_edges[name] if not e.delay}
-            source = next(iter(sources)) if len(sources) == 1 else None
-            size = self.book.size(step, source) if source is not None else None
-            if source is not None:  # read now: a run whole reads them again when it starts
-                inputs.update(self._read_delayed(name, step))
-            if source is not None and per_piece(self.nodes[name], ports, inputs, size):
-                self.pending.pop((step, name), None)
-                for port in ports:
-                    inputs.pop(port)
-                c = self.consumers[(step, name)] = _Consumer(source, ports, inputs)
-            else:
-                for src in sources:
-                    src_ports = {e.src_port for e in edges if e.src == src}
-                    if self.book.count(step, src, src_ports) is None:
-                        return False
-                slot = self.pending.setdefault((step, name), {})
-                for e in edges:
-                    slot[e.dst_port] = self.book.joined(step, e.src, e.src_port)
-                return True
-        if self.book.count(step, c.src, c.src_ports) == c.next:
-            return True  # every piece taken: the consumer's outputs can be joined
-        return self.book.piece(step, c.src, c.next, c.src_ports) is not None
-
-    def _run_stream(self, name: str, step: int, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Run a streaming node: each piece to the readers here and to the processes that
-        read it, as it comes; returns the joined outputs."""
-        pieces = []
-        here = {
-            port
-            for (src, port), edges in self.local_out.items()
-            if src == name and any(not e.delay for e in edges)
-        }
-        node = self.nodes[name]
-        for i, piece in enumerate(stream_node(node, inputs, step, self.here, self.check_finite)):
-            pieces.append(piece)
-            for port, value in piece.outputs.items():
-                if port in here:
-                    self.book.add(step, name, port, i, piece.rows, value, piece.size)
-                dests = self.remote_out.get((name, port))
-                if dests and self.outbox is not None:
-                    self.outbox.piece(step, name, port, i, piece, dests)
-        for port in node.outputs:
-            if port in here:
-                self.book.end(step, name, port, len(pieces))
-            dests = self.remote_out.get((name, port))
-            if dests and self.outbox is not None:
-                self.outbox.end(step, name, port, len(pieces), dests)
-        return join_pieces(pieces, name)
-
-    def _run_piece(self, name: str, step: int, c: _Consumer) -> None:
-        """The next piece of a per-piece consumer, or, all taken, its joined outputs."""
-        if self.book.count(step, c.src, c.src_ports) == c.next:
-            del self.consumers[(step, name)]
-            self.seconds[step][name] = c.seconds
-            self.starts[step][name] = c.start
-            self._finish(name, step, join_pieces(c.pieces, name))
-            return
-        piece = self.book.piece(step, c.src, c.next, c.src_ports)
-        assert piece is not None  # _stream_ready said so
-        node = self.nodes[name]
-
-        def call(inputs: dict[str, Any]) -> dict[str, Any]:
-            return run_node(node, inputs, step, self.here, self.splitter, self.check_finite)
-
-        if not c.pieces:
-            c.start = time.time()
-        t0 = time.perf_counter()
-        self.running = Running(name, step, time.monotonic(), self.limits[name])
-        try:
-            c.pieces.append(
-                call_piece(call, node, c.inputs, c.ports, piece, c.next, c.seen, step, self.here)
-            )
-        finally:
-            self.running = None
-        c.seconds += time.perf_counter() - t0
-        c.next += 1
-
-    def _prune_streams(self) -> None:
-        """Forget the streams that every reader here is done with."""
-        for step, src in self.book.streams():
-            readers = self.readers.get(src, ())
-            if (
-                all(self.next_step[r] > step for r in readers)
-                and self.book.count(step, src, self.book.ports(step, src)) is not None
-            ):
-                self.book.discard(step, src)
-                self._delayed_joined = {k for k in self._delayed_joined if k[:2] != (step, src)}
 
     # --- state, between steps -----------------------------------------------------------------
     def _delayed_slots(self, step: int) -> list[tuple[str, str, int]]:
