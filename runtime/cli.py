@@ -189,17 +189,28 @@ def _executor_factory(
     args: argparse.Namespace, graph: Any, options: dict, devices: Any, distributed: bool
 ) -> Any:
     from runtime.engine.local import LocalExecutor
+    from runtime.sched.replicas import replica_counts
     from runtime.train.faults import Accounting
+
+    try:  # --replicas naming a node that is not there, or one that cannot be copied
+        replica_counts(graph.nodes, args.replica_counts)
+    except ValueError as exc:
+        raise UsageError(f"--replicas: {exc}") from None
 
     def make_executor() -> Any:
         check_finite = not args.no_check_finite
         if not distributed:
+            from runtime.zmq.replicas import spawn_replica  # replica processes, when asked for
+
             return Accounting(
                 LocalExecutor(
                     graph,
                     devices=devices,
                     max_staleness=args.max_staleness,
+                    staleness=args.staleness,
                     check_finite=check_finite,
+                    replicas=args.replica_counts,
+                    replica_factory=spawn_replica,
                 )
             )
         from runtime.sched.placement import controller_assignment
@@ -230,6 +241,11 @@ def _executor_factory(
                 max_message_bytes=int(args.max_message_mb * (1 << 20)),
                 devices=devices,
                 check_finite=check_finite,
+                replicas=args.replica_counts,
+                staleness=args.staleness,
+                placement=args.placement,
+                device=options.get("device") or "auto",
+                adaptive=not args.no_adaptive,
                 group=vars(args).pop("early_group", None),  # the first run's, started early
             )
         )

@@ -73,7 +73,22 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="K",
-        help="async mode: sources may run K steps ahead of the update (0: on-policy)",
+        help="async mode: a rollout may use weights at most K versions old, so sources run "
+        "up to K steps ahead of the update (0: on-policy)",
+    )
+    p.add_argument(
+        "--staleness",
+        choices=("bound", "fixed"),
+        default="bound",
+        help="with --max-staleness K: bound (default) reads the newest weights at most K "
+        "versions old; fixed always reads the ones exactly K+1 steps back (reproducible "
+        "whatever the timing)",
+    )
+    p.add_argument(
+        "--no-adaptive",
+        action="store_true",
+        help="keep each controller's starting cores; by default the driver moves cores between "
+        "controllers between steps, toward the busiest (sched/* metrics)",
     )
     p.add_argument(
         "--listen",

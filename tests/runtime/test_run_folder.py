@@ -355,13 +355,29 @@ def test_ctrl_c_in_process_is_one_line_with_exit_130_and_the_metrics_kept(tmp_pa
 # --- 8, 9: --max-staleness in-process, check_finite ------------------------------------------
 @pytest.mark.timeout(120)
 def test_max_staleness_in_process_equals_the_two_controller_run(tmp_path):
-    flags = ["--seed", "4", "--steps", "6", "--max-staleness", "1"]
+    flags = ["--seed", "4", "--steps", "6", "--max-staleness", "1", "--staleness", "fixed"]
     assert run(*flags, "--out", str(tmp_path / "local")) == 0
     assert run(*flags, "--out", str(tmp_path / "zmq"), "--controllers", "2") == 0
     assert run("--seed", "4", "--steps", "6", "--out", str(tmp_path / "on_policy")) == 0
     local = learning(read_metrics(tmp_path / "local"))
     assert local == learning(read_metrics(tmp_path / "zmq"))
     assert local != learning(read_metrics(tmp_path / "on_policy"))  # the flag reached it
+
+
+@pytest.mark.timeout(120)
+def test_max_staleness_is_a_bound_by_default(tmp_path):
+    flags = ["--seed", "4", "--steps", "6", "--max-staleness", "1"]
+    assert run(*flags, "--out", str(tmp_path / "local")) == 0
+    assert run(*flags, "--out", str(tmp_path / "zmq"), "--controllers", "2") == 0
+    assert run("--seed", "4", "--steps", "6", "--out", str(tmp_path / "on_policy")) == 0
+    # one process, one step at a time: the newest weights are always the last step's
+    local = read_metrics(tmp_path / "local")
+    assert learning(local) == learning(read_metrics(tmp_path / "on_policy"))
+    for rows in (local, read_metrics(tmp_path / "zmq")):
+        ages = [r["staleness/rollout.weights"] for r in rows]
+        # step 0 has nothing to read, step 1 what there is (step 0's or still nothing), later
+        # steps a value at most K=1 versions old
+        assert ages[0] == -1 and ages[1] in (-1, 0) and all(0 <= a <= 1 for a in ages[2:]), ages
 
 
 NAN_GRAPH = """
