@@ -92,7 +92,10 @@ def test_run_on_three_controllers_matches_the_in_process_run(tmp_path, capsys):
     [
         # Checkpoints and --resume work with --controllers (tests/runtime/test_faults.py); a
         # restart needs controllers to restart and a folder for the checkpoints.
-        (["--restart", "on-failure", "--out", "x"], "--restart on-failure restarts controller or replica processes"),
+        (
+            ["--restart", "on-failure", "--out", "x"],
+            "--restart on-failure restarts controller or replica processes",
+        ),
         (["--controllers", "2", "--restart", "on-failure"], "needs --out DIR"),
         (["--node-timeout", "5"], "apply to controller processes"),
         (["--on-bad-sample", "skip"], "takes no on_bad_sample option"),
