@@ -16,6 +16,7 @@ import pytest
 import torch
 from zmq_graphs import assert_gone
 
+from runtime.engine.local import LocalExecutor
 from runtime.sched import affinity
 from runtime.sched.affinity import DRIVER_CUDA_ENV, child_env, set_process_affinity
 from runtime.sched.devices import (
@@ -226,3 +227,26 @@ def test_each_controller_starts_with_its_gpus_in_its_environment(monkeypatch):
         ex.step()
     finally:
         ex.close()
+
+
+@pytest.mark.timeout(300)
+def test_the_default_two_controller_run_equals_in_process_at_the_same_thread_count():
+    # Colocated and on-policy, each controller computes on every core with one thread per
+    # core, as an in-process run does with torch's threads set to the core count, so float
+    # reductions split alike and the metrics agree bitwise. (Thread counts change the last
+    # bits: 1 vs 2 threads differ in the losses. So adaptive is off here: a re-balance would
+    # change a controller's threads part-way.)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(CORES))
+    try:
+        expected = LocalExecutor(load_graph("graphs.mm_ppo", batch_size=8)).run(6)
+    finally:
+        torch.set_num_threads(threads)
+    with ZmqExecutor(load_graph("graphs.mm_ppo", batch_size=8).plan(2), adaptive=False) as ex:
+        got = ex.run(6)
+        assert [r.threads for r in ex.resources] == [len(CORES)] * 2
+    for want, have in zip(expected, got, strict=True):
+        assert want.outputs.keys() == have.outputs.keys()
+        assert torch.equal(want.outputs["scores"], have.outputs["scores"])
+        assert want.outputs["metrics"] == have.outputs["metrics"], want.step
+        assert want.outputs["metrics"]["loss"] == have.outputs["metrics"]["loss"]
