@@ -201,7 +201,15 @@ def test_a_run_with_rollout_replicas_is_the_same_in_process_and_on_controllers(t
     from runtime.cli import main
 
     local, zmq_run = tmp_path / "local", tmp_path / "zmq"
-    assert main([*GRPO, "--steps", "3", "--replicas", "rollout=2", "--out", str(local)]) == 0
+    # The same thread count on both sides: colocated on-policy controllers compute on every
+    # core, one thread each (thread counts change the last bits; adaptive is off so that no
+    # re-balance changes them part-way).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    try:
+        assert main([*GRPO, "--steps", "3", "--replicas", "rollout=2", "--out", str(local)]) == 0
+    finally:
+        torch.set_num_threads(threads)
     flags = [
         "--controllers",
         "2",
