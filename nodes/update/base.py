@@ -20,12 +20,13 @@ from nodes.rl.losses import (
 from nodes.rl.masked import _check_finite
 from nodes.rollout import _step_seed
 from nodes.shared_models import Sharing, check_share_key, fingerprint
-from nodes.sync import WeightUpdate
+from nodes.update.ranked import NonFiniteError, _Ranked
+from nodes.update.shares import Micro, View, plan_micro_batches
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built
 
-__all__: list[str] = []  # private: the updates are public in nodes.update
+__all__ = ["NonFiniteError"]  # the updates themselves are public in nodes.update
 
 log = logging.getLogger(__name__)
 
@@ -48,19 +49,6 @@ class _NonFinite(Exception):
     """Raised inside a step when a model output, the loss or a gradient is not finite."""
 
 
-def _snapshot(module: nn.Module) -> dict[str, Tensor]:
-    """A CPU copy of the state dict, so later optimizer steps cannot change it."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
-
-
-def _weights(module: nn.Module, shared: bool) -> dict[str, Tensor]:
-    """What an update publishes: a snapshot, or, when the module is shared with its consumers
-    in this process (on-policy only), its live tensors (they skip loading their own storage)."""
-    if shared:
-        return {k: v.detach() for k, v in module.state_dict().items()}
-    return _snapshot(module)
-
-
 def _item(x: Tensor) -> float:
     return float(x.detach())
 
@@ -70,8 +58,9 @@ def _require_finite(what: str, x: Tensor, real: Tensor) -> None:
         raise _NonFinite(what)
 
 
-class _Update(Sharing, Node):
-    """What PPO and GRPO updates share: input checks, micro-batches, the guarded step, weights."""
+class _Update(_Ranked, Sharing, Node):
+    """What PPO and GRPO updates share: input checks, micro-batches, the guarded step, weights,
+    and the rank group (``ranks > 1``: :mod:`nodes.update.ranks`)."""
 
     kind = "update"
     _metric_keys: tuple[str, ...] = ()
@@ -99,7 +88,12 @@ class _Update(Sharing, Node):
         device: str,
         on_nonfinite: str,
         share: str | None = None,
+        ranks: int = 1,
+        train_backend: str = "fsdp",
+        rank_timeout_s: float = 300.0,
     ) -> None:
+        from nodes.update.sharding import BACKENDS
+
         where = f"node {self.name!r}"
         checks = [
             (lr > 0, f"lr={lr}; it must be > 0"),
@@ -122,6 +116,15 @@ class _Update(Sharing, Node):
                 on_nonfinite in ("skip", "error"),
                 f"on_nonfinite={on_nonfinite!r}; choose 'skip' or 'error'",
             ),
+            (
+                isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 1,
+                f"ranks={ranks!r}; it must be an int >= 1 (the processes that train together)",
+            ),
+            (
+                train_backend in BACKENDS,
+                f"train_backend={train_backend!r}; choose one of {', '.join(BACKENDS)}",
+            ),
+            (rank_timeout_s > 0, f"rank_timeout_s={rank_timeout_s}; it must be > 0"),
         ]
         for ok, why in checks:
             if not ok:
@@ -142,15 +145,26 @@ class _Update(Sharing, Node):
         self.policy_spec = policy
         self.share = check_share_key(share, where)
         self.weight_decay = float(weight_decay)
+        self.ranks = int(ranks)
+        self.train_backend = train_backend
+        self.rank_timeout_s = float(rank_timeout_s)
         self.version = 0
         self.updates = 0
 
     def build(self) -> None:
-        self.policy = self._acquire(
-            self.share,
-            fingerprint("policy", self.policy_spec, self.device),
-            lambda: build_policy(self.policy_spec).to(self.device),
-        ).eval()
+        if self.ranks > 1:
+            self._start_ranks()
+            policy = build_policy(self.policy_spec).to(self.device).eval()
+            self._ranks.join()
+            self.policy = policy
+            self._policy_logits = self._shard(policy, "forward_response", lambda out: out.logits)
+        else:
+            self.policy = self._acquire(
+                self.share,
+                fingerprint("policy", self.policy_spec, self.device),
+                lambda: build_policy(self.policy_spec).to(self.device),
+            ).eval()
+            self._policy_logits = lambda *args: self.policy.forward_response(*args).logits
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=self.lr, weight_decay=self.weight_decay
         )
@@ -210,27 +224,38 @@ class _Update(Sharing, Node):
             group = B // N
         return out, real, group
 
+    def _checked_view(self, inputs: Mapping[str, Any]) -> View:
+        """The call's inputs, checked, as the whole batch's :class:`View`."""
+        image_embeds, images = inputs.get("image_embeds"), inputs.get("images")
+        tensors = {k: v for k, v in inputs.items() if k not in ("image_embeds", "images")}
+        t, real, group = self._check_inputs(tensors, image_embeds, images)
+        return View(t, real, image_embeds, images, group)
+
     def _slices(self, B: int, group: int) -> list[slice]:
         """Micro-batch row ranges; with per-prompt image rows they hold whole groups."""
         size = self.micro_batch_size or B
         size = -(-size // group) * group  # round up to a multiple of the group
-        return [slice(i, min(i + size, B)) for i in range(0, B, size)]
+        return [slice(i, min(i + size, B)) for i in range(0, B, max(size, 1))]
 
-    def _prompt_batch(
-        self,
-        policy: Policy,
-        t: dict[str, Tensor],
-        rows: slice,
-        group: int,
-        image_embeds: Tensor | None,
-        images: Any,
-    ) -> PromptBatch:
+    def _micro_batches(self, full: View) -> tuple[list[Micro], Micro | None]:
+        """This rank's micro-batches (the whole batch's, alone) and the group's filler."""
+        rank, world = (0, 1) if self._ranks is None else (self._ranks.rank, self._ranks.world)
+        return plan_micro_batches(full, lambda b: self._slices(b, full.group), rank, world)
+
+    def _prompt_batch(self, policy: Policy, view: View, rows: slice) -> PromptBatch:
         """The policy's batch for rows ``rows`` (image inputs repeated as reference.py does)."""
+        group = view.group
         prompts = slice(rows.start // group, rows.stop // group)  # rows of the image inputs
-        embeds = None if image_embeds is None else image_embeds[prompts].to(self.device)
-        imgs = None if images is None else list(images[prompts])
+        embeds = None if view.image_embeds is None else view.image_embeds[prompts]
+        imgs = None if view.images is None else list(view.images[prompts])
+        t = view.t
         return _prompt_batch(
-            self, policy, t["prompt_ids"][rows], t["prompt_mask"][rows], embeds, imgs
+            self,
+            policy,
+            t["prompt_ids"][rows],
+            t["prompt_mask"][rows],
+            None if embeds is None else embeds.to(self.device),
+            imgs,
         )
 
     # --- model terms ---------------------------------------------------------------------
@@ -238,7 +263,7 @@ class _Update(Sharing, Node):
         self, batch: PromptBatch, ids: Tensor, mask: Tensor, real: Tensor
     ) -> tuple[Tensor, Tensor]:
         """Teacher-forced logprobs of ``logits / T`` and per-token entropy, both float[b, R]."""
-        logits = self.policy.forward_response(batch, ids, mask).logits  # (b, R, V)
+        logits = self._policy_logits(batch, ids, mask)  # (b, R, V)
         if self.temperature != 1.0:
             logits = logits / self.temperature  # (b, R, V)
         logprobs = logprobs_from_logits(logits, ids, mask).float()  # (b, R)
@@ -255,13 +280,19 @@ class _Update(Sharing, Node):
         for _, _, _, opt in self._trained:
             opt.zero_grad(set_to_none=True)
 
+    def _stat_keys(self) -> list[str]:
+        """The per-micro-batch stats, in a fixed order (what a group all-reduces)."""
+        keys = [k for k in self._metric_keys if not k.endswith("grad_norm")]
+        return keys + (["kl_ref"] if self.kl_coef > 0 else [])
+
     def _train(
         self,
-        slices: list[slice],
-        micro_loss: Callable[[slice], tuple[Tensor, dict[str, float]] | None],
+        full: View,
+        micro_loss: Callable[[View, slice], tuple[Tensor, dict[str, float]] | None],
     ) -> dict[str, float]:
-        """Run ``epochs`` guarded steps; ``micro_loss(rows)`` returns the micro-batch's weighted
-        loss and weighted stats (None when it has no real token). Returns the metrics."""
+        """Run ``epochs`` guarded steps; ``micro_loss(view, rows)`` returns the micro-batch's
+        weighted loss and weighted stats (None when it has no real token). Returns the metrics."""
+        micros, filler = self._micro_batches(full)
         done: list[dict[str, float]] = []
         attempt: dict[str, float] = {}
         skipped = False
@@ -272,12 +303,12 @@ class _Update(Sharing, Node):
                 self._zero_grad()
                 attempt = {}
                 try:
-                    norms = self._accumulate(slices, micro_loss, attempt)
+                    norms = self._accumulate(micros, filler, micro_loss, attempt)
                 except _NonFinite as bad:
                     self._zero_grad()
                     what = f"non-finite {bad} in update {self.updates + 1}, epoch {epoch + 1}"
                     if self.on_nonfinite == "error":
-                        raise ValueError(
+                        raise NonFiniteError(
                             f"node {self.name!r}: {what}; no step was taken (on_nonfinite="
                             "'skip' skips such steps; lower lr or check the inputs)"
                         ) from None
@@ -301,21 +332,41 @@ class _Update(Sharing, Node):
 
     def _accumulate(
         self,
-        slices: list[slice],
-        micro_loss: Callable[[slice], tuple[Tensor, dict[str, float]] | None],
+        micros: list[Micro],
+        filler: Micro | None,
+        micro_loss: Callable[[View, slice], tuple[Tensor, dict[str, float]] | None],
         stats: dict[str, float],
     ) -> list[Tensor]:
-        """Backward over every micro-batch; return the finite gradient norm of each model."""
-        for rows in slices:
-            got = micro_loss(rows)
+        """Backward over every micro-batch; return the finite gradient norm of each model.
+
+        In a group every rank runs as many backward passes (fillers where it has no rows),
+        agrees on a non-finite value before any backward (one all-reduce per micro-batch),
+        and sums its stats with the others'."""
+        group = self._ranks
+        for micro in micros:
+            got, bad = None, ""
+            try:
+                got = micro_loss(micro.view, micro.rows)
+                if got is None and filler is not None:  # a backward is due all the same
+                    micro = filler
+                    got = micro_loss(micro.view, micro.rows)
+                if got is not None and not bool(torch.isfinite(got[0])):
+                    bad = "loss"
+            except _NonFinite as why:
+                bad = str(why)
+            if group is not None and group.any_flag(bool(bad)) and not bad:
+                bad = "values on another rank"
+            if bad:
+                raise _NonFinite(bad)
             if got is None:
                 continue
             loss, micro_stats = got
-            if not bool(torch.isfinite(loss)):
-                raise _NonFinite("loss")
-            loss.backward()
+            (loss if micro.grad_scale == 1.0 else loss * micro.grad_scale).backward()
             for k, v in micro_stats.items():
-                stats[k] = stats.get(k, 0.0) + v
+                stats[k] = stats.get(k, 0.0) + micro.stat_scale * v
+        if group is not None:
+            keys = self._stat_keys()
+            stats.update(zip(keys, group.all_sum([stats.get(k, 0.0) for k in keys])))
         norms = []
         for metric, who, params, _ in self._trained:
             grads = [p.grad for p in params if p.grad is not None]
@@ -324,23 +375,14 @@ class _Update(Sharing, Node):
                 if grads
                 else torch.zeros((), device=self.device)
             )  # ()
-            stats[metric] = float(norm)
+            stats[metric] = float(_full(norm))
             if not math.isfinite(stats[metric]):
                 raise _NonFinite(f"gradient of the {who} (norm {stats[metric]})")
             norms.append(norm)
         return norms
 
-    def _publish(self) -> WeightUpdate:
-        self.version += 1
-        return WeightUpdate(_weights(self.policy, self._is_shared(self.share)), self.version)
 
-    # --- state ---------------------------------------------------------------------------
-    def _load_checked(self, state: Mapping[str, Any], keys: set[str]) -> None:
-        if set(state) != keys:
-            raise ValueError(
-                f"node {self.name!r}: expected state keys {sorted(keys)}, got {sorted(state)}"
-            )
-        self.policy.load_state_dict(state["policy"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.version = int(state["version"])
-        self.updates = int(state["updates"])
+def _full(norm: Tensor) -> Tensor:
+    """A total norm as a plain tensor (FSDP's is a DTensor that still needs its reduction)."""
+    full = getattr(norm, "full_tensor", None)
+    return full() if full is not None else norm

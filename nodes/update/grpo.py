@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,7 +11,8 @@ from nodes.rl.losses import (
     aggregate_token_loss,
     grpo_loss,
 )
-from nodes.update.base import _AGGREGATIONS, _INPUTS, _item, _snapshot, _Update
+from nodes.update.base import _AGGREGATIONS, _INPUTS, _item, _Update
+from nodes.update.shares import View
 from yatt_graph import ANY, BatchPolicy, Port
 
 __all__ = ["GRPOUpdate"]
@@ -26,7 +26,8 @@ class GRPOUpdate(_Update):
     ``logprobs`` (old), ``advantages`` float32[B, R] (from GroupAdvantage), optionally
     ``ref_logprobs`` (required when ``kl_coef > 0``) and ``image_embeds`` / ``images``.
     Outputs: ``weights`` (a WeightUpdate of the policy) and ``metrics`` (loss, pg_loss, entropy,
-    clip_fraction, approx_kl, kl_ref (with kl_coef > 0), grad_norm, lr, skipped_nonfinite).
+    clip_fraction, approx_kl, kl_ref (with kl_coef > 0), grad_norm, lr, skipped_nonfinite; with
+    ``ranks > 1`` also time/weight_gather, the seconds spent gathering the published weights).
 
     Args:
         aggregation: ``"seq-mean-token-mean"`` (the paper's ``1/G sum_i 1/|o_i| sum_t``) or
@@ -34,6 +35,9 @@ class GRPOUpdate(_Update):
         kl_coef: GRPO's beta (the paper uses 0.04; 0 disables the term and the input).
         share: a share key (e.g. ``"policy"``, as on the Rollout): one policy module with the
             nodes of that key on an on-policy executor (:mod:`nodes.shared_models`).
+        ranks, train_backend, rank_timeout_s: train as an SPMD group of ``ranks`` processes
+            (:mod:`nodes.update.ranks`), sharded by ``"fsdp"`` (FSDP2) or replicated by
+            ``"ddp"``; ``rank_timeout_s`` bounds the ranks' start and each collective.
         The others are as in :class:`PPOUpdate`.
     """
 
@@ -63,6 +67,9 @@ class GRPOUpdate(_Update):
         device: str = "cpu",
         name: str | None = None,
         share: str | None = None,
+        ranks: int = 1,
+        train_backend: str = "fsdp",
+        rank_timeout_s: float = 300.0,
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
@@ -89,45 +96,25 @@ class GRPOUpdate(_Update):
             device,
             on_nonfinite,
             share,
+            ranks,
+            train_backend,
+            rank_timeout_s,
         )
 
-    def forward(
-        self,
-        prompt_ids,
-        prompt_mask,
-        response_ids,
-        response_mask,
-        logprobs,
-        advantages,
-        ref_logprobs,
-        image_embeds,
-        images,
-    ) -> dict[str, Any]:
-        t, real, group = self._check_inputs(
-            {
-                "prompt_ids": prompt_ids,
-                "prompt_mask": prompt_mask,
-                "response_ids": response_ids,
-                "response_mask": response_mask,
-                "logprobs": logprobs,
-                "advantages": advantages,
-                "ref_logprobs": ref_logprobs,
-            },
-            image_embeds,
-            images,
-        )
-        n_tokens = int(real.sum())
-        n_seqs = int(real.any(dim=1).sum())
+    def _step(self, full: View) -> dict[str, Any]:
+        n_tokens = int(full.real.sum())  # of the whole batch, also in a rank group
+        n_seqs = int(full.real.any(dim=1).sum())
         per_seq = self.aggregation == "seq-mean-token-mean"
 
-        def micro_loss(rows: slice) -> tuple[Tensor, dict[str, float]] | None:
-            r, mask, ids = real[rows], t["response_mask"][rows], t["response_ids"][rows]
+        def micro_loss(view: View, rows: slice) -> tuple[Tensor, dict[str, float]] | None:
+            t = view.t
+            r, mask, ids = view.real[rows], t["response_mask"][rows], t["response_ids"][rows]
             n = int(r.sum())
             if n == 0:
                 return None
             w_tok = n / n_tokens  # share of the batch's tokens (token-mean stats)
             w = int(r.any(dim=1).sum()) / n_seqs if per_seq else w_tok  # share of the loss
-            batch = self._prompt_batch(self.policy, t, rows, group, image_embeds, images)
+            batch = self._prompt_batch(self.policy, view, rows)
             new_logprobs, token_entropy = self._policy_terms(batch, ids, mask, r)  # (b, R)
             ref = t["ref_logprobs"][rows] if self.kl_coef > 0 else None
             loss, stats = grpo_loss(
@@ -154,18 +141,6 @@ class GRPOUpdate(_Update):
                 out["kl_ref"] = w * _item(stats["ref_kl"])
             return loss * w, out
 
-        metrics = self._train(self._slices(real.shape[0], group), micro_loss)
-        return {"weights": self._publish(), "metrics": metrics}
-
-    # --- state ---------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The policy, its optimizer, the weight version and the update counter."""
-        return {
-            "policy": _snapshot(self.policy),
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "version": self.version,
-            "updates": self.updates,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._load_checked(state, {"policy", "optimizer", "version", "updates"})
+        metrics = self._train(full, micro_loss)
+        weights = self._publish(metrics)
+        return {"weights": weights, "metrics": metrics}

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from nodes.models.policy import check_policy_spec
 from nodes.reference import build_value_model, value_model_fingerprint
@@ -24,10 +23,9 @@ from nodes.update.base import (
     _TOKENS,
     _item,
     _require_finite,
-    _snapshot,
     _Update,
-    _weights,
 )
+from nodes.update.shares import View
 from yatt_graph import ANY, BatchPolicy, Port
 from yatt_graph.node import Built
 
@@ -75,6 +73,10 @@ class PPOUpdate(_Update):
             and the value model (e.g. ``"critic"``, as on the Critic): on an on-policy executor
             the nodes of a key use one module (:mod:`nodes.shared_models`), and the published
             weights are then its live tensors.
+        ranks, train_backend, rank_timeout_s: train both models as an SPMD group of ``ranks``
+            processes (:mod:`nodes.update.ranks`), sharded by ``"fsdp"`` (FSDP2) or replicated
+            by ``"ddp"``; ``rank_timeout_s`` bounds the ranks' start and each collective. The
+            metrics then also hold time/weight_gather (seconds gathering both weights).
     """
 
     _metric_keys = (
@@ -126,6 +128,9 @@ class PPOUpdate(_Update):
         name: str | None = None,
         share: str | None = None,
         critic_share: str | None = None,
+        ranks: int = 1,
+        train_backend: str = "fsdp",
+        rank_timeout_s: float = 300.0,
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
@@ -156,6 +161,9 @@ class PPOUpdate(_Update):
             device,
             on_nonfinite,
             share,
+            ranks,
+            train_backend,
+            rank_timeout_s,
         )
         check_policy_spec(critic)
         self.value_clip_eps = None if value_clip_eps is None else float(value_clip_eps)
@@ -166,21 +174,29 @@ class PPOUpdate(_Update):
         self.critic_lr = float(critic_lr if critic_lr is not None else lr)
         self.critic_version = 0
 
+    _counters = ("version", "critic_version", "updates")
+
     def build(self) -> None:
         super().build()
-        # built exactly as nodes.reference.Critic builds it, so both start identical
-        self.value_model = self._acquire(
-            self.critic_share,
-            value_model_fingerprint(
-                self.critic_spec, self.device, self.detach_trunk, self.head_seed
-            ),
-            lambda: build_value_model(
+
+        def build_value() -> nn.Module:
+            # built exactly as nodes.reference.Critic builds it, so both start identical
+            return build_value_model(
                 self.critic_spec,
                 detach_trunk=self.detach_trunk,
                 head_seed=self.head_seed,
                 device=self.device,
-            ),
-        ).eval()
+            )
+
+        if self.ranks > 1:  # the group was formed by super().build()
+            self.value_model = build_value().eval()
+            self._values = self._shard(self.value_model, "forward", lambda out: out)
+        else:
+            fp = value_model_fingerprint(
+                self.critic_spec, self.device, self.detach_trunk, self.head_seed
+            )
+            self.value_model = self._acquire(self.critic_share, fp, build_value).eval()
+            self._values = self.value_model
         model = self.value_model
         critic_params = list((model.head if self.detach_trunk else model).parameters())
         self.critic_optimizer = torch.optim.AdamW(
@@ -190,44 +206,21 @@ class PPOUpdate(_Update):
             ("critic_grad_norm", "value model", critic_params, self.critic_optimizer)
         )
 
-    def forward(
-        self,
-        prompt_ids,
-        prompt_mask,
-        response_ids,
-        response_mask,
-        logprobs,
-        advantages,
-        ref_logprobs,
-        image_embeds,
-        images,
-        returns,
-        values,
-    ) -> dict[str, Any]:
-        t, real, group = self._check_inputs(
-            {
-                "prompt_ids": prompt_ids,
-                "prompt_mask": prompt_mask,
-                "response_ids": response_ids,
-                "response_mask": response_mask,
-                "logprobs": logprobs,
-                "advantages": advantages,
-                "returns": returns,
-                "values": values,
-                "ref_logprobs": ref_logprobs,
-            },
-            image_embeds,
-            images,
-        )
-        n_tokens = int(real.sum())
+    def _models(self) -> list[tuple[str, str, nn.Module, torch.optim.Optimizer]]:
+        value = ("value_model", "critic_optimizer", self.value_model, self.critic_optimizer)
+        return [*super()._models(), value]
 
-        def micro_loss(rows: slice) -> tuple[Tensor, dict[str, float]] | None:
-            r, mask, ids = real[rows], t["response_mask"][rows], t["response_ids"][rows]
+    def _step(self, full: View) -> dict[str, Any]:
+        n_tokens = int(full.real.sum())  # of the whole batch, also in a rank group
+
+        def micro_loss(view: View, rows: slice) -> tuple[Tensor, dict[str, float]] | None:
+            t = view.t
+            r, mask, ids = view.real[rows], t["response_mask"][rows], t["response_ids"][rows]
             n = int(r.sum())
             if n == 0:
                 return None
             w = n / n_tokens  # this micro-batch's share of the token-mean
-            batch = self._prompt_batch(self.policy, t, rows, group, image_embeds, images)
+            batch = self._prompt_batch(self.policy, view, rows)
             new_logprobs, token_entropy = self._policy_terms(batch, ids, mask, r)  # (b, R)
             pg_loss, pg_stats = ppo_policy_loss(
                 new_logprobs,
@@ -238,9 +231,8 @@ class PPOUpdate(_Update):
                 self.clip_eps_high,
             )
             entropy = aggregate_token_loss(token_entropy, mask)  # ()
-            trunk = self.value_model.trunk
-            critic_batch = self._prompt_batch(trunk, t, rows, group, image_embeds, images)
-            new_values = self.value_model(critic_batch, ids, mask)  # (b, R)
+            critic_batch = self._prompt_batch(self.value_model.trunk, view, rows)
+            new_values = self._values(critic_batch, ids, mask)  # (b, R)
             _require_finite("values of the value model", new_values, r)
             vf_loss, vf_stats = value_loss(
                 new_values, t["values"][rows], t["returns"][rows], mask, self.value_clip_eps
@@ -261,29 +253,10 @@ class PPOUpdate(_Update):
             stats["loss"] = _item(loss)
             return loss * w, {k: w * v for k, v in stats.items()}
 
-        metrics = self._train(self._slices(real.shape[0], group), micro_loss)
+        metrics = self._train(full, micro_loss)
         metrics["critic_lr"] = float(self.critic_optimizer.param_groups[0]["lr"])
+        weights = self._publish(metrics)
         self.critic_version += 1
-        shared = self._is_shared(self.critic_share)
-        critic_weights = WeightUpdate(_weights(self.value_model, shared), self.critic_version)
-        return {"weights": self._publish(), "critic_weights": critic_weights, "metrics": metrics}
-
-    # --- state ---------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Both models, both optimizers, the weight versions and the update counter."""
-        return {
-            "policy": _snapshot(self.policy),
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "value_model": _snapshot(self.value_model),
-            "critic_optimizer": copy.deepcopy(self.critic_optimizer.state_dict()),
-            "version": self.version,
-            "critic_version": self.critic_version,
-            "updates": self.updates,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        keys = {"policy", "optimizer", "value_model", "critic_optimizer", "version"}
-        self._load_checked(state, keys | {"critic_version", "updates"})
-        self.value_model.load_state_dict(state["value_model"])
-        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
-        self.critic_version = int(state["critic_version"])
+        critic = self._weights_of(self.value_model, self.critic_share, metrics)
+        critic_weights = WeightUpdate(critic, self.critic_version)
+        return {"weights": weights, "critic_weights": critic_weights, "metrics": metrics}

@@ -1,0 +1,69 @@
+"""A rank of a training group: ``python -m nodes.update.rank_worker`` (started by rank 0).
+
+It connects to rank 0's store, rebuilds the node from the spec rank 0 left there, forms the
+process group while the node is built (:meth:`nodes.update.base._Update.build`), and then
+runs each of rank 0's calls until rank 0 says close or is gone
+(:mod:`nodes.update.ranks`). If it fails, it leaves the error in the store for rank 0 to
+name, and exits with code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m nodes.update.rank_worker", description=__doc__)
+    p.add_argument("--port", type=int, required=True, help="rank 0's TCPStore port on 127.0.0.1")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--parent-pid", type=int, required=True, help="exit when this process is gone")
+    p.add_argument("--timeout", type=float, required=True, help="store and collective timeout, s")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which closes us
+    import msgspec
+    import torch
+    import torch.distributed as dist
+
+    from nodes.update.ranks import RankLink
+    from yatt_graph.serialize import NodeSpec, build_node
+
+    torch.set_num_threads(max(1, args.threads))
+    link = RankLink(args.port, args.rank, args.world, args.parent_pid, args.timeout)
+    code = 0
+    try:
+        spec = msgspec.json.decode(link.node_spec(), type=NodeSpec)
+        node = build_node(spec)
+        node.__dict__["_rank_link"] = link  # build() joins the group instead of starting one
+        node.setup()
+        for op, values, meta in link.commands():
+            node.serve_rank(op, values, meta)
+    except Exception as exc:
+        link.report(f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
+        code = 1
+    finally:
+        if dist.is_initialized():  # the group may already be broken; we are leaving anyway
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: torch's can take most of a second
+
+
+if __name__ == "__main__":
+    sys.exit(main())

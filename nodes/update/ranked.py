@@ -1,0 +1,192 @@
+"""What an update node does that depends on whether it trains alone or as a rank group.
+
+Alone (``ranks=1``), a call trains in this process, the published weights are a snapshot (or
+the live tensors of a model shared in-process), and the state is the modules' own
+``state_dict()``. As a group (``ranks > 1``, :mod:`nodes.update.ranks`), rank 0 checks the
+call's inputs and sends them to the ranks, and then every rank runs the same step. The
+published weights and the state are gathered onto rank 0, unsharded
+(:mod:`nodes.update.sharding`). They are in the 1-rank layout, so a checkpoint written with
+one K resumes with any other K. A group's state calls are themselves group operations:
+rank 0 tells the ranks to join each of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from nodes.sync import WeightUpdate
+from nodes.update.shares import View
+
+__all__ = ["NonFiniteError"]
+
+
+class NonFiniteError(ValueError):
+    """A non-finite value stopped an update with ``on_nonfinite="error"`` (no step was taken;
+    in a rank group every rank raises it alike)."""
+
+
+def _snapshot(module: nn.Module) -> dict[str, Tensor]:
+    """A CPU copy of the state dict, so later optimizer steps cannot change it."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+
+def _weights(module: nn.Module, shared: bool) -> dict[str, Tensor]:
+    """What an update publishes: a snapshot, or, when the module is shared with its consumers
+    in this process (on-policy only), its live tensors (they skip loading their own storage)."""
+    if shared:
+        return {k: v.detach() for k, v in module.state_dict().items()}
+    return _snapshot(module)
+
+
+class _Ranked:
+    """Mixin of :class:`nodes.update.base._Update`: the rank group, the call, weights, state."""
+
+    _ranks: Any = None
+    """The rank group (rank 0: a RankGroup; the other ranks: a RankLink), or None alone."""
+    _counters: tuple[str, ...] = ("version", "updates")
+    """The integer attributes a checkpoint keeps beside the models."""
+
+    def _start_ranks(self) -> None:
+        """Rank 0 starts the other ranks; a rank process was given its link before setup()."""
+        from nodes.update.ranks import RankGroup
+
+        if self.device.type == "cuda":  # one GPU per rank, from the node's device on
+            first = self.device.index or 0
+            if torch.cuda.device_count() < first + self.ranks:
+                raise ValueError(
+                    f"node {self.name!r}: ranks={self.ranks} on {self.device} needs GPUs "
+                    f"{first}..{first + self.ranks - 1}; torch sees {torch.cuda.device_count()}"
+                )
+        link = self.__dict__.get("_rank_link")
+        rank = 0 if link is None else link.rank
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", (self.device.index or 0) + rank)
+            torch.cuda.set_device(self.device)
+        if link is None:
+            self._ranks = RankGroup.start(self, self.ranks, self.device, self.rank_timeout_s)
+        else:
+            link.set_device(self.device)
+            self._ranks = link
+
+    def _shard(self, module: nn.Module, method: str, pick: Callable[[Any], Tensor]) -> Any:
+        from nodes.update.sharding import shard_module
+
+        return shard_module(module, self.train_backend, self.device, self.ranks, method, pick)
+
+    def close(self) -> None:
+        """End the rank group (no-op alone); the node cannot train afterwards."""
+        if self._ranks is not None and self._ranks.rank == 0:
+            self._ranks.close()
+
+    # --- the call: alone, or rank 0 telling its group --------------------------------------
+    def forward(self, **inputs: Any) -> dict[str, Any]:
+        if self._ranks is None:
+            return self._step(self._checked_view(inputs))
+        full = self._checked_view(inputs)  # bad inputs are refused before the ranks see them
+        with self._ranks.guard(f"update {self.updates + 1}", keep=(NonFiniteError,)):
+            self._ranks.command("step", inputs, {"step": self.step})
+            return self._step(full)
+
+    def _step(self, full: View) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def serve_rank(self, op: str, values: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Run rank 0's call ``op`` on this rank (``python -m nodes.update.rank_worker``)."""
+        if op == "step":
+            self.begin_step(int(meta["step"]))
+            with contextlib.suppress(NonFiniteError):  # rank 0 raised it too and reports it
+                self._step(self._checked_view(values))
+        elif op == "state":
+            self.state_dict()
+        elif op == "load":
+            self._load_models({}, meta)
+        else:
+            raise ValueError(f"node {self.name!r}: unknown rank operation {op!r}")
+
+    def _weights_of(self, module: nn.Module, share: str | None, metrics: dict[str, float]) -> Any:
+        """What the node publishes of ``module``; in a group, the full state gathered on rank 0
+        (``metrics["time/weight_gather"]`` sums its seconds)."""
+        if self._ranks is None:
+            return _weights(module, self._is_shared(share))
+        from nodes.update.sharding import full_weights
+
+        start = time.perf_counter()
+        weights = full_weights(module)
+        key = "time/weight_gather"
+        metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - start
+        return weights
+
+    def _publish(self, metrics: dict[str, float]) -> WeightUpdate:
+        self.version += 1
+        return WeightUpdate(self._weights_of(self.policy, self.share, metrics), self.version)
+
+    # --- state ---------------------------------------------------------------------------
+    def _models(self) -> list[tuple[str, str, nn.Module, torch.optim.Optimizer]]:
+        """(state key of the model, of its optimizer, model, optimizer) for each trained model."""
+        return [("policy", "optimizer", self.policy, self.optimizer)]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each model and optimizer (unsharded, in the 1-rank layout: any K loads it) and the
+        counters."""
+        self.setup()  # a group exists only once built; its state calls are group operations
+        if self._ranks is not None and self._ranks.rank == 0:
+            with self._ranks.guard("gathering the state"):
+                self._ranks.command("state")
+                return self._state()
+        return self._state()
+
+    def _state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        for model_key, optim_key, model, optimizer in self._models():
+            if self._ranks is None:
+                state[model_key] = _snapshot(model)
+                state[optim_key] = copy.deepcopy(optimizer.state_dict())
+            else:
+                from nodes.update.sharding import full_state
+
+                state[model_key], state[optim_key] = full_state(model, optimizer)
+        return {**state, **{k: getattr(self, k) for k in self._counters}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.setup()
+        keys = {k for m in self._models() for k in m[:2]} | set(self._counters)
+        if set(state) != keys:
+            raise ValueError(
+                f"node {self.name!r}: expected state keys {sorted(keys)}, got {sorted(state)}"
+            )
+        counters = {k: int(state[k]) for k in self._counters}
+        fresh = {  # optimizers with no step yet: their settings, which every rank applies
+            key: [{k: v for k, v in g.items() if k != "params"} for g in state[key]["param_groups"]]
+            for _, key, _, _ in self._models()
+            if not state[key].get("state")
+        }
+        meta = {"counters": counters, "fresh": fresh}
+        if self._ranks is not None and self._ranks.rank == 0:
+            with self._ranks.guard("loading the state"):
+                self._ranks.command("load", meta=meta)
+                self._load_models(state, meta)
+        else:
+            self._load_models(state, meta)
+
+    def _load_models(self, state: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+        for model_key, optim_key, model, optimizer in self._models():
+            # a copy: torch's optimizer keeps the given tensors (Adam's step, and its moments
+            # where dtype and device match), and its steps would then change ``state``
+            optim = copy.deepcopy(state.get(optim_key, {}))
+            if self._ranks is None:
+                model.load_state_dict(state[model_key])
+                optimizer.load_state_dict(optim)
+            else:
+                from nodes.update.sharding import load_full_state
+
+                weights, fresh = state.get(model_key, {}), meta["fresh"].get(optim_key)
+                load_full_state(model, optimizer, weights, optim, self._ranks.rank, fresh)
+        for k, v in meta["counters"].items():
+            setattr(self, k, int(v))

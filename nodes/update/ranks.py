@@ -1,0 +1,403 @@
+"""A training node as an SPMD group of K ranks under torch.distributed (issue 18).
+
+The node in the executor's process is rank 0, the *leader*. When it is built it starts K-1
+rank processes (``python -m nodes.update.rank_worker``: plain subprocesses, never a fork of a
+process that has torch loaded). Each rebuilds the same node from its plan spec (builds are
+seeded from the config, so every rank starts from the same weights), and all join one process
+group (gloo on the CPU, NCCL on CUDA) through a TCPStore that rank 0 hosts on 127.0.0.1.
+
+Per call, the leader writes a small JSON header under ``yatt/cmd/<n>`` in the store: the
+operation, the step, and the name, dtype and shape of each value. The ranks poll the store
+while idle, so an idle group holds no collective that could time out. Each rank reads the
+header and receives the tensors by ``broadcast`` from rank 0 (no pickle; PIL images travel
+as uint8 arrays plus their mode). Then every rank runs the same operation, and its
+collectives carry the group's ``timeout_s``.
+
+Supervision:
+
+* The leader polls its children before each call. It also polls them after any failed
+  collective, giving a dying rank a moment to be reaped. A dead rank becomes a
+  :class:`RankError` that names the node, the rank, its pid and its exit code or signal,
+  plus the error the rank wrote to the store if it wrote one. From then on the group is
+  broken, and every call raises the same error.
+* A rank exits when its parent (rank 0) is gone: a watchdog thread compares ``os.getppid()``,
+  and a lost store or a broken collective ends it too. :meth:`RankGroup.close` ends the ranks
+  cleanly: the close command, then a join, then a kill after a grace period. It is also
+  registered with ``atexit``.
+
+One process holds at most one group, because torch.distributed has one default process
+group. A group whose node was garbage collected is closed when the next one starts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankError", "RankGroup", "RankLink", "split_by_cost"]
+
+_CMD = "yatt/cmd/"
+_READY = "yatt/ready/"
+_ERROR = "yatt/error/"
+_NODE = "yatt/node"
+_IMAGE_MODES = ("RGB", "L", "RGBA")
+_DEATH_GRACE_S = 5.0  # after a failed collective: how long a dying rank has to be reaped
+_CLOSE_GRACE_S = 10.0
+
+
+class RankError(RuntimeError):
+    """A rank of a training group died, or a collective of the group failed."""
+
+
+def split_by_cost(costs: Sequence[float], parts: int) -> list[list[int]]:
+    """Indices of ``costs`` cut into ``parts`` lists of near-equal total cost (LPT: largest
+    first, each to the lightest part; ties go to the lower part). Each list is sorted, and the
+    result is a pure function of its arguments, so every rank computes the same split."""
+    loads = [0.0] * parts
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        j = min(range(parts), key=lambda j: (loads[j], len(shares[j]), j))
+        loads[j] += costs[i]
+        shares[j].append(i)
+    return [sorted(s) for s in shares]
+
+
+# --- values on the wire: a JSON header plus broadcast tensors ----------------------------------
+
+
+def _describe(values: Mapping[str, Any], where: str) -> tuple[list[Any], list[torch.Tensor]]:
+    """The header entries and the tensors (in broadcast order) of a call's values."""
+    entries: list[Any] = []
+    tensors: list[torch.Tensor] = []
+    for name, value in values.items():
+        if value is None:
+            entries.append([name, "none"])
+        elif isinstance(value, torch.Tensor):
+            entries.append(
+                [name, "tensor", str(value.dtype).removeprefix("torch."), [*value.shape]]
+            )
+            tensors.append(value.detach())
+        elif isinstance(value, list | tuple) and all(hasattr(v, "mode") for v in value):
+            import numpy as np
+
+            images = []
+            for im in value:
+                mode = im.mode if im.mode in _IMAGE_MODES else "RGB"
+                array = torch.from_numpy(np.array(im.convert(mode)))
+                images.append([mode, [*array.shape]])
+                tensors.append(array)
+            entries.append([name, "images", images])
+        else:
+            raise ValueError(
+                f"{where}: input {name!r} is a {type(value).__name__}; a rank group sends "
+                "tensors, None and lists of PIL images to its ranks"
+            )
+    return entries, tensors
+
+
+def _rebuild(entries: list[Any], tensors: Iterator[torch.Tensor]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for entry in entries:
+        name, kind = entry[0], entry[1]
+        if kind == "none":
+            values[name] = None
+        elif kind == "tensor":
+            values[name] = next(tensors)
+        else:
+            from PIL import Image
+
+            values[name] = [Image.fromarray(next(tensors).numpy()).convert(m) for m, _ in entry[2]]
+    return values
+
+
+def _shapes(entries: list[Any]) -> list[tuple[str, list[int]]]:
+    """(dtype, shape) of each tensor an entry list announces, in broadcast order."""
+    out: list[tuple[str, list[int]]] = []
+    for entry in entries:
+        if entry[1] == "tensor":
+            out.append((entry[2], entry[3]))
+        elif entry[1] == "images":
+            out.extend(("uint8", shape) for _, shape in entry[2])
+    return out
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "is running"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name} ({-code})"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class _Ranks:
+    """What rank 0 and the other ranks share: the store, the process group, the collectives."""
+
+    rank: int
+    world: int
+    store: Any
+
+    def __init__(self, who: str, world: int, device: torch.device, timeout_s: float) -> None:
+        self.who = who
+        self.world = int(world)
+        self.device = device
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.timeout = datetime.timedelta(seconds=float(timeout_s))
+
+    def _init_group(self) -> None:
+        store = dist.PrefixStore("pg/", self.store)
+        dist.init_process_group(
+            self.backend, store=store, rank=self.rank, world_size=self.world, timeout=self.timeout
+        )
+
+    # --- collectives every rank calls in the same order ---------------------------------------
+    def all_sum(self, numbers: Sequence[float]) -> list[float]:
+        """The sum over ranks of each number (float64)."""
+        x = torch.tensor(list(numbers), dtype=torch.float64, device=self.device)  # (n,)
+        dist.all_reduce(x)
+        return x.tolist()
+
+    def any_flag(self, flag: bool) -> bool:
+        """Whether any rank passed True."""
+        x = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.device)  # (1,)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return bool(x.item())
+
+
+# --- rank 0 ---------------------------------------------------------------------------------------
+
+_current: list[tuple[weakref.ref, RankGroup]] = []
+
+
+def _close_all() -> None:
+    for _, group in list(_current):
+        group.close()
+
+
+atexit.register(_close_all)
+
+
+class RankGroup(_Ranks):
+    """Rank 0's side: starts and supervises the other ranks, sends them each call."""
+
+    rank = 0
+
+    def __init__(self, node: Any, world: int, device: torch.device, timeout_s: float) -> None:
+        super().__init__(f"node {node.name!r}", world, device, timeout_s)
+        self.timeout_s = float(timeout_s)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.broken: str | None = None
+        self.closed = False
+        self._next = 0
+        self._joined = False
+
+    @classmethod
+    def start(cls, node: Any, world: int, device: torch.device, timeout_s: float) -> RankGroup:
+        """Host the store and start ranks 1..world-1, each building ``node`` from its spec."""
+        from yatt_graph.refs import import_roots
+        from yatt_graph.serialize import node_spec
+
+        for owner, old in list(_current):
+            if owner() is None:  # its node is gone: nothing will use it again
+                old.close()
+        if _current or dist.is_initialized():
+            holder = _current[0][1].who if _current else "another user of torch.distributed"
+            raise RankError(
+                f"node {node.name!r}: this process already holds a process group ({holder}); "
+                "a process runs one rank group at a time: close() that node first, or place "
+                "this one on another controller"
+            )
+        self = cls(node, world, device, timeout_s)
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True, timeout=self.timeout, wait_for_workers=False
+        )
+        self.store.set(_NODE, msgspec.json.encode(node_spec(node)))
+        paths = [p or os.getcwd() for p in sys.path] + import_roots()
+        threads = torch.get_num_threads()
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
+            "OMP_NUM_THREADS": str(threads),
+        }
+        for rank in range(1, world):
+            cmd = [
+                sys.executable, "-m", "nodes.update.rank_worker",
+                "--port", str(self.store.port), "--rank", str(rank), "--world", str(world),
+                "--parent-pid", str(os.getpid()), "--timeout", str(self.timeout_s),
+                "--threads", str(threads),
+            ]  # fmt: skip
+            self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env))
+        _current.append((weakref.ref(node), self))
+        return self
+
+    def join(self) -> None:
+        """Wait until every rank has built its node, then form the process group."""
+        deadline = time.monotonic() + self.timeout_s
+        keys = [f"{_READY}{r}" for r in range(1, self.world)]
+        while not self.store.check(keys):
+            if dead := self._dead():
+                self._fail(f"{self.who}: {dead} while building its node")
+            if time.monotonic() > deadline:
+                self._fail(
+                    f"{self.who}: the ranks were not ready after {self.timeout_s:.0f} s; "
+                    "raise rank_timeout_s if building the model takes longer"
+                )
+            time.sleep(0.01)
+        with self.guard("forming the process group"):
+            self._init_group()
+        self._joined = True
+
+    # --- calls ---------------------------------------------------------------------------------
+    def command(
+        self,
+        op: str,
+        values: Mapping[str, Any] | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Tell every rank to run ``op`` and broadcast ``values`` to them (call it in
+        :meth:`guard`, then run the same operation here)."""
+        if dead := self._dead():
+            self._fail(f"{self.who}: {dead}; the group cannot run {op!r}")
+        entries, tensors = _describe(values or {}, self.who)
+        n = self._next
+        self._next += 1
+        header = {"op": op, "meta": dict(meta or {}), "values": entries}
+        self.store.set(f"{_CMD}{n}", msgspec.json.encode(header))
+        if n >= 2:  # every rank read it: op n-1 ran collectives that all ranks joined
+            self.store.delete_key(f"{_CMD}{n - 2}")
+        for t in tensors:
+            if t.numel():
+                dist.broadcast(t.contiguous().to(self.device), src=0)
+
+    @contextlib.contextmanager
+    def guard(self, what: str, keep: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+        """Run a group operation; a failed collective becomes a :class:`RankError` naming the
+        rank that died (or saying that none did), and the group is then broken. Errors of the
+        types in ``keep`` (ones every rank raises alike) pass through and leave it intact."""
+        if self.broken:
+            raise RankError(self.broken)
+        try:
+            yield
+        except (RankError, *keep):
+            raise
+        except Exception as exc:
+            dead = self._dead(wait_s=_DEATH_GRACE_S)
+            if dead:
+                self._fail(f"{self.who}: {dead} during {what}", exc)
+            self._fail(
+                f"{self.who}: a collective failed during {what} with every rank alive "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+                exc,
+            )
+
+    def _fail(self, text: str, cause: BaseException | None = None) -> None:
+        self.broken = f"{text}; restart the run (from its last checkpoint) to continue"
+        raise RankError(self.broken) from cause
+
+    def _dead(self, wait_s: float = 0.0) -> str:
+        """'rank 1 (pid 123) was killed by SIGKILL (9)' for the first dead rank, else ''."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.poll() is not None:
+                    text = f"rank {rank} (pid {proc.pid}) {_exit_text(proc.returncode)}"
+                    with contextlib.suppress(Exception):
+                        if self.store.check([f"{_ERROR}{rank}"]):
+                            text += f": {self.store.get(f'{_ERROR}{rank}').decode()}"
+                    return text
+            if time.monotonic() >= deadline:
+                return ""
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        """End the ranks (a close command, a join, a kill after a grace period) and the group."""
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(Exception):
+            if self._joined and not self.broken and not self._dead():
+                self.command("close")
+        deadline = time.monotonic() + _CLOSE_GRACE_S
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._joined:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        _current[:] = [(o, g) for o, g in _current if g is not self]
+
+
+# --- ranks 1..K-1 ---------------------------------------------------------------------------------
+
+
+class RankLink(_Ranks):
+    """A rank's side: the store, the parent watch, the calls it receives from rank 0."""
+
+    def __init__(self, port: int, rank: int, world: int, parent_pid: int, timeout_s: float) -> None:
+        super().__init__(f"rank {rank}", world, torch.device("cpu"), timeout_s)
+        self.rank = int(rank)
+        self.parent_pid = int(parent_pid)
+        threading.Thread(target=self._watch_parent, daemon=True, name="parent-watch").start()
+        self.store = dist.TCPStore(
+            "127.0.0.1", int(port), world, is_master=False, timeout=self.timeout
+        )
+
+    def _watch_parent(self) -> None:
+        while True:
+            if os.getppid() != self.parent_pid:
+                os._exit(3)  # rank 0 is gone: nothing will call this rank again
+            time.sleep(0.2)
+
+    def node_spec(self) -> bytes:
+        return self.store.get(_NODE)
+
+    def set_device(self, device: torch.device) -> None:
+        self.device = device
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+
+    def join(self) -> None:
+        self.store.set(f"{_READY}{self.rank}", b"1")
+        self._init_group()
+
+    def report(self, text: str) -> None:
+        """Leave an error for rank 0 to name when it finds this rank dead."""
+        with contextlib.suppress(Exception):
+            self.store.set(f"{_ERROR}{self.rank}", text.encode())
+
+    def commands(self) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+        """``(op, values, meta)`` per call of rank 0, until it says ``close``."""
+        n = 0
+        while True:
+            key = f"{_CMD}{n}"
+            idle = time.monotonic()
+            while not self.store.check([key]):  # polled: an idle wait is no collective
+                time.sleep(0.001 if time.monotonic() - idle < 0.2 else 0.01)
+            header = msgspec.json.decode(self.store.get(key))
+            if header["op"] == "close":
+                return
+            received = []
+            for dtype, shape in _shapes(header["values"]):
+                t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+                if t.numel():
+                    dist.broadcast(t, src=0)
+                received.append(t.cpu())
+            yield header["op"], _rebuild(header["values"], iter(received)), header["meta"]
+            n += 1
