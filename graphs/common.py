@@ -40,6 +40,7 @@ __all__ = [
     "resolve_device",
     "reward_node",
     "sample_and_score",
+    "train_group",
     "vision_encoder",
 ]
 
@@ -118,6 +119,17 @@ def policy_spec(config: RLConfig, image_dim: int | None) -> dict[str, Any]:
             "it images: use mm_ppo or mm_grpo"
         )
     return spec
+
+
+def train_group(config: RLConfig, share: str, **more_shares: str) -> dict[str, Any]:
+    """The update node's rank-group options (``ranks``, ``train_backend``) and share keys.
+
+    One rank shares its models with the rollout (and critic) on an on-policy executor. A
+    group shards its own copies, so it shares none."""
+    shares = {"share": share, **more_shares}
+    if config.train_ranks > 1:
+        shares = dict.fromkeys(shares)
+    return {"ranks": config.train_ranks, "train_backend": config.train_backend, **shares}
 
 
 def is_prefix_policy(spec: dict[str, Any]) -> bool:

@@ -112,6 +112,14 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """With rollout=vllm: free the engine's memory between rollouts (colocated training)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model nodes run: auto (CUDA when present, else the CPU), cpu or cuda."""
+    train_ranks: int = 1
+    """Processes that train the update together (>= 1): one SPMD group, one node to the graph.
+
+    The update node starts train_ranks - 1 rank processes beside its own and splits each
+    batch among them by token count; the result equals one rank's up to float rounding
+    (nodes/update/ranks.py). On CUDA each rank takes its own GPU."""
+    train_backend: Literal["fsdp", "ddp"] = "fsdp"
+    """With train_ranks > 1: fsdp (FSDP2: weights, gradients, Adam state 1/K per rank) or ddp."""
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -142,6 +150,9 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _refuse("rollout", self.rollout, "'hf' or 'vllm'")
         if self.device not in ("auto", "cpu", "cuda"):
             _refuse("device", self.device, "auto, cpu or cuda")
+        _at_least("train_ranks", self.train_ranks, 1)
+        if self.train_backend not in ("fsdp", "ddp"):
+            _refuse("train_backend", self.train_backend, "'fsdp' or 'ddp'")
 
     @classmethod
     def from_options(cls, graph: str, options: dict[str, Any]) -> Self:

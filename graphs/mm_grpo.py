@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphs.common import connect_weights, sample_and_score
+from graphs.common import connect_weights, sample_and_score, train_group
 from graphs.config import GRPOConfig, TextGRPOConfig
 from nodes.advantage import GroupAdvantage
 from nodes.shared_models import set_share
@@ -52,8 +52,8 @@ def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Grap
             temperature=config.temperature,
             seed=config.seed,
             device=s.device,
-            share="policy",
             name="grpo",
+            **train_group(config, "policy"),
         )(
             **s.tensors,
             logprobs=s.sample.logprobs,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphs.common import connect_weights, sample_and_score
+from graphs.common import connect_weights, sample_and_score, train_group
 from graphs.config import MultimodalPPOConfig, PPOConfig
 from nodes.advantage import GAEAdvantage
 from nodes.reference import Critic
@@ -67,10 +67,9 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
             epochs=config.epochs,
             temperature=config.temperature,
             seed=seed,
-            share="policy",
-            critic_share="critic",
             device=s.device,
             name="ppo",
+            **train_group(config, "policy", critic_share="critic"),
         )(
             **s.tensors,
             logprobs=s.sample.logprobs,

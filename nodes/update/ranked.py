@@ -52,6 +52,15 @@ class _Ranked:
     """The rank group (rank 0: a RankGroup; the other ranks: a RankLink), or None alone."""
     _counters: tuple[str, ...] = ("version", "updates")
     """The integer attributes a checkpoint keeps beside the models."""
+    execution_options: tuple[str, ...] = (
+        "ranks",
+        "train_backend",
+        "rank_timeout_s",
+        "share",
+        "critic_share",
+    )
+    """Options that choose how the node runs, not what it computes: its checkpoints are in
+    one layout whatever they are, so a run may resume with other values of them."""
 
     def _start_ranks(self) -> None:
         """Rank 0 starts the other ranks; a rank process was given its link before setup()."""

@@ -48,6 +48,8 @@ SOURCE_DEFAULTS = {
     "vllm_tensor_parallel": 1,
     "vllm_sleep": False,
     "device": "auto",
+    "train_ranks": 1,
+    "train_backend": "fsdp",
 }
 PPO_DEFAULTS |= SOURCE_DEFAULTS
 
