@@ -11,16 +11,22 @@ How it decides, once per ``window`` of steps measured under one allocation:
   (``overlap``: 0 when the controllers take turns, as the roles of an on-policy step do; near
   1 for a side that always runs beside another) and how much of the step the busy time covers.
 * A model predicts each candidate allocation's step time: a controller's work is its busy
-  time times its speed-up on the cores it had (``threads ** alpha``); alone it runs on all its
-  cores, beside others on its own cores plus a share of the ones it shares. The candidates:
-  every controller on every core (time-sharing), the busiest one lent every core (the others
-  keep theirs), and disjoint shares sized to the work.
+  time times its speed-up on the cores it had (``threads ** alpha``, one thread per core).
+  Alone it runs on all its cores; beside a controller that shares one of its cores, each of
+  its parallel regions waits for the thread that shares a core, so it runs ``share_cost``
+  times slower (torch's OpenMP threads do that: on 2 loaded cores, two 2-thread controllers
+  running at once made steps several times slower). ``share_cost`` starts at 2 and is
+  raised by what an undone trial of shared cores measured. The candidates: every controller
+  on every core (time-sharing), the busiest one lent every core (the others keep theirs),
+  and disjoint shares sized to the work.
 * **Hysteresis**: it changes only when the best candidate is predicted ``min_gain`` faster
   (or was measured that much faster before); it then measures a window under the new
   allocation (after ``settle`` steps whose calls straddled the change) and keeps it unless
   the step got ``worse`` slower, in which case it goes back and does not try that allocation
-  again for ``patience`` windows. An allocation measured before is judged by its measurement,
-  not the model, so two allocations cannot flap.
+  again for ``patience`` windows (twice as long each time it is undone again). A trial whose
+  steps come in ``abort`` times slower than before is undone at once, without waiting for the
+  window. An allocation measured before is judged by its measurement, not the model, so it
+  does not flap between two.
 """
 
 from __future__ import annotations
@@ -102,8 +108,9 @@ class Partitioner:
         settle: int = 2,
         min_gain: float = 0.1,
         worse: float = 0.03,
-        patience: int = 10,
+        patience: int = 20,
         alpha: float = 0.7,
+        abort: float = 1.5,
     ):
         if window < 1 or settle < 0 or patience < 0:
             raise ValueError("Partitioner: window >= 1, settle >= 0 and patience >= 0")
@@ -117,7 +124,7 @@ class Partitioner:
         self.cuda = tuple(r.cuda for r in initial)
         self.alloc: Allocation = tuple(r.cores or self.cores for r in initial)
         self.window, self.settle, self.patience = window, settle, patience
-        self.min_gain, self.worse, self.alpha = min_gain, worse, alpha
+        self.min_gain, self.worse, self.alpha, self.abort = min_gain, worse, alpha, abort
         self.rebalances = 0
         self.reverts = 0
         self._skip = settle
@@ -127,8 +134,14 @@ class Partitioner:
         """Allocation -> (median wall, window index) of its last measured window."""
         self._tabu: dict[Allocation, int] = {}
         """Allocation -> the window index until which it is not tried again."""
-        self._trial: tuple[Allocation, float] | None = None
-        """While a change is on trial: the allocation before it and that one's median wall."""
+        self._undone: dict[Allocation, int] = {}
+        """Allocation -> how many times a trial of it was undone."""
+        self._trial: tuple[Allocation, float, float] | None = None
+        """While a change is on trial: the allocation before it, that one's median wall, and
+        the wall the model predicted for the trial."""
+        self.share_cost = 2.0
+        """How many times slower a controller runs beside one it shares a core with (learnt:
+        raised by what an undone trial of shared cores measured)."""
         self.last_overlap: dict[int, float] = {}
 
     @property
@@ -152,6 +165,12 @@ class Partitioner:
             self._skip -= 1
             return None
         self._steps.append(timing)
+        if self._trial is not None and len(self._steps) >= 2:
+            recent = [s.wall_s for s in self._steps[-2:]]
+            if min(recent) > self._trial[1] * self.abort:  # far slower: do not wait the window
+                self._windows += 1
+                self._measured[self.alloc] = (statistics.median(recent), self._windows)
+                return self._undo()
         if len(self._steps) < self.window:
             return None
         steps, self._steps = self._steps, []
@@ -159,17 +178,27 @@ class Partitioner:
         wall = statistics.median(s.wall_s for s in steps)
         self._measured[self.alloc] = (wall, self._windows)
         if self._trial is not None:
-            before, before_wall = self._trial
+            if wall > self._trial[1] * (1 + self.worse):
+                return self._undo()
             self._trial = None
-            if wall > before_wall * (1 + self.worse):
-                self._tabu[self.alloc] = self._windows + self.patience
-                self.reverts += 1
-                return self._switch(before)
-        nxt = self._propose(steps, wall)
-        if nxt is None:
+        proposal = self._propose(steps, wall)
+        if proposal is None:
             return None
-        self._trial = (self.alloc, wall)
+        nxt, predicted = proposal
+        self._trial = (self.alloc, wall, predicted)
         return self._switch(nxt)
+
+    def _undo(self) -> list[Resources]:
+        """Back to the allocation before the trial; this one waits longer each time."""
+        assert self._trial is not None
+        (before, _, predicted), self._trial = self._trial, None
+        if _shares_cores(self.alloc):  # sharing cost more than the model thought
+            measured = self._measured[self.alloc][0]
+            self.share_cost *= max(2.0, measured / max(predicted, 1e-9))
+        count = self._undone[self.alloc] = self._undone.get(self.alloc, 0) + 1
+        self._tabu[self.alloc] = self._windows + self.patience * 2 ** (count - 1)
+        self.reverts += 1
+        return self._switch(before)
 
     def _switch(self, alloc: Allocation) -> list[Resources]:
         self.alloc = alloc
@@ -179,7 +208,7 @@ class Partitioner:
         return self.resources
 
     # --- deciding ---------------------------------------------------------------------------
-    def _propose(self, steps: list[StepTiming], wall: float) -> Allocation | None:
+    def _propose(self, steps: list[StepTiming], wall: float) -> tuple[Allocation, float] | None:
         n = len(self.alloc)
         busy = [statistics.fmean(s.busy_s.get(c, 0.0) for s in steps) for c in range(n)]
         spans = [sp for s in steps for sp in s.spans]
@@ -188,6 +217,8 @@ class Partitioner:
         o = [overlap.get(c, 0.0) for c in range(n)]
         if sum(busy) <= 0 or wall <= 0:
             return None
+        covered = sum(e - s for s, e in _union([(s, e) for _, s, e in spans])) / len(steps)
+        packing = _packing(busy, covered if spans else sum(busy))
         work = [b / self._slowdown(self.alloc, c, oc) for c, (b, oc) in enumerate(zip(busy, o))]
 
         def predict(alloc: Allocation) -> float:
@@ -195,7 +226,7 @@ class Partitioner:
             if measured is not None and self._windows - measured[1] <= self.patience:
                 return measured[0]
             new = [w * self._slowdown(alloc, c, oc) for c, (w, oc) in enumerate(zip(work, o))]
-            return wall - (_span(busy, o) - _span(new, o))
+            return wall - (_span(busy, packing) - _span(new, packing))
 
         best, best_wall = None, wall * (1 - self.min_gain)
         for cand in self._candidates(busy, work):
@@ -204,7 +235,7 @@ class Partitioner:
             predicted = predict(cand)
             if predicted < best_wall:
                 best, best_wall = cand, predicted
-        return best
+        return None if best is None else (best, best_wall)
 
     def _candidates(self, busy: list[float], work: list[float]) -> list[Allocation]:
         n, every = len(self.alloc), self.cores
@@ -222,17 +253,30 @@ class Partitioner:
 
     def _slowdown(self, alloc: Allocation, c: int, overlap: float) -> float:
         """Seconds per unit of work of controller c under ``alloc``: alone on all its cores for
-        the share ``1 - overlap`` of its time, beside the others (a shared core counts for
-        ``1 / sharers``) for the rest."""
+        the share ``1 - overlap`` of its time; for the rest beside the others, ``share_cost``
+        times slower when one of its cores is shared (its threads wait for the slowest)."""
         mine = alloc[c]
-        alone = len(mine)
-        beside = sum(1 / sum(1 for k in alloc if core in k) for core in mine)
-        return (1 - overlap) / alone**self.alpha + overlap / max(beside, 0.25) ** self.alpha
+        speed = len(mine) ** self.alpha
+        shared = any(core in k for d, k in enumerate(alloc) if d != c for core in mine)
+        slower = self.share_cost if shared else 1.0
+        return (1 - overlap) / speed + overlap * slower / speed
 
 
-def _span(busy: Sequence[float], overlap: Sequence[float]) -> float:
-    """The part of a step the busy time covers: each controller's time alone, plus the longest
-    stretch run beside others (what the others do meanwhile hides under it)."""
-    return sum(b * (1 - o) for b, o in zip(busy, overlap, strict=True)) + max(
-        b * o for b, o in zip(busy, overlap, strict=True)
-    )
+def _shares_cores(alloc: Allocation) -> bool:
+    return sum(len(k) for k in alloc) > len({c for k in alloc for c in k})
+
+
+def _packing(busy: Sequence[float], covered: float) -> float:
+    """How much of the others' busy time hides under the busiest controller's, from the time
+    the busy spans cover per step: 1 when it all does (sides that overlap), 0 when none does
+    (controllers that take turns)."""
+    rest = sum(busy) - max(busy)
+    if rest <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (sum(busy) - covered) / rest))
+
+
+def _span(busy: Sequence[float], packing: float) -> float:
+    """The time per step the busy spans cover: the busiest controller's, plus the others'
+    that does not hide under it."""
+    return max(busy) + (1 - packing) * (sum(busy) - max(busy))
