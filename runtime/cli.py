@@ -59,7 +59,10 @@ def _options(
 
 
 #: flags that name a graph option (``--val-data`` is the option ``val_data``)
-_NAMED_OPTIONS = ("policy", "vision", "reward", "seed", "data", "val_data", "rollout", "device")
+_NAMED_OPTIONS = (
+    "policy", "vision", "reward", "seed", "data", "val_data", "rollout", "device", "train_ranks",
+    "train_backend",
+)  # fmt: skip
 
 
 def _reward_flags(args: argparse.Namespace) -> None:
@@ -383,6 +386,18 @@ def build_parser() -> argparse.ArgumentParser:
             "--device",
             choices=("auto", "cpu", "cuda"),
             help="where model nodes run (auto: CUDA where present)",
+        )
+        models.add_argument(
+            "--train-ranks",
+            type=int,
+            metavar="K",
+            help="train the update as K torch.distributed ranks (FSDP2 by default; gloo on the "
+            "CPU, NCCL on CUDA), one node to the graph",
+        )
+        models.add_argument(
+            "--train-backend",
+            choices=("fsdp", "ddp"),
+            help="with --train-ranks: shard with FSDP2 (fully_shard) or replicate with DDP",
         )
         return p
 
