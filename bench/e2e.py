@@ -127,46 +127,47 @@ def _table(name: str, res: dict[str, Any]) -> str:
     )
 
 
-def replica_check(repeats: int = 3) -> str:
-    """Generation alone, workload (b)'s shape: 8 prompts x 4 samples, up to 64 tokens."""
+def replica_check(repeats: int = 3, sizes: tuple[int, ...] = (8, 16, 32)) -> str:
+    """Generation alone, workload (b)'s shape (4 samples per prompt, up to 64 tokens) at
+    several batch sizes: 1 copy (1 and 2 torch threads) against 2 copies (the node and a
+    replica process, one core each); tokens generated per second."""
     import torch
 
     from nodes.rollout import Rollout
     from runtime.sched.replicas import LocalReplica, ReplicaSet
     from runtime.zmq.replicas import spawn_replica
 
-    prompts = [f"What colour is shape {i}?" for i in range(8)]
-    embeds = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
-    inputs = {"prompts": prompts, "image_embeds": embeds, "weights": None}
-    rows = []
-    for label, threads, copies in (
-        ("1 copy, 1 thread", 1, 1),
-        ("1 copy, 2 threads", 2, 1),
-        ("2 copies", 1, 2),
-    ):
+    setups = (("1 copy, 1 thread", 1, 1), ("1 copy, 2 threads", 2, 1), ("2 copies", 1, 2))
+    rate: dict[tuple[str, int], float] = {}
+    for label, threads, copies in setups:
         node = Rollout(policy="tiny-prefix-vlm", n=4, max_new_tokens=64, seed=0)
         node.setup()
         reps: list[Any] = [LocalReplica(node, threads=threads)]
         reps += [spawn_replica(node, i, copies) for i in range(1, copies)]
         rs = ReplicaSet(node, reps, 1)
         try:
-            rs.call(inputs)  # warm up
-            times, tokens = [], []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                out = rs.call(inputs)
-                times.append(time.perf_counter() - t0)
-                tokens.append(float(out["response_lengths"].sum()))
+            for size in sizes:
+                prompts = [f"What colour is shape {i}?" for i in range(size)]
+                embeds = torch.randn(size, 32, generator=torch.Generator().manual_seed(0))
+                inputs = {"prompts": prompts, "image_embeds": embeds, "weights": None}
+                rs.call(inputs)  # warm up
+                times, tokens = [], []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    out = rs.call(inputs)
+                    times.append(time.perf_counter() - t0)
+                    tokens.append(float(out["response_lengths"].sum()))
+                rate[label, size] = statistics.median(tokens) / statistics.median(times)
         finally:
             rs.close()
-        t = statistics.median(times)
-        rows.append([label, f"{1000 * t:.0f}", f"{statistics.median(tokens) / t:.0f}"])
-    base = float(rows[0][2])
-    for r in rows:
-        r.append(f"{float(r[2]) / base:.2f}x")
-    return "generation alone (8 prompts x 4 samples, <= 64 tokens)\n" + table(
-        ["copies", "call ms", "tokens/s", "vs 1 copy, 1 thread"], rows
-    )
+    rows = []
+    for label, _, _ in setups:
+        cells = [
+            f"{rate[label, n]:.0f} ({rate[label, n] / rate[setups[0][0], n]:.2f}x)" for n in sizes
+        ]
+        rows.append([label, *cells])
+    head = ["copies", *(f"{4 * n} responses: tokens/s (vs 1 copy, 1 thread)" for n in sizes)]
+    return "generation alone (4 samples per prompt, <= 64 tokens)\n" + table(head, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
