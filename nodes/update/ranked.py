@@ -62,6 +62,17 @@ class _Ranked:
     """Options that choose how the node runs, not what it computes: its checkpoints are in
     one layout whatever they are, so a run may resume with other values of them."""
 
+    def setup(self) -> None:
+        """Build the node (:meth:`yatt_graph.Node.setup`); a group whose build failed on
+        rank 0 is ended, not left waiting for it."""
+        try:
+            super().setup()  # type: ignore[misc]
+        except BaseException:
+            if self._ranks is not None and self._ranks.rank == 0:
+                self._ranks.close()
+                self._ranks = None
+            raise
+
     def _start_ranks(self) -> None:
         """Rank 0 starts the other ranks; a rank process was given its link before setup()."""
         from nodes.update.ranks import RankGroup

@@ -19,7 +19,8 @@ Supervision:
   collective, giving a dying rank a moment to be reaped. A dead rank becomes a
   :class:`RankError` that names the node, the rank, its pid and its exit code or signal,
   plus the error the rank wrote to the store if it wrote one. From then on the group is
-  broken, and every call raises the same error.
+  broken: its other ranks are killed, its process group is freed (so a restart in the same
+  process can start a new group), and every call raises the same error.
 * A rank exits when its parent (rank 0) is gone: a watchdog thread compares ``os.getppid()``,
   and a lost store or a broken collective ends it too. :meth:`RankGroup.close` ends the ranks
   cleanly: the close command, then a join, then a kill after a grace period. It is also
@@ -306,7 +307,10 @@ class RankGroup(_Ranks):
             )
 
     def _fail(self, text: str, cause: BaseException | None = None) -> None:
+        """Break the group for good: end the other ranks at once (they could only wait on a
+        collective that will not come), free the process group, raise the error."""
         self.broken = f"{text}; restart the run (from its last checkpoint) to continue"
+        self.close()
         raise RankError(self.broken) from cause
 
     def _dead(self, wait_s: float = 0.0) -> str:
@@ -332,7 +336,7 @@ class RankGroup(_Ranks):
         with contextlib.suppress(Exception):
             if self._joined and not self.broken and not self._dead():
                 self.command("close")
-        deadline = time.monotonic() + _CLOSE_GRACE_S
+        deadline = time.monotonic() + (0.0 if self.broken else _CLOSE_GRACE_S)
         for proc in self.procs:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))

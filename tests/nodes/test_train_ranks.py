@@ -215,8 +215,35 @@ def test_a_killed_rank_is_named_not_a_hang(batch):
             node.run(batch["grpo"])
         with pytest.raises(RankError, match=pattern):  # broken from then on, at once
             node.run(batch["grpo"])
+        assert _rank_processes() == []  # the group was ended with the error
+        with pytest.raises(RankError, match=pattern):
+            node.state_dict()
     finally:
         node.close()
+
+
+def _rank_processes() -> list[int]:
+    """Pids of live rank processes started by this process."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        mine = f"--parent-pid\0{os.getpid()}".encode() in b"\0".join(cmd)
+        if b"nodes.update.rank_worker" in cmd and mine and _state_of(int(entry.name)) != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_a_build_that_fails_leaves_no_rank_behind():
+    from nodes.update import ranks
+
+    node = _fresh_grpo(ranks=2, policy={"name": "tiny-prefix-vlm", "n_head": 5})
+    with pytest.raises(ValueError, match="divisible by num_heads"):
+        node.setup()
+    assert node._ranks is None and ranks._current == []
+    assert _rank_processes() == []
 
 
 def _state_of(pid: int) -> str | None:
