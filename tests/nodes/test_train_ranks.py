@@ -201,6 +201,29 @@ def test_ppo_fsdp_two_ranks_equal_one_rank(batch):
         many.close()
 
 
+def test_hf_vlm_with_images_on_two_ranks_equals_one_rank():
+    """Images (one per prompt) reach the ranks as uint8 arrays plus their mode."""
+    from PIL import Image
+
+    images = [Image.new("RGB", (32, 32), (255, 0, 0)), Image.new("RGB", (24, 40), (0, 0, 255))]
+    out = Rollout(policy="tiny-qwen2-vl", n=2, max_new_tokens=6, seed=0).run(
+        prompts=PROMPTS[:2], images=images
+    )
+    ports = {k: out[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+    scores = torch.tensor([1.0, -1.0] * (out["response_ids"].shape[0] // 2))  # (B,)
+    adv = broadcast_to_tokens(scores, out["response_mask"])  # (B, R)
+    inputs = {**ports, "logprobs": out["logprobs"], "advantages": adv, "images": images}
+    one = GRPOUpdate(policy="tiny-qwen2-vl", lr=1e-3)
+    many = GRPOUpdate(policy="tiny-qwen2-vl", lr=1e-3, ranks=2)
+    try:
+        for _ in range(2):
+            out1, out2 = one.run(inputs), many.run(inputs)
+        assert _max_diff(out1["weights"].weights, out2["weights"].weights) <= WEIGHT_TOL
+        _assert_same_metrics(out1["metrics"], out2["metrics"])
+    finally:
+        many.close()
+
+
 # --- supervision ------------------------------------------------------------------------------
 
 
