@@ -49,13 +49,14 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from nodes.update.rank_values import describe, rebuild, shapes
+
 __all__ = ["RankError", "RankGroup", "RankLink", "split_by_cost"]
 
 _CMD = "yatt/cmd/"
 _READY = "yatt/ready/"
 _ERROR = "yatt/error/"
 _NODE = "yatt/node"
-_IMAGE_MODES = ("RGB", "L", "RGBA")
 _DEATH_GRACE_S = 5.0  # after a failed collective: how long a dying rank has to be reaped
 _CLOSE_GRACE_S = 10.0
 
@@ -75,65 +76,6 @@ def split_by_cost(costs: Sequence[float], parts: int) -> list[list[int]]:
         loads[j] += costs[i]
         shares[j].append(i)
     return [sorted(s) for s in shares]
-
-
-# --- values on the wire: a JSON header plus broadcast tensors ----------------------------------
-
-
-def _describe(values: Mapping[str, Any], where: str) -> tuple[list[Any], list[torch.Tensor]]:
-    """The header entries and the tensors (in broadcast order) of a call's values."""
-    entries: list[Any] = []
-    tensors: list[torch.Tensor] = []
-    for name, value in values.items():
-        if value is None:
-            entries.append([name, "none"])
-        elif isinstance(value, torch.Tensor):
-            entries.append(
-                [name, "tensor", str(value.dtype).removeprefix("torch."), [*value.shape]]
-            )
-            tensors.append(value.detach())
-        elif isinstance(value, list | tuple) and all(hasattr(v, "mode") for v in value):
-            import numpy as np
-
-            images = []
-            for im in value:
-                mode = im.mode if im.mode in _IMAGE_MODES else "RGB"
-                array = torch.from_numpy(np.array(im.convert(mode)))
-                images.append([mode, [*array.shape]])
-                tensors.append(array)
-            entries.append([name, "images", images])
-        else:
-            raise ValueError(
-                f"{where}: input {name!r} is a {type(value).__name__}; a rank group sends "
-                "tensors, None and lists of PIL images to its ranks"
-            )
-    return entries, tensors
-
-
-def _rebuild(entries: list[Any], tensors: Iterator[torch.Tensor]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for entry in entries:
-        name, kind = entry[0], entry[1]
-        if kind == "none":
-            values[name] = None
-        elif kind == "tensor":
-            values[name] = next(tensors)
-        else:
-            from PIL import Image
-
-            values[name] = [Image.fromarray(next(tensors).numpy()).convert(m) for m, _ in entry[2]]
-    return values
-
-
-def _shapes(entries: list[Any]) -> list[tuple[str, list[int]]]:
-    """(dtype, shape) of each tensor an entry list announces, in broadcast order."""
-    out: list[tuple[str, list[int]]] = []
-    for entry in entries:
-        if entry[1] == "tensor":
-            out.append((entry[2], entry[3]))
-        elif entry[1] == "images":
-            out.extend(("uint8", shape) for _, shape in entry[2])
-    return out
 
 
 def _exit_text(code: int | None) -> str:
@@ -274,7 +216,7 @@ class RankGroup(_Ranks):
         :meth:`guard`, then run the same operation here)."""
         if dead := self._dead():
             self._fail(f"{self.who}: {dead}; the group cannot run {op!r}")
-        entries, tensors = _describe(values or {}, self.who)
+        entries, tensors = describe(values or {}, self.who)
         n = self._next
         self._next += 1
         header = {"op": op, "meta": dict(meta or {}), "values": entries}
@@ -398,10 +340,10 @@ class RankLink(_Ranks):
             if header["op"] == "close":
                 return
             received = []
-            for dtype, shape in _shapes(header["values"]):
+            for dtype, shape in shapes(header["values"]):
                 t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
                 if t.numel():
                     dist.broadcast(t, src=0)
                 received.append(t.cpu())
-            yield header["op"], _rebuild(header["values"], iter(received)), header["meta"]
+            yield header["op"], rebuild(header["values"], iter(received)), header["meta"]
             n += 1

@@ -27,7 +27,8 @@ from nodes.reference import Critic
 from nodes.rl.advantages import broadcast_to_tokens
 from nodes.rollout import Rollout
 from nodes.update import GRPOUpdate, PPOUpdate
-from nodes.update.ranks import RankError, _describe, _rebuild, split_by_cost
+from nodes.update.rank_values import describe, rebuild
+from nodes.update.ranks import RankError, split_by_cost
 from nodes.update.shares import View, plan_micro_batches
 
 PROMPTS = ["hi", "what colour is it?", "x", "name the shape"]
@@ -116,12 +117,12 @@ def test_values_travel_as_tensors_and_images():
     img = Image.new("RGB", (3, 2), (10, 20, 30))
     gray = Image.new("P", (2, 2))  # no palette on the wire: sent as RGB
     values = {"a": torch.arange(6).view(2, 3), "b": None, "images": [img, gray]}
-    entries, tensors = _describe(values, "node 'x'")
-    got = _rebuild(entries, iter(tensors))
+    entries, tensors = describe(values, "node 'x'")
+    got = rebuild(entries, iter(tensors))
     assert torch.equal(got["a"], values["a"]) and got["b"] is None
     assert got["images"][0].tobytes() == img.tobytes() and got["images"][1].mode == "RGB"
     with pytest.raises(ValueError, match=r"node 'x': input 'c' is a str; a rank group sends"):
-        _describe({"c": "text"}, "node 'x'")
+        describe({"c": "text"}, "node 'x'")
 
 
 def test_bad_rank_options_are_refused():
