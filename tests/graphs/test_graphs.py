@@ -64,16 +64,16 @@ def test_a_streaming_rollout_feeds_reward_reference_and_critic_piece_by_piece(mo
     """mm_ppo with stream=True: the per-sample nodes after the rollout take its pieces (their
     per-prompt inputs, image embeddings and answers, row by row); results are those of the
     unstreamed graph up to float rounding of smaller calls."""
-    import runtime.engine.engine
+    import runtime.engine.stream_steps
 
     fed: dict[str, int] = {}
-    call_piece = runtime.engine.engine.call_piece
+    call_piece = runtime.engine.stream_steps.call_piece
 
     def counting(call, node, *args, **kwargs):
         fed[node.name] = fed.get(node.name, 0) + 1
         return call_piece(call, node, *args, **kwargs)
 
-    monkeypatch.setattr(runtime.engine.engine, "call_piece", counting)
+    monkeypatch.setattr(runtime.engine.stream_steps, "call_piece", counting)
     options = {"batch_size": 8, "max_new_tokens": 6}
     whole = LocalExecutor(load_graph("graphs.mm_ppo", **options)).run(2)
     streamed = LocalExecutor(load_graph("graphs.mm_ppo", stream=True, **options)).run(2)
