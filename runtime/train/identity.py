@@ -22,7 +22,10 @@ def graph_identity(graph: Any) -> dict[str, Any]:
     for name, node in graph.nodes.items():
         try:
             spec = node_spec(node)
-            nodes[name] = {"class": spec.ref, "config": json.loads(json.dumps(spec.config))}
+            config = json.loads(json.dumps(spec.config))
+            for key in getattr(node, "execution_options", ()):  # how it runs, not what it is
+                config.pop(key, None)  # (e.g. an update's ranks: a resume may change them)
+            nodes[name] = {"class": spec.ref, "config": config}
         except (TypeError, ValueError):  # a configuration no graph file can hold
             nodes[name] = {"class": getattr(node, "ref", type(node).__name__), "config": None}
     return {"name": graph.name, "wiring": graph.wiring_digest(), "nodes": nodes}

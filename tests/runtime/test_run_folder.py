@@ -414,3 +414,14 @@ def test_non_finite_outputs_stop_the_run_unless_no_check_finite(tmp_path, capsys
     err = capsys.readouterr().err
     assert "the run stopped: " in err and "'nan'" in err
     assert main([*args, "--no-check-finite"]) == 0
+
+
+def test_a_checkpoint_may_resume_with_other_train_ranks_but_not_other_options():
+    from runtime.train.identity import graph_identity, identity_differences
+    from yatt_graph.refs import load_graph
+
+    one = graph_identity(load_graph("graphs.mm_grpo", train_ranks=1))
+    two = graph_identity(load_graph("graphs.mm_grpo", train_ranks=2, train_backend="ddp"))
+    assert identity_differences(one, two) == []  # how the update runs, not what it is
+    other = graph_identity(load_graph("graphs.mm_grpo", train_ranks=2, lr=0.01))
+    assert any("lr" in d for d in identity_differences(one, other))
