@@ -111,6 +111,7 @@ class Partitioner:
         patience: int = 20,
         alpha: float = 0.7,
         abort: float = 1.5,
+        explore: float = 0.25,
     ):
         if window < 1 or settle < 0 or patience < 0:
             raise ValueError("Partitioner: window >= 1, settle >= 0 and patience >= 0")
@@ -125,6 +126,7 @@ class Partitioner:
         self.alloc: Allocation = tuple(r.cores or self.cores for r in initial)
         self.window, self.settle, self.patience = window, settle, patience
         self.min_gain, self.worse, self.alpha, self.abort = min_gain, worse, alpha, abort
+        self.explore = explore
         self.rebalances = 0
         self.reverts = 0
         self._skip = settle
@@ -136,9 +138,9 @@ class Partitioner:
         """Allocation -> the window index until which it is not tried again."""
         self._undone: dict[Allocation, int] = {}
         """Allocation -> how many times a trial of it was undone."""
-        self._trial: tuple[Allocation, float, float] | None = None
-        """While a change is on trial: the allocation before it, that one's median wall, and
-        the wall the model predicted for the trial."""
+        self._trial: tuple[Allocation, float, float, bool] | None = None
+        """While a change is on trial: the allocation before it, that one's median wall, the
+        wall the model predicted for the trial, and whether it is only a look (explore)."""
         self.share_cost = 2.0
         """How many times slower a controller runs beside one it shares a core with (learnt:
         raised by what an undone trial of shared cores measured)."""
@@ -178,23 +180,25 @@ class Partitioner:
         wall = statistics.median(s.wall_s for s in steps)
         self._measured[self.alloc] = (wall, self._windows)
         if self._trial is not None:
-            if wall > self._trial[1] * (1 + self.worse):
+            _, before, _, look = self._trial
+            # A predicted gain stays unless measured slower; a look stays only if faster.
+            if wall > before * (1 + self.worse) or look and wall > before * (1 - self.worse):
                 return self._undo()
             self._trial = None
         proposal = self._propose(steps, wall)
         if proposal is None:
             return None
-        nxt, predicted = proposal
-        self._trial = (self.alloc, wall, predicted)
+        nxt, predicted, look = proposal
+        self._trial = (self.alloc, wall, predicted, look)
         return self._switch(nxt)
 
     def _undo(self) -> list[Resources]:
         """Back to the allocation before the trial; this one waits longer each time."""
         assert self._trial is not None
-        (before, _, predicted), self._trial = self._trial, None
-        if _shares_cores(self.alloc):  # sharing cost more than the model thought
-            measured = self._measured[self.alloc][0]
-            self.share_cost *= max(2.0, measured / max(predicted, 1e-9))
+        (before, _, predicted, look), self._trial = self._trial, None
+        measured = self._measured[self.alloc][0]
+        if _shares_cores(self.alloc) and measured > predicted:  # sharing cost more than modelled
+            self.share_cost *= max(1.0 if look else 2.0, measured / max(predicted, 1e-9))
         count = self._undone[self.alloc] = self._undone.get(self.alloc, 0) + 1
         self._tabu[self.alloc] = self._windows + self.patience * 2 ** (count - 1)
         self.reverts += 1
@@ -208,7 +212,9 @@ class Partitioner:
         return self.resources
 
     # --- deciding ---------------------------------------------------------------------------
-    def _propose(self, steps: list[StepTiming], wall: float) -> tuple[Allocation, float] | None:
+    def _propose(
+        self, steps: list[StepTiming], wall: float
+    ) -> tuple[Allocation, float, bool] | None:
         n = len(self.alloc)
         busy = [statistics.fmean(s.busy_s.get(c, 0.0) for s in steps) for c in range(n)]
         spans = [sp for s in steps for sp in s.spans]
@@ -222,20 +228,28 @@ class Partitioner:
         work = [b / self._slowdown(self.alloc, c, oc) for c, (b, oc) in enumerate(zip(busy, o))]
 
         def predict(alloc: Allocation) -> float:
-            measured = self._measured.get(alloc)
-            if measured is not None and self._windows - measured[1] <= self.patience:
-                return measured[0]
+            if alloc in self._fresh():
+                return self._measured[alloc][0]
             new = [w * self._slowdown(alloc, c, oc) for c, (w, oc) in enumerate(zip(work, o))]
             return wall - (_span(busy, packing) - _span(new, packing))
 
         best, best_wall = None, wall * (1 - self.min_gain)
+        look, look_wall = None, wall * (1 + self.explore)
         for cand in self._candidates(busy, work):
             if cand == self.alloc or self._tabu.get(cand, 0) > self._windows:
                 continue
             predicted = predict(cand)
             if predicted < best_wall:
                 best, best_wall = cand, predicted
-        return None if best is None else (best, best_wall)
+            elif cand not in self._fresh() and predicted < look_wall:
+                look, look_wall = cand, predicted
+        if best is not None:
+            return best, best_wall, False
+        return None if look is None else (look, look_wall, True)
+
+    def _fresh(self) -> set[Allocation]:
+        """The allocations measured recently enough to be judged by their measurement."""
+        return {a for a, (_, w) in self._measured.items() if self._windows - w <= self.patience}
 
     def _candidates(self, busy: list[float], work: list[float]) -> list[Allocation]:
         n, every = len(self.alloc), self.cores

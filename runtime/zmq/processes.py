@@ -193,6 +193,7 @@ def spawn_controllers(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
     if num_threads > 0:
         env.setdefault("OMP_NUM_THREADS", str(num_threads))
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see runtime.zmq.controller_main
     main = threading.current_thread() is threading.main_thread()
     old = (
         signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None

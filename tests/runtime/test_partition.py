@@ -97,27 +97,27 @@ def test_the_busier_side_gets_more_cores_and_the_step_gets_faster(share_cost):
     part = Partitioner(split(cores), cores, window=4, settle=1)
     first = sim(part.alloc).wall_s
     changes = drive(part, sim, 200)
-    assert sim(part.alloc).wall_s < first * 0.85
-    assert 1 <= len(changes) <= 3 and changes[-1][0] < 50  # it settles; no flapping
-    if share_cost == 2.0:  # sharing is cheap: both may use every core
-        assert part.alloc == (cores, cores) and part.reverts == 0
-    else:  # it tried that, measured it slower, undid it, and gave the trainer 3 cores of 4
-        assert part.alloc == ((0,), (1, 2, 3)) and part.reverts == 1
-        assert part.share_cost == pytest.approx(share_cost, rel=0.2)  # learnt from the trial
+    # It ends on the fastest allocation there is: 3 of the 4 cores for the trainer (c1),
+    # whether sharing is cheap (every core for both was measured a little slower) or not.
+    assert part.alloc == ((0,), (1, 2, 3))
+    assert sim(part.alloc).wall_s < first * 0.8
+    assert len(changes) <= 4 and changes[-1][0] < 50  # it settles; no flapping
 
 
 def test_a_change_measured_slower_is_undone_and_not_retried_soon():
-    # Sharing costs far more than the model thinks (cores shared while both run give each a
-    # fifth of themselves), so the partitioner's first pick is slower in truth.
+    # Sharing costs far more than the model thinks (a controller beside one it shares a
+    # core with runs 5x slower), so every allocation but the starting one is slower in truth.
     def harsh(alloc):
         return beside(alloc, share_cost=5.0)
 
     part = Partitioner(split(), (0, 1), window=4, settle=1, patience=10)
     changes = drive(part, harsh, 120)
     shared, start, lent = ((0, 1), (0, 1)), ((0,), (1,)), ((0,), (0, 1))
-    assert [alloc for _, alloc in changes] == [shared, start]  # tried, undone, kept undone
-    assert changes[1][0] - changes[0][0] == 1 + 2  # settle + 2 steps: far slower, undone at once
-    assert part.reverts == 1 and part.metrics()["sched/reverts"] == 1.0
+    assert [alloc for _, alloc in changes] == [shared, start, lent, start]  # each tried once
+    for (tried, _), (undone, _) in zip(changes[::2], changes[1::2], strict=True):
+        assert undone - tried == 1 + 2  # settle + 2 steps far slower: undone at once
+    assert part.alloc == start and part.reverts == 2 and part.metrics()["sched/reverts"] == 2.0
+    assert part.share_cost > 4.0  # learnt: sharing is dear here
     assert harsh(start).wall_s < min(harsh(shared).wall_s, harsh(lent).wall_s)  # the truth agrees
 
 
@@ -125,7 +125,18 @@ def test_a_change_a_little_slower_is_undone_after_its_window():
     # The trial is slower, but not by the abort factor: it runs its whole window first.
     part = Partitioner(split(), (0, 1), window=4, settle=1, abort=10.0)
     changes = drive(part, lambda a: beside(a, share_cost=5.0), 30)
-    assert changes[1][0] - changes[0][0] == 1 + 4 and part.reverts == 1
+    assert changes[1][0] - changes[0][0] == 1 + 4 and changes[1][1] == ((0,), (1,))
+
+
+def test_a_look_that_is_not_faster_is_undone_and_waits_longer_each_time():
+    # On 2 cores with cheap sharing, every core for both wins; the split it started from is
+    # looked at again only when its measurement is old, and ever more rarely.
+    part = Partitioner(split(), (0, 1), window=4, settle=1, patience=5)
+    changes = drive(part, beside, 400)
+    looks = [step for step, alloc in changes if alloc == ((0,), (1,))]
+    assert changes[0] == (4, ((0, 1), (0, 1))) and part.alloc == ((0, 1), (0, 1))
+    gaps = [b - a for a, b in zip(looks, looks[1:])]
+    assert len(looks) >= 2 and all(b > a for a, b in zip(gaps, gaps[1:]))
 
 
 def test_noise_does_not_make_it_flap():
