@@ -94,7 +94,7 @@ def test_run_on_three_controllers_matches_the_in_process_run(tmp_path, capsys):
         # restart needs controllers to restart and a folder for the checkpoints.
         (
             ["--restart", "on-failure", "--out", "x"],
-            "--restart on-failure restarts controller or replica processes",
+            "--restart on-failure restarts controller, replica or training-rank",
         ),
         (["--controllers", "2", "--restart", "on-failure"], "needs --out DIR"),
         (["--node-timeout", "5"], "apply to controller processes"),

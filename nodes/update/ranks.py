@@ -64,6 +64,10 @@ _CLOSE_GRACE_S = 10.0
 class RankError(RuntimeError):
     """A rank of a training group died, or a collective of the group failed."""
 
+    process_fault = True
+    """A process failed, not the node's logic: ``--restart on-failure`` restarts the run from
+    its last checkpoint (the executors read this attribute, as for a dead replica)."""
+
 
 def split_by_cost(costs: Sequence[float], parts: int) -> list[list[int]]:
     """Indices of ``costs`` cut into ``parts`` lists of near-equal total cost (LPT: largest

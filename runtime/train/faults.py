@@ -164,8 +164,11 @@ def train_with_restarts(
                 on_done(executor)
             return kept + rows, restarts
         except (ControllerError, NodeExecutionError) as exc:
-            if isinstance(exc, NodeExecutionError):  # in-process: a replica process it ran on
-                if not isinstance(exc.__cause__, ControllerError):
+            if isinstance(
+                exc, NodeExecutionError
+            ):  # in-process: a replica or rank process it ran on
+                cause = exc.__cause__
+                if not (isinstance(cause, ControllerError) or getattr(cause, "process_fault", 0)):
                     raise
                 exc = ControllerError(str(exc), -1, [exc.node])
             if isinstance(exc, HandshakeError) or restart != "on-failure":

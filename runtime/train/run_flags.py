@@ -192,10 +192,14 @@ def same_folder(out: str, resume: str) -> bool:
 
 def _check_run_flags(args: Any, distributed: bool) -> None:
     if args.restart == "on-failure":
-        if not distributed and not args.replica_counts:
+        if (
+            not distributed
+            and not args.replica_counts
+            and (getattr(args, "train_ranks", None) or 1) < 2
+        ):
             raise UsageError(
-                "--restart on-failure restarts controller or replica processes; it needs "
-                "--controllers N (N > 1), --listen or --replicas"
+                "--restart on-failure restarts controller, replica or training-rank processes; it "
+                "needs --controllers N (N > 1), --listen, --replicas or --train-ranks"
             )
         if not args.out and not args.resume:
             raise UsageError("--restart on-failure needs --out DIR, where checkpoints are kept")

@@ -371,7 +371,8 @@ class Controller:
         if isinstance(exc, NodeExecutionError):
             step = int(exc.context.get("step", -1))
             during = str(exc.context.get("during", "step"))
-            if isinstance(exc.__cause__, ControllerError):  # a process it ran on died (a replica)
+            cause = exc.__cause__  # a process it ran on died (a replica, a training rank)
+            if isinstance(cause, ControllerError) or getattr(cause, "process_fault", False):
                 during = "replica"
             error = m.Error(self.index, str(exc), exc.node, step, exc.remote_traceback, during)
         elif isinstance(exc, SendError):
