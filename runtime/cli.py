@@ -13,6 +13,7 @@ yatt-graph demo
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
@@ -460,6 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # OpenMP threads that spin after each parallel region burn cores another process of the
+    # run (a controller, a replica, a rank) is waiting for; they sleep instead. Read when
+    # torch first loads, so an in-process run gets it too (see runtime.zmq.controller_main).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     from runtime.errors import ControllerError
 

@@ -74,6 +74,7 @@ class ReplicaProcess:
         paths = [p or os.getcwd() for p in sys.path] + import_roots()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
         env["OMP_NUM_THREADS"] = str(threads)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see runtime.zmq.controller_main
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         cmd = [
