@@ -112,9 +112,10 @@ class Partitioner:
         alpha: float = 0.7,
         abort: float = 1.5,
         explore: float = 0.25,
+        warmup: int = 5,
     ):
-        if window < 1 or settle < 0 or patience < 0:
-            raise ValueError("Partitioner: window >= 1, settle >= 0 and patience >= 0")
+        if window < 1 or min(settle, patience, warmup) < 0:
+            raise ValueError("Partitioner: window >= 1; settle, patience and warmup >= 0")
         if not 0 < alpha <= 1:
             raise ValueError(
                 f"Partitioner: alpha (the speed-up exponent) must be in (0, 1], got {alpha}"
@@ -129,7 +130,7 @@ class Partitioner:
         self.explore = explore
         self.rebalances = 0
         self.reverts = 0
-        self._skip = settle
+        self._skip = warmup + settle  # the first steps of a run are slower (caches, allocator)
         self._steps: list[StepTiming] = []
         self._windows = 0
         self._measured: dict[Allocation, tuple[float, int]] = {}

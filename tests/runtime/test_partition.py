@@ -57,6 +57,11 @@ def drive(part: Partitioner, sim, steps: int, noise: float = 0.0, seed: int = 0)
     return changes
 
 
+def _partitioner(*args, **kw):
+    """A Partitioner that measures from the first step (no warm-up), so steps are easy to count."""
+    return Partitioner(*args, **{"warmup": 0, **kw})
+
+
 def split(cores=(0, 1)):
     half = len(cores) // 2
     return [Resources(cores[:half], half), Resources(cores[half:], len(cores) - half)]
@@ -71,7 +76,7 @@ def test_overlap_shares_measures_time_beside_others():
 
 
 def test_controllers_that_take_turns_get_every_core():
-    part = Partitioner(split(), (0, 1), window=4, settle=1)
+    part = _partitioner(split(), (0, 1), window=4, settle=1)
     changes = drive(part, turns, 100)
     assert changes[0] == (4, ((0, 1), (0, 1)))  # after one window of 4 steps
     assert len(changes) == 1  # and kept: the shared allocation was measured faster
@@ -84,7 +89,7 @@ def test_controllers_that_take_turns_get_every_core():
 
 def test_already_shared_turns_change_nothing():
     every = [Resources((0, 1), 2), Resources((0, 1), 2)]
-    part = Partitioner(every, (0, 1), window=4)
+    part = _partitioner(every, (0, 1), window=4)
     assert drive(part, turns, 100, noise=0.05) == []
 
 
@@ -94,7 +99,7 @@ def test_the_busier_side_gets_more_cores_and_the_step_gets_faster(share_cost):
         return beside(alloc, share_cost=share_cost)
 
     cores = (0, 1, 2, 3)
-    part = Partitioner(split(cores), cores, window=4, settle=1)
+    part = _partitioner(split(cores), cores, window=4, settle=1)
     first = sim(part.alloc).wall_s
     changes = drive(part, sim, 200)
     # It ends on the fastest allocation there is: 3 of the 4 cores for the trainer (c1),
@@ -110,7 +115,7 @@ def test_a_change_measured_slower_is_undone_and_not_retried_soon():
     def harsh(alloc):
         return beside(alloc, share_cost=5.0)
 
-    part = Partitioner(split(), (0, 1), window=4, settle=1, patience=10)
+    part = _partitioner(split(), (0, 1), window=4, settle=1, patience=10)
     changes = drive(part, harsh, 120)
     shared, start, lent = ((0, 1), (0, 1)), ((0,), (1,)), ((0,), (0, 1))
     assert [alloc for _, alloc in changes] == [shared, start, lent, start]  # each tried once
@@ -123,7 +128,7 @@ def test_a_change_measured_slower_is_undone_and_not_retried_soon():
 
 def test_a_change_a_little_slower_is_undone_after_its_window():
     # The trial is slower, but not by the abort factor: it runs its whole window first.
-    part = Partitioner(split(), (0, 1), window=4, settle=1, abort=10.0)
+    part = _partitioner(split(), (0, 1), window=4, settle=1, abort=10.0)
     changes = drive(part, lambda a: beside(a, share_cost=5.0), 30)
     assert changes[1][0] - changes[0][0] == 1 + 4 and changes[1][1] == ((0,), (1,))
 
@@ -131,7 +136,7 @@ def test_a_change_a_little_slower_is_undone_after_its_window():
 def test_a_look_that_is_not_faster_is_undone_and_waits_longer_each_time():
     # On 2 cores with cheap sharing, every core for both wins; the split it started from is
     # looked at again only when its measurement is old, and ever more rarely.
-    part = Partitioner(split(), (0, 1), window=4, settle=1, patience=5)
+    part = _partitioner(split(), (0, 1), window=4, settle=1, patience=5)
     changes = drive(part, beside, 400)
     looks = [step for step, alloc in changes if alloc == ((0,), (1,))]
     assert changes[0] == (4, ((0, 1), (0, 1))) and part.alloc == ((0, 1), (0, 1))
@@ -141,17 +146,23 @@ def test_a_look_that_is_not_faster_is_undone_and_waits_longer_each_time():
 
 def test_noise_does_not_make_it_flap():
     cores = (0, 1, 2, 3)
-    part = Partitioner(split(cores), cores, window=8, settle=2)
+    part = _partitioner(split(cores), cores, window=8, settle=2)
     changes = drive(part, beside, 400, noise=0.08, seed=3)
     assert len(changes) <= 4
     late = [step for step, _ in changes if step > 200]
     assert late == []  # settled within the first half
 
 
+def test_the_first_steps_of_a_run_are_not_measured():
+    part = Partitioner(split(), (0, 1), window=4, settle=1, warmup=5)
+    changes = drive(part, turns, 20)
+    assert changes[0][0] == 5 + 1 + 4 - 1  # warm-up, settle, one window (steps count from 0)
+
+
 def test_cuda_and_bad_arguments():
-    part = Partitioner([Resources((0,), 1, (0,)), Resources((1,), 1, (1,))], (0, 1))
+    part = _partitioner([Resources((0,), 1, (0,)), Resources((1,), 1, (1,))], (0, 1))
     assert [r.cuda for r in part.resources] == [(0,), (1,)]  # GPUs never move
-    with pytest.raises(ValueError, match="window >= 1"):
+    with pytest.raises(ValueError, match="window >= 1; settle, patience and warmup >= 0"):
         Partitioner(split(), (0, 1), window=0)
     with pytest.raises(ValueError, match="alpha"):
         Partitioner(split(), (0, 1), alpha=1.5)
