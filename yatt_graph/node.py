@@ -55,12 +55,16 @@ class BatchPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
     """Whether a batch may be cut into micro-batches across devices."""
     timeout_s: float = 0.0
     """Longest one call may run before it is reported as hung; 0 means no limit."""
+    max_queue_delay_s: float = 0.0
+    """For a consumer fed piece by piece from a stream (:mod:`yatt_graph.stream`): the longest
+    the first queued piece waits for more to fuse with (up to ``max_batch_size`` samples and
+    ``max_tokens``) before the node is called on what is there; 0: at once."""
     replicas: int = 1
     """Copies of the node the executor runs, each on its own cores or device; a step's batch
     is cut across them by cost (inference nodes: the rollout and the splittable ones)."""
 
     def verify(self) -> BatchPolicy:
-        for field in ("max_batch_size", "max_tokens", "timeout_s"):
+        for field in ("max_batch_size", "max_tokens", "timeout_s", "max_queue_delay_s"):
             if getattr(self, field) < 0:
                 raise ValueError(f"BatchPolicy.{field} must be >= 0, got {getattr(self, field)}")
         if self.replicas < 1:

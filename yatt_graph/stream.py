@@ -12,6 +12,8 @@ finished samples while the slowest are still being produced.
 
 :func:`join_pieces` puts pieces back into whole-batch outputs (rows in order; tensors whose
 trailing sizes differ between pieces are zero-padded to the largest, as a ragged batch is).
+:func:`fuse_pieces` makes one piece of several (their rows one after another), which is how
+a consumer takes the pieces queued for it in one call.
 It uses only the values' own methods, so this package still does not import torch.
 """
 
@@ -22,7 +24,7 @@ from typing import Any, NamedTuple
 
 from yatt_graph.errors import NodeOutputError
 
-__all__ = ["Piece", "check_piece", "join_pieces"]
+__all__ = ["Piece", "check_piece", "fuse_pieces", "join_pieces"]
 
 
 class Piece(NamedTuple):
@@ -149,3 +151,17 @@ def join_pieces(pieces: Sequence[Piece], node: str = "") -> dict[str, Any]:
                     joined_list[r] = x
             out[port] = tuple(joined_list) if isinstance(first, tuple) else joined_list
     return out
+
+
+def fuse_pieces(pieces: Sequence[Piece], node: str = "") -> Piece:
+    """One piece holding the rows of ``pieces`` one after another (checked pieces of one
+    stream: disjoint rows, the same ports); tensors are zero-padded as :func:`join_pieces`
+    pads them."""
+    if len(pieces) == 1:
+        return pieces[0]
+    local, start = [], 0
+    for p in pieces:  # renumber the rows 0..n-1 in order, so join_pieces lays them end to end
+        local.append(Piece(list(range(start, start + len(p.rows))), p.outputs))
+        start += len(p.rows)
+    rows = [r for p in pieces for r in p.rows]
+    return Piece(rows, join_pieces(local, node), pieces[0].size)

@@ -1,4 +1,5 @@
-"""The part of the step engine that runs streams: pieces in, per-piece consumers, pieces out.
+"""The part of the step engine that runs streams: pieces in, consumers fed the pieces queued
+for them (fused up to their budget), pieces out.
 
 :class:`StreamSteps` is a base of :class:`~runtime.engine.engine.StepEngine` and works on its
 state (the pending inputs, the :class:`~runtime.engine.streams.StreamBook` of pieces, the
@@ -13,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.engine.calls import Running, run_node, stream_node
-from runtime.engine.streams import StreamBook, call_piece, per_piece
-from yatt_graph.stream import Piece, join_pieces
+from runtime.engine.streams import StreamBook, budget_full, call_piece, fusable, per_piece
+from yatt_graph.stream import Piece, fuse_pieces, join_pieces
 
 __all__ = ["StreamSteps"]
 
@@ -33,6 +34,8 @@ class _Consumer:
     pieces: list[Piece] = field(default_factory=list)
     seconds: float = 0.0
     start: float = 0.0
+    queued_at: float | None = None
+    """When a piece was first seen waiting for this consumer (monotonic), while it waits."""
 
     @property
     def src_ports(self) -> set[str]:
@@ -136,9 +139,35 @@ class StreamSteps:
                 for e in edges:
                     slot[e.dst_port] = self.book.joined(step, e.src, e.src_port)
                 return True
-        if self.book.count(step, c.src, c.src_ports) == c.next:
+        count = self.book.count(step, c.src, c.src_ports)
+        if count == c.next:
             return True  # every piece taken: the consumer's outputs can be joined
-        return self.book.piece(step, c.src, c.next, c.src_ports) is not None
+        queued = self._queued(step, c)
+        if not queued:
+            return False
+        delay = self.nodes[name].batch_policy.max_queue_delay_s
+        if delay <= 0 or c.next + len(queued) == count or budget_full(self.nodes[name], queued):
+            return True
+        if c.queued_at is None:
+            c.queued_at = time.monotonic()
+        return time.monotonic() - c.queued_at >= delay
+
+    def _queued(self, step: int, c: _Consumer) -> list[Piece]:
+        """The pieces here that ``c`` takes next, in order (none when the next is missing)."""
+        queued = []
+        while (p := self.book.piece(step, c.src, c.next + len(queued), c.src_ports)) is not None:
+            queued.append(p)
+        return queued
+
+    def wake_in(self) -> float | None:
+        """Seconds until a consumer that waits for more pieces must run anyway (None: none
+        waits), for a loop that sleeps until something arrives."""
+        due = [
+            c.queued_at + self.nodes[name].batch_policy.max_queue_delay_s
+            for (_, name), c in self.consumers.items()
+            if c.queued_at is not None
+        ]
+        return max(0.0, min(due) - time.monotonic()) if due else None
 
     def _run_stream(self, name: str, step: int, inputs: dict[str, Any]) -> dict[str, Any]:
         """Run a streaming node: each piece to the readers here and to the processes that
@@ -174,9 +203,11 @@ class StreamSteps:
             self.starts[step][name] = c.start
             self._finish(name, step, join_pieces(c.pieces, name))
             return
-        piece = self.book.piece(step, c.src, c.next, c.src_ports)
-        assert piece is not None  # _stream_ready said so
+        queued = self._queued(step, c)
+        assert queued  # _stream_ready said so
         node = self.nodes[name]
+        fused = fusable(node, queued)
+        piece = fuse_pieces(queued[:fused], name)
 
         def call(inputs: dict[str, Any]) -> dict[str, Any]:
             return run_node(node, inputs, step, self.here, self.splitter, self.check_finite)
@@ -187,12 +218,15 @@ class StreamSteps:
         self.running = Running(name, step, time.monotonic(), self.limits[name])
         try:
             c.pieces.append(
-                call_piece(call, node, c.inputs, c.ports, piece, c.next, c.seen, step, self.here)
+                call_piece(
+                    call, node, c.inputs, c.ports, piece, c.next, c.seen, step, self.here, fused
+                )
             )
         finally:
             self.running = None
         c.seconds += time.perf_counter() - t0
-        c.next += 1
+        c.next += fused
+        c.queued_at = None
 
     def _prune_streams(self) -> None:
         """Forget the streams that every reader here is done with."""

@@ -11,30 +11,37 @@ ZeroMQ run equals the in-process one):
   node through non-delayed edges, and each of its other inputs is shared by all samples
   (``None``, not a tensor or list, or a port that :func:`~runtime.sched.splitting.shared_ports`
   names) or, when the stream says its batch size B, holds one entry per sample of that
-  batch (length B: it is taken row by row with each piece, as splitting would). It is
-  called once per piece, in the order the pieces were produced, and its pieces are joined
-  into its outputs for the nodes after it. On another controller this
-  overlaps the producer: while controller A is still generating, controller B already
-  scores what has finished.
+  batch (length B: it is taken row by row with each piece, as splitting would). Each call
+  takes the pieces queued for it, in the order they were produced, fused into one
+  (:func:`~yatt_graph.stream.fuse_pieces`) up to its ``max_batch_size`` samples and
+  ``max_tokens`` (the scheduler's default costs of the pieces), waiting for more at most
+  ``BatchPolicy.max_queue_delay_s`` (0: it takes what is there) unless the budget is full or
+  the stream has ended; its calls' pieces are joined into its outputs for the nodes after
+  it. On another controller this overlaps the producer: while controller A is still
+  generating, controller B already scores what has finished.
 * **whole**, otherwise: the pieces are joined first and the consumer runs once, as if the
   producer had not streamed.
 
 Values that travel through delayed edges, and a streaming node's graph outputs, are the
 joined pieces. Results differ from an unstreamed run only as splitting does (float rounding
-of calls on fewer rows), and a consumer's per-piece calls are the same in both executors.
+of calls on fewer rows). Which pieces a call fuses depends on when they arrive: in process
+the producer has finished before its consumer runs, so each call takes the most the budget
+allows; on another controller a call takes what has crossed so far. A consumer that computes
+each row alone (the rewards) gives the same values either way; a model forward (the
+reference) may differ in the last bits, as splitting does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from runtime.sched.batching import _is_batched, take
+from runtime.sched.batching import _is_batched, default_costs, take
 from runtime.sched.splitting import _splittable, shared_ports
 from yatt_graph import NodeExecutionError, NodeOutputError
 from yatt_graph.stream import Piece, check_piece, join_pieces
 
-__all__ = ["StreamBook", "call_piece", "per_piece"]
+__all__ = ["StreamBook", "budget_full", "call_piece", "fusable", "per_piece"]
 
 
 def _aligned(value: Any, size: int | None) -> bool:
@@ -45,7 +52,7 @@ def _aligned(value: Any, size: int | None) -> bool:
 def per_piece(
     node: Any, stream_ports: Collection[str], inputs: Mapping[str, Any], size: int | None
 ) -> bool:
-    """Whether ``node`` is called once per piece of the stream that feeds ``stream_ports``;
+    """Whether ``node`` is called on the pieces of the stream that feeds ``stream_ports``;
     ``inputs`` are its other inputs, ``size`` the batch size the stream said (or None); see
     the module docstring."""
     if not _splittable(node):
@@ -58,6 +65,43 @@ def per_piece(
     )
 
 
+def _cost(piece: Piece) -> float:
+    try:
+        return sum(default_costs(piece.outputs))
+    except Exception:  # outputs the default costs cannot read count one per sample
+        return float(len(piece.rows))
+
+
+def fusable(node: Any, queued: Sequence[Piece]) -> int:
+    """How many of the ``queued`` pieces (in order) one call of ``node`` takes: the first,
+    then more while the samples stay within ``max_batch_size`` and the cost within
+    ``max_tokens`` (0: no limit)."""
+    policy = node.batch_policy
+    rows, cost = len(queued[0].rows), _cost(queued[0]) if policy.max_tokens else 0.0
+    n = 1
+    for p in queued[1:]:
+        rows += len(p.rows)
+        cost += _cost(p) if policy.max_tokens else 0.0
+        if (policy.max_batch_size and rows > policy.max_batch_size) or (
+            policy.max_tokens and cost > policy.max_tokens
+        ):
+            break
+        n += 1
+    return n
+
+
+def budget_full(node: Any, queued: Sequence[Piece]) -> bool:
+    """Whether the ``queued`` pieces fill one call of ``node`` (it need not wait for more)."""
+    n = fusable(node, queued)
+    if n < len(queued):
+        return True
+    policy = node.batch_policy
+    rows = sum(len(p.rows) for p in queued)
+    if policy.max_batch_size and rows >= policy.max_batch_size:
+        return True
+    return bool(policy.max_tokens) and sum(_cost(p) for p in queued) >= policy.max_tokens
+
+
 def call_piece(
     call: Callable[[dict[str, Any]], dict[str, Any]],
     node: Any,
@@ -68,11 +112,13 @@ def call_piece(
     seen: set[int],
     step: int = 0,
     controller: int = 0,
+    fused: int = 1,
 ) -> Piece:
-    """One per-piece call of a consumer: ``ports`` maps its input ports to the producer's
+    """One call of a consumer on a (fused) piece: ``ports`` maps its input ports to the producer's
     outputs, ``inputs`` are its other inputs (those of the stream's batch size are taken at
     the piece's rows). Returns the consumer's own piece (the same rows), checked; a consumer
-    that does not return one entry per row gets a NodeExecutionError naming it and the step."""
+    that does not return one entry per row gets a NodeExecutionError naming it and the step.
+    ``piece`` may be ``fused`` pieces from ``index`` on."""
     shared = shared_ports(node)
     aligned = [
         p
@@ -81,7 +127,10 @@ def call_piece(
     ]
     own = {**inputs, **take({p: inputs[p] for p in aligned}, piece.rows)}
     out = call({**own, **{dst: piece.outputs[src] for dst, src in ports.items()}})
-    where = f"node {node.name!r}, called on piece {index} of a stream ({len(piece.rows)} rows)"
+    more = f" (fused with pieces {index + 1}..{index + fused - 1})" if fused > 1 else ""
+    where = (
+        f"node {node.name!r}, called on piece {index}{more} of a stream ({len(piece.rows)} rows)"
+    )
     try:
         return check_piece(
             node.name,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from runtime import LocalExecutor
-from yatt_graph import Graph
+from yatt_graph import BatchPolicy, Graph
 from yatt_graph.refs import load_graph
 
 GRAPHS = ["graphs.mm_ppo", "graphs.mm_grpo", "graphs.text_ppo", "graphs.text_grpo", "graphs.toy"]
@@ -76,9 +76,12 @@ def test_a_streaming_rollout_feeds_reward_reference_and_critic_piece_by_piece(mo
     monkeypatch.setattr(runtime.engine.stream_steps, "call_piece", counting)
     options = {"batch_size": 8, "max_new_tokens": 6}
     whole = LocalExecutor(load_graph("graphs.mm_ppo", **options)).run(2)
-    streamed = LocalExecutor(load_graph("graphs.mm_ppo", stream=True, **options)).run(2)
+    graph = load_graph("graphs.mm_ppo", stream=True, **options)
+    for name in ("reward", "reference", "critic"):  # in process a call fuses what its budget
+        graph.nodes[name].batch_policy = BatchPolicy(max_batch_size=2)  # allows: keep it small
+    streamed = LocalExecutor(graph).run(2)
     assert set(fed) == {"reward", "reference", "critic"}
-    assert min(fed.values()) > 2  # more than one piece per step
+    assert min(fed.values()) > 2  # more than one call per step
     for a, b in zip(whole, streamed, strict=True):
         assert torch.equal(a.outputs["scores"], b.outputs["scores"])
         assert torch.equal(a.outputs["response_lengths"], b.outputs["response_lengths"])

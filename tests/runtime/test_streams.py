@@ -10,7 +10,8 @@ from zmq_graphs import assert_gone
 from runtime.engine.local import LocalExecutor
 from runtime.engine.streams import StreamBook
 from runtime.zmq.driver import ZmqExecutor
-from yatt_graph import ANY, Graph, Node, NodeExecutionError, NodeOutputError, Tensor
+from yatt_graph import ANY, BatchPolicy, Graph, Node, NodeExecutionError, NodeOutputError, Tensor
+from yatt_graph.stream import Piece, fuse_pieces
 
 
 class Texts(Node):
@@ -32,6 +33,7 @@ def stream_graph(
     places: tuple[int, int] = (0, 1),
     other_text: bool = False,
     say_size: bool = False,
+    score_policy: BatchPolicy | None = None,
 ) -> Graph:
     """decode (streams) -> score (fed per piece) -> mean (whole); decode's lengths also reach
     mean through a delayed edge."""
@@ -41,7 +43,8 @@ def stream_graph(
         if other_text:  # a per-sample input that does not come from the stream: score runs whole
             score_in["text"] = Texts(n, placement=places[1], name="texts")()
             g.discard(d.text)
-        s = Score(per_row, placement=places[1], name="score")(**score_in)
+        policy = {"batch_policy": score_policy} if score_policy else {}
+        s = Score(per_row, placement=places[1], name="score", **policy)(**score_in)
         mean = Mean(placement=places[1], name="mean")
         m = mean(score=s.score)
         g.connect(d.length, mean, "prev", delay=1)
@@ -127,12 +130,30 @@ def test_rows_that_do_not_cover_the_batch_are_refused():
         Gappy().run()
 
 
-def test_the_in_process_executor_calls_a_consumer_once_per_piece():
-    with LocalExecutor(stream_graph().plan(2)) as ex:
+def _fused(sizes: list[int], budget: int) -> list[int]:
+    """The calls that fusing whole pieces of ``sizes`` rows within ``budget`` rows makes."""
+    calls: list[int] = []
+    for n in sizes:
+        if calls and calls[-1] + n <= budget:
+            calls[-1] += n
+        else:
+            calls.append(n)
+    return calls
+
+
+@pytest.mark.parametrize("budget", [64, 3, 1])
+def test_the_in_process_executor_fuses_the_queued_pieces_within_the_budget(budget):
+    """In process the stream is complete before its consumer runs: each call takes as many
+    whole pieces as its max_batch_size allows (a piece larger than the budget goes alone)."""
+    graph = stream_graph(score_policy=BatchPolicy(max_batch_size=budget))
+    with LocalExecutor(graph.plan(2)) as ex:
         results = ex.run(3)
         calls = ex.graph.nodes["score"].calls
-    pieces = [len(list(_stream_at(s))) for s in range(3)]
-    assert len(calls) == sum(pieces) and sum(calls) == 21  # per piece, every row once
+    sizes = [[len(p.rows) for p in _stream_at(s)] for s in range(3)]
+    assert calls == [c for step in sizes for c in _fused(step, budget)]
+    assert sum(calls) == 21  # every row once
+    if budget == 64:
+        assert calls == [7, 7, 7]  # the whole stream in one call a step
     for step, r in enumerate(results):
         want = expected(step)
         assert torch.equal(r.outputs["ids"], want["ids"])
@@ -161,12 +182,14 @@ def test_a_consumer_with_a_per_sample_input_from_elsewhere_runs_once_on_the_whol
 
 @pytest.mark.timeout(120)
 def test_a_per_sample_input_from_elsewhere_is_taken_row_by_row_when_the_stream_says_its_size():
-    graph = stream_graph(other_text=True, say_size=True)
+    small = BatchPolicy(max_batch_size=2)  # so that a step takes several calls
+    graph = stream_graph(other_text=True, say_size=True, score_policy=small)
     with LocalExecutor(graph.plan(2)) as ex:
         local = ex.run(2)
         calls = ex.graph.nodes["score"].calls
     assert len(calls) > 2 and sum(calls) == 14  # per piece, every row once
-    with ZmqExecutor(stream_graph(other_text=True, say_size=True).plan(2)) as ex:
+    graph = stream_graph(other_text=True, say_size=True, score_policy=small)
+    with ZmqExecutor(graph.plan(2)) as ex:
         remote = ex.run(2)
     for step, (a, b) in enumerate(zip(local, remote, strict=True)):
         assert torch.allclose(a.outputs["score"], expected(step)["score"])
@@ -243,6 +266,36 @@ def test_zeromq_a_producer_that_fails_mid_stream_stops_the_run_naming_it():
     assert_gone(ex.pids, ex.run_dir)
 
 
+@pytest.mark.timeout(120)
+def test_zeromq_a_consumer_with_a_queue_delay_waits_for_more_pieces_then_runs_on_its_own():
+    """With a long max_queue_delay_s the consumer on the other controller waits for the whole
+    stream (its budget is never full): one call a step. With a short one it runs on what has
+    arrived while the producer still pauses, as with no delay."""
+    wait = BatchPolicy(max_batch_size=64, max_queue_delay_s=600.0)
+    with ZmqExecutor(stream_graph(pause_s=1.0, score_policy=wait).plan(2)) as ex:
+        results = ex.run(2)
+    for step, r in enumerate(results):
+        assert torch.allclose(r.outputs["score"], expected(step)["score"])
+        decode_end = r.node_start["decode"] + r.node_seconds["decode"]
+        assert r.node_start["score"] >= decode_end - 0.05  # it waited for the end of the stream
+    pause = 2.0
+    short = BatchPolicy(max_batch_size=64, max_queue_delay_s=0.2)
+    with ZmqExecutor(stream_graph(pause_s=pause, score_policy=short).plan(2)) as ex:
+        r = ex.step()
+    decode_end = r.node_start["decode"] + r.node_seconds["decode"]
+    assert r.node_start["score"] < decode_end - pause / 4  # the margin as in the test above
+    assert torch.allclose(r.outputs["score"], expected(0)["score"])
+
+
+def test_pieces_fuse_in_order_and_pad_like_a_join():
+    a = Piece([3, 1], {"ids": torch.tensor([[1, 2], [3, 4]]), "text": ["a", "b"]}, 5)
+    b = Piece([0], {"ids": torch.tensor([[5, 6, 7]]), "text": ["c"]}, 5)
+    f = fuse_pieces([a, b])
+    assert f.rows == [3, 1, 0] and f.size == 5 and f.outputs["text"] == ["a", "b", "c"]
+    assert torch.equal(f.outputs["ids"], torch.tensor([[1, 2, 0], [3, 4, 0], [5, 6, 7]]))
+    assert fuse_pieces([a]) is a
+
+
 def test_the_stream_book_waits_for_every_port_and_piece():
     book = StreamBook()
     book.add(0, "d", "a", 1, [1], [10])
@@ -271,9 +324,9 @@ def rollout_graph(stream: bool) -> Graph:
         )(prompts=prompts)
         g.output(
             "score",
-            LengthScore(placement=1, name="score")(
-                response_lengths=sample.response_lengths, texts=sample.texts
-            ),
+            LengthScore(  # a small budget, so that a step takes several calls in process too
+                placement=1, name="score", batch_policy=BatchPolicy(max_batch_size=2)
+            )(response_lengths=sample.response_lengths, texts=sample.texts),
         )
         g.output("ids", sample.response_ids)
         g.output("lengths", sample.response_lengths)
