@@ -9,6 +9,10 @@ Workloads:
   (the random-init policy's responses run 1 to 64 tokens, a wide spread) and the tiny LLM
   judge (``--judge tiny``) as the reward.
 
+Configurations (``CONFIGS``): in-process; 2 controllers colocated; partial; partial + async
+(``--max-staleness 1``); rollout replicas; each multi-controller one with adaptive
+partitioning on (the default) and some also off (``, static``: ``--no-adaptive``).
+
 Each configuration is one ``yatt-graph run`` (a subprocess), the configurations interleaved
 round by round so that load spreads over all of them. From each run's ``metrics.jsonl``: the
 median ``time/step`` after ``--warmup`` steps (the per-step wall time the training loop
@@ -17,8 +21,8 @@ phase's median time, the mean reward over the first and last windows, and the bu
 controller (``util/controller_i``; idle is the rest).
 
 ``--replica-check`` also measures generation alone: one Rollout call of workload (b)'s shape
-on 1 copy (1 and 2 torch threads) against 2 copies (the node and a replica process, one core
-each), tokens generated per second.
+(32 to 512 responses) on 1 copy (1 and 2 torch threads) against 2 copies (the node and a
+replica process, one core each), tokens generated per second.
 """
 
 from __future__ import annotations
@@ -44,8 +48,12 @@ WORKLOADS = {
 CONFIGS = {
     "in-process": [],
     "2 controllers, colocated": ["--controllers", "2"],
+    "2 controllers, colocated, static": ["--controllers", "2", "--no-adaptive"],
     "partial": ["--controllers", "2", "--placement", "partial"],
     "partial + async K=1": ["--controllers", "2", "--placement", "partial", "--max-staleness", "1"],
+    "partial + async K=1, static": [
+        "--controllers", "2", "--placement", "partial", "--max-staleness", "1", "--no-adaptive",
+    ],
     "rollout replicas=2": ["--replicas", "rollout=2"],
     "partial + async K=1 + replicas=2": [
         "--controllers", "2", "--placement", "partial", "--max-staleness", "1",
@@ -127,7 +135,7 @@ def _table(name: str, res: dict[str, Any]) -> str:
     )
 
 
-def replica_check(repeats: int = 3, sizes: tuple[int, ...] = (8, 16, 32)) -> str:
+def replica_check(repeats: int = 3, sizes: tuple[int, ...] = (8, 16, 32, 64, 128)) -> str:
     """Generation alone, workload (b)'s shape (4 samples per prompt, up to 64 tokens) at
     several batch sizes: 1 copy (1 and 2 torch threads) against 2 copies (the node and a
     replica process, one core each); tokens generated per second."""
@@ -166,6 +174,14 @@ def replica_check(repeats: int = 3, sizes: tuple[int, ...] = (8, 16, 32)) -> str
             f"{rate[label, n]:.0f} ({rate[label, n] / rate[setups[0][0], n]:.2f}x)" for n in sizes
         ]
         rows.append([label, *cells])
+    best = [max(rate[label, n] for label, _, copies in setups if copies == 1) for n in sizes]
+    two = setups[-1][0]
+    rows.append(
+        [
+            "2 copies vs the faster 1 copy",
+            *(f"{rate[two, n] / b:.2f}x" for n, b in zip(sizes, best)),
+        ]
+    )
     head = ["copies", *(f"{4 * n} responses: tokens/s (vs 1 copy, 1 thread)" for n in sizes)]
     return "generation alone (4 samples per prompt, <= 64 tokens)\n" + table(head, rows)
 
