@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 import socket
 import sys
@@ -66,6 +67,20 @@ from yatt_graph import NodeExecutionError
 from yatt_graph.refs import load_module
 
 __all__ = ["Controller"]
+
+
+IDLE_POLL_MS = 500
+
+
+def poll_ms(ran: bool, wake_in: float | None) -> int:
+    """How long the loop waits for a message: not at all after running something (more may
+    be ready), else until a streamed consumer's ``max_queue_delay_s`` runs out (``wake_in``
+    seconds, rounded up so the wait has passed on waking) or at most ``IDLE_POLL_MS``."""
+    if ran:
+        return 0
+    if wake_in is None:
+        return IDLE_POLL_MS
+    return min(IDLE_POLL_MS, math.ceil(wake_in * 1000))
 
 
 class _Stop(Exception):
@@ -319,7 +334,7 @@ class Controller:
                     self._fail(exc)
             self.peers.send_releases()
             try:
-                self._receive(poller, 0 if ran else 500)
+                self._receive(poller, poll_ms(ran, self.engine.wake_in()))
             except _Stop:
                 return
             except Exception as exc:  # a receive that broke: tell the driver, once

@@ -9,6 +9,7 @@ from zmq_graphs import assert_gone
 
 from runtime.engine.local import LocalExecutor
 from runtime.engine.streams import StreamBook
+from runtime.zmq.controller import IDLE_POLL_MS, poll_ms
 from runtime.zmq.driver import ZmqExecutor
 from yatt_graph import ANY, BatchPolicy, Graph, Node, NodeExecutionError, NodeOutputError, Tensor
 from yatt_graph.stream import Piece, fuse_pieces
@@ -285,6 +286,17 @@ def test_zeromq_a_consumer_with_a_queue_delay_waits_for_more_pieces_then_runs_on
     decode_end = r.node_start["decode"] + r.node_seconds["decode"]
     assert r.node_start["score"] < decode_end - pause / 4  # the margin as in the test above
     assert torch.allclose(r.outputs["score"], expected(0)["score"])
+
+
+def test_a_controller_with_nothing_to_run_wakes_when_a_queue_delay_runs_out():
+    """The loop's wait is cut to a waiting consumer's delay (rounded up, so it has passed on
+    waking), not the idle 500 ms that would let a 0.2 s max_queue_delay_s run 0.5 s late."""
+    assert poll_ms(True, 0.2) == 0  # it ran something: look at once for what became ready
+    assert poll_ms(False, None) == IDLE_POLL_MS
+    assert poll_ms(False, 0.2) == 200
+    assert poll_ms(False, 0.0004) == 1
+    assert poll_ms(False, 0.0) == 0
+    assert poll_ms(False, 30.0) == IDLE_POLL_MS
 
 
 def test_pieces_fuse_in_order_and_pad_like_a_join():
