@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from zmq_graphs import default_sigint
 
 from runtime.cli import main
 from runtime.engine.local import LocalExecutor
@@ -292,7 +293,12 @@ def _sigterm_run(
 ) -> tuple[subprocess.CompletedProcess, list[int]]:
     cmd = [YATT, "run", "graphs.toy", "--steps", "10000000", "--out", str(out), "--quiet", *flags]
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
     )
     try:
         metrics = out / "metrics.jsonl"

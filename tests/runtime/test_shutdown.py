@@ -15,7 +15,7 @@ import time
 
 import pytest
 import zmq_graphs
-from zmq_graphs import assert_gone, controller_processes
+from zmq_graphs import assert_gone, controller_processes, default_sigint
 
 from runtime.zmq.driver import ZmqExecutor
 from runtime.zmq.processes import OWNER_FILE, remove_stale_runs
@@ -59,6 +59,7 @@ def _start_driver():
         stderr=subprocess.PIPE,
         env=env,
         text=True,
+        preexec_fn=default_sigint,
     )
     line = proc.stdout.readline()
     if not line:

@@ -338,6 +338,13 @@ def build_graph(kind: str = "rich", on_bad_sample: str = "raise", **options: Any
 
 
 # --- test helpers -----------------------------------------------------------------------------
+def default_sigint() -> None:
+    """``preexec_fn`` for a child a test sends SIGINT to: Ctrl-C's default action, since a
+    process started in the background (``cmd &`` in a script, ``nohup``) inherits SIGINT
+    ignored, and Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def controller_processes() -> list[Any]:
     """Live controller processes started from this process (psutil), zombies excluded."""
     import psutil
