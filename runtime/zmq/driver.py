@@ -46,10 +46,11 @@ from runtime.engine.calls import StepResult
 from runtime.engine.delayed import check_staleness_mode
 from runtime.errors import ControllerError, HandshakeError, NodeTimeoutError
 from runtime.sched.affinity import start_cores
-from runtime.sched.devices import Resources
+from runtime.sched.devices import Resources, visible_gpus
 from runtime.sched.partition import Partitioner
 from runtime.sched.replicas import replica_counts
 from runtime.zmq import messages as m
+from runtime.zmq.cuda_ipc import enabled_from_env, peer_gpus
 from runtime.zmq.driver_link import Received
 from runtime.zmq.driver_state import merge_replies, split_state
 from runtime.zmq.group import ControllerGroup, error_from
@@ -101,6 +102,9 @@ class ZmqExecutor:
             starting Resources.
         shm_threshold: tensors of at least this many bytes go controller to controller
             through shared memory (one host); 0 sends everything as zmq frames.
+        cuda_ipc: CUDA tensors between controllers this driver started (one host) travel by
+            CUDA IPC when every receiver sees the GPU (:mod:`runtime.zmq.cuda_ipc`); False
+            copies them through host memory. None: on, unless ``$YATT_CUDA_IPC=0``.
         controller_output: ``"capture"`` (to a log file per controller, whose tail errors
             include) or ``"inherit"`` (this process's stdout/stderr).
         replicas: ``{node: R}``: R copies of an inference node, on the controller that owns it
@@ -158,6 +162,7 @@ class ZmqExecutor:
         device: str = "auto",
         resources: Sequence[Resources] | None = None,
         adaptive: bool = True,
+        cuda_ipc: bool | None = None,
     ):
         if isinstance(plan, Graph):
             plan = plan.plan(controllers or 1)
@@ -237,11 +242,13 @@ class ZmqExecutor:
             raise
         self.controllers, self.link = self.group.controllers, self.group.link
         self.address, self.run_dir = self.group.address, self.group.run_dir
+        ipc_gpus = self._ipc_gpus(start, enabled_from_env(cuda_ipc))
         try:
             self.group.start(
                 lambda c: m.Setup(
                     controller=c.index, peers=[x.data_address for x in self.controllers],
-                    run_id=self.group.res.run_id, resources=start[c.index], **self._setup_kw,
+                    run_id=self.group.res.run_id, resources=start[c.index],
+                    cuda_ipc_gpus=ipc_gpus, **self._setup_kw,
                 )
             )  # fmt: skip
         except BaseException:
@@ -251,6 +258,16 @@ class ZmqExecutor:
         if adaptive and spawned and num_threads is None and len(self.controllers) > 1:
             now = [c.resources or r for c, r in zip(self.controllers, start, strict=True)]
             self._rebalancer = Rebalancer(Partitioner(now, start_cores()))
+
+    def _ipc_gpus(self, start: Sequence[Resources], enabled: bool) -> list[list[int]]:
+        """SETUP's ``cuda_ipc_gpus``: the controllers started here (so on this host) and the
+        GPUs each sees (runtime.zmq.cuda_ipc.peer_gpus)."""
+        on_host = [c.popen is not None for c in self.controllers]
+        if not enabled or not any(on_host):
+            return []
+        driver_gpus = visible_gpus() if any(not r.cuda for r in start) else 0
+        gpus = peer_gpus([r.cuda for r in start], on_host, enabled=True, driver_gpus=driver_gpus)
+        return gpus if any(gpus) else []
 
     @property
     def resources(self) -> list[Resources | None]:

@@ -79,7 +79,7 @@ __all__ = [
     "hello_protocol",
 ]
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Bumped on any change to the messages below other than an appended field with a default.
 2: STATE_* messages (checkpoints of a ZeroMQ run), Data.epoch, node timeouts.
 3: the work link: HELLO announces a second DEALER (``work_identity``) that receives RUN and
@@ -90,7 +90,9 @@ in two frames) is still read, so that such a peer is refused with the reason.
 would take a piece for the whole value).
 5: WARN (a node call far past its usual time, with its stack; the run goes on).
 6: each controller's Resources: SETUP says them (``num_threads`` -1: its threads come from
-them), RESOURCES changes them between node calls, READY and STEP_DONE report what is applied."""
+them), RESOURCES changes them between node calls, READY and STEP_DONE report what is applied.
+7: CUDA IPC on the data plane: SETUP lists each controller's GPUs (``cuda_ipc_gpus``), and DATA
+may hold the CUDA IPC extension (runtime.zmq.cuda_ipc), which a protocol-6 peer cannot decode."""
 
 MAX_HEADER_BYTES = 16 << 20
 """A header frame (the Struct, not the value frames) larger than this is refused undecoded."""
@@ -216,6 +218,10 @@ class Setup(_Msg):
     resources: Resources | None = None
     """The cores, threads and GPUs it computes on (runtime.sched.devices); None: every core of
     its host, one thread per core (a controller on another host)."""
+    cuda_ipc_gpus: list[list[int]] = []
+    """Per controller, by index: the physical GPUs (ordinals among the driver's) it may receive
+    CUDA IPC tensors on, in its local-ordinal order; ``[]`` for one on another host or not
+    started by the driver, and for all when CUDA IPC is off (runtime.zmq.cuda_ipc)."""
 
 
 class Ready(_Msg):

@@ -3,7 +3,9 @@
 :class:`Peers` owns the PULL that peers push DATA into and one PUSH per peer. It is the step
 engine's outbox (:class:`~runtime.engine.engine.Outbox`): an output that another controller
 reads goes to it once, as DATA, through shared memory when large and on one host
-(:class:`~runtime.zmq.transport.ShmPool`). What arrives is decoded (zero-copy) and handed to
+(:class:`~runtime.zmq.transport.ShmPool`); a CUDA tensor goes by CUDA IPC when SETUP says every
+destination is on this host and sees its GPU (:mod:`runtime.zmq.cuda_ipc`), else through host
+memory. What arrives is decoded (zero-copy) and handed to
 the engine; a message that does not decode, is over ``max_message_bytes``, names an edge no
 node here reads or a step outside those being run is dropped and logged. Each restore starts
 a new ``epoch``: data sent before it is dropped, not mixed in.
@@ -18,6 +20,7 @@ import zmq
 
 from runtime.errors import SendError
 from runtime.zmq import messages as m
+from runtime.zmq.cuda_ipc import Collector, IpcReceive, IpcSend, ipc_devices
 from runtime.zmq.serial import DecodeError, UnsupportedValueError, decode_value, encode_value
 from runtime.zmq.transport import Drops, ShmPool, ShmReader, largest_frame, make_socket, recv, send
 from yatt_graph.stream import Piece
@@ -66,6 +69,10 @@ class Peers:
         self.pool: ShmPool | None = None
         self.reader: ShmReader | None = None
         self._releases: list[tuple[int, str]] = []
+        self.ipc_gpus: list[list[int]] = []
+        self._ipc_send: dict[tuple[int, ...], IpcSend | None] = {}
+        self.ipc_receive: IpcReceive | None = None
+        self._ipc_collect = Collector()
         self._where = "this controller's data socket"
 
     def connect(self, setup: m.Setup) -> None:
@@ -78,6 +85,9 @@ class Peers:
         if setup.shm_threshold > 0 and setup.run_id and os.path.isdir("/dev/shm"):
             self.pool = ShmPool(setup.run_id, self.index, setup.shm_threshold)
             self.reader = ShmReader(setup.run_id, self._queue_release)
+        self.ipc_gpus = [list(g) for g in setup.cuda_ipc_gpus]
+        if 0 <= self.index < len(self.ipc_gpus) and self.ipc_gpus[self.index]:
+            self.ipc_receive = IpcReceive(self.index, self.ipc_gpus[self.index])
         peer_key = self.keys.controller_public if self.keys is not None else None
         self.out = {
             c: make_socket(
@@ -126,7 +136,7 @@ class Peers:
         if self.pool is not None:
             self.pool.refs = len(dests)
         try:
-            frames = encode_value(value, where="", shm=self.pool)
+            frames = encode_value(value, where="", shm=self.pool, cuda_ipc=self._ipc(dests))
         except UnsupportedValueError as exc:
             raise SendError(src, step, f"{where()}{exc}") from None
         self.check_size(frames, where, src, step)
@@ -136,6 +146,16 @@ class Peers:
         )  # fmt: skip
         for c in dests:
             send(self.out[c], header, frames)
+
+    def _ipc(self, dests: list[int]) -> IpcSend | None:
+        """How CUDA tensors to ``dests`` may go by IPC (None: all by host copy); one per set."""
+        if not self.ipc_gpus:
+            return None
+        key = tuple(dests)
+        if key not in self._ipc_send:
+            devices = ipc_devices(self.ipc_gpus, self.index, dests)
+            self._ipc_send[key] = IpcSend(devices, key) if devices else None
+        return self._ipc_send[key]
 
     def check_size(self, frames: list[Any], where: Any, node: str, step: int) -> None:
         """A SendError (naming what ``where()`` says) if a frame is over the run's limit."""
@@ -179,7 +199,7 @@ class Peers:
             dropped = engine.end_stream(msg.step, msg.src, msg.port, msg.piece)
         else:
             try:
-                decoded = decode_value(value, where="", shm=self.reader)
+                decoded = decode_value(value, where="", shm=self.reader, cuda_ipc=self.ipc_receive)
             except DecodeError as exc:
                 what = f"data {msg.src}.{msg.port} of step {msg.step} from controller {msg.sender}"
                 return m.Error(self.index, f"{what}{exc}", msg.src, msg.step, during="io")
@@ -196,7 +216,11 @@ class Peers:
         self._releases.append((owner, name))
 
     def send_releases(self) -> None:
-        """Tell owners that the shared-memory slots of values freed here are free again."""
+        """Tell owners that the shared-memory slots of values freed here are free again (and,
+        once this controller has sent CUDA IPC tensors, let torch free those that every
+        receiver has released: ``torch.cuda.ipc_collect``, about once a second)."""
+        if self._ipc_send:
+            self._ipc_collect.maybe(sum(s.sent for s in self._ipc_send.values() if s))
         while self._releases:
             owner, name = self._releases.pop()
             if owner == self.index and self.pool is not None:

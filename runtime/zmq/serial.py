@@ -18,6 +18,12 @@ metadata is dropped), and msgspec Structs whose class is registered with
 :func:`register_struct` or already imported by the receiver. Nothing is pickled; anything
 else raises :class:`UnsupportedValueError` naming where in the value it sits.
 
+A CUDA tensor is copied to host memory on the sender (the "CPU fallback") unless
+``encode_value(..., cuda_ipc=)`` allows its GPU: then, between controllers on one host that
+see that GPU, it travels by CUDA IPC (a msgpack extension holding torch's IPC handles, no
+pickle) and arrives in the sender's GPU memory, on the receiver's ordinal of that GPU, with
+its strides; see :mod:`runtime.zmq.cuda_ipc` for when, and what keeps the memory alive.
+
 Subclasses of list/dict/tuple/int/float/str arrive as the base type (an OrderedDict as a
 dict, a namedtuple as a tuple, an IntEnum as an int).
 
@@ -39,6 +45,7 @@ from typing import Any
 
 import msgspec
 
+from runtime.zmq.cuda_ipc import IpcSend
 from runtime.zmq.serial_decode import decode_value
 from runtime.zmq.serial_format import (
     _BYTES,
@@ -89,9 +96,16 @@ def _where(path: list[str]) -> str:
 
 # --- encoding ------------------------------------------------------------------------------
 class _Packer:
-    def __init__(self, inline: int, shm: ShmWriter | None, any_keys: bool = False):
+    def __init__(
+        self,
+        inline: int,
+        shm: ShmWriter | None,
+        any_keys: bool = False,
+        cuda_ipc: IpcSend | None = None,
+    ):
         self.buffers: list[Any] = []
         self.inline, self.shm, self.any_keys = inline, shm, any_keys
+        self.cuda_ipc = cuda_ipc if cuda_ipc is not None and cuda_ipc.devices else None
         self.torch = sys.modules.get("torch")
         if self.torch is not None and not _NUMPY_TORCH:
             for n in _TORCH_DTYPES:
@@ -219,7 +233,12 @@ class _Packer:
         if device == "meta":
             raise _Unsupported("a meta tensor has no data to send")
         if device != "cpu":
-            t = t.cpu()
+            ipc = self.cuda_ipc
+            if ipc is not None and device == "cuda":
+                physical = ipc.physical(t)
+                if physical is not None:  # strides kept: the receiver maps the same memory
+                    return ipc.ext(t.resolve_conj().resolve_neg(), name, physical)
+            t = t.cpu()  # the host copy ("CPU fallback")
         t = t.resolve_conj().resolve_neg()
         if not t.is_contiguous():
             t = t.contiguous()
@@ -279,14 +298,17 @@ def encode_value(
     inline: int = INLINE_BYTES,
     shm: ShmWriter | None = None,
     any_keys: bool = False,
+    cuda_ipc: IpcSend | None = None,
 ) -> list[Any]:
     """``[header, *buffers]`` for a value; buffers share memory with the value's tensors.
 
     Raises UnsupportedValueError naming ``where`` and the path inside the value
     (``node 'update' output 'metrics'['opt'][2]: a set cannot be sent ...``).
     ``any_keys=True`` also carries dicts with non-str keys (node state; see the module doc).
+    ``cuda_ipc``: CUDA tensors on the GPUs it lists go by CUDA IPC, one share per destination
+    (:class:`runtime.zmq.cuda_ipc.IpcSend`); None: every CUDA tensor takes the host copy.
     """
-    packer = _Packer(inline, shm, any_keys)
+    packer = _Packer(inline, shm, any_keys, cuda_ipc)
     try:
         tree = packer.pack(value)
     except _Unsupported as exc:

@@ -1,7 +1,8 @@
 """Decoding for the data-plane codec (:mod:`runtime.zmq.serial` has the format and the encoder):
 frames back to a value, zero-copy for tensors in frames; garbage raises DecodeError, never
 anything else, and decoding never runs code (a Struct class is looked up only among those
-registered or already imported)."""
+registered or already imported). A CUDA IPC tensor opens torch's IPC handle
+(:mod:`runtime.zmq.cuda_ipc`), only where the caller passes ``cuda_ipc``."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from typing import Any
 
 import msgspec
 
+from runtime.zmq.cuda_ipc import IpcReceive
 from runtime.zmq.serial_format import (
     _BYTES,
+    _CUDA_IPC,
     _IMAGE,
     _MAP,
     _MAX_DIMS,
@@ -59,6 +62,7 @@ class _Unpacker:
     def __init__(self) -> None:
         self.frames: Sequence[Any] = ()
         self.shm: ShmReader | None = None
+        self.cuda_ipc: IpcReceive | None = None
         self.decoder = msgspec.msgpack.Decoder(ext_hook=self.ext)
 
     def frame(self, index: Any) -> memoryview:
@@ -108,6 +112,10 @@ class _Unpacker:
             ):
                 raise DecodeError("bad map")
             return {k: x for k, x in fields}
+        if code == _CUDA_IPC:
+            if self.cuda_ipc is None:
+                raise DecodeError("a CUDA IPC tensor arrived on a link without CUDA IPC")
+            return self.cuda_ipc.tensor(fields)
         raise DecodeError(f"unknown extension type {code}")
 
     def small_tensor(self, payload: memoryview) -> Any:
@@ -225,18 +233,25 @@ def _imported(ref: str) -> type | None:
 
 
 def decode_value(
-    frames: Sequence[Any], *, where: str = "value", shm: ShmReader | None = None
+    frames: Sequence[Any],
+    *,
+    where: str = "value",
+    shm: ShmReader | None = None,
+    cuda_ipc: IpcReceive | None = None,
 ) -> Any:
     """The value :func:`encode_value` made ``frames`` from; DecodeError (naming ``where``) if garbage.
 
-    Tensors read from frames share the frames' memory (kept alive by the tensor).
+    Tensors read from frames share the frames' memory (kept alive by the tensor). A CUDA IPC
+    tensor decodes only with ``cuda_ipc`` (this controller's share and GPUs,
+    :class:`runtime.zmq.cuda_ipc.IpcReceive`); one whose handle does not open is a
+    DecodeError that says how to turn IPC off.
     """
     if not frames:
         raise DecodeError(f"{where}: no frames")
     unpacker = getattr(_local, "unpacker", None)
     if unpacker is None:
         unpacker = _local.unpacker = _Unpacker()  # one per thread: a Decoder is costly to make
-    unpacker.frames, unpacker.shm = frames[1:], shm
+    unpacker.frames, unpacker.shm, unpacker.cuda_ipc = frames[1:], shm, cuda_ipc
     try:
         return unpacker.decoder.decode(_buffer(frames[0]))
     except DecodeError as exc:
@@ -246,4 +261,4 @@ def decode_value(
             f"{where}: cannot decode the value: {type(exc).__name__}: {exc}"
         ) from None
     finally:
-        unpacker.frames, unpacker.shm = (), None  # hold no frame past the call
+        unpacker.frames, unpacker.shm, unpacker.cuda_ipc = (), None, None  # hold nothing

@@ -1,6 +1,7 @@
 """The data plane's wire format, shared by the encoder (:mod:`runtime.zmq.serial`) and the
 decoder (:mod:`runtime.zmq.serial_decode`): extension codes, the one dtype table, the errors,
-the shared-memory protocols and the registry of Struct classes."""
+the shared-memory protocols and the registry of Struct classes. The CUDA IPC extension's
+fields and lifetime rules are in :mod:`runtime.zmq.cuda_ipc`."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ _BYTES_FRAME = 64 * 1024
 """bytes values of at least this size get a frame of their own."""
 
 _TENSOR, _NDARRAY, _STRUCT, _TUPLE, _IMAGE, _BYTES, _MAP, _SMALL = 1, 2, 3, 4, 5, 6, 7, 8
+_CUDA_IPC = 9
+"""A CUDA tensor sent by CUDA IPC between controllers on one host (:mod:`runtime.zmq.cuda_ipc`):
+plain msgpack fields (dtype, shape, stride, offset, physical GPU, one IPC share per destination)."""
 _SMALL_HEAD = struct.Struct("<BB")
 """A small CPU tensor's extension: dtype index (in _TORCH_DTYPES), ndim, then ndim little-endian
 uint64 sizes and the raw bytes: read with struct, no nested msgpack (the dispatch path)."""
