@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nodes.models.offload import Offload
 from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
 from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
 from nodes.sync import apply_weights, decode_weights
@@ -77,7 +78,7 @@ def _prompt_batch(
         raise ValueError(f"node {node.name!r}: {err}") from err
 
 
-class ReferenceLogprobs(Sharing, Node):
+class ReferenceLogprobs(Offload, Sharing, Node):
     """``ref_logprobs: float32[B, R]`` from a frozen copy of the policy (0 at padding).
 
     Args:
@@ -224,7 +225,7 @@ def build_value_model(
         return ValueModel(trunk, detach_trunk=detach_trunk, seed=head_seed)
 
 
-class Critic(Sharing, Node):
+class Critic(Offload, Sharing, Node):
     """``values: float32[B, R]`` from a value head on a policy trunk (0 at padding).
 
     Args:

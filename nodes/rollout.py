@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from nodes.models.offload import Offload
 from nodes.models.policy import (
     Generation,
     HFVisionLanguagePolicy,
@@ -75,7 +76,7 @@ def _checkpoint_dir(spec: Any, model: Policy | None) -> str | None:
     return spec if isinstance(spec, str) and Path(spec).is_dir() else None
 
 
-class Rollout(Sharing, Node):
+class Rollout(Offload, Sharing, Node):
     """Prompts (+ images or image embeddings) -> sampled responses and their logprobs.
 
     With ``n`` samples per prompt, outputs have B = N * n rows, the n samples of a prompt in
@@ -399,6 +400,21 @@ class Rollout(Sharing, Node):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             yield
+
+    # --- the device, when roles take turns on it ----------------------------------------------
+    def offload(self) -> int:
+        """The HF policy off the device (:mod:`nodes.models.offload`) and a vLLM engine asleep
+        (with ``enable_sleep_mode``; its memory is not counted in the bytes)."""
+        moved = super().offload()
+        if self._vllm is not None:
+            self._vllm.sleep()
+        return moved
+
+    def reload(self) -> int:
+        moved = super().reload()
+        if self._vllm is not None:
+            self._vllm.wake_up()
+        return moved
 
     # --- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nodes.models.offload import Offload
 from yatt_graph import ANY, Node, Port, Tensor, node
 from yatt_graph.node import Built
 
@@ -90,7 +91,7 @@ class ToyPolicy(nn.Module):
         return self.net(emb)  # (B, V)
 
 
-class ToyRollout(Node):
+class ToyRollout(Offload, Node):
     """Sample ``length`` tokens per sample from the policy; loads new weights when given."""
 
     kind = "rollout"
@@ -147,7 +148,7 @@ def normalize(scores: Tensor("float32", "B"), eps: float = 1e-6) -> dict[str, An
     return {"advantages": (scores - scores.mean()) / (scores.std(unbiased=False) + eps)}  # (B,)
 
 
-class ToyUpdate(Node):
+class ToyUpdate(Offload, Node):
     """A PPO-clip step on the policy; emits the new weights and the step's metrics."""
 
     kind = "update"

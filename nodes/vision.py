@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nodes.models.offload import Offload
 from yatt_graph import ANY, BatchPolicy, Node
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built
@@ -57,7 +58,7 @@ def _open_clip_configs() -> dict[str, dict[str, Any]]:
     return {f.stem: json.loads(f.read_text()) for f in files}
 
 
-class VisionEncoder(Node):
+class VisionEncoder(Offload, Node):
     """PIL images -> ``image_embeds: float32[B, D]`` with an open_clip image tower.
 
     The constructor checks the options and reads the architecture's config (``embed_dim``,

@@ -356,6 +356,18 @@ class Node:
         """Called by executors before each call; nodes seed per-step randomness from ``self.step``."""
         self.step = step
 
+    # --- the device, when roles take turns on it ---------------------------------------------
+    def offload(self) -> int:
+        """Move the node's device state (weights, buffers, optimizer state) off its device,
+        for another role to use it; returns the bytes moved. Executors call it when roles
+        time-share a device (``offload=``), and :meth:`reload` before the node's next call.
+        Idempotent. Nodes without device state keep this one, which does nothing."""
+        return 0
+
+    def reload(self) -> int:
+        """Bring back what :meth:`offload` moved (returns the bytes moved); idempotent."""
+        return 0
+
     # --- state, for checkpoints and weight sync ----------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The node's mutable state (weights, optimizer, RNG); empty for stateless nodes."""

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from nodes.models.offload import Offload
 from nodes.rewards.base import RewardNode, fill_template, template_fields
 from yatt_graph import ANY, Port
 from yatt_graph.node import Built
@@ -48,7 +49,7 @@ def clip_score(
     return scale * cos  # (B,)
 
 
-class ClipScoreReward(RewardNode):
+class ClipScoreReward(Offload, RewardNode):
     """Image-text agreement through open_clip: ``scale * max(cos(image, text), 0)`` per sample.
 
     The text is ``template`` filled with the sample's response (and, if the template says so,

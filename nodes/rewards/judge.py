@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from nodes.models.files import _check_checkpoint_dir, _read_json
+from nodes.models.offload import Offload
 from nodes.rewards.base import RewardNode, fill_template, template_fields
 from nodes.rewards.models import _TORCH_DTYPES, _loading_as, _set_pad_token
 from yatt_graph import ANY, Port
@@ -85,7 +86,7 @@ def _family(path: str) -> str | None:
         return None
 
 
-class JudgeReward(RewardNode):
+class JudgeReward(Offload, RewardNode):
     """A causal LM or VLM judge (see the module docstring for the score).
 
     Ports: ``texts`` (the responses); ``prompts`` (required when the template has

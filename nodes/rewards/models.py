@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from nodes.models.files import _check_checkpoint_dir, _loading, _read_json
+from nodes.models.offload import Offload
 from nodes.rewards.base import RewardNode, fill_template, template_fields
 from nodes.rewards.clip import ClipScoreReward, clip_score  # noqa: F401 (older plans name them here)
 from yatt_graph.node import Built
@@ -77,7 +78,7 @@ def _set_pad_token(fn: str, tokenizer: Any) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
 
-class RewardModel(RewardNode):
+class RewardModel(Offload, RewardNode):
     """A learned reward: a transformers sequence classifier with one logit, on prompt + response.
 
     Exactly one of:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nodes.models.offload import Offload
 from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
 from nodes.reference import _prompt_batch
 from nodes.rl.losses import (
@@ -58,7 +59,7 @@ def _require_finite(what: str, x: Tensor, real: Tensor) -> None:
         raise _NonFinite(what)
 
 
-class _Update(_Ranked, Sharing, Node):
+class _Update(Offload, _Ranked, Sharing, Node):
     """What PPO and GRPO updates share: input checks, micro-batches, the guarded step, weights,
     and the rank group (``ranks > 1``: :mod:`nodes.update.ranks`)."""
 
