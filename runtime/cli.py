@@ -215,6 +215,7 @@ def _executor_factory(
                     check_finite=check_finite,
                     replicas=args.replica_counts,
                     replica_factory=spawn_replica,
+                    offload=args.offload,
                 )
             )
         from runtime.sched.placement import controller_assignment
@@ -250,6 +251,7 @@ def _executor_factory(
                 placement=args.placement,
                 device=options.get("device") or "auto",
                 adaptive=not args.no_adaptive,
+                offload=args.offload,
                 group=vars(args).pop("early_group", None),  # the first run's, started early
             )
         )

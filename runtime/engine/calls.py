@@ -57,6 +57,9 @@ class StepResult(msgspec.Struct):
     sched: dict[str, float] = {}
     """What the executor computed on for this step, as ``sched/*`` metrics (a ZeroMQ run:
     each controller's threads and cores, the adaptive partitioner's changes so far)."""
+    switches: list[tuple[str, float, float, int, int]] = []
+    """Roles taking turns on a device (:mod:`runtime.engine.switch`): each offload and reload
+    of this step as ``(what, start time.time(), seconds, bytes moved, controller)``."""
 
 
 def describe(value: Any) -> str:

@@ -34,6 +34,7 @@ from runtime.engine.delayed import DelayedValues
 from runtime.engine.rng import rng_state, set_rng_state
 from runtime.engine.stream_steps import StreamSteps, _Consumer
 from runtime.engine.streams import StreamBook
+from runtime.engine.switch import Switch
 from yatt_graph import NodeExecutionError
 from yatt_graph.stream import Piece
 
@@ -71,6 +72,8 @@ class StepEngine(StreamSteps):
             (the newest that has arrived), see :mod:`runtime.engine.delayed`.
         window: the most steps allowed at once; values for steps further ahead are refused.
         limits: node -> the longest one call may run (for :class:`Running`), 0: none.
+        switch: ``"phase"`` or ``"roles"``: offload and reload the nodes' device state when
+            roles take turns on a device (:mod:`runtime.engine.switch`); None: never.
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class StepEngine(StreamSteps):
         splitter: Any = None,
         check_finite: bool = False,
         limits: Mapping[str, float] | None = None,
+        switch: str | None = None,
     ):
         self.nodes = dict(nodes)
         self.order = [n for n in order if n in self.nodes]
@@ -128,6 +132,7 @@ class StepEngine(StreamSteps):
             self.delayed_of[e.dst].append(e)
             self.delayed_keys.setdefault((e.src, e.src_port), []).append(e)
         self.running: Running | None = None
+        self.switch = Switch(self.nodes, switch, here) if switch else None
         self.reset(0)
 
     def reset(self, step: int) -> None:
@@ -222,19 +227,35 @@ class StepEngine(StreamSteps):
             self.staleness[step][f"{name}.{e.dst_port}"] = age
         return inputs
 
-    def run_one(self) -> bool:
-        """Run the ready node with the lowest (step, topological index); False if none is ready."""
+    def _pick(self) -> str | None:
+        """The ready node with the lowest (step, topological index), or None."""
         best = None
         for name in self.order:
             if self._ready(name) and (best is None or self.next_step[name] < self.next_step[best]):
                 best = name
+        return best
+
+    def run_one(self) -> bool:
+        """Run the ready node with the lowest (step, topological index); False if none is ready."""
+        best = self._pick()
         if best is None:
             return False
         step = self.next_step[best]
+        if self.switch is None:
+            self._call(best, step)
+            return True
+        self.switch.before(best, step)
+        self._call(best, step)
+        if not self.consumers and self._pick() is None:  # this process's turn ends
+            self.switch.phase_done(step)
+        return True
+
+    def _call(self, best: str, step: int) -> None:
+        """Run ``best`` at ``step`` (it is ready): a piece, or a whole call."""
         consumer = self.consumers.get((step, best))
         if consumer is not None:
             self._run_piece(best, step, consumer)
-            return True
+            return
         inputs = self.pending.pop((step, best), {})
         inputs.update(self._read_delayed(best, step))
         for e in self.in_edges[best]:
@@ -252,7 +273,6 @@ class StepEngine(StreamSteps):
             self.running = None
         self.seconds[step][best] = time.perf_counter() - t0
         self._finish(best, step, out, streamed=node.streaming)
-        return True
 
     def _finish(self, name: str, step: int, out: dict[str, Any], streamed: bool = False) -> None:
         """A node's call for ``step`` is done: hand its outputs on (those of a streaming node
@@ -288,6 +308,7 @@ class StepEngine(StreamSteps):
                 {n: starts[n] for n in self.order if n in starts},
                 dict.fromkeys(seconds, self.here),
                 self.staleness.pop(step, {}),
+                switches=self.switch.pop(step) if self.switch is not None else [],
             )
 
     # --- state, between steps -----------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 from runtime.engine.calls import StepResult, describe
 from runtime.engine.delayed import check_staleness_mode
 from runtime.engine.engine import StepEngine
+from runtime.engine.switch import check_offload, switch_metrics
 from runtime.sched.replicas import node_caller
 from runtime.sched.splitting import device_pool
 from yatt_graph import Graph, Plan
@@ -50,6 +51,12 @@ class LocalExecutor:
             an inference node and cut each call across them (:mod:`runtime.sched.replicas`).
         replica_factory: starts replica i of a node (``runtime.zmq.replicas.spawn_replica``,
             which the CLI passes; this layer does not start processes itself).
+        offload: ``"on"``: the model roles take turns on their device: before a node with
+            device state runs, the others' state moves to host memory and its own comes back
+            (:mod:`runtime.engine.switch`), timed in ``StepResult.switches`` and ``sched/*``.
+            ``"auto"`` (the default) and ``"off"``: never. In one process no other process
+            waits for the memory, so moving it pays only when the models do not fit on the
+            device together, which the user knows and asks for with ``"on"``.
     """
 
     def __init__(
@@ -62,12 +69,14 @@ class LocalExecutor:
         check_finite: bool = False,
         replicas: Mapping[str, int] | None = None,
         replica_factory: Callable[[Any, int, int], Any] | None = None,
+        offload: str = "auto",
     ):
         self.plan = plan if isinstance(plan, Plan) else plan.plan(1)
         self.graph = self.plan.graph
         self.graph.validate()
         self.max_staleness = check_staleness(max_staleness, "LocalExecutor")
         self.staleness = check_staleness_mode(staleness, "LocalExecutor")
+        self.offload = check_offload(offload, "LocalExecutor") == "on"
         pool = device_pool(devices)
         nodes = self.graph.nodes
         # Nodes that can share a model (nodes/shared_models.py) learn the staleness first: one
@@ -90,6 +99,7 @@ class LocalExecutor:
             staleness=self.staleness,
             splitter=self.splitter,
             check_finite=check_finite,
+            switch="roles" if self.offload else None,
         )
         self.next_step = 0
 
@@ -101,6 +111,8 @@ class LocalExecutor:
             pass
         (result,) = engine.finished()
         result.node_controller = {n: self.plan.assignment[n] for n in result.node_seconds}
+        if self.offload:
+            result.sched = switch_metrics(result.switches)
         self.next_step = step + 1
         return result
 

@@ -91,6 +91,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "controllers between steps, toward the busiest (sched/* metrics)",
     )
     p.add_argument(
+        "--offload",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="when roles take turns on a device, move a role's weights and optimizer state to "
+        "host memory when its turn ends and back before its next call, timed (sched/switch_s); "
+        "auto: when controllers share a GPU under colocated placement; on: always (in-process: "
+        "between model roles); off: never",
+    )
+    p.add_argument(
         "--listen",
         default=None,
         metavar="tcp://HOST:PORT",

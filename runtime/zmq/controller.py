@@ -227,6 +227,8 @@ class Controller:
             splitter=self.splitter,
             check_finite=setup.check_finite,
             limits=limits,
+            # its GPU is time-shared: its nodes' device state leaves when its turn ends
+            switch="phase" if self.index in setup.offload_controllers else None,
         )
         self.peers.connect(setup)
 
@@ -288,7 +290,7 @@ class Controller:
             applied, self._tell_applied = self.applied if self._tell_applied else None, False
             done = m.StepDone(
                 self.index, step, result.node_seconds, result.node_start,
-                resources=applied, staleness=result.staleness,
+                resources=applied, staleness=result.staleness, switches=result.switches,
             )  # fmt: skip
             self._to_driver(done, frames)
 

@@ -44,6 +44,7 @@ from typing import Any
 
 from runtime.engine.calls import StepResult
 from runtime.engine.delayed import check_staleness_mode
+from runtime.engine.switch import check_offload, offloading, switch_metrics
 from runtime.errors import ControllerError, HandshakeError, NodeTimeoutError
 from runtime.sched.affinity import start_cores
 from runtime.sched.devices import Resources, visible_gpus
@@ -96,6 +97,12 @@ class ZmqExecutor:
             every core (they take turns), else a disjoint share; ``device`` ``"cuda"`` (or
             ``"auto"`` where GPUs are visible) gives each its GPUs (``CUDA_VISIBLE_DEVICES``).
         resources: each controller's :class:`~runtime.sched.devices.Resources` instead.
+        offload: ``"auto"``: a controller whose GPU another controller shares under colocated
+            placement on-policy offloads its nodes' device state (weights, optimizer state) to
+            host memory when its part of a step ends, and reloads it before its next model
+            call (:mod:`runtime.engine.switch`); ``"on"``: every controller does (on a CPU
+            nothing moves, the switches are still timed); ``"off"``: none. Timed in
+            ``StepResult.switches`` and the ``sched/switch_s`` metrics.
         adaptive: re-balance cores between controllers between steps from their measured busy
             time (:mod:`runtime.sched.partition`; ``sched/*`` in :attr:`StepResult.sched`);
             only with ``num_threads=None`` and controllers started here. False keeps the
@@ -162,6 +169,7 @@ class ZmqExecutor:
         device: str = "auto",
         resources: Sequence[Resources] | None = None,
         adaptive: bool = True,
+        offload: str = "auto",
         cuda_ipc: bool | None = None,
     ):
         if isinstance(plan, Graph):
@@ -183,6 +191,10 @@ class ZmqExecutor:
             device=device, resources=resources,
         )  # fmt: skip
         replica_counts(plan.graph.nodes, replicas)  # an unknown or uncopyable node: now, here
+        self.offload = offloading(
+            check_offload(offload, "ZmqExecutor"), placement=placement,
+            max_staleness=max_staleness, resources=start,
+        )  # fmt: skip
         self.spin_s = float(spin_s)
         self._wait_s = 0.0  # how long the last step's results took to come in
         self.keys = load_keys(keys, "driver") if keys is not None else None
@@ -224,6 +236,7 @@ class ZmqExecutor:
             check_finite=check_finite,
             hang_warning_s=hang_warning_s,
             replicas=dict(replicas or {}),
+            offload_controllers=self.offload,
         )
         owned = [
             [n for n in self.order if plan.assignment[n] == c] for c in range(plan.controllers)
@@ -357,6 +370,8 @@ class ZmqExecutor:
     def _rebalance(self, result: StepResult) -> None:
         """Send the partitioner's new Resources (if it decides a change); the step's sched/*."""
         result.sched = sched_metrics(self.resources)
+        if self.offload:
+            result.sched.update(switch_metrics(result.switches, self.offload))
         if self._rebalancer is None:
             return
         new = self._rebalancer.after_step(result)
@@ -400,7 +415,9 @@ class ZmqExecutor:
         starts: dict[str, float] = {}
         staleness: dict[str, int | None] = {}
         outputs: dict[str, Any] = {}
+        switches: list[tuple[str, float, float, int, int]] = []
         for done, out in parts.values():
+            switches += done.switches
             seconds.update(done.node_seconds)
             starts.update(done.node_start)
             staleness.update(done.staleness)
@@ -412,6 +429,7 @@ class ZmqExecutor:
             {n: starts[n] for n in self.order if n in starts},
             dict(self.plan.assignment),
             dict(sorted(staleness.items())),
+            switches=sorted(switches, key=lambda s: s[1]),
         )
 
     def _other_event(self, event: Received, during: str = "") -> None:

@@ -222,6 +222,9 @@ class Setup(_Msg):
     """Per controller, by index: the physical GPUs (ordinals among the driver's) it may receive
     CUDA IPC tensors on, in its local-ordinal order; ``[]`` for one on another host or not
     started by the driver, and for all when CUDA IPC is off (runtime.zmq.cuda_ipc)."""
+    offload_controllers: list[int] = []
+    """The controllers that offload their nodes' device state when their part of a step ends
+    and reload it before their next model call (runtime.engine.switch, ``offload=``)."""
 
 
 class Ready(_Msg):
@@ -280,6 +283,8 @@ class StepDone(_Msg):
     """Set in the first STEP_DONE after a RESOURCES: what the controller applied."""
     staleness: dict[str, int | None] = {}
     """Versions old of each delayed-edge read here, by "dst.port" (``StepResult.staleness``)."""
+    switches: list[tuple[str, float, float, int, int]] = []
+    """Its offloads and reloads of the step (``StepResult.switches``)."""
 
 
 class Error(_Msg):
