@@ -191,6 +191,52 @@ def _cli_runs(steps: int, out: Path, policies: dict[str, Path]) -> None:
         row(name, "ok", f"{seconds:.0f} s, {reward}")
 
 
+def _offload_check(policy: Path) -> None:
+    """Issue 16: text_grpo's model state (policy, optimizer, reference) off the GPU and back,
+    timed, with the memory it frees (``torch.cuda.memory_allocated``) and the weights equal
+    after. On ``--device cpu`` the moves are CPU copies (``ALWAYS_COPY``): no memory figure."""
+    import nodes.models.offload as off
+    from runtime.engine.local import LocalExecutor
+    from runtime.engine.switch import has_device_state
+    from yatt_graph.refs import load_graph
+
+    name = "offload + reload of text_grpo's policy, optimizer, reference"
+    graph = load_graph("graphs.text_grpo", policy=str(policy), device=DEVICE, batch_size=8)
+    ex = LocalExecutor(graph)
+    ex.step()  # the optimizer has its state
+    models = [n for n in graph.nodes.values() if has_device_state(n)]
+    weights = {k: v.clone() for k, v in graph.nodes["grpo"].policy.state_dict().items()}
+    cuda = DEVICE == "cuda"
+    off.ALWAYS_COPY = not cuda
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated() if cuda else 0
+        t0 = time.perf_counter()
+        moved = sum(n.offload() for n in models)
+        away = time.perf_counter() - t0
+        after = torch.cuda.memory_allocated() if cuda else 0
+        t0 = time.perf_counter()
+        back = sum(n.reload() for n in models)
+        again = time.perf_counter() - t0
+    finally:
+        off.ALWAYS_COPY = False
+    policy_now = graph.nodes["grpo"].policy.state_dict()
+    same = all(torch.equal(v.cpu(), policy_now[k].cpu()) for k, v in weights.items())
+    freed = before - after
+    mib = 1 << 20
+    figure = (
+        f"{moved / mib:.0f} MiB off in {away * 1e3:.0f} ms ({moved / max(away, 1e-9) / 1e9:.1f}"
+        f" GB/s), back in {again * 1e3:.0f} ms"
+    )
+    if cuda:
+        figure += f"; allocated {before / mib:.0f} -> {after / mib:.0f} MiB"
+    ok = same and back == moved and moved > 0 and (not cuda or freed >= 0.9 * moved)
+    why = "" if ok else f" (weights equal: {same}, moved {moved} back {back}, freed {freed})"
+    row(name, "ok" if ok else f"FAILED{why}", figure)
+    ex.step()  # and the run goes on
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=20)
@@ -202,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     DEVICE = args.device
     cli_rows = [f"{_cli_name(g, r)}, {args.steps} steps" for g, r in CLI_RUNS]
     if DEVICE == "cuda" and not torch.cuda.is_available():
-        for check in [f"{m}: {c}" for m in MODELS for c in CHECKS] + cli_rows:
+        for check in (
+            [f"{m}: {c}" for m in MODELS for c in CHECKS] + ["offload + reload"] + cli_rows
+        ):
             row(check, "skipped: no CUDA")
     else:
         gpu = torch.cuda.get_device_name(0) if DEVICE == "cuda" else DEVICE
@@ -214,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
                     _model_checks(name, policies[name])
                 except Exception as err:  # one model's failure must not hide the other's rows
                     row(f"{name}: checks", f"FAILED ({type(err).__name__}: {err})")
+            try:
+                _offload_check(policies["qwen2"])
+            except Exception as err:
+                row("offload + reload", f"FAILED ({type(err).__name__}: {err})")
             if args.skip_cli:
                 for name in cli_rows:
                     row(name, "skipped: --skip-cli")
