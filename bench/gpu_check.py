@@ -14,6 +14,9 @@ Builds a tiny Qwen2-VL and a tiny Qwen2 in code, saves them, then on CUDA, for e
    agree with the HF policy's holding the same weights (at least ``AGREEMENT`` of the
    tokens: float kernels differ on near ties) and differ from before the update;
 
+a 64 MiB CUDA tensor between two controller processes on one GPU by CUDA IPC and by the
+host copy (equal values, milliseconds from the source to the sink; :mod:`bench.cuda_ipc`);
+
 then ``--steps`` steps through the CLI with ``--device cuda`` of mm_grpo, text_grpo and
 text_grpo with ``--rollout vllm`` (wall time, reward first -> last; a row says skipped with
 the CLI's reason if it refuses the flags).
@@ -50,6 +53,7 @@ CLI_RUNS = (
     ("graphs/text_grpo.py", "hf"),
     ("graphs/text_grpo.py", "vllm"),
 )
+IPC_ROWS = ("CUDA IPC", "host copy")  # bench.cuda_ipc's two rows
 N = 32  # prompts per rollout
 
 ROWS: list[tuple[str, str, str]] = []
@@ -249,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     cli_rows = [f"{_cli_name(g, r)}, {args.steps} steps" for g, r in CLI_RUNS]
     if DEVICE == "cuda" and not torch.cuda.is_available():
         for check in (
-            [f"{m}: {c}" for m in MODELS for c in CHECKS] + ["offload + reload"] + cli_rows
-        ):
+            [f"{m}: {c}" for m in MODELS for c in CHECKS] + ["offload + reload"]
+            + [f"64 MiB {DEVICE} tensor, 2 controllers, 1 GPU, {h}" for h in IPC_ROWS] + cli_rows
+        ):  # fmt: skip
             row(check, "skipped: no CUDA")
     else:
         gpu = torch.cuda.get_device_name(0) if DEVICE == "cuda" else DEVICE
@@ -266,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                 _offload_check(policies["qwen2"])
             except Exception as err:
                 row("offload + reload", f"FAILED ({type(err).__name__}: {err})")
+            from bench.cuda_ipc import ipc_rows  # CUDA IPC vs host copy (issue 16)
+
+            ipc_rows(row, mib=64, steps=5, device=DEVICE)
             if args.skip_cli:
                 for name in cli_rows:
                     row(name, "skipped: --skip-cli")
