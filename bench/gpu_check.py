@@ -17,6 +17,10 @@ Builds a tiny Qwen2-VL and a tiny Qwen2 in code, saves them, then on CUDA, for e
 a 64 MiB CUDA tensor between two controller processes on one GPU by CUDA IPC and by the
 host copy (equal values, milliseconds from the source to the sink; :mod:`bench.cuda_ipc`);
 
+then text_grpo's model state (policy, optimizer, reference) offloaded to pinned host memory
+and reloaded, as colocated roles hand the GPU over (issue 16): time, GB/s, the memory freed
+(``torch.cuda.memory_allocated``) and the weights equal after;
+
 then ``--steps`` steps through the CLI with ``--device cuda`` of mm_grpo, text_grpo and
 text_grpo with ``--rollout vllm`` (wall time, reward first -> last; a row says skipped with
 the CLI's reason if it refuses the flags).
