@@ -336,7 +336,7 @@ class Controller:
                     self._fail(exc)
             self.peers.send_releases()
             try:
-                self._receive(poller, poll_ms(ran, self.engine.wake_in()))
+                self._receive(poller, poll_ms(ran, None if ran else self.engine.wake_in()))
             except _Stop:
                 return
             except Exception as exc:  # a receive that broke: tell the driver, once
