@@ -14,9 +14,8 @@ import threading
 
 import pytest
 import torch
-from zmq_graphs import assert_gone
+from zmq_graphs import assert_gone, in_process_run
 
-from runtime.engine.local import LocalExecutor
 from runtime.sched import affinity
 from runtime.sched.affinity import DRIVER_CUDA_ENV, child_env, set_process_affinity
 from runtime.sched.devices import (
@@ -238,12 +237,7 @@ def test_the_default_two_controller_run_equals_in_process_at_the_same_thread_cou
     # reductions split alike and the metrics agree bitwise. (Thread counts change the last
     # bits: 1 vs 2 threads differ in the losses. So adaptive is off here: a re-balance would
     # change a controller's threads part-way.)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(len(CORES))
-    try:
-        expected = LocalExecutor(load_graph("graphs.mm_ppo", batch_size=8)).run(6)
-    finally:
-        torch.set_num_threads(threads)
+    expected = in_process_run("graphs.mm_ppo", 6, len(CORES), batch_size=8)
     with ZmqExecutor(load_graph("graphs.mm_ppo", batch_size=8).plan(2), adaptive=False) as ex:
         got = ex.run(6)
         assert [r.threads for r in ex.resources] == [len(CORES)] * 2

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from zmq_graphs import in_process_run
 
-from runtime.engine.local import LocalExecutor
 from runtime.sched.devices import Resources, usable_core_ids
 from runtime.zmq.driver import ZmqExecutor
 from yatt_graph.refs import load_graph
@@ -25,12 +25,7 @@ def test_a_run_whose_cores_move_between_steps_equals_the_plain_run_up_to_roundin
     # a logit's last bit does not move a sample on this graph). Up to rounding: the losses and
     # statistics, whose reductions split by the thread count (a clip fraction within a sample
     # or two).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(len(CORES))
-    try:
-        want = LocalExecutor(load_graph("graphs.mm_ppo", batch_size=8)).run(6)
-    finally:
-        torch.set_num_threads(threads)
+    want = in_process_run("graphs.mm_ppo", 6, len(CORES), batch_size=8)
     with ZmqExecutor(load_graph("graphs.mm_ppo", batch_size=8).plan(2), adaptive=False) as ex:
         got = ex.run(3)
         ex.set_resources([Resources(CORES[:1], 1), Resources(CORES[1:], len(CORES) - 1)])

@@ -414,6 +414,20 @@ def assert_same(a: Any, b: Any, where: str = "value") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
+def in_process_run(ref: str, steps: int, threads: int, **options: Any) -> list[Any]:
+    """An in-process run of graph ``ref`` with torch's threads set to ``threads`` (a ZeroMQ run
+    whose controllers compute on that many threads splits float reductions alike)."""
+    from runtime.engine.local import LocalExecutor
+    from yatt_graph.refs import load_graph
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return LocalExecutor(load_graph(ref, **options)).run(steps)
+    finally:
+        torch.set_num_threads(before)
+
+
 def drive(controllers: int = 2, steps: int = 10_000) -> None:
     """A driver for the signal tests: prints its controllers' pids and run dir, then runs slowly."""
     import json
