@@ -21,9 +21,10 @@ then text_grpo's model state (policy, optimizer, reference) offloaded to pinned 
 and reloaded, as colocated roles hand the GPU over (issue 16): time, GB/s, the memory freed
 (``torch.cuda.memory_allocated``) and the weights equal after;
 
-then ``--steps`` steps through the CLI with ``--device cuda`` of mm_grpo, text_grpo and
-text_grpo with ``--rollout vllm`` (wall time, reward first -> last; a row says skipped with
-the CLI's reason if it refuses the flags).
+then ``--steps`` steps through the CLI with ``--device cuda`` of mm_grpo, text_grpo,
+text_grpo with ``--rollout vllm``, and mm_grpo on two controllers that time-share the GPU
+(``--controllers 2 --offload auto``: the offload/reload time and bytes of a step) (wall time,
+reward first -> last; a row says skipped with the CLI's reason if it refuses the flags).
 
 It prints one table (check, result, figure). Without CUDA every row says "skipped: no CUDA"
 and it exits 0, so it runs anywhere; a failed check exits 1. ``--device cpu`` runs the same
@@ -52,10 +53,13 @@ AGREEMENT = 0.95
 """The share of greedy tokens vLLM and HF must agree on after the update."""
 MODELS = ("qwen2_vl", "qwen2")
 CHECKS = ("HF rollout", "vLLM rollout", "vLLM vs HF logprobs", "weight update into vLLM")
-CLI_RUNS = (
-    ("graphs/mm_grpo.py", "hf"),
-    ("graphs/text_grpo.py", "hf"),
-    ("graphs/text_grpo.py", "vllm"),
+CLI_RUNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("graphs/mm_grpo.py", "hf", ()),
+    ("graphs/text_grpo.py", "hf", ()),
+    ("graphs/text_grpo.py", "vllm", ()),
+    # two controllers time-sharing the one GPU (colocated, on-policy): devices per controller,
+    # tensors between them by CUDA IPC, and each role's state offloaded when its turn ends
+    ("graphs/mm_grpo.py", "hf", ("--controllers", "2", "--offload", "auto")),
 )
 IPC_ROWS = ("CUDA IPC", "host copy")  # bench.cuda_ipc's two rows
 N = 32  # prompts per rollout
@@ -71,9 +75,21 @@ def row(check: str, result: str, figure: str = "") -> None:
 DEVICE = "cuda"
 
 
-def _cli_name(graph: str, rollout: str) -> str:
+def _cli_name(graph: str, rollout: str, flags: tuple[str, ...] = ()) -> str:
     vllm = " --rollout vllm" if rollout == "vllm" else ""
-    return f"{Path(graph).stem} --device {DEVICE}{vllm}"
+    return " ".join([f"{Path(graph).stem} --device {DEVICE}{vllm}", *flags])
+
+
+def _switch_figure(metrics: Path) -> str:
+    """The last step's offload/reload time and bytes (``sched/*``), if the run switched."""
+    try:
+        last = json.loads(metrics.read_text().strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError):
+        return ""
+    if "sched/switch_s" not in last:
+        return ", no switches"
+    gb = (last.get("sched/offload_bytes", 0.0) + last.get("sched/reload_bytes", 0.0)) / 1e9
+    return f", switch {1000 * last['sched/switch_s']:.1f} ms/step ({gb:.3f} GB moved)"
 
 
 def _save_policies(tmp: Path) -> dict[str, Path]:
@@ -172,15 +188,15 @@ def _cli_runs(steps: int, out: Path, policies: dict[str, Path]) -> None:
     from nodes.rollout import vllm_unavailable_reason
 
     yatt = str(Path(sys.executable).parent / "yatt-graph")
-    for graph, rollout in CLI_RUNS:
-        name = f"{_cli_name(graph, rollout)}, {steps} steps"
+    for graph, rollout, flags in CLI_RUNS:
+        name = f"{_cli_name(graph, rollout, flags)}, {steps} steps"
         why = vllm_unavailable_reason() if rollout == "vllm" else None
         if why:
             row(name, f"skipped: {why}")
             continue
-        folder = out / f"{Path(graph).stem}-{rollout}"
+        folder = out / "-".join([Path(graph).stem, rollout, *(f.strip("-") for f in flags)])
         cmd = [yatt, "run", graph, "--steps", str(steps), "--device", DEVICE]
-        cmd += ["--out", str(folder), "--quiet", "--rollout", rollout]
+        cmd += ["--out", str(folder), "--quiet", "--rollout", rollout, *flags]
         if "text" in graph:
             cmd += ["--policy", str(policies["qwen2"])]
         start = time.perf_counter()
@@ -196,7 +212,8 @@ def _cli_runs(steps: int, out: Path, policies: dict[str, Path]) -> None:
         summary = json.loads(done.stdout.strip().splitlines()[-1])
         first, final = summary.get("reward_first"), summary.get("reward_last")
         reward = f"reward {first:.3f} -> {final:.3f}" if first is not None else "no reward"
-        row(name, "ok", f"{seconds:.0f} s, {reward}")
+        switches = _switch_figure(folder / "metrics.jsonl") if flags else ""
+        row(name, "ok", f"{seconds:.0f} s, {reward}{switches}")
 
 
 def _offload_check(policy: Path) -> None:
@@ -254,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     global DEVICE
     DEVICE = args.device
-    cli_rows = [f"{_cli_name(g, r)}, {args.steps} steps" for g, r in CLI_RUNS]
+    cli_rows = [f"{_cli_name(g, r, f)}, {args.steps} steps" for g, r, f in CLI_RUNS]
     if DEVICE == "cuda" and not torch.cuda.is_available():
         for check in (
             [f"{m}: {c}" for m in MODELS for c in CHECKS] + ["offload + reload"]
