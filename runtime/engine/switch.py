@@ -7,8 +7,10 @@ engine asks a :class:`Switch` when:
 
 * ``"phase"`` (a ZeroMQ controller whose device another controller shares): once nothing
   here is ready to run (its part of the step is done, the next role is elsewhere) and no
-  stream is being fed here, every node here is offloaded; before the next call of a node
-  with device state, every node here is reloaded.
+  stream is being fed here, every node here is offloaded; a node's state comes back just
+  before its own next call, not its neighbours': a small node that runs early (the vision
+  encoder of the next step, while another controller still trains) does not bring the
+  rollout's policy back onto a device the trainer is using.
 * ``"roles"`` (the in-process executor, several model roles on one device): before a node
   with device state runs, the other nodes' state leaves and its own comes back.
 
@@ -105,7 +107,7 @@ class Switch:
             return  # a node without device state needs none back
         if self.mode == "phase":
             if name not in self.resident:
-                self._timed("reload", [n for n in self.nodes if n not in self.resident], step)
+                self._timed("reload", [name], step)
             return
         self._timed("offload", [n for n in self.nodes if n in self.resident and n != name], step)
         if name not in self.resident:

@@ -85,13 +85,17 @@ def test_a_controller_offloads_when_its_turn_ends_and_reloads_before_its_next_ca
     ex.engine.switch = Switch(ex.engine.nodes, "phase", here=3)  # a controller's switch
     log.clear()
     results = ex.run(2)
+    # each node's state comes back just before its own call, not with its neighbours'
     assert log == [
         ("call", "a", 0), ("call", "b", 0), ("offload", "a"), ("offload", "b"),
-        ("reload", "a"), ("reload", "b"), ("call", "a", 1), ("call", "b", 1),
+        ("reload", "a"), ("call", "a", 1), ("reload", "b"), ("call", "b", 1),
         ("offload", "a"), ("offload", "b"),
     ]  # fmt: skip
     kinds = [[(w, moved, c) for w, _, _, moved, c in r.switches] for r in results]
-    assert kinds == [[("offload", 16, 3)], [("reload", 16, 3), ("offload", 16, 3)]]
+    assert kinds == [
+        [("offload", 16, 3)],
+        [("reload", 8, 3), ("reload", 8, 3), ("offload", 16, 3)],
+    ]
 
 
 def test_switch_metrics_and_spans_appear_per_step():
