@@ -33,8 +33,10 @@ receiver waits on before using the memory, so the sender need not synchronize. W
 producer must not do: modify a tensor in place after it is sent (the receiver reads the same
 memory, and a receiver's in-place write reaches the sender's tensor: treat sent tensors as
 read-only on both sides, as the in-process executor shares the object too). A message a
-receiver drops without decoding (stale epoch, an edge it does not read) never decrements its
-counter: that block stays in limbo until the sender exits. A tensor that itself arrived by
+receiver drops without decoding (stale epoch, an edge it does not read) has its counters
+decremented all the same (:meth:`IpcReceive.release`, through
+:func:`runtime.zmq.serial_decode.release_ipc`), without opening the memory, so the sender's
+block is freed by its next collect. A tensor that itself arrived by
 IPC cannot be shared again (torch refuses), so it is first cloned on its GPU.
 """
 
@@ -182,6 +184,12 @@ class IpcReceive:
                 f"({type(exc).__name__}: {first}); {FIX}"
             ) from None
 
+    def release(self, fields: Any) -> None:
+        """Decrement this controller's counter of an IPC tensor it will not open (its message
+        is dropped undecoded), so the sender can free the block; DecodeError if garbage."""
+        args = rebuild_args(fields, self.index, lambda physical: physical)
+        _release_counter(args["ref_counter"], args["ref_counter_offset"])
+
 
 def rebuild_args(fields: Any, index: int, local: Any) -> dict[str, Any]:
     """The checked arguments of ``rebuild_cuda_tensor`` (less the classes and dtype object) for
@@ -243,6 +251,14 @@ def _rebuild(args: dict[str, Any]) -> Any:
         dtype, args["device"], args["handle"], args["storage_bytes"], args["storage_offset"],
         False, args["ref_counter"], args["ref_counter_offset"], args["event"], args["event_sync"],
     )  # fmt: skip
+
+
+def _release_counter(ref_counter: bytes, offset: int) -> None:
+    """What torch's rebuild does for a storage it already holds: one decrement of the
+    sender's shared-memory ref counter (no CUDA call)."""
+    import torch
+
+    torch.UntypedStorage._release_ipc_counter_cuda(ref_counter, offset)
 
 
 class Collector:

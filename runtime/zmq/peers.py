@@ -22,6 +22,7 @@ from runtime.errors import SendError
 from runtime.zmq import messages as m
 from runtime.zmq.cuda_ipc import Collector, IpcReceive, IpcSend, ipc_devices
 from runtime.zmq.serial import DecodeError, UnsupportedValueError, decode_value, encode_value
+from runtime.zmq.serial_decode import release_ipc
 from runtime.zmq.transport import Drops, ShmPool, ShmReader, largest_frame, make_socket, recv, send
 from yatt_graph.stream import Piece
 
@@ -188,12 +189,14 @@ class Peers:
             return None
         if not engine.reads(msg.src, msg.port):
             self.drops.drop(where, f"data for {msg.src}.{msg.port}, which no node here reads")
+            self._release_ipc(msg, value)
             return None
         if msg.epoch != self.epoch:
             if msg.epoch > self.epoch:
                 self.drops.drop(
                     where, f"data of epoch {msg.epoch}; this controller is at {self.epoch}"
                 )
+            self._release_ipc(msg, value)
             return None  # sent before the last restore: stale by design, dropped quietly
         if msg.end:
             dropped = engine.end_stream(msg.step, msg.src, msg.port, msg.piece)
@@ -211,6 +214,11 @@ class Peers:
         for why in dropped:
             self.drops.drop(where, why)
         return None
+
+    def _release_ipc(self, msg: m.Data, value: Any) -> None:
+        """A DATA message dropped undecoded: let its sender free the CUDA IPC tensors in it."""
+        if self.ipc_receive is not None and not msg.end and value:
+            release_ipc(value, self.ipc_receive)
 
     def _queue_release(self, owner: int, name: str) -> None:
         self._releases.append((owner, name))

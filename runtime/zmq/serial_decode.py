@@ -6,6 +6,7 @@ registered or already imported). A CUDA IPC tensor opens torch's IPC handle
 
 from __future__ import annotations
 
+import contextlib
 import math
 import struct
 import sys
@@ -37,7 +38,7 @@ from runtime.zmq.serial_format import (
     _torch_dtype,
 )
 
-__all__ = ["decode_value"]
+__all__ = ["decode_value", "release_ipc"]
 
 _local = threading.local()
 
@@ -230,6 +231,27 @@ def _imported(ref: str) -> type | None:
     if isinstance(obj, type) and issubclass(obj, msgspec.Struct):
         return obj
     return None
+
+
+def release_ipc(frames: Sequence[Any], cuda_ipc: IpcReceive) -> int:
+    """For a message dropped undecoded: release this controller's share of every CUDA IPC
+    tensor in it (:meth:`~runtime.zmq.cuda_ipc.IpcReceive.release`) without opening any, and
+    build nothing else. Returns how many; garbage releases what came before it, never raises."""
+    released = 0
+
+    def ext(code: int, payload: memoryview) -> None:
+        nonlocal released
+        if code != _SMALL:
+            fields = decoder.decode(payload)  # nested extensions come through here too
+            if code == _CUDA_IPC:
+                cuda_ipc.release(fields)
+                released += 1
+
+    decoder = msgspec.msgpack.Decoder(ext_hook=ext)
+    # garbage, or a share that is not ours, ends the walk: nothing more to release
+    with contextlib.suppress(Exception):
+        decoder.decode(_buffer(frames[0]))
+    return released
 
 
 def decode_value(

@@ -24,6 +24,7 @@ from runtime.zmq import messages as m
 from runtime.zmq.cuda_ipc import IpcReceive, IpcSend, enabled_from_env, ipc_devices, peer_gpus
 from runtime.zmq.peers import Peers
 from runtime.zmq.serial import DecodeError, decode_value, encode_value
+from runtime.zmq.serial_decode import release_ipc
 from runtime.zmq.serial_format import _CUDA_IPC
 from runtime.zmq.transport import Drops, make_socket, send
 
@@ -227,6 +228,51 @@ def test_handle_that_does_not_open_is_one_line_naming_data_step_and_fix(
     assert "data rollout.ids of step 3 from controller 0" in error.message
     assert "invalid device context" in error.message
     assert "ZmqExecutor(cuda_ipc=False) or YATT_CUDA_IPC=0" in error.message
+
+
+@pytest.fixture
+def releases(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cuda_ipc, "_release_counter", lambda ref, off: calls.append((ref, off)))
+    return calls
+
+
+def test_a_dropped_message_releases_its_ipc_shares_without_opening_them(fake_share, releases):
+    # two IPC tensors, one nested in a tuple inside a list: each gives back this controller's
+    # share of the counter; nothing is rebuilt (the fixture's _rebuild would return its args)
+    t = torch.zeros(4, 6)
+    sender = IpcSend({0: 5}, (1, 2))
+    value = {"a": sender.ext(t, "float32", 5), "b": [(1, sender.ext(t, "float32", 5))], "c": "x"}
+    frames = [msgspec.msgpack.encode(value)]
+    assert release_ipc(frames, IpcReceive(2, [5])) == 2
+    assert releases == [(SHARE[3], SHARE[4])] * 2
+    releases.clear()
+    assert release_ipc([b"\xc1garbage"], IpcReceive(2, [5])) == 0  # garbage: no error
+    assert release_ipc(frames, IpcReceive(3, [5])) == 0  # no share for controller 3
+    assert releases == []
+
+
+def test_data_dropped_for_a_stale_epoch_releases_its_ipc_shares(
+    fake_share, releases, ctx, tmp_path
+):
+    receiver = _peers(ctx, tmp_path, "c1")
+    push = make_socket(ctx, zmq.PUSH, receiver.address)
+    try:
+        peers = [f"ipc://{tmp_path}/c0", receiver.address]
+        receiver.connect(m.Setup(1, b"", peers=peers, cuda_ipc_gpus=[[5], [5]]))
+        receiver.epoch = 2  # a restore happened: data of epoch 1 is stale
+
+        class Engine:
+            def reads(self, src, port):
+                return True
+
+        send(push, m.Data(3, "rollout", "ids", 0, 1), _ipc_frames(dests=(1,)))
+        assert receiver.inbox.poll(5000)
+        assert receiver.receive(Engine()) is None
+    finally:
+        push.close(linger=0)
+        receiver.close()
+    assert releases == [(SHARE[3], SHARE[4])]
 
 
 # --- real CUDA IPC between two processes ----------------------------------------------------
