@@ -368,6 +368,11 @@ class Node:
         """Bring back what :meth:`offload` moved (returns the bytes moved); idempotent."""
         return 0
 
+    def claim(self) -> None:
+        """Say, moving nothing, that this node's device state is needed next: state it shares
+        with a node offloaded meanwhile (one policy under a rollout and an update) then
+        stays, and :meth:`reload` moves only the rest. A no-op by default."""
+
     # --- state, for checkpoints and weight sync ----------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The node's mutable state (weights, optimizer, RNG); empty for stateless nodes."""

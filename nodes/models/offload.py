@@ -31,7 +31,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ALWAYS_COPY", "Offload", "move", "offload_node", "parts_of", "reload_node"]
+__all__ = [
+    "ALWAYS_COPY",
+    "Offload",
+    "claim_node",
+    "move",
+    "offload_node",
+    "parts_of",
+    "reload_node",
+]
 
 ALWAYS_COPY = False
 """Tests: move state that is on the CPU too (a copy into fresh CPU tensors and back), so the
@@ -198,6 +206,15 @@ def reload_node(node: Any, parts: list[Any] | None = None) -> int:
     return moved
 
 
+def claim_node(node: Any, parts: list[Any] | None = None) -> None:
+    """Mark a node as needing its parts, moving nothing (:meth:`Node.claim`): a part it
+    shares stays on the device when its other holders are offloaded before its reload."""
+    if not node.is_set_up:
+        return
+    for part in parts_of(node) if parts is None else parts:
+        _entries.setdefault(part, _Entry()).holders[id(node)] = True
+
+
 class Offload:
     """Mixin of model nodes: :meth:`offload` / :meth:`reload` move the modules and optimizers
     that ``build()`` set (:func:`parts_of`); see the module docstring."""
@@ -207,3 +224,6 @@ class Offload:
 
     def reload(self) -> int:
         return reload_node(self)
+
+    def claim(self) -> None:
+        claim_node(self)

@@ -12,7 +12,8 @@ engine asks a :class:`Switch` when:
   encoder of the next step, while another controller still trains) does not bring the
   rollout's policy back onto a device the trainer is using.
 * ``"roles"`` (the in-process executor, several model roles on one device): before a node
-  with device state runs, the other nodes' state leaves and its own comes back.
+  with device state runs, the other nodes' state leaves and its own comes back; what it
+  shares with them (a policy under the rollout and the update) stays (:meth:`Node.claim`).
 
 Each switch is timed (``time.time()`` start, seconds, bytes moved) and kept with the step it
 belongs to: :attr:`StepResult.switches`, the ``sched/switch_s``, ``sched/offload_s``,
@@ -109,6 +110,7 @@ class Switch:
             if name not in self.resident:
                 self._timed("reload", [name], step)
             return
+        self.nodes[name].claim()  # what it shares with the others stays on the device
         self._timed("offload", [n for n in self.nodes if n in self.resident and n != name], step)
         if name not in self.resident:
             self._timed("reload", [name], step)

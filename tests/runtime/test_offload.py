@@ -193,6 +193,21 @@ def test_a_module_two_nodes_share_leaves_with_the_last_and_comes_back_with_the_f
     assert update.reload() > 0  # the optimizer state, beside its parameters
 
 
+def test_in_process_a_shared_policy_stays_while_the_roles_take_turns(monkeypatch):
+    # the rollout and the update hold one policy; only the update's Adam state is its own
+    monkeypatch.setattr(off, "ALWAYS_COPY", True)  # every move is a copy: data_ptr tells
+    model, opt = _trained()
+    with Graph("shared") as g:
+        g.output("r", Holder(model, name="rollout")())
+        g.output("u", Holder(model, opt, name="update")())
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    adam = sum(v.nbytes for state in opt.state.values() for k, v in state.items() if k != "step")
+    results = LocalExecutor(g, offload="on").run(3)
+    assert [p.data_ptr() for p in model.parameters()] == ptrs  # the policy never moved
+    for r in results:  # the Adam state went out before the rollout and back for the update
+        assert r.sched["sched/offload_bytes"] == r.sched["sched/reload_bytes"] == adam
+
+
 def test_training_with_offload_equals_training_without(monkeypatch):
     import graphs.mm_ppo as mm_ppo
 
