@@ -152,6 +152,19 @@ class _Update(Offload, _Ranked, Sharing, Node):
         self.version = 0
         self.updates = 0
 
+    # --- the device, when roles take turns on it (nodes/models/offload.py) -------------------
+    def offload(self) -> int:
+        """Off the device, alone; with ``ranks > 1`` the state stays: it is sharded over K
+        processes (FSDP2's parameters are DTensors, which a move of ``.data`` would break)."""
+        return 0 if self.ranks > 1 else super().offload()
+
+    def reload(self) -> int:
+        return 0 if self.ranks > 1 else super().reload()
+
+    def claim(self) -> None:
+        if self.ranks == 1:
+            super().claim()
+
     def build(self) -> None:
         if self.ranks > 1:
             self._start_ranks()
