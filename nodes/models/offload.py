@@ -24,7 +24,7 @@ each node once before the first switch (a no-op that registers it).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,14 +168,19 @@ class _Entry:
 _entries: weakref.WeakKeyDictionary[Any, _Entry] = weakref.WeakKeyDictionary()
 
 
-def offload_node(node: Any, parts: list[Any] | None = None) -> int:
-    """Offload a node's parts that no other resident node holds; bytes moved. Idempotent."""
-    if not node.is_set_up or node.__dict__.get("_offloaded"):
+def _entries_of(node: Any) -> Iterator[tuple[Any, _Entry]]:
+    """Each part of a node with its entry (made on first sight)."""
+    for part in parts_of(node):
+        yield part, _entries.setdefault(part, _Entry())
+
+
+def offload_node(node: Any) -> int:
+    """Offload a node's parts that no other resident node holds; bytes moved. Idempotent: a
+    part already off its device (``homes`` set) does not move again."""
+    if not node.is_set_up:
         return 0
-    node._offloaded = True
     moved, all_homes = 0, []
-    for part in parts_of(node) if parts is None else parts:
-        entry = _entries.setdefault(part, _Entry())
+    for part, entry in _entries_of(node):
         entry.holders[id(node)] = False
         if entry.homes is None and not any(entry.holders.values()):
             n, entry.homes = move(part, _HOST, copy=ALWAYS_COPY)
@@ -185,17 +190,14 @@ def offload_node(node: Any, parts: list[Any] | None = None) -> int:
     return moved
 
 
-def reload_node(node: Any, parts: list[Any] | None = None) -> int:
+def reload_node(node: Any) -> int:
     """Bring a node's parts back to their devices; bytes moved. Idempotent."""
     if not node.is_set_up:
         return 0
-    node._offloaded = False
     moved, all_homes = 0, []
-    parts = parts_of(node) if parts is None else parts
     # modules first: an optimizer's state goes back beside its parameters
-    parts.sort(key=lambda part: isinstance(part, torch.optim.Optimizer))
-    for part in parts:
-        entry = _entries.setdefault(part, _Entry())
+    pairs = sorted(_entries_of(node), key=lambda pe: isinstance(pe[0], torch.optim.Optimizer))
+    for part, entry in pairs:
         entry.holders[id(node)] = True
         if entry.homes is not None:
             n, _ = move(part, homes=entry.homes, copy=ALWAYS_COPY)
@@ -206,13 +208,12 @@ def reload_node(node: Any, parts: list[Any] | None = None) -> int:
     return moved
 
 
-def claim_node(node: Any, parts: list[Any] | None = None) -> None:
+def claim_node(node: Any) -> None:
     """Mark a node as needing its parts, moving nothing (:meth:`Node.claim`): a part it
     shares stays on the device when its other holders are offloaded before its reload."""
-    if not node.is_set_up:
-        return
-    for part in parts_of(node) if parts is None else parts:
-        _entries.setdefault(part, _Entry()).holders[id(node)] = True
+    if node.is_set_up:
+        for _, entry in _entries_of(node):
+            entry.holders[id(node)] = True
 
 
 class Offload:

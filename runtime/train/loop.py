@@ -125,7 +125,7 @@ def train(
         for node, start in result.node_start.items():
             controller = result.node_controller.get(node, 0)
             tracer.span(node, start, result.node_seconds[node], controller, step=result.step)
-        for what, start, seconds, moved, controller in getattr(result, "switches", ()):
+        for what, start, seconds, moved, controller in result.switches:
             tracer.span(what, start, seconds, controller, step=result.step, bytes=moved)
         if writer is not None:
             writer.write(row)

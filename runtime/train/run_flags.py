@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from runtime.engine.switch import MODES as OFFLOAD_MODES
 from runtime.train.errors import UsageError
 from runtime.train.run_folder import run_folder_of
 
@@ -92,7 +93,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--offload",
-        choices=("auto", "on", "off"),
+        choices=OFFLOAD_MODES,
         default="auto",
         help="when roles take turns on a device, move a role's weights and optimizer state to "
         "host memory when its turn ends and back before its next call, timed (sched/switch_s); "
