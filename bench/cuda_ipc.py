@@ -80,12 +80,17 @@ def measure(mib: int, steps: int, ipc: bool, device: str = "cuda") -> tuple[floa
     return statistics.median(seconds), equal, where
 
 
+def row_name(mib: int, device: str, ipc: bool) -> str:
+    """The check name of one of :func:`ipc_rows`' rows."""
+    how = "CUDA IPC" if ipc else "host copy"
+    return f"{mib} MiB {device} tensor, 2 controllers, 1 GPU, {how}"
+
+
 def ipc_rows(row: Callable[..., None], mib: int = 64, steps: int = 5, device: str = "cuda") -> None:
     """Two rows (IPC, host copy) of ``check, result, figure``; FAILED where values differ.
     ``device="cpu"`` rehearses the rows without a GPU (both then send host tensors)."""
     for ipc in (True, False):
-        how = "CUDA IPC" if ipc else "host copy"
-        name = f"{mib} MiB {device} tensor, 2 controllers, 1 GPU, {how}"
+        name = row_name(mib, device, ipc)
         try:
             sec, equal, where = measure(mib, steps, ipc, device)
         except Exception as err:  # one failure must not hide the other row

@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from bench.cuda_ipc import ipc_rows, row_name  # CUDA IPC vs host copy (issue 16)
+
 TOLERANCE = 2e-2
 """max |vLLM - HF| logprob of the same tokens. Both run float32 (the engine takes the policy's
 dtype), but vLLM's kernels are not transformers'; wrong names or stale weights differ by
@@ -61,7 +63,7 @@ CLI_RUNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     # tensors between them by CUDA IPC, and each role's state offloaded when its turn ends
     ("graphs/mm_grpo.py", "hf", ("--controllers", "2", "--offload", "auto")),
 )
-IPC_ROWS = ("CUDA IPC", "host copy")  # bench.cuda_ipc's two rows
+OFFLOAD_ROW = "offload + reload of text_grpo's policy, optimizer, reference"
 N = 32  # prompts per rollout
 
 ROWS: list[tuple[str, str, str]] = []
@@ -225,7 +227,6 @@ def _offload_check(policy: Path) -> None:
     from runtime.engine.switch import has_device_state
     from yatt_graph.refs import load_graph
 
-    name = "offload + reload of text_grpo's policy, optimizer, reference"
     graph = load_graph("graphs.text_grpo", policy=str(policy), device=DEVICE, batch_size=8)
     ex = LocalExecutor(graph)
     ex.step()  # the optimizer has its state
@@ -258,7 +259,7 @@ def _offload_check(policy: Path) -> None:
         figure += f"; allocated {before / mib:.0f} -> {after / mib:.0f} MiB"
     ok = same and back == moved and moved > 0 and (not cuda or freed >= 0.9 * moved)
     why = "" if ok else f" (weights equal: {same}, moved {moved} back {back}, freed {freed})"
-    row(name, "ok" if ok else f"FAILED{why}", figure)
+    row(OFFLOAD_ROW, "ok" if ok else f"FAILED{why}", figure)
     ex.step()  # and the run goes on
 
 
@@ -274,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     cli_rows = [f"{_cli_name(g, r, f)}, {args.steps} steps" for g, r, f in CLI_RUNS]
     if DEVICE == "cuda" and not torch.cuda.is_available():
         for check in (
-            [f"{m}: {c}" for m in MODELS for c in CHECKS] + ["offload + reload"]
-            + [f"64 MiB {DEVICE} tensor, 2 controllers, 1 GPU, {h}" for h in IPC_ROWS] + cli_rows
+            [f"{m}: {c}" for m in MODELS for c in CHECKS] + [OFFLOAD_ROW]
+            + [row_name(64, DEVICE, ipc) for ipc in (True, False)] + cli_rows
         ):  # fmt: skip
             row(check, "skipped: no CUDA")
     else:
@@ -291,9 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 _offload_check(policies["qwen2"])
             except Exception as err:
-                row("offload + reload", f"FAILED ({type(err).__name__}: {err})")
-            from bench.cuda_ipc import ipc_rows  # CUDA IPC vs host copy (issue 16)
-
+                row(OFFLOAD_ROW, f"FAILED ({type(err).__name__}: {err})")
             ipc_rows(row, mib=64, steps=5, device=DEVICE)
             if args.skip_cli:
                 for name in cli_rows:
