@@ -200,6 +200,28 @@ def test_format_ipc_ref_counter_must_be_one_shm_name(monkeypatch, fake_share, ba
         decode_value(_ipc_frames(dests=(1,)), cuda_ipc=IpcReceive(1, [5]))
 
 
+def _receive_ipc(ctx, tmp_path, sent_epoch: int = 0, epoch: int = 0):
+    """Controller 1 (GPU 5, at ``epoch``) receives one IPC tensor of step 3 from controller 0
+    (sent at ``sent_epoch``); what its ``receive`` returns."""
+    receiver = _peers(ctx, tmp_path, "c1")
+    push = make_socket(ctx, zmq.PUSH, receiver.address)
+    try:
+        peers = [f"ipc://{tmp_path}/c0", receiver.address]
+        receiver.connect(m.Setup(1, b"", peers=peers, cuda_ipc_gpus=[[5], [5]]))
+        receiver.epoch = epoch
+
+        class Engine:
+            def reads(self, src, port):
+                return True
+
+        send(push, m.Data(3, "rollout", "ids", 0, sent_epoch), _ipc_frames(dests=(1,)))
+        assert receiver.inbox.poll(5000)
+        return receiver.receive(Engine())
+    finally:
+        push.close(linger=0)
+        receiver.close()
+
+
 def test_handle_that_does_not_open_is_one_line_naming_data_step_and_fix(
     monkeypatch, fake_share, ctx, tmp_path
 ):
@@ -207,22 +229,7 @@ def test_handle_that_does_not_open_is_one_line_naming_data_step_and_fix(
         raise RuntimeError("CUDA error: invalid device context\nCompile with TORCH_USE_CUDA_DSA")
 
     monkeypatch.setattr(cuda_ipc, "_rebuild", fail)
-    receiver = _peers(ctx, tmp_path, "c1")
-    push = make_socket(ctx, zmq.PUSH, receiver.address)
-    try:
-        peers = [f"ipc://{tmp_path}/c0", receiver.address]
-        receiver.connect(m.Setup(1, b"", peers=peers, cuda_ipc_gpus=[[5], [5]]))
-
-        class Engine:
-            def reads(self, src, port):
-                return True
-
-        send(push, m.Data(3, "rollout", "ids", 0, 0), _ipc_frames(dests=(1,)))
-        assert receiver.inbox.poll(5000)
-        error = receiver.receive(Engine())
-    finally:
-        push.close(linger=0)
-        receiver.close()
+    error = _receive_ipc(ctx, tmp_path)
     assert error is not None and "\n" not in error.message, error.message
     assert error.node == "rollout" and error.step == 3
     assert "data rollout.ids of step 3 from controller 0" in error.message
@@ -255,23 +262,8 @@ def test_a_dropped_message_releases_its_ipc_shares_without_opening_them(fake_sha
 def test_data_dropped_for_a_stale_epoch_releases_its_ipc_shares(
     fake_share, releases, ctx, tmp_path
 ):
-    receiver = _peers(ctx, tmp_path, "c1")
-    push = make_socket(ctx, zmq.PUSH, receiver.address)
-    try:
-        peers = [f"ipc://{tmp_path}/c0", receiver.address]
-        receiver.connect(m.Setup(1, b"", peers=peers, cuda_ipc_gpus=[[5], [5]]))
-        receiver.epoch = 2  # a restore happened: data of epoch 1 is stale
-
-        class Engine:
-            def reads(self, src, port):
-                return True
-
-        send(push, m.Data(3, "rollout", "ids", 0, 1), _ipc_frames(dests=(1,)))
-        assert receiver.inbox.poll(5000)
-        assert receiver.receive(Engine()) is None
-    finally:
-        push.close(linger=0)
-        receiver.close()
+    # a restore happened: data of epoch 1 is stale at a controller now at epoch 2
+    assert _receive_ipc(ctx, tmp_path, sent_epoch=1, epoch=2) is None
     assert releases == [(SHARE[3], SHARE[4])]
 
 
