@@ -1,10 +1,16 @@
 """The ready graphs really learn: a short seeded run on the CPU, last window vs first window.
 
-Margins come from measured runs (150 steps, 20-step windows, seeds 0-4, the default
-kl_coef=0.05): mm_ppo first 0.16-0.17 -> last 0.75-0.92; mm_grpo first 0.21-0.23 -> last
-0.62-0.91.
-An image-blind policy that always names a colour scores 0.4, so the last windows are
-above chance as well as above the start.
+A seeded run's trajectory differs from CPU to CPU (their float kernels round differently), so
+each bar is at most half the smallest rise measured over seeds 0-4 on two CPUs (150 steps,
+20-step windows, one torch thread, the default kl_coef=0.05):
+
+* mm_ppo: AMD EPYC first 0.16-0.17 -> last 0.75-0.92; Intel Xeon 0.156-0.170 -> 0.731-0.943
+  (rises 0.561-0.783): the bar is a rise of 0.25;
+* mm_grpo: AMD EPYC 0.21-0.23 -> 0.62-0.91 (rises from 0.39); Intel Xeon 0.212-0.233 ->
+  0.707-0.840 (rises 0.474-0.616): the bar is 0.19.
+
+An image-blind policy that always names a colour scores 0.4; every last window measured was
+at least 0.62, so the last window must also beat 0.5.
 """
 
 import pytest
@@ -23,9 +29,9 @@ def window_means(graph: str, seed: int) -> tuple[float, float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("graph", ["graphs.mm_ppo", "graphs.mm_grpo"])
-def test_reward_of_the_last_window_beats_the_first(graph):
+@pytest.mark.parametrize(("graph", "rise"), [("graphs.mm_ppo", 0.25), ("graphs.mm_grpo", 0.19)])
+def test_reward_of_the_last_window_beats_the_first(graph, rise):
     first, last = window_means(graph, seed=0)
-    assert first < 0.3
-    assert last > first + 0.3
+    assert first < 0.3  # measured at most 0.233
+    assert last > first + rise
     assert last > 0.5  # above the 0.4 of a policy that ignores the image

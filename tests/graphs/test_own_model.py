@@ -2,8 +2,9 @@
 
 Each test saves a tiny model to a folder (as a user's checkpoint would be), writes the
 shapes task as data files (nodes/shapes_files.py), writes a reward function to a file, runs
-``yatt-graph run`` on them and reads the closing JSON summary. The runs are seeded, so each
-verdict is the same on every run on one machine; the margins were measured (see each test).
+``yatt-graph run`` on them and reads the closing JSON summary. A seeded run's trajectory
+differs from CPU to CPU (float rounding), so each bar is at most half the smallest rise
+measured over seeds 0-4 (see each test).
 """
 
 import json
@@ -29,8 +30,9 @@ def _run(capsys, *argv: str) -> dict:
 @pytest.mark.timeout(300)
 def test_mm_grpo_learns_on_a_saved_vlm_with_a_parquet_of_images(tmp_path, capsys):
     """A Qwen2-VL folder (random tiny weights, a character tokenizer), images as bytes in a
-    Parquet file, a reward in a file. Measured, seeds 0-2 (40 steps, windows of 10): the
-    reward went 0.013-0.047 -> 0.075-0.15; seed 0 (this test): 0.0125 -> 0.15."""
+    Parquet file, a reward in a file. Measured on an Intel Xeon, seeds 0-4 (80 steps, windows
+    of 20): the reward went 0.031-0.111 -> 0.163-0.192, rises 0.081-0.138 (at 40 steps the
+    rises were 0.038-0.181, too close to zero to test)."""
     from nodes.models.policy import tiny_qwen2_vl
 
     tiny_qwen2_vl(seed=0).save_pretrained(tmp_path / "vlm")
@@ -39,11 +41,11 @@ def test_mm_grpo_learns_on_a_saved_vlm_with_a_parquet_of_images(tmp_path, capsys
     summary = _run(
         capsys, "graphs/mm_grpo.py", "--policy", str(tmp_path / "vlm"),
         "--data", str(files["parquet"]), "--reward", f"{tmp_path / 'rewards.py'}:score",
-        "--steps", "40", "--window", "10", "--seed", "0", "--out", str(tmp_path / "run"),
+        "--steps", "80", "--window", "20", "--seed", "0", "--out", str(tmp_path / "run"),
         "--set", "batch_size=8", "--set", "lr=0.02",
     )  # fmt: skip
-    assert summary["steps"] == 40
-    assert summary["reward_last"] >= summary["reward_first"] + 0.08, summary
+    assert summary["steps"] == 80
+    assert summary["reward_last"] >= summary["reward_first"] + 0.04, summary
 
 
 FIRST_WORD = '''
@@ -58,8 +60,9 @@ def score(text, meta):
 @pytest.mark.timeout(300)
 def test_text_grpo_learns_on_a_saved_causal_lm_with_a_jsonl_file(tmp_path, capsys):
     """A GPT-2 folder (random tiny weights, a word tokenizer), prompts that describe the
-    answer in a JSONL file, a reward in a file. Measured, seed 0 (30 steps, windows of 10):
-    reward 0.05 -> 0.23 at lr 5e-3 (0.06 -> 0.17 at 1e-3)."""
+    answer in a JSONL file, a reward in a file. Measured on an Intel Xeon, seeds 0-4 (30
+    steps, windows of 10, lr 5e-3): reward 0.047-0.069 -> 0.15-0.35, rises 0.103-0.291 (at
+    60 steps 0.123-0.553: the slowest seed stays slow)."""
     from nodes.data import task_vocabulary
     from nodes.models.policy import build_policy
 
@@ -74,7 +77,7 @@ def test_text_grpo_learns_on_a_saved_causal_lm_with_a_jsonl_file(tmp_path, capsy
         "--set", "batch_size=8", "--set", "lr=0.005",
     )  # fmt: skip
     assert summary["steps"] == 30
-    assert summary["reward_last"] >= summary["reward_first"] + 0.1, summary
+    assert summary["reward_last"] >= summary["reward_first"] + 0.05, summary
 
 
 @pytest.mark.timeout(300)

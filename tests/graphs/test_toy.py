@@ -12,10 +12,11 @@ def test_toy_graph_learns():
     results = LocalExecutor(load_graph("graphs.toy", seed=0)).run(30)
     first = mean_reward(results, lambda r: r[:5])
     last = mean_reward(results, lambda r: r[-5:])
-    # 8 tokens, so chance is 1/8. Measured over 30 steps on seeds 0-4: first 5 steps
-    # 0.15-0.35, last 5 steps 0.68-0.85 (a gain of at least 0.41).
-    assert first < 0.4
-    assert last > first + 0.25
+    # 8 tokens, so chance is 1/8. Measured over 30 steps on seeds 0-4, on an AMD EPYC and an
+    # Intel Xeon: first 5 steps 0.15-0.35, last 5 steps 0.68-0.85 (rises 0.41-0.71). The bar
+    # is half the smallest rise, so another CPU's rounding does not decide it.
+    assert first < 0.5
+    assert last > first + 0.2
 
 
 def test_toy_graph_is_deterministic_for_a_seed():
