@@ -3,15 +3,20 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-gpu check-gpu-install gpu-check demo test lint format bench bench-ray clean
+.PHONY: install install-gpu check-gpu-install gpu-check lock demo test lint format bench bench-ray clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints/cpu.txt -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Pin the whole CPU environment (every package, transitive ones too) into constraints/cpu.txt,
+# resolved under constraints/cpu.in; run it when pyproject.toml's dependencies change.
+lock:
+	bash constraints/lock
 
 # A GPU machine: a separate environment with the vllm extra (vllm 0.33.0 pins torch 2.14.0).
 # (ruff skips it in lint and format; git should ignore it too)
