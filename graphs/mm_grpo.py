@@ -61,7 +61,8 @@ def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Grap
             ref_logprobs=s.ref_logprobs,
             **s.image_port,
         )
-        connect_weights(g, s, WeightSync(name="sync")(update.weights))
+        # no second snapshot: the update already publishes one (or, sharing, the live tensors)
+        connect_weights(g, s, WeightSync(snapshot=False, name="sync")(update.weights))
         g.output("scores", s.scores)
         g.output("metrics", update.metrics)
         g.output("advantage", adv.stats)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from nodes.models.offload import Offload
 from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
+from nodes.seeding import seeded
 from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
 from nodes.sync import apply_weights, decode_weights
 from yatt_graph import ANY, BatchPolicy, Node, Port
@@ -184,8 +185,7 @@ class ValueModel(nn.Module):
         self.trunk = trunk
         self.detach_trunk = bool(detach_trunk)
         self.head = nn.Linear(trunk.hidden_size, 1)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             nn.init.normal_(self.head.weight, std=1.0 / (trunk.hidden_size + 1) ** 0.5)
         nn.init.zeros_(self.head.bias)
         self.head.to(trunk.device)
@@ -218,8 +218,7 @@ def build_value_model(
     """The value model of a :class:`Critic` (and of :class:`nodes.update.PPOUpdate`'s copy):
     a trunk from the ``critic`` spec (or the live ``trunk``) and a head seeded with
     ``head_seed``. The same arguments give the same weights, whatever the global RNG holds."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(head_seed)
+    with seeded(head_seed):
         if trunk is None:
             trunk = build_policy(critic).to(device)
         return ValueModel(trunk, detach_trunk=detach_trunk, seed=head_seed)

@@ -41,6 +41,7 @@ from nodes.models.policy import (
     check_policy_spec,
 )
 from nodes.models.vllm_engine import VLLMEngine, check_vllm_options, vllm_unavailable_reason
+from nodes.seeding import seeded
 from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
 from nodes.sync import decode_weights
 from yatt_graph import ANY, BatchPolicy, Node, Port
@@ -396,9 +397,7 @@ class Rollout(Offload, Sharing, Node):
     @contextlib.contextmanager
     def _seeded(self, seed: int) -> Iterator[None]:
         """Draw from the global generator seeded with ``seed``; its state is restored after."""
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
+        with seeded(seed, self.device):
             yield
 
     # --- the device, when roles take turns on it ----------------------------------------------

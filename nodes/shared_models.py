@@ -23,7 +23,14 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Sharing", "check_share_key", "fingerprint", "same_storage", "set_share"]
+__all__ = [
+    "Sharing",
+    "check_share_key",
+    "fingerprint",
+    "live_weights",
+    "same_storage",
+    "set_share",
+]
 
 
 @dataclass
@@ -46,10 +53,32 @@ def fingerprint(kind: str, spec: Any, device: Any, **extra: Any) -> str:
     return json.dumps([kind, spec, str(device), extra], sort_keys=True, default=str)
 
 
+_LIVE = "_yatt_live_weights"
+
+
+def live_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's own parameters and buffers by name (detached views, not copies): what an
+    update publishes to the nodes that share the module. Made once and reused while the
+    module's tensors stay where they are (an offload moves them: then it is made again), so a
+    step pays no state dict and a sharer recognises it at once (:func:`same_storage`)."""
+    cached = module.__dict__.get(_LIVE)
+    if cached is not None:
+        weights, probe, where = cached
+        if probe.data_ptr() == where:
+            return weights
+    weights = {k: v.detach() for k, v in module.state_dict().items()}
+    probe = next(iter(module.parameters()), None)
+    if probe is not None:
+        module.__dict__[_LIVE] = (weights, probe, probe.data_ptr())
+    return weights
+
+
 def same_storage(module: nn.Module, weights: Mapping[str, torch.Tensor]) -> bool:
     """Whether every tensor of ``weights`` is the module's own tensor of that name."""
     if not weights:
         return False
+    if weights is live_weights(module):
+        return True
     own = module.state_dict(keep_vars=True)
     for k, v in weights.items():
         mine = own.get(k)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from nodes.models.offload import Offload
+from nodes.seeding import seeded
 from yatt_graph import ANY, Node, Port, Tensor, node
 from yatt_graph.node import Built
 
@@ -83,8 +84,7 @@ class ToyPolicy(nn.Module):
 
     def __init__(self, dim: int = 16, vocab: int = 8, seed: int = 0):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):  # the same weights whatever ran before
-            torch.manual_seed(seed)
+        with seeded(seed):  # the same weights whatever ran before
             self.net = nn.Sequential(nn.Linear(dim, 32), nn.Tanh(), nn.Linear(32, vocab))
 
     def forward(self, emb: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from nodes.models.offload import Offload
+from nodes.seeding import seeded
 from yatt_graph import ANY, BatchPolicy, Node
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built
@@ -130,8 +131,7 @@ class VisionEncoder(Offload, Node):
     def build(self) -> None:
         import open_clip
 
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
+        with seeded(self.seed, self.device):
             try:
                 model, _, preprocess = open_clip.create_model_and_transforms(
                     self.model_name,

@@ -25,6 +25,7 @@ from nodes.models.hf_vlm import HFVisionLanguagePolicy
 from nodes.models.lora import apply_lora, check_lora_spec
 from nodes.models.policy_base import _PREFIX_MARKER, Policy, _local_dir
 from nodes.models.prefix_vlm import PrefixVLM
+from nodes.seeding import seeded
 
 __all__ = [
     "DTYPES",
@@ -276,8 +277,7 @@ def load_policy(
         fn,
     )
     family = model_family(path)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed))
+    with seeded(int(seed)):
         if family == "prefix-vlm":
             policy: Policy = PrefixVLM.from_pretrained(path, dtype=dtype)
             if image_dim is not None and image_dim != policy.image_dim:

@@ -22,6 +22,7 @@ from nodes.models.policy_base import (
     char_tokenizer,
     word_tokenizer,
 )
+from nodes.seeding import seeded
 
 __all__ = [
     "TINY_ARCHS",
@@ -210,8 +211,7 @@ def tiny_causal_lm(
     tokenizer = char_tokenizer() if words is None else word_tokenizer(words)
     tokenizer.chat_template = chat_template
     config = _tiny_config(arch, tokenizer, hidden_size, num_layers)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         model = AutoModelForCausalLM.from_config(config)
     return HFCausalPolicy(model, tokenizer).eval()
 

@@ -22,6 +22,7 @@ from nodes.models.policy_base import (
     _local_dir,
     char_tokenizer,
 )
+from nodes.seeding import seeded
 
 __all__ = ["HFVisionLanguagePolicy", "tiny_qwen2_vl"]
 
@@ -268,7 +269,6 @@ def tiny_qwen2_vl(
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         model = Qwen2VLForConditionalGeneration(config)
     return HFVisionLanguagePolicy(model, processor).eval()

@@ -50,8 +50,6 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from nodes.models.families import (
     OPTION_KEYS,
     check_options,
@@ -78,6 +76,7 @@ from nodes.models.policy_base import (
     word_tokenizer,
 )
 from nodes.models.prefix_vlm import PrefixVLM, tiny_prefix_vlm
+from nodes.seeding import seeded
 
 __all__ = [
     "Generation",
@@ -188,8 +187,7 @@ def build_policy(spec: str | Mapping[str, Any]) -> Policy:
     kwargs = _spec_dict(spec)
     # Seeded from the spec and isolated from the global generator: a build gives the same
     # weights whatever was built before it, and leaves the global state as it found it.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(kwargs.get("seed", 0)))
+    with seeded(int(kwargs.get("seed", 0))):
         return _build(kwargs, spec)
 
 

@@ -24,6 +24,7 @@ from nodes.models.policy_base import (
     char_tokenizer,
     word_tokenizer,
 )
+from nodes.seeding import seeded
 
 __all__ = ["PrefixVLM", "tiny_prefix_vlm"]
 
@@ -230,7 +231,6 @@ def tiny_prefix_vlm(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         policy = PrefixVLM(GPT2LMHeadModel(config), tokenizer, image_dim, num_prefix_tokens)
     return policy.eval()

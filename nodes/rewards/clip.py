@@ -10,6 +10,7 @@ import torch
 
 from nodes.models.offload import Offload
 from nodes.rewards.base import RewardNode, fill_template, template_fields
+from nodes.seeding import seeded
 from yatt_graph import ANY, Port
 from yatt_graph.node import Built
 
@@ -141,8 +142,7 @@ class ClipScoreReward(Offload, RewardNode):
         import open_clip
 
         name = self.model_name
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
+        with seeded(self.seed, self.device):
             try:
                 model, _, preprocess = open_clip.create_model_and_transforms(
                     name, pretrained=self.pretrained, device=self.device, **self.overrides

@@ -37,6 +37,7 @@ from nodes.models.files import _check_checkpoint_dir, _read_json
 from nodes.models.offload import Offload
 from nodes.rewards.base import RewardNode, fill_template, template_fields
 from nodes.rewards.models import _TORCH_DTYPES, _loading_as, _set_pad_token
+from nodes.seeding import seeded
 from yatt_graph import ANY, Port
 from yatt_graph.node import Built
 
@@ -69,8 +70,7 @@ def tiny_judge(words: Sequence[str], seed: int = 0) -> tuple[Any, Any]:
         eos_token_id=tokenizer.eos_token_id,
         **TINY_JUDGE_CFG,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         model = GPT2LMHeadModel(config)
     return model, tokenizer
 

@@ -18,6 +18,7 @@ from nodes.models.files import _check_checkpoint_dir, _loading, _read_json
 from nodes.models.offload import Offload
 from nodes.rewards.base import RewardNode, fill_template, template_fields
 from nodes.rewards.clip import ClipScoreReward, clip_score  # noqa: F401 (older plans name them here)
+from nodes.seeding import seeded
 from yatt_graph.node import Built
 
 __all__ = ["RewardModel", "char_tokenizer"]
@@ -223,8 +224,7 @@ class RewardModel(Offload, RewardNode):
         config.setdefault("vocab_size", len(tokenizer))
         ids = {"pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 2}
         cfg = AutoConfig.for_model(config.pop("model_type"), num_labels=1, **{**ids, **config})
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             model = AutoModelForSequenceClassification.from_config(cfg)
         return model, tokenizer
 

@@ -20,6 +20,7 @@ from nodes.rl.losses import (
 )
 from nodes.rl.masked import _check_finite
 from nodes.rollout import _step_seed
+from nodes.seeding import seeded
 from nodes.shared_models import Sharing, check_share_key, fingerprint
 from nodes.update.ranked import NonFiniteError, _Ranked
 from nodes.update.shares import Micro, View, plan_micro_batches
@@ -310,9 +311,7 @@ class _Update(Offload, _Ranked, Sharing, Node):
         done: list[dict[str, float]] = []
         attempt: dict[str, float] = {}
         skipped = False
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(_step_seed(self.seed, self.updates))
+        with seeded(_step_seed(self.seed, self.updates), self.device):
             for epoch in range(self.epochs):
                 self._zero_grad()
                 attempt = {}

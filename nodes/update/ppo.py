@@ -215,7 +215,8 @@ class PPOUpdate(_Update):
 
         def micro_loss(view: View, rows: slice) -> tuple[Tensor, dict[str, float]] | None:
             t = view.t
-            r, mask, ids = view.real[rows], t["response_mask"][rows], t["response_ids"][rows]
+            r, ids = view.real[rows], t["response_ids"][rows]
+            mask = r  # bool[b, R], checked once for the call: no 0/1 scan in each loss term
             n = int(r.sum())
             if n == 0:
                 return None

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nodes.shared_models import live_weights
 from nodes.sync import WeightUpdate
 from nodes.update.shares import View
 
@@ -40,9 +41,7 @@ def _snapshot(module: nn.Module) -> dict[str, Tensor]:
 def _weights(module: nn.Module, shared: bool) -> dict[str, Tensor]:
     """What an update publishes: a snapshot, or, when the module is shared with its consumers
     in this process (on-policy only), its live tensors (they skip loading their own storage)."""
-    if shared:
-        return {k: v.detach() for k, v in module.state_dict().items()}
-    return _snapshot(module)
+    return live_weights(module) if shared else _snapshot(module)
 
 
 class _Ranked:

@@ -101,9 +101,16 @@ class MetricsWriter:
         self._file.write(json.dumps(clean, sort_keys=True) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, int | float):
-                    self._tb.add_scalar(key, value, row["step"])
+            # One event per step holding every scalar (add_scalar makes one event each: a
+            # row of 36 metrics cost the training thread about 2 ms a step).
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            values = [
+                Summary.Value(tag=key, simple_value=float(value))
+                for key, value in row.items()
+                if key != "step" and isinstance(value, int | float)
+            ]
+            self._tb.file_writer.add_summary(Summary(value=values), row["step"])
 
     def close(self) -> None:
         self._file.close()
