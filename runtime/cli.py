@@ -13,6 +13,7 @@ yatt-graph demo
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import traceback
@@ -20,6 +21,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from runtime.launch import add_launch_arguments
 from runtime.train.errors import Terminated, UsageError
@@ -119,13 +122,22 @@ def _load(args: argparse.Namespace, options: dict[str, Any] | None = None) -> An
         raise GraphError(f"building {args.graph} failed at {where}") from exc
 
 
+def _planned(graph: Any, controllers: int) -> Any:
+    """The graph, or its plan as ``yatt-graph run --controllers N`` (colocated) makes it."""
+    if controllers < 2:
+        return graph
+    from runtime.sched.placement import controller_assignment
+
+    return graph.plan(controllers, placement=controller_assignment(graph, controllers))
+
+
 def cmd_viz(args: argparse.Namespace) -> int:
     suffix = Path(args.output).suffix.lstrip(".").lower()
     if suffix not in ("svg", "png"):
         raise UsageError(f"viz: -o must end in .svg or .png, got {args.output!r}")
     with _graph_input(args.graph):
         graph = _load(args)
-    target = graph.plan(args.controllers) if args.controllers > 1 else graph
+    target = _planned(graph, args.controllers)
     target.draw(args.output)
     print(f"wrote {args.output} ({len(graph.nodes)} nodes, {len(graph.edges)} edges)")
     return 0
@@ -137,7 +149,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 0
     with _graph_input(args.graph):
         graph = _load(args)
-    target = graph.plan(args.controllers) if args.controllers > 1 else graph
+    target = _planned(graph, args.controllers)
     print(target.to_mermaid() if args.mermaid else target.to_text())
     return 0
 
@@ -168,6 +180,7 @@ def _graph_input(graph: str) -> Iterator[None]:
 
 
 def _build(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+    args.thread_policy = _thread_policy(args)
     if args.controllers > 1 and not args.no_spawn and not args.listen:
         # Start the controllers now: they import torch and the graph's module while this
         # process builds the graph (the first step comes seconds sooner).
@@ -201,12 +214,19 @@ def _executor_factory(
     except ValueError as exc:
         raise UsageError(f"--replicas: {exc}") from None
 
+    policy = args.thread_policy
+    print(f"yatt-graph run: threads: {policy.describe()}", file=sys.stderr, flush=True)
+    cut = _Cut(graph, args) if distributed and args.placement == "partial" else None
+
     def make_executor() -> Any:
         check_finite = not args.no_check_finite
         if not distributed:
+            import torch
+
             from runtime.zmq.replicas import spawn_replica  # replica processes, when asked for
 
-            return Accounting(
+            torch.set_num_threads(policy.threads)
+            executor = Accounting(
                 LocalExecutor(
                     graph,
                     devices=devices,
@@ -216,8 +236,14 @@ def _executor_factory(
                     replicas=args.replica_counts,
                     replica_factory=spawn_replica,
                     offload=args.offload,
-                )
+                ),
+                sched=policy.metrics(),
             )
+            # As on a controller: what is built now lives as long as the run, so the cyclic
+            # collector need not walk it on each collection of a step's garbage (cmd_run thaws
+            # it at the end, for a caller that goes on).
+            gc.freeze()
+            return executor
         from runtime.sched.placement import controller_assignment
         from runtime.zmq.driver import ZmqExecutor
         from runtime.zmq.keys import check_address
@@ -229,7 +255,8 @@ def _executor_factory(
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
 
-        hints = controller_assignment(graph, args.controllers, args.placement)
+        sides = cut.sides if cut is not None else None
+        hints = controller_assignment(graph, args.controllers, args.placement, sides=sides)
         return Accounting(
             ZmqExecutor(
                 graph.plan(args.controllers, placement=hints),
@@ -252,16 +279,97 @@ def _executor_factory(
                 device=options.get("device") or "auto",
                 adaptive=not args.no_adaptive,
                 offload=args.offload,
+                num_threads=args.threads,
                 group=vars(args).pop("early_group", None),  # the first run's, started early
-            )
+            ),
+            sched=policy.metrics(),
         )
 
+    if cut is not None and not args.no_adaptive:
+        make_executor.replan = cut.replan  # type: ignore[attr-defined]
     return make_executor
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    import os
+class _Cut:
+    """The two sides of a ``--placement partial`` run: by kind and ``--pin`` at first, then,
+    once (:meth:`replan`), balanced by the measured time of each node."""
 
+    def __init__(self, graph: Any, args: argparse.Namespace):
+        from runtime.sched.placement import partial_sides
+
+        self.graph, self.pins = graph, args.pins
+        try:
+            self.sides = partial_sides(graph, self.pins)
+        except ValueError as exc:
+            raise UsageError(f"--pin: {exc}") from None
+
+    def replan(self, rows: list[dict[str, Any]]) -> str | None:
+        """After the first steps (their metric rows): move inference nodes to the less busy
+        side when that makes the busier one at least 10 % faster; what moved, or None."""
+        import statistics
+
+        from runtime.sched.placement import SIDES, balance_sides
+
+        measured = rows[2:] or rows  # the first steps are slower (warm-up)
+        busy = {
+            name: statistics.median(r.get(f"time/{name}", 0.0) for r in measured)
+            for name in self.graph.nodes
+        }
+        new = balance_sides(self.graph, self.sides, busy, pins=set(self.pins))
+
+        def load(sides: dict[str, str]) -> dict[str, float]:
+            return {s: sum(busy[n] for n, side in sides.items() if side == s) for s in SIDES}
+
+        before, after = load(self.sides), load(new)
+        if max(after.values()) > 0.9 * max(before.values()):
+            return None
+        moved = sorted(n for n in new if new[n] != self.sides[n])
+        self.sides = new
+        ms = "; ".join(
+            f"{s} side {1000 * before[s]:.0f} -> {1000 * after[s]:.0f} ms" for s in SIDES
+        )
+        where = ", ".join(f"{n} to the {new[n]} side" for n in moved)
+        return f"partial placement: moved {where} (measured busy time a step: {ms})"
+
+
+def _thread_policy(args: argparse.Namespace) -> Any:
+    """The run's torch threads and OpenMP wait policy (runtime.sched.threads), decided by
+    measuring the cores before torch loads (the wait policy is read then) and before the
+    controllers start (they inherit it)."""
+    from runtime.sched.devices import usable_core_ids
+    from runtime.sched.threads import busy_elsewhere, decide, openmp_env
+
+    cores = usable_core_ids()
+    policy = decide(
+        len(cores), busy_elsewhere(cores), threads=args.threads, shared=_beside(args, len(cores))
+    )
+    if args.controllers > 1 or args.listen:
+        policy = msgspec.structs.replace(policy, threads=args.threads or 0)
+    if "torch" in sys.modules:  # a caller loaded torch (and OpenMP) already: its setting holds
+        spins = os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"
+        reason = f"{policy.reason}; OpenMP was loaded before the run"
+        policy = msgspec.structs.replace(policy, spin=spins and policy.threads != 1, reason=reason)
+    else:  # this process and the controllers it starts
+        os.environ.update(openmp_env(os.environ, policy.spin))
+    return policy
+
+
+def _beside(args: argparse.Namespace, cores: int) -> bool:
+    """Whether other processes or worker threads of this run compute on its cores while it
+    does: replicas, training ranks, split slots, or controllers that run at once and
+    outnumber the cores (colocated on-policy controllers take turns)."""
+    ranks = args.train_ranks or 1
+    for pair in args.set:
+        key, _, value = pair.partition("=")
+        if key.strip() == "train_ranks" and value.strip().isdigit():
+            ranks = int(value)
+    if args.replicas or ranks > 1 or args.devices:
+        return True
+    at_once = args.placement == "partial" or args.max_staleness > 0
+    return args.controllers > 1 and at_once and args.controllers > cores
+
+
+def cmd_run(args: argparse.Namespace) -> int:
     from runtime.launch import LaunchError
     from runtime.train.run_command import run_command
     from runtime.zmq.hosts import start_host
@@ -272,9 +380,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if host is not None and not host.runs_driver:
         return host.share.wait()  # the driver on node 0 runs the graph
+    torch = sys.modules.get("torch")  # a caller's torch: its thread count is restored after
+    threads = torch.get_num_threads() if torch is not None else None
     try:
         return run_command(args, _build, _executor_factory)
     finally:
+        gc.unfreeze()
+        if threads is not None:
+            torch.set_num_threads(threads)
         early = vars(args).pop("early_group", None)
         if early is not None:  # the run stopped before it needed them
             early.shutdown("the run stopped before its first step")
@@ -463,10 +576,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # OpenMP threads that spin after each parallel region burn cores another process of the
-    # run (a controller, a replica, a rank) is waiting for; they sleep instead. Read when
-    # torch first loads, so an in-process run gets it too (see runtime.zmq.controller_main).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     from runtime.errors import ControllerError
 

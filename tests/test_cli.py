@@ -103,6 +103,12 @@ def test_run_on_three_controllers_matches_the_in_process_run(tmp_path, capsys):
         (["--steps", "0"], "--steps must be 1 or more, got 0"),
         (["--steps", "-3"], "--steps must be 1 or more, got -3"),
         (["--controllers", "0"], "--controllers must be 1 or more"),
+        (["--threads", "0"], "--threads must be 1 or more, got 0"),
+        (["--pin", "reference=rollout"], "--pin keeps a node on one side of --placement partial"),
+        (
+            ["--controllers", "2", "--placement", "partial", "--pin", "reference"],
+            "--pin takes NODE=rollout or NODE=train",
+        ),
         (["--controllers", "-1"], "--controllers must be 1 or more"),
         (["--checkpoint-every", "-1"], "--checkpoint-every must be 0 or more"),
         (["--max-staleness", "-1"], "--max-staleness must be 0 or more"),

@@ -20,10 +20,27 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["ROLLOUT_KINDS", "Placement", "colocated", "partial", "place"]
+__all__ = [
+    "MOVABLE_KINDS",
+    "ROLLOUT_KINDS",
+    "SIDES",
+    "Placement",
+    "balance_sides",
+    "colocated",
+    "controller_assignment",
+    "partial",
+    "place",
+    "runs_ahead",
+]
 
 ROLLOUT_KINDS = frozenset({"data", "encoder", "rollout"})
 """Node kinds that run with the rollout under ``partial`` placement by default."""
+
+MOVABLE_KINDS = frozenset({"reward", "reference", "critic"})
+"""Inference nodes that may run on either side of a ``partial`` cut (:func:`balance_sides`)."""
+
+SIDES = ("rollout", "train")
+"""The two sides of a ``partial`` cut."""
 
 
 class Placement(msgspec.Struct, frozen=True):
@@ -157,25 +174,110 @@ def place(
     raise ValueError(f"place: mode must be 'colocated' or 'partial', got {mode!r}")
 
 
+def runs_ahead(graph: Any) -> list[str]:
+    """The nodes that read no delayed edge (new weights), directly or through their inputs,
+    in topological order: the next step's can run while this step still trains (on-policy:
+    the data and the vision encoder)."""
+    delayed = {e.dst for e in graph.edges if e.delay}
+    behind: set[str] = set()
+    order = graph.topological_order()
+    for name in order:
+        inputs = (e.src for e in graph.edges if e.dst == name and not e.delay)
+        if name in delayed or any(src in behind for src in inputs):
+            behind.add(name)
+    return [n for n in order if n not in behind]
+
+
+def balance_sides(
+    graph: Any,
+    sides: Mapping[str, str],
+    busy_s: Mapping[str, float],
+    pins: Collection[str] = (),
+) -> dict[str, str]:
+    """The ``partial`` cut with inference nodes (:data:`MOVABLE_KINDS`, not in ``pins``) moved
+    to the other side while that lowers the busier side's measured time (``busy_s``: seconds a
+    step per node), the move that lowers it most first; a pure function."""
+    sides = dict(sides)
+    load = {s: sum(busy_s.get(n, 0.0) for n, side in sides.items() if side == s) for s in SIDES}
+    while True:
+        hi = max(SIDES, key=load.__getitem__)
+        lo = SIDES[1 - SIDES.index(hi)]
+        best, best_max = None, load[hi]
+        for name, side in sides.items():
+            if side != hi or name in pins or graph.nodes[name].kind not in MOVABLE_KINDS:
+                continue
+            t = busy_s.get(name, 0.0)
+            if max(load[hi] - t, load[lo] + t) < best_max - 1e-9:
+                best, best_max = name, max(load[hi] - t, load[lo] + t)
+        if best is None:
+            return sides
+        sides[best] = lo
+        load[hi] -= busy_s.get(best, 0.0)
+        load[lo] += busy_s.get(best, 0.0)
+
+
+def partial_sides(graph: Any, pins: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Each node's side of a ``partial`` cut: by kind (:data:`ROLLOUT_KINDS` with the
+    rollout), except the nodes ``pins`` puts on a side."""
+    pins = dict(pins or {})
+    unknown = sorted(set(pins) - set(graph.nodes))
+    bad = sorted({s for s in pins.values() if s not in SIDES})
+    if unknown or bad:
+        raise ValueError(
+            f"pins name node(s) {unknown} not in the graph ({', '.join(sorted(graph.nodes))})"
+            if unknown
+            else f"pins name side(s) {bad}; the sides are {' and '.join(SIDES)}"
+        )
+    return {
+        name: pins.get(name, "rollout" if node.kind in ROLLOUT_KINDS else "train")
+        for name, node in graph.nodes.items()
+    }
+
+
 def controller_assignment(
-    graph: Any, controllers: int, mode: str = "colocated"
+    graph: Any,
+    controllers: int,
+    mode: str = "colocated",
+    sides: Mapping[str, str] | None = None,
 ) -> dict[str, int] | None:
     """Placement hints for a plan (``graph.plan(controllers, placement=...)``), per mode.
 
-    * ``colocated``: None, the plan's default split, where the roles share the controllers
-      one after another within a step.
-    * ``partial``: the rollout-side nodes (:data:`ROLLOUT_KINDS`) on the first half of the
-      controllers and the rest (reward, reference, critic, advantage, update) on the others,
-      each side cut into contiguous runs of its topological order. With ``--max-staleness``
-      >= 1 the rollout side may run ahead of the update.
+    * ``colocated``: the nodes that run ahead (:func:`runs_ahead`: data, vision) on
+      controller 0 and the rest on the others (contiguous runs of the topological order).
+      Within a step the rest waits on each other and on the new weights, so a cut there only
+      adds transfers (and copies of a model the roles would share in one process); the nodes
+      ahead overlap with the training of the step before. None (the plan's default split)
+      when nothing or everything runs ahead.
+    * ``partial``: the rollout side on the first half of the controllers and the training
+      side on the others, each side cut into contiguous runs of its topological order. The
+      sides: ``sides`` (node -> "rollout" or "train"), else :func:`partial_sides` (the
+      rollout-side kinds, :data:`ROLLOUT_KINDS`, with the rollout; reward, reference, critic,
+      advantage and update with the training). With ``--max-staleness`` >= 1 the rollout
+      side may run ahead of the update.
     """
     if mode == "colocated":
-        return None
-    groups = place(graph, controllers, "partial")
+        ahead = runs_ahead(graph)
+        if controllers < 2 or not ahead or len(ahead) == len(graph.nodes):
+            return None
+        rest = [n for n in graph.topological_order() if n not in set(ahead)]
+        hints = dict.fromkeys(ahead, 0)
+        for i, name in enumerate(rest):
+            hints[name] = 1 + i * (controllers - 1) // len(rest)
+        return hints
+    sides = dict(sides) if sides is not None else partial_sides(graph)
+    if set(sides.values()) != set(SIDES):
+        raise ValueError(
+            f"partial placement puts every node on one side ({', '.join(set(sides.values()))}); "
+            "each side needs a node: pin one to the other side or use colocated placement"
+        )
+    if controllers < 2:
+        raise ValueError("partial placement needs 2 controllers or more (one per side)")
+    r = math.ceil(controllers / 2)
+    members = {"rollout": list(range(r)), "train": list(range(r, controllers))}
     order = graph.topological_order()
     assignment: dict[str, int] = {}
-    for group, members in groups.groups.items():
-        names = [n for n in order if groups.nodes[n] == group]
+    for side, ids in members.items():
+        names = [n for n in order if sides[n] == side]
         for i, name in enumerate(names):
-            assignment[name] = members[i * len(members) // len(names)]
+            assignment[name] = ids[i * len(ids) // len(names)]
     return assignment

@@ -37,8 +37,11 @@ __all__ = ["Accounting", "train_with_restarts"]
 class Accounting:
     """An executor that adds sample counts to each step's outputs (see the module docstring)."""
 
-    def __init__(self, executor: Any):
+    def __init__(self, executor: Any, sched: dict[str, float] | None = None):
+        """``sched``: ``sched/*`` figures of the whole run (its thread policy), joined to every
+        step's own."""
         self.executor = executor
+        self.sched = dict(sched or {})
         self.totals = {"samples": 0, "skipped_samples": 0, "skipped_steps": 0}
 
     def __getattr__(self, name: str) -> Any:  # graph, plan, next_step, close, ...
@@ -79,6 +82,8 @@ class Accounting:
             self.totals["skipped_steps"] += int(bool(metrics["skipped_nonfinite"]))
             extra["skipped_steps_total"] = self.totals["skipped_steps"]
         result.outputs = {**outputs, **extra}
+        if self.sched:
+            result.sched = {**self.sched, **result.sched}
         return result
 
     def state_dict(self) -> dict[str, Any]:
@@ -110,6 +115,26 @@ def _has_checkpoint_of(out: Path, graph: Any) -> bool:
     return True
 
 
+REPLAN_AFTER = 6
+"""Steps a run measures before ``make_executor.replan`` may move nodes to a better cut."""
+
+
+def _moved(executor: Any, make_executor: Callable[[], Any], why: str, out: Path | None) -> Any:
+    """The run on a new executor (``make_executor()``, its plan changed) from where
+    ``executor`` stands: its state, taken between steps, goes over whole."""
+    state = executor.state_dict()
+    executor.close()
+    print(f"yatt-graph run: {why}", file=sys.stderr, flush=True)
+    _event(out, event="replan", step=state["step"], why=why)
+    moved = make_executor()
+    try:
+        moved.load_state_dict(state)
+    except BaseException:
+        moved.close()
+        raise
+    return moved
+
+
 def train_with_restarts(
     make_executor: Callable[[], Any],
     steps: int,
@@ -127,6 +152,10 @@ def train_with_restarts(
 
     ``restart``: ``"never"`` (a dead controller stops the run with its error) or
     ``"on-failure"``. Each restart is printed and appended to ``OUT/events.jsonl``.
+    ``make_executor.replan(rows)``, where the factory has it, is asked once after
+    :data:`REPLAN_AFTER` steps (their metric rows): a reason to change the plan (the factory
+    then makes executors with the new one; the run moves over with its state, and the
+    reason is printed and appended to ``OUT/events.jsonl``), or None.
     ``on_done(executor)`` runs after the last step, before the executor is closed. A restart
     resumes only from a checkpoint of this graph (see :func:`runtime.train.loop.train`).
     """
@@ -139,6 +168,7 @@ def train_with_restarts(
     source = Path(resume) if resume is not None else None
     kept: list[dict[str, Any]] = []
     restarts = 0
+    replan = getattr(make_executor, "replan", None)
     while True:
         executor = make_executor()
         start = 0
@@ -152,14 +182,29 @@ def train_with_restarts(
                 kept = truncate_metrics(out, start)
             elif restarts:
                 kept = [r for r in kept if r["step"] < start]
+            segment = steps
+            if replan is not None:  # a few steps measured first, the rest on a better cut
+                segment = min(steps, executor.next_step + REPLAN_AFTER)
             rows = train(
                 executor,
-                steps,
+                segment,
                 out,
                 checkpoint_every=checkpoint_every,
                 progress=progress,
                 meta=meta,
             )
+            if segment < steps:
+                why, replan = replan(rows), None
+                if why:
+                    executor = _moved(executor, make_executor, why, out)
+                rows += train(
+                    executor,
+                    steps,
+                    out,
+                    checkpoint_every=checkpoint_every,
+                    progress=progress,
+                    meta=meta,
+                )
             if on_done is not None:
                 on_done(executor)
             return kept + rows, restarts

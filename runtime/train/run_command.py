@@ -193,6 +193,10 @@ def print_summary(
     """The closing lines: reward, utilization, devices, skipped samples, where the files are,
     and last a one-line JSON summary (:func:`run_summary`; also ``OUT/summary.json``)."""
     summary = run_summary(rows, args.window, wall_s)
+    print(
+        f"{summary['steps']} steps in {summary['wall_s']:.1f} s: "
+        f"{summary['samples_per_s']:.1f} samples/s"
+    )
     if summary["reward_first"] is not None:
         window, first, last = summary["window"], summary["reward_first"], summary["reward_last"]
         print(f"mean reward: first {window} steps {first:.3f} -> last {window} steps {last:.3f}")

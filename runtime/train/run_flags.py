@@ -13,7 +13,7 @@ from runtime.engine.switch import MODES as OFFLOAD_MODES
 from runtime.train.errors import UsageError
 from runtime.train.run_folder import run_folder_of
 
-__all__ = ["add_run_arguments", "check_flags", "parse_devices", "same_folder"]
+__all__ = ["add_run_arguments", "check_flags", "parse_devices", "parse_pins", "same_folder"]
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +55,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "on separate controllers (needs --controllers >= 2)",
     )
     p.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="NODE=SIDE",
+        help="with --placement partial: keep NODE on the rollout or the train side (e.g. "
+        "reference=rollout); repeatable. Unpinned inference nodes (reward, reference, critic) "
+        "move to the less busy side once the first steps are measured (not with --no-adaptive)",
+    )
+    p.add_argument(
         "--devices",
         default=None,
         metavar="N|auto",
@@ -84,6 +93,16 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         help="with --max-staleness K: bound (default) reads the newest weights at most K "
         "versions old; fixed always reads the ones exactly K+1 steps back (reproducible "
         "whatever the timing)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch threads of the process that runs the nodes (with controllers: of each one, "
+        "fixed for the run); default: one per core that other processes leave free, measured "
+        "at start, with idle OpenMP threads spinning only where the run owns its cores "
+        "(OMP_NUM_THREADS and OMP_WAIT_POLICY are kept when set)",
     )
     p.add_argument(
         "--no-adaptive",
@@ -179,6 +198,8 @@ def _check_numbers(args: Any) -> None:
     least |= {"--checkpoint-every": (args.checkpoint_every, 0)}
     least |= {"--max-staleness": (args.max_staleness, 0), "--max-restarts": (args.max_restarts, 0)}
     least |= {"--window": (args.window, 1)}
+    if args.threads is not None:
+        least["--threads"] = (args.threads, 1)
     for flag, (value, low) in least.items():
         if value < low:
             raise UsageError(f"{flag} must be {low} or more, got {value}")
@@ -219,6 +240,11 @@ def _check_run_flags(args: Any, distributed: bool) -> None:
                 "again from the first step",
                 file=sys.stderr,
             )
+    if args.pin and args.placement != "partial":
+        raise UsageError(
+            "--pin keeps a node on one side of --placement partial; add --placement partial "
+            "(colocated placement has no sides)"
+        )
     if args.placement == "partial" and args.controllers < 2:
         raise UsageError(
             "--placement partial puts the rollout side and the training side on separate "
@@ -241,6 +267,20 @@ def parse_devices(value: str | None) -> int | str | None:
     if n < 1:
         raise UsageError(f"--devices takes a CPU slot count >= 1 or 'auto', got {value!r}")
     return n
+
+
+def parse_pins(values: list[str]) -> dict[str, str]:
+    """``["reference=rollout"]`` as ``{"reference": "rollout"}`` (the names are checked
+    against the graph once it is built)."""
+    out: dict[str, str] = {}
+    for item in (i for value in values for i in value.split(",")):
+        name, sep, side = item.partition("=")
+        if not sep or not name.strip() or side.strip() not in ("rollout", "train"):
+            raise UsageError(
+                f"--pin takes NODE=rollout or NODE=train (reference=rollout), got {item!r}"
+            )
+        out[name.strip()] = side.strip()
+    return out
 
 
 def parse_replicas(value: str | None) -> dict[str, int]:
@@ -268,6 +308,7 @@ def check_flags(args: Any) -> tuple[Any, bool]:
     _check_numbers(args)
     devices = parse_devices(args.devices)
     args.replica_counts = parse_replicas(args.replicas)
+    args.pins = parse_pins(args.pin)
     distributed = args.controllers > 1 or bool(args.listen)
     _check_run_flags(args, distributed)
     return devices, distributed

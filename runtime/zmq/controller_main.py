@@ -13,6 +13,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from runtime.sched.threads import openmp_env
 from runtime.zmq.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = ["build_parser", "main"]
@@ -72,11 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # Before torch (and its OpenMP) loads: idle OpenMP threads sleep instead of spinning for
-    # milliseconds after each parallel region. Controllers that share cores take turns, and a
-    # spinning one would burn the cores of the one whose turn it is (mm_ppo on 2 controllers:
-    # 180 -> 147 ms a step, and no more 5 s steps when the machine is busy).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Before torch (and its OpenMP) loads: the wait policy the driver chose for the run
+    # (runtime.sched.threads); a controller started by hand without one sleeps.
+    os.environ.update(openmp_env(os.environ, spin=None))
     if args.spawned:
         # Ctrl-C in a terminal reaches the whole process group; the driver shuts us down.
         signal.signal(signal.SIGINT, signal.SIG_IGN)

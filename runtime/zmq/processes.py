@@ -25,6 +25,7 @@ import zmq
 from runtime.pids import pid_alive
 from runtime.sched.affinity import child_env
 from runtime.sched.devices import Resources
+from runtime.sched.threads import openmp_env
 from runtime.zmq import messages as m
 from runtime.zmq.transport import remove_run_segments
 
@@ -192,8 +193,8 @@ def spawn_controllers(
     paths = [p or os.getcwd() for p in sys.path] + import_roots()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
     if num_threads > 0:
-        env.setdefault("OMP_NUM_THREADS", str(num_threads))
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see runtime.zmq.controller_main
+        env["OMP_NUM_THREADS"] = str(num_threads)
+    env = openmp_env(env, spin=None)  # the run's choice (runtime.sched.threads), else sleep
     main = threading.current_thread() is threading.main_thread()
     old = (
         signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
@@ -218,7 +219,7 @@ def spawn_controllers(
                 own = dict(child_env(env, share))
                 threads = share.threads or len(share.cores) if share is not None else 0
                 if threads and num_threads <= 0:
-                    own.setdefault("OMP_NUM_THREADS", str(threads))
+                    own["OMP_NUM_THREADS"] = str(threads)
                 c.popen = subprocess.Popen(
                     cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT if out else None,
                     env=own, cwd=os.getcwd(),

@@ -30,6 +30,7 @@ import msgspec
 import zmq
 
 from runtime.errors import ControllerError
+from runtime.sched.threads import passive_env
 from runtime.zmq.serial import decode_value, encode_value
 from yatt_graph.serialize import node_spec
 
@@ -74,7 +75,7 @@ class ReplicaProcess:
         paths = [p or os.getcwd() for p in sys.path] + import_roots()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
         env["OMP_NUM_THREADS"] = str(threads)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see runtime.zmq.controller_main
+        env = passive_env(env)  # it computes while the node's own copy does
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         cmd = [

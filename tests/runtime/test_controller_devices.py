@@ -169,9 +169,8 @@ def test_controllers_run_on_their_cores_and_say_so(placement):
         assert ex.resources == want  # what READY reported
         for pid, r in zip(ex.pids, want, strict=True):
             assert _masks(pid) == {_cpu_list(r.cores)}, pid
-            if "OMP_NUM_THREADS" not in os.environ:  # else the user's value is kept
-                assert _env(pid)["OMP_NUM_THREADS"] == str(r.threads)
-            if "OMP_WAIT_POLICY" not in os.environ:  # idle OpenMP threads sleep
+            assert _env(pid)["OMP_NUM_THREADS"] == str(r.threads)
+            if "OMP_WAIT_POLICY" not in os.environ:  # started outside the CLI: threads sleep
                 assert _env(pid)["OMP_WAIT_POLICY"] == "PASSIVE"
         result = ex.step()
         for c, r in enumerate(want):

@@ -130,7 +130,6 @@ def test_partial_controller_assignment_separates_the_rollout_side():
     from yatt_graph.refs import load_graph
 
     graph = load_graph("graphs.mm_ppo", batch_size=2)
-    assert controller_assignment(graph, 2, "colocated") is None
     hints = controller_assignment(graph, 3, "partial")
     rollout_side = {
         n for n, node in graph.nodes.items() if node.kind in ("data", "encoder", "rollout")
@@ -146,3 +145,49 @@ def test_partial_placement_on_one_controller_is_refused(capsys):
 
     assert main(["run", "graphs.toy", "--placement", "partial"]) == 2
     assert "needs --controllers 2 or more" in capsys.readouterr().err
+
+
+def test_colocated_controllers_split_only_what_runs_ahead_of_the_weights():
+    """On-policy, every node after the rollout waits for the new weights: a cut there only
+    adds transfers. The data and the vision encoder read no weights, so the next step's run
+    on controller 0 while controller 1 trains."""
+    from runtime.sched.placement import controller_assignment, runs_ahead
+    from yatt_graph.refs import load_graph
+
+    graph = load_graph("graphs.mm_ppo", batch_size=2)
+    assert runs_ahead(graph) == ["data", "vision"]
+    hints = controller_assignment(graph, 2, "colocated")
+    assert {n for n, c in hints.items() if c == 0} == {"data", "vision"}
+    assert set(controller_assignment(graph, 3, "colocated").values()) == {0, 1, 2}
+    assert controller_assignment(graph, 1, "colocated") is None
+    toy = load_graph("graphs.toy")
+    assert runs_ahead(toy) == ["source", "encoder"]
+
+
+def test_partial_sides_balance_measured_time_and_keep_pins():
+    from runtime.sched.placement import balance_sides, controller_assignment, partial_sides
+    from yatt_graph.refs import load_graph
+
+    graph = load_graph("graphs.mm_grpo", batch_size=2)
+    sides = partial_sides(graph)
+    assert sides["reference"] == "train" and sides["rollout"] == "rollout"
+    # the training side is the busier: the reference (an inference node) moves over
+    busy = {"data": 0.01, "vision": 0.02, "rollout": 0.06, "reward": 0.01, "reference": 0.05,
+            "group_advantage": 0.001, "grpo": 0.12, "sync": 0.0}  # fmt: skip
+    moved = balance_sides(graph, sides, busy)
+    assert moved["reference"] == "rollout" and moved["reward"] == "train"
+    assert moved["grpo"] == "train"  # an update never moves
+    assert balance_sides(graph, sides, busy, pins={"reference"})["reference"] == "train"
+    # balanced already: nothing moves
+    assert balance_sides(graph, sides, {**busy, "grpo": 0.03}) == sides
+    pinned = partial_sides(graph, {"reference": "rollout"})
+    assert pinned["reference"] == "rollout"
+    hints = controller_assignment(graph, 2, "partial", sides=pinned)
+    assert hints["reference"] == hints["rollout"] == 0 and hints["grpo"] == 1
+    with pytest.raises(ValueError, match="not in the graph"):
+        partial_sides(graph, {"nope": "train"})
+    with pytest.raises(ValueError, match="the sides are rollout and train"):
+        partial_sides(graph, {"reference": "left"})
+    everything = dict.fromkeys(graph.nodes, "train")
+    with pytest.raises(ValueError, match="every node on one side"):
+        controller_assignment(graph, 2, "partial", sides=everything)

@@ -1,0 +1,84 @@
+"""The thread policy of a run (runtime/sched/threads.py): how many torch threads, and whether
+idle OpenMP threads spin, from what the cores are doing at start."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from runtime.sched.threads import SPIN_COUNT, busy_elsewhere, decide, openmp_env
+
+
+def test_an_idle_machine_gets_a_thread_per_core_and_spinning_threads():
+    policy = decide(2, 0.1, env={})
+    assert (policy.threads, policy.spin) == (2, True)
+    assert "1.9 of 2 cores free" in policy.describe()
+    assert policy.metrics() == {"sched/threads": 2.0, "sched/spin": 1.0}
+
+
+@pytest.mark.parametrize(("busy", "threads"), [(2.0, 1), (1.6, 1), (1.0, 1), (0.4, 2)])
+def test_cores_other_processes_keep_busy_are_left_to_them(busy, threads):
+    policy = decide(2, busy, env={})
+    assert policy.threads == threads
+    assert policy.spin is (threads > 1)  # one thread has no team to keep warm
+
+
+def test_a_run_that_shares_its_cores_with_its_own_processes_does_not_spin():
+    policy = decide(4, 0.0, shared=True, env={})
+    assert (policy.threads, policy.spin) == (4, False)
+    assert "share the cores" in policy.reason
+
+
+def test_the_user_decides_over_the_measurement():
+    assert decide(2, 2.0, threads=2, env={}).threads == 2  # --threads
+    assert decide(8, 0.0, env={"OMP_NUM_THREADS": "3"}).threads == 3
+    assert decide(2, 0.0, env={"OMP_WAIT_POLICY": "passive"}).spin is False
+    assert decide(2, 2.0, threads=2, env={"OMP_WAIT_POLICY": "ACTIVE"}).spin is True
+    assert decide(2, 0.0, env={"GOMP_SPINCOUNT": "0"}).spin is False
+    # not measurable (not Linux): every core counts as free
+    assert decide(2, None, env={}).threads == 2
+
+
+def test_the_wait_policy_travels_in_the_environment_and_keeps_a_users():
+    spin = openmp_env({"PATH": "/bin"}, spin=True)
+    assert spin["GOMP_SPINCOUNT"] == str(SPIN_COUNT) and "OMP_WAIT_POLICY" not in spin
+    sleep = openmp_env(spin, spin=False)  # a replica started by a spinning run
+    assert sleep["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in sleep
+    assert openmp_env(spin, spin=None) == spin  # a controller inherits the run's choice
+    assert openmp_env({}, spin=None)["OMP_WAIT_POLICY"] == "PASSIVE"  # no choice made: sleep
+    users = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert openmp_env(users, spin=False) == users
+
+
+@pytest.mark.timeout(30)
+def test_a_busy_process_on_a_core_is_measured_there():
+    core = sorted(os.sched_getaffinity(0))[-1]
+    loop = subprocess.Popen(
+        [sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"]
+    )
+    try:
+        time.sleep(0.3)
+        busy = busy_elsewhere([core], window_s=0.5)
+    finally:
+        loop.kill()
+        loop.wait()
+    assert busy is not None and busy >= 0.7  # the loop's core, whatever else runs there
+
+
+@pytest.mark.timeout(120)
+def test_a_run_logs_its_thread_policy_once_and_puts_it_in_the_metrics(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "YATT_OPENMP")}
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "runtime.cli", "run", "graphs.toy", "--steps", "2", "--quiet"]
+    proc = subprocess.run(
+        [*cmd, "--out", str(out)], env=env, capture_output=True, text=True, timeout=100
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "threads:" in line]
+    assert len(lines) == 1 and "cores free" in lines[0], proc.stderr
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert f"{int(row['sched/threads'])} torch thread" in lines[0]
+    assert ("spinning" in lines[0]) is (row["sched/spin"] == 1.0)
