@@ -16,6 +16,7 @@ from typing import Any
 
 __all__ = [
     "BENCH_RAY",
+    "busy_loops",
     "import_ray",
     "load_average",
     "machine",
@@ -27,6 +28,22 @@ __all__ = [
 
 # Where `bash bench/install_ray.sh` puts Ray (bench only: never in .venv, never in `make test`).
 BENCH_RAY = Path(__file__).resolve().parent.parent / ".bench" / "ray"
+
+
+@contextlib.contextmanager
+def busy_loops(n: int) -> Iterator[None]:
+    """``n`` processes that each spin a core (``while True: pass``) while the block runs: the
+    loaded machine the benchmarks compare against the idle one."""
+    import subprocess
+
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.5)
+        yield
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
 
 
 def median_time(fn: Callable[[], Any], repeat: int, warmup: int = 2) -> float:

@@ -1,7 +1,7 @@
 """End to end: the ready graphs through ``yatt-graph run`` in every runtime configuration, side by
-side in one run (issue 16's targets; figures in docs/PERFORMANCE.md, "End to end").
+side in one run with the hand-written floor (figures in docs/PERFORMANCE.md, "End to end").
 
-    .venv/bin/python -m bench.e2e --workloads a b --steps-a 60 --steps-b 16 --rounds 1
+    .venv/bin/python -m bench.e2e --workloads a b --steps-a 60 --steps-b 16 --rounds 2
 
 Workloads:
 - (a) the demo as it is (``graphs/mm_ppo.py``; update-bound: 2-token answers);
@@ -9,9 +9,16 @@ Workloads:
   (the random-init policy's responses run 1 to 64 tokens, a wide spread) and the tiny LLM
   judge (``--judge tiny``) as the reward.
 
-Configurations (``CONFIGS``): in-process; 2 controllers colocated; partial; partial + async
+Configurations (``CONFIGS``): in-process as a user runs it (threads measured at start) and
+with one torch thread; 2 controllers colocated; partial; partial + async
 (``--max-staleness 1``); rollout replicas; each multi-controller one with adaptive
 partitioning on (the default) and some also off (``, static``: ``--no-adaptive``).
+
+The baselines, in the same rounds: **the floor** (``bench/floor.py``: the same work as a
+hand-written loop, no framework), run on every core with bounded-spinning OpenMP threads and
+on one thread, the faster kept; and **the fastest in-process run** of the two in-process
+configurations. The default in-process run is reported as a share of the floor's speed, and
+every configuration as a multiple of the fastest in-process speed.
 
 Each configuration is one ``yatt-graph run`` (a subprocess), the configurations interleaved
 round by round so that load spreads over all of them. From each run's ``metrics.jsonl``: the
@@ -47,6 +54,7 @@ WORKLOADS = {
 
 CONFIGS = {
     "in-process": [],
+    "in-process, 1 thread": ["--threads", "1"],
     "2 controllers, colocated": ["--controllers", "2"],
     "2 controllers, colocated, static": ["--controllers", "2", "--no-adaptive"],
     "partial": ["--controllers", "2", "--placement", "partial"],
@@ -62,17 +70,31 @@ CONFIGS = {
 }  # fmt: skip
 
 
-def _run(graph_args: list[str], flags: list[str], steps: int, out: Path) -> list[dict[str, Any]]:
+OPENMP_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "YATT_OPENMP")
+"""Left out of every run's environment unless a configuration sets them: the CLI decides."""
+
+
+def run_cli(
+    graph_args: list[str],
+    flags: list[str],
+    steps: int,
+    out: Path,
+    env: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """One ``yatt-graph run`` (seed 0) with ``env`` over a clean environment; its metric rows."""
     cli = Path(sys.executable).with_name("yatt-graph")
     cmd = [str(cli), "run", *graph_args, *flags, "--steps", str(steps), "--seed", "0"]
     cmd += ["--quiet", "--out", str(out), "--overwrite", "--window", "4"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    base = {k: v for k, v in os.environ.items() if k not in OPENMP_VARS}
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=3600, env={**base, **(env or {})}
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _figures(rows: list[dict[str, Any]], warmup: int, window: int) -> dict[str, Any]:
+def figures(rows: list[dict[str, Any]], warmup: int, window: int) -> dict[str, Any]:
     kept = rows[warmup:]
     step = statistics.median(r["time/step"] for r in kept)
     rollout = statistics.median(r.get("time/rollout", 0.0) for r in kept)
@@ -103,14 +125,50 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def run_floor(name: str, steps: int, warmup: int) -> dict[str, Any]:
+    """The floor (bench/floor.py) of workload ``name``: on every core with bounded-spinning
+    OpenMP threads and on one thread, the faster of the two."""
+    from runtime.sched.threads import SPIN_COUNT
+
+    base = {k: v for k, v in os.environ.items() if k not in OPENMP_VARS}
+    best: dict[str, Any] | None = None
+    for threads, env in ((len(os.sched_getaffinity(0)), {"GOMP_SPINCOUNT": str(SPIN_COUNT)}),
+                         (1, {})):  # fmt: skip
+        cmd = [sys.executable, "-m", "bench.floor", "--workload", name, "--steps", str(steps)]
+        cmd += ["--warmup", str(warmup), "--threads", str(threads)]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=3600, env={**base, **env}
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        if best is None or got["step_s"] < best["step_s"]:
+            best = got
+    assert best is not None
+    return {
+        "step_s": best["step_s"],
+        "rollout_s": best["rollout_s"],
+        "samples_per_s": best["samples_per_s"],
+        "reward_first": best["reward_first"],
+        "reward_last": best["reward_last"],
+        "util": {},
+        "sched": {"threads": best["threads"]},
+    }
+
+
 def workload(name: str, steps: int, rounds: int, warmup: int, configs: list[str]) -> dict[str, Any]:
-    results: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    results: dict[str, list[dict[str, Any]]] = {c: [] for c in ["floor", *configs]}
     with tempfile.TemporaryDirectory(prefix="yatt-e2e-") as tmp:
         for r in range(rounds):
+            t0 = time.perf_counter()
+            results["floor"].append(run_floor(name, steps, warmup))
+            print(
+                f"  ({name}) floor: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True
+            )
             for c in configs:
                 t0 = time.perf_counter()
-                rows = _run(WORKLOADS[name], CONFIGS[c], steps, Path(tmp) / f"{name}-{r}")
-                results[c].append(_figures(rows, warmup, window=max(2, steps // 4)))
+                rows = run_cli(WORKLOADS[name], CONFIGS[c], steps, Path(tmp) / f"{name}-{r}")
+                results[c].append(figures(rows, warmup, window=max(2, steps // 4)))
                 print(
                     f"  ({name}) {c}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True
                 )
@@ -118,18 +176,22 @@ def workload(name: str, steps: int, rounds: int, warmup: int, configs: list[str]
 
 
 def _table(name: str, res: dict[str, Any]) -> str:
-    base = res.get("in-process")
+    local = [res[c]["step_s"] for c in res if c.startswith("in-process")]
+    fastest = min(local) if local else None
+    floor = res["floor"]["step_s"]
     rows = []
     for c, f in res.items():
         util = ", ".join(
             f"{k.removeprefix('util/controller_')}: {100 * v:.0f}%" for k, v in f["util"].items()
         )
-        speed = f"{base['step_s'] / f['step_s']:.2f}x" if base else "-"
+        speed = f"{fastest / f['step_s']:.2f}x" if fastest else "-"
         rows.append([
-            c, f"{1000 * f['step_s']:.0f}", speed, f"{f['samples_per_s']:.1f}",
-            f"{1000 * f['rollout_s']:.0f}", f"{f['reward_first']:.3f} -> {f['reward_last']:.3f}", util,
+            c, f"{1000 * f['step_s']:.1f}", f"{floor / f['step_s']:.2f}x", speed,
+            f"{f['samples_per_s']:.1f}", f"{1000 * f['rollout_s']:.0f}",
+            f"{f['reward_first']:.3f} -> {f['reward_last']:.3f}", util,
         ])  # fmt: skip
-    head = ["configuration", "step ms", "speed vs in-process", "samples/s", "rollout ms"]
+    head = ["configuration", "step ms", "speed vs floor", "speed vs fastest in-process"]
+    head += ["samples/s", "rollout ms"]
     return f"workload ({name})\n" + table(
         [*head, "reward first -> last", "busy per controller"], rows
     )
