@@ -22,8 +22,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from runtime.launch import add_launch_arguments
 from runtime.train.errors import Terminated, UsageError
 from runtime.train.export import export_checkpoint
@@ -216,7 +214,7 @@ def _executor_factory(
 
     policy = args.thread_policy
     print(f"yatt-graph run: threads: {policy.describe()}", file=sys.stderr, flush=True)
-    cut = _Cut(graph, args) if distributed and args.placement == "partial" else None
+    cut = _partial_cut(graph, args) if distributed and args.placement == "partial" else None
 
     def make_executor() -> Any:
         check_finite = not args.no_check_finite
@@ -290,46 +288,13 @@ def _executor_factory(
     return make_executor
 
 
-class _Cut:
-    """The two sides of a ``--placement partial`` run: by kind and ``--pin`` at first, then,
-    once (:meth:`replan`), balanced by the measured time of each node."""
+def _partial_cut(graph: Any, args: argparse.Namespace) -> Any:
+    from runtime.sched.placement import PartialCut
 
-    def __init__(self, graph: Any, args: argparse.Namespace):
-        from runtime.sched.placement import partial_sides
-
-        self.graph, self.pins = graph, args.pins
-        try:
-            self.sides = partial_sides(graph, self.pins)
-        except ValueError as exc:
-            raise UsageError(f"--pin: {exc}") from None
-
-    def replan(self, rows: list[dict[str, Any]]) -> str | None:
-        """After the first steps (their metric rows): move inference nodes to the less busy
-        side when that makes the busier one at least 10 % faster; what moved, or None."""
-        import statistics
-
-        from runtime.sched.placement import SIDES, balance_sides
-
-        measured = rows[2:] or rows  # the first steps are slower (warm-up)
-        busy = {
-            name: statistics.median(r.get(f"time/{name}", 0.0) for r in measured)
-            for name in self.graph.nodes
-        }
-        new = balance_sides(self.graph, self.sides, busy, pins=set(self.pins))
-
-        def load(sides: dict[str, str]) -> dict[str, float]:
-            return {s: sum(busy[n] for n, side in sides.items() if side == s) for s in SIDES}
-
-        before, after = load(self.sides), load(new)
-        if max(after.values()) > 0.9 * max(before.values()):
-            return None
-        moved = sorted(n for n in new if new[n] != self.sides[n])
-        self.sides = new
-        ms = "; ".join(
-            f"{s} side {1000 * before[s]:.0f} -> {1000 * after[s]:.0f} ms" for s in SIDES
-        )
-        where = ", ".join(f"{n} to the {new[n]} side" for n in moved)
-        return f"partial placement: moved {where} (measured busy time a step: {ms})"
+    try:
+        return PartialCut(graph, args.pins)
+    except ValueError as exc:
+        raise UsageError(f"--pin: {exc}") from None
 
 
 def _thread_policy(args: argparse.Namespace) -> Any:
@@ -337,21 +302,15 @@ def _thread_policy(args: argparse.Namespace) -> Any:
     measuring the cores before torch loads (the wait policy is read then) and before the
     controllers start (they inherit it)."""
     from runtime.sched.devices import usable_core_ids
-    from runtime.sched.threads import busy_elsewhere, decide, openmp_env
+    from runtime.sched.threads import run_policy
 
     cores = usable_core_ids()
-    policy = decide(
-        len(cores), busy_elsewhere(cores), threads=args.threads, shared=_beside(args, len(cores))
+    return run_policy(
+        cores,
+        threads=args.threads,
+        shared=_beside(args, len(cores)),
+        controllers=args.controllers > 1 or bool(args.listen),
     )
-    if args.controllers > 1 or args.listen:
-        policy = msgspec.structs.replace(policy, threads=args.threads or 0)
-    if "torch" in sys.modules:  # a caller loaded torch (and OpenMP) already: its setting holds
-        spins = os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"
-        reason = f"{policy.reason}; OpenMP was loaded before the run"
-        policy = msgspec.structs.replace(policy, spin=spins and policy.threads != 1, reason=reason)
-    else:  # this process and the controllers it starts
-        os.environ.update(openmp_env(os.environ, policy.spin))
-    return policy
 
 
 def _beside(args: argparse.Namespace, cores: int) -> bool:

@@ -15,7 +15,8 @@ Two modes (DESIGN.md, "Plan"):
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+import statistics
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -24,6 +25,7 @@ __all__ = [
     "MOVABLE_KINDS",
     "ROLLOUT_KINDS",
     "SIDES",
+    "PartialCut",
     "Placement",
     "balance_sides",
     "colocated",
@@ -31,6 +33,7 @@ __all__ = [
     "partial",
     "place",
     "runs_ahead",
+    "side_loads",
 ]
 
 ROLLOUT_KINDS = frozenset({"data", "encoder", "rollout"})
@@ -198,7 +201,7 @@ def balance_sides(
     to the other side while that lowers the busier side's measured time (``busy_s``: seconds a
     step per node), the move that lowers it most first; a pure function."""
     sides = dict(sides)
-    load = {s: sum(busy_s.get(n, 0.0) for n, side in sides.items() if side == s) for s in SIDES}
+    load = side_loads(sides, busy_s)
     while True:
         hi = max(SIDES, key=load.__getitem__)
         lo = SIDES[1 - SIDES.index(hi)]
@@ -214,6 +217,45 @@ def balance_sides(
         sides[best] = lo
         load[hi] -= busy_s.get(best, 0.0)
         load[lo] += busy_s.get(best, 0.0)
+
+
+def side_loads(sides: Mapping[str, str], busy_s: Mapping[str, float]) -> dict[str, float]:
+    """Each side's seconds a step: the sum of its nodes' ``busy_s``."""
+    return {s: sum(busy_s.get(n, 0.0) for n, side in sides.items() if side == s) for s in SIDES}
+
+
+class PartialCut:
+    """The sides of a ``partial`` run: by kind and ``pins`` at first (:func:`partial_sides`),
+    then, once the first steps are measured (:meth:`replan`), balanced (:func:`balance_sides`).
+    """
+
+    min_gain = 0.1
+    """A new cut must make the busier side at least this much faster."""
+
+    def __init__(self, graph: Any, pins: Mapping[str, str] | None = None):
+        self.graph, self.pins = graph, dict(pins or {})
+        self.sides = partial_sides(graph, self.pins)
+
+    def replan(self, rows: Sequence[Mapping[str, Any]]) -> str | None:
+        """From the first steps' metric rows (``time/<node>``): move inference nodes to the
+        less busy side when that makes the busier one ``min_gain`` faster; what moved, or
+        None."""
+        measured = rows[2:] or rows  # the first steps are slower (warm-up)
+        busy = {
+            name: statistics.median(r.get(f"time/{name}", 0.0) for r in measured)
+            for name in self.graph.nodes
+        }
+        new = balance_sides(self.graph, self.sides, busy, pins=set(self.pins))
+        before, after = side_loads(self.sides, busy), side_loads(new, busy)
+        if max(after.values()) > (1 - self.min_gain) * max(before.values()):
+            return None
+        moved = sorted(n for n in new if new[n] != self.sides[n])
+        self.sides = new
+        ms = "; ".join(
+            f"{s} side {1000 * before[s]:.0f} -> {1000 * after[s]:.0f} ms" for s in SIDES
+        )
+        where = ", ".join(f"{n} to the {new[n]} side" for n in moved)
+        return f"partial placement: moved {where} (measured busy time a step: {ms})"
 
 
 def partial_sides(graph: Any, pins: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -28,6 +28,7 @@ an ``OMP_NUM_THREADS`` for the thread count, and ``yatt-graph run --threads N`` 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 
@@ -40,6 +41,7 @@ __all__ = [
     "decide",
     "openmp_env",
     "passive_env",
+    "run_policy",
 ]
 
 SPIN_COUNT = 100_000
@@ -152,6 +154,26 @@ def decide(
         spin = user.get(_WAIT, "").upper() != "PASSIVE" and user.get(_SPIN, "1") != "0"
         reason.append(", ".join(f"{k}={v}" for k, v in user.items()))
     return ThreadPolicy(n, spin, cores, free, "; ".join(reason))
+
+
+def run_policy(
+    cores: Sequence[int], *, threads: int | None, shared: bool, controllers: bool
+) -> ThreadPolicy:
+    """The policy of a run started in this process on ``cores``, measured now
+    (:func:`busy_elsewhere`, :func:`decide`), and made true for it: the OpenMP setting goes
+    into this process's environment before torch loads (libgomp reads it then), where the
+    controllers started later inherit it. With ``controllers`` the thread count is each
+    controller's share (0) unless ``threads`` fixes it. Where torch is loaded already (a
+    caller's), its OpenMP setting holds and the policy says so."""
+    policy = decide(len(cores), busy_elsewhere(cores), threads=threads, shared=shared)
+    if controllers:
+        policy = msgspec.structs.replace(policy, threads=threads or 0)
+    if "torch" in sys.modules:
+        spins = os.environ.get(_WAIT, "").upper() != "PASSIVE" and policy.threads != 1
+        reason = f"{policy.reason}; OpenMP was loaded before the run"
+        return msgspec.structs.replace(policy, spin=spins, reason=reason)
+    os.environ.update(openmp_env(os.environ, policy.spin))
+    return policy
 
 
 def _user_openmp(env: Mapping[str, str]) -> dict[str, str]:

@@ -1,6 +1,7 @@
 """A ``--placement partial`` run moves inference nodes to the less busy side once its first
-steps are measured (runtime/cli.py ``_Cut``): the run goes on from its state on the new cut,
-exactly as it would have on the old one (runtime/train/faults.py ``train_with_restarts``)."""
+steps are measured (runtime/sched/placement.py ``PartialCut``): the run goes on from its
+state on the new cut, exactly as it would have on the old one (runtime/train/faults.py
+``train_with_restarts``)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import json
 
 import pytest
 
-from runtime.cli import _Cut
-from runtime.sched.placement import controller_assignment, partial_sides
+from runtime.sched.placement import PartialCut, controller_assignment, partial_sides
 from runtime.train.faults import REPLAN_AFTER, train_with_restarts
 from runtime.zmq.driver import ZmqExecutor
 from yatt_graph.refs import load_graph
@@ -49,13 +49,9 @@ def test_a_run_moved_to_a_new_cut_goes_on_exactly(tmp_path):
     assert [(e["event"], e["step"]) for e in events] == [("replan", REPLAN_AFTER)]
 
 
-class _Args:
-    pins = {"reference": "train"}
-
-
 def test_the_cut_moves_what_balances_the_measured_time_and_keeps_pins():
     graph = load_graph("graphs.mm_grpo", batch_size=2)
-    cut = _Cut(graph, _Args())
+    cut = PartialCut(graph, {"reference": "train"})
     step = {"time/rollout": 0.05, "time/vision": 0.01, "time/data": 0.001}
     step |= {"time/grpo": 0.06, "time/reference": 0.04, "time/reward": 0.03}
     why = cut.replan([step] * 6)
