@@ -18,13 +18,14 @@ install: $(STAMP)
 lock:
 	bash constraints/lock
 
-# A GPU machine: a separate environment with the vllm extra (vllm 0.33.0 pins torch 2.14.0).
+# A GPU machine: a separate environment with the vllm extra (vllm 0.33.0 pins torch 2.14.0); every
+# other package at the CPU install's version (constraints/gpu.txt, written by make lock).
 # (ruff skips it in lint and format; git should ignore it too)
 GPU_VENV := .venv-gpu
 install-gpu:
 	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
 	$(GPU_VENV)/bin/pip install --quiet --upgrade pip
-	$(GPU_VENV)/bin/pip install --quiet -e '.[vllm,test]'
+	$(GPU_VENV)/bin/pip install --quiet -c constraints/gpu.txt -e '.[vllm,test]'
 
 # Resolve the GPU install without installing it (no GPU needed). About 2 minutes, and about
 # 1.4 GB of wheels downloaded to a temporary folder (the index serves no PEP 658 metadata), so

@@ -155,7 +155,7 @@ def test_lora_trains_only_adapters_and_disables_to_base():
 def test_gradient_checkpointing_backward_with_and_without_lora():
     for extra in ({}, {"lora": LORA}):
         policy = build_policy({"name": "tiny-llama", "gradient_checkpointing": True, **extra})
-        assert policy.model.is_activation_checkpointing
+        assert policy.model.is_gradient_checkpointing
         policy.train()
         ids, mask = _ids(policy, ["abc", "de", "f"])
         lp = policy.response_logprobs(policy.encode_prompts(PROMPTS), ids, mask)
@@ -198,8 +198,8 @@ def test_gradient_checkpointing_gives_the_same_grads_and_a_step_trains():
 
     plain = build_policy({"name": "tiny-qwen2", "seed": 5})
     checkpointed = build_policy({"name": "tiny-qwen2", "seed": 5, "gradient_checkpointing": True})
-    assert checkpointed.model.is_activation_checkpointing
-    assert not plain.model.is_activation_checkpointing
+    assert checkpointed.model.is_gradient_checkpointing
+    assert not plain.model.is_gradient_checkpointing
     loss, grads = loss_and_grads(plain)
     loss_ckpt, grads_ckpt = loss_and_grads(checkpointed)
     assert torch.allclose(loss, loss_ckpt, atol=1e-6)
