@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ def measure(name: str, steps: int, warmup: int, rounds: int) -> dict[str, float]
             for label, (env, flags) in settings(cores).items():
                 rows = run_cli(WORKLOADS[name], flags, steps, Path(tmp) / "run", env=env)
                 out.setdefault(label, []).append(figures(rows, warmup, 2)["step_s"])
-    return {k: sorted(v)[len(v) // 2] for k, v in out.items()}
+    return {k: statistics.median(v) for k, v in out.items()}
 
 
 def _table(name: str, columns: dict[str, dict[str, float]]) -> str:

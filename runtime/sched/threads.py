@@ -13,7 +13,7 @@ Two settings decide how fast small torch ops run on a CPU:
 
 So a process spins only where it owns its cores: :func:`decide` measures, before torch loads,
 how much of this process's cores other processes use (:func:`busy_elsewhere`, from
-``/proc/stat`` over a fraction of a second), and gives the run one torch thread per free core,
+``/proc/stat``: the least of three 0.1 s windows), and gives the run one torch thread per free core,
 spinning when those cores are free and no other process of the run computes on them at the
 same time (replica or rank processes, controllers that outnumber the cores). The spin is
 bounded (:data:`SPIN_COUNT` iterations, a few milliseconds), so a process that stops computing
@@ -101,23 +101,28 @@ def _cpu_ticks(cores: Sequence[int]) -> tuple[int, int]:
     return busy, total
 
 
-def busy_elsewhere(cores: Sequence[int], window_s: float = 0.2) -> float | None:
-    """How many of ``cores`` other processes kept busy over the next ``window_s`` seconds (in
-    cores, 0 to ``len(cores)``), this process's own CPU time taken out; None where
-    ``/proc/stat`` cannot be read (not Linux)."""
+def busy_elsewhere(cores: Sequence[int], window_s: float = 0.1, windows: int = 3) -> float | None:
+    """How many of ``cores`` other processes keep busy (in cores, 0 to ``len(cores)``), this
+    process's own CPU time taken out: the least of ``windows`` back-to-back windows of
+    ``window_s`` seconds, so a moment's work elsewhere (a shell command) does not count as a
+    busy core, while a process that computes all along does. None where ``/proc/stat``
+    cannot be read (not Linux)."""
+    seen = []
     try:
         busy0, total0 = _cpu_ticks(cores)
         own0 = sum(os.times()[:2])
-        time.sleep(window_s)
-        busy1, total1 = _cpu_ticks(cores)
-        own1 = sum(os.times()[:2])
+        for _ in range(windows):
+            time.sleep(window_s)
+            busy1, total1 = _cpu_ticks(cores)
+            own1 = sum(os.times()[:2])
+            if total1 > total0:
+                share = (busy1 - busy0) / (total1 - total0)  # of all the ticks of these cores
+                own = (own1 - own0) / window_s  # cores' worth of this process's own time
+                seen.append(share * len(cores) - own)
+            busy0, total0, own0 = busy1, total1, own1
     except (OSError, ValueError):
         return None
-    if total1 <= total0:
-        return None
-    share = (busy1 - busy0) / (total1 - total0)  # of all the ticks of these cores
-    own = (own1 - own0) / window_s  # cores' worth of this process's own time
-    return min(float(len(cores)), max(0.0, share * len(cores) - own))
+    return min(float(len(cores)), max(0.0, min(seen))) if seen else None
 
 
 def decide(

@@ -61,11 +61,28 @@ def test_a_busy_process_on_a_core_is_measured_there():
     )
     try:
         time.sleep(0.3)
-        busy = busy_elsewhere([core], window_s=0.5)
+        busy = busy_elsewhere([core], window_s=0.2)
     finally:
         loop.kill()
         loop.wait()
     assert busy is not None and busy >= 0.7  # the loop's core, whatever else runs there
+
+
+def test_a_moment_of_work_elsewhere_is_not_a_busy_core(monkeypatch):
+    """The least of the windows counts: a burst in one window (a shell command) is not a core
+    someone keeps busy; a core busy in every window is."""
+    import runtime.sched.threads as threads
+
+    def measure(busy_per_window):  # ticks of 2 cores, 10 a window each (0.1 s at 100 Hz)
+        ticks = iter([(0, 0)] + [(sum(busy_per_window[: i + 1]), 20 * (i + 1)) for i in range(3)])
+        monkeypatch.setattr(threads, "_cpu_ticks", lambda cores: next(ticks))
+        monkeypatch.setattr(threads.time, "sleep", lambda s: None)
+        monkeypatch.setattr(threads.os, "times", lambda: (0.0, 0.0, 0.0, 0.0, 0.0))
+        return busy_elsewhere([0, 1], window_s=0.1)
+
+    assert measure([20, 0, 0]) == 0.0  # both cores busy in the first window only
+    assert measure([20, 20, 20]) == 2.0  # busy all along
+    assert measure([10, 12, 10]) == 1.0  # one core all along
 
 
 @pytest.mark.timeout(120)
