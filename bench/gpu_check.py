@@ -18,7 +18,7 @@ a 64 MiB CUDA tensor between two controller processes on one GPU by CUDA IPC and
 host copy (equal values, milliseconds from the source to the sink; :mod:`bench.cuda_ipc`);
 
 then text_grpo's model state (policy, optimizer, reference) offloaded to pinned host memory
-and reloaded, as colocated roles hand the GPU over (issue 16): time, GB/s, the memory freed
+and reloaded, as colocated roles hand the GPU over: time, GB/s, the memory freed
 (``torch.cuda.memory_allocated``) and the weights equal after;
 
 then ``--steps`` steps through the CLI with ``--device cuda`` of mm_grpo, text_grpo,
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from bench.cuda_ipc import ipc_rows, row_name  # CUDA IPC vs host copy (issue 16)
+from bench.cuda_ipc import ipc_rows, row_name  # CUDA IPC vs host copy
 
 TOLERANCE = 2e-2
 """max |vLLM - HF| logprob of the same tokens. Both run float32 (the engine takes the policy's
@@ -219,7 +219,7 @@ def _cli_runs(steps: int, out: Path, policies: dict[str, Path]) -> None:
 
 
 def _offload_check(policy: Path) -> None:
-    """Issue 16: text_grpo's model state (policy, optimizer, reference) off the GPU and back,
+    """text_grpo's model state (policy, optimizer, reference) off the GPU and back,
     timed, with the memory it frees (``torch.cuda.memory_allocated``) and the weights equal
     after. On ``--device cpu`` the moves are CPU copies (``ALWAYS_COPY``): no memory figure."""
     import nodes.models.offload as off

@@ -1,10 +1,10 @@
-"""Peak memory of mm_ppo in one process, model sharing off vs on (issue 17, "fewer copies").
+"""Peak memory of mm_ppo in one process, model sharing off vs on ("fewer copies").
 
 Each mode runs in a fresh subprocess (so one's peak does not hide the other's): mm_ppo on the
 in-process executor with a GPT-2-small sized prefix-VLM policy (768 dims, 12 heads; layers
 set by ``--layers``, default 17 for ~120M parameters, since the task's word vocabulary is
 tiny next to GPT-2's 50k tokens), a few steps at a small batch. "off" is an executor that
-offers no registry (every node builds its own model, as before issue 17); "on" is the
+offers no registry (every node builds its own model); "on" is the
 ordinary on-policy LocalExecutor (nodes/shared_models.py).
 
 Reported per mode: parameters held per node (a node's modules; a tensor shared with a node

@@ -1,4 +1,4 @@
-"""A GRPO update as a 2-rank FSDP2 (or DDP) group against 1 rank (issue 18, "Sharded training").
+"""A GRPO update as a 2-rank FSDP2 (or DDP) group against 1 rank ("Sharded training").
 
 Each configuration runs in a fresh subprocess, so one's peak memory cannot hide another's.
 The policy is a GPT-2-small-sized prefix-VLM built from a config (768 dims, 12 heads;

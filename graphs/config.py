@@ -24,9 +24,14 @@ from typing import Any, Literal, Self
 import msgspec
 
 from nodes.data import TASKS
+from nodes.rl.advantages import GROUP_ESTIMATORS
 from yatt_graph.options import check_options, config_options
 
 __all__ = ["GRPOConfig", "MultimodalPPOConfig", "PPOConfig", "RLConfig", "TextGRPOConfig"]
+
+
+Estimator = GROUP_ESTIMATORS.literal()
+"""The names of :data:`nodes.rl.advantages.GROUP_ESTIMATORS` (an ``estimator`` option)."""
 
 
 class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -195,14 +200,14 @@ class TextGRPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
     """Prompts per step (>= 1); 16 prompts of 4 samples (64 responses), as in the figures."""
     group_size: int = 4
     """Samples per prompt (>= 2: a group's advantages compare its samples with each other)."""
-    estimator: Literal["grpo", "rloo"] = "grpo"
-    """grpo (group mean and std) or rloo (the mean of the other samples)."""
+    estimator: Estimator = "grpo"
+    """A registered group estimator: grpo (group mean and std), dr_grpo (group mean), rloo."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _at_least("group_size", self.group_size, 2)
-        if self.estimator not in ("grpo", "rloo"):
-            _refuse("estimator", self.estimator, "'grpo' or 'rloo'")
+        if self.estimator not in GROUP_ESTIMATORS:
+            _refuse("estimator", self.estimator, f"one of {', '.join(GROUP_ESTIMATORS)}")
 
 
 class GRPOConfig(TextGRPOConfig, kw_only=True, forbid_unknown_fields=True):

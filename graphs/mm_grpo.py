@@ -26,10 +26,8 @@ CONFIG = GRPOConfig
 
 def build_graph(**options: Any) -> Graph:
     """Options: the fields of :class:`graphs.config.GRPOConfig`: ``batch_size`` prompts per
-    step, ``group_size`` samples each; ``estimator``: grpo or rloo.
-
-    Measured on the CPU (500 steps, means of the first and last 20): reward 0.21-0.23 ->
-    0.88-0.95 over seeds 0-4 with ``kl_coef=0.05``, against 0.75-0.97 without the penalty."""
+    step, ``group_size`` samples each; ``estimator``: grpo or rloo (the README gives the
+    rewards its defaults reach)."""
     config = CONFIG.from_options("mm_grpo", options)
     return build_grpo("mm_grpo", config, vision=config.vision)
 

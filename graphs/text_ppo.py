@@ -21,8 +21,6 @@ CONFIG = PPOConfig
 
 
 def build_graph(**options: Any) -> Graph:
-    """Options: the fields of :class:`graphs.config.PPOConfig`; defaults as in mm_ppo.
-
-    Reward 0.15-0.18 -> 0.996-0.999 over seeds 0-2 (CPU, 500 steps, means of the first and
-    last 20; without the KL penalty 0.59-0.998)."""
+    """Options: the fields of :class:`graphs.config.PPOConfig`; defaults as in mm_ppo (the
+    README gives the rewards they reach)."""
     return build_ppo("text_ppo", CONFIG.from_options("text_ppo", options), vision=None)

@@ -2,8 +2,9 @@
 
 * :class:`GAEAdvantage` (PPO): sequence scores (or per-token rewards), critic values and,
   optionally, the KL to the reference folded into the reward; token-level GAE.
-* :class:`GroupAdvantage` (GRPO or RLOO): per-sample scores normalized within the groups
-  of ``n`` samples drawn for one prompt, broadcast over the response tokens.
+* :class:`GroupAdvantage` (GRPO, Dr. GRPO, RLOO: any of
+  :data:`nodes.rl.advantages.GROUP_ESTIMATORS`): per-sample scores against the other samples
+  drawn for the same prompt, broadcast over the response tokens.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from typing import Any
 import torch
 
 from nodes.rl.advantages import (
+    GROUP_ESTIMATORS,
+    KL_ESTIMATORS,
     apply_kl_to_rewards,
     broadcast_to_tokens,
     compute_gae,
-    grpo_advantages,
     kl_penalty,
-    rloo_advantages,
 )
 from nodes.rl.masked import masked_mean, masked_whiten
 from yatt_graph import ANY, BatchPolicy, Node, Port, Tensor
@@ -55,6 +56,7 @@ class GAEAdvantage(Node):
         super().__init__(name=name)
         if kl_coef < 0:
             raise ValueError(f"node {self.name!r}: kl_coef must be >= 0, got {kl_coef}")
+        KL_ESTIMATORS.check(kl_kind, f"node {self.name!r}: kl_kind")
         self.gamma, self.lam, self.kl_coef, self.kl_kind, self.whiten = (
             gamma,
             lam,
@@ -101,7 +103,9 @@ def _on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 class GroupAdvantage(Node):
-    """GRPO (group mean/std) or RLOO (leave-one-out mean) advantages, over response tokens."""
+    """Group advantages over the response tokens: ``estimator`` names one of
+    :data:`nodes.rl.advantages.GROUP_ESTIMATORS` (grpo: group mean and std; dr_grpo: group
+    mean; rloo: the mean of the others)."""
 
     kind = "advantage"
     batch_policy = BatchPolicy(splittable=False)  # a group's baseline needs the whole group
@@ -112,24 +116,13 @@ class GroupAdvantage(Node):
     }
     outputs = {"advantages": _TOKENS, "stats": ANY}
 
-    def __init__(
-        self, estimator: str = "grpo", normalize_std: bool = True, name: str | None = None
-    ):
+    def __init__(self, estimator: str = "grpo", name: str | None = None):
         super().__init__(name=name)
-        if estimator not in ("grpo", "rloo"):
-            raise ValueError(
-                f"node {self.name!r}: estimator must be 'grpo' or 'rloo', got {estimator!r}"
-            )
-        self.estimator, self.normalize_std = estimator, normalize_std
+        self.estimator = GROUP_ESTIMATORS.check(estimator, f"node {self.name!r}: estimator")
 
     @torch.no_grad()
     def forward(self, scores, group_ids, response_mask) -> dict[str, Any]:
-        if self.estimator == "grpo":
-            per_sample = grpo_advantages(
-                scores, group_ids=group_ids, normalize_std=self.normalize_std
-            )  # (B,)
-        else:
-            per_sample = rloo_advantages(scores, group_ids=group_ids)  # (B,)
+        per_sample = GROUP_ESTIMATORS[self.estimator](scores, group_ids=group_ids)  # (B,)
         advantages = broadcast_to_tokens(per_sample, response_mask)  # (B, R)
         zero_std = _share_of_flat_groups(scores, group_ids)
         return {"advantages": advantages, "stats": {"flat_group_share": zero_std}}

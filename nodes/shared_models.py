@@ -1,6 +1,5 @@
-"""Models shared by nodes of one executor in one process (issue 17: fewer policy copies).
-
-(helper's version, overwritten in the tree by another worker's file; kept here with mine.patch)
+"""Models shared by nodes of one executor in one process: one policy copy where several
+nodes hold the same one.
 
 Nodes with the same share key (share="policy" on Rollout and PPO/GRPO update, share="critic"
 on Critic and PPOUpdate(critic_share="critic")) use ONE module when built by the same

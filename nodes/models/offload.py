@@ -1,4 +1,4 @@
-"""A model node's state off its device and back, when roles take turns on the device (issue 16).
+"""A model node's state off its device and back, when roles take turns on the device.
 
 Under colocated placement the roles of a step (rollout, reference, critic, reward, update)
 share a GPU and take turns. When an executor offloads a node (:meth:`Node.offload`), its

@@ -33,7 +33,7 @@ Nothing here downloads: models come from a local path or are built from a config
 from nodes.rewards.base import RewardNode, place_on_last_token
 from nodes.rewards.clip import ClipScoreReward, clip_score
 from nodes.rewards.judge import JudgeReward
-from nodes.rewards.models import RewardModel, char_tokenizer
+from nodes.rewards.models import RewardModel
 from nodes.rewards.options import reward_from_option
 from nodes.rewards.rules import RuleReward, contains_answer, exact_match, regex_format
 
@@ -43,7 +43,6 @@ __all__ = [
     "RewardModel",
     "RewardNode",
     "RuleReward",
-    "char_tokenizer",
     "clip_score",
     "contains_answer",
     "exact_match",

@@ -16,37 +16,17 @@ import torch
 
 from nodes.models.files import _check_checkpoint_dir, _loading, _read_json
 from nodes.models.offload import Offload
+from nodes.models.policy_base import char_tokenizer
 from nodes.rewards.base import RewardNode, fill_template, template_fields
 from nodes.rewards.clip import ClipScoreReward, clip_score  # noqa: F401 (older plans name them here)
 from nodes.seeding import seeded
 from yatt_graph.node import Built
 
-__all__ = ["RewardModel", "char_tokenizer"]
+__all__ = ["RewardModel"]
 
 # ---------------------------------------------------------------------------------------------
 # learned reward model
 # ---------------------------------------------------------------------------------------------
-
-
-def char_tokenizer(extra_chars: str = "") -> Any:
-    """A character-level ``PreTrainedTokenizerFast`` built offline: printable ASCII, tab and
-    newline (plus ``extra_chars``) and ``<pad>`` (id 0), ``<unk>`` (1), ``<eos>`` (2)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = _char_vocab(extra_chars)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>"
-    )
-
-
-def _char_vocab(extra_chars: str = "") -> dict[str, int]:
-    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2}
-    for c in [chr(i) for i in range(32, 127)] + ["\t", "\n"] + list(extra_chars):
-        vocab.setdefault(c, len(vocab))
-    return vocab
 
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -156,7 +136,7 @@ class RewardModel(Offload, RewardNode):
         if config is not None:
             if "model_type" not in config:
                 raise ValueError(f"node {self.name!r}: config needs 'model_type' (e.g. 'gpt2')")
-            vocab = len(_char_vocab())
+            vocab = len(char_tokenizer())
             if config.get("vocab_size", vocab) < vocab:
                 raise ValueError(
                     f"node {self.name!r}: config vocab_size={config['vocab_size']} is smaller "
@@ -222,7 +202,8 @@ class RewardModel(Offload, RewardNode):
 
         tokenizer = char_tokenizer()
         config.setdefault("vocab_size", len(tokenizer))
-        ids = {"pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 2}
+        eos = tokenizer.eos_token_id
+        ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": eos, "eos_token_id": eos}
         cfg = AutoConfig.for_model(config.pop("model_type"), num_labels=1, **{**ids, **config})
         with seeded(seed):
             model = AutoModelForSequenceClassification.from_config(cfg)

@@ -19,32 +19,72 @@ against the sample's image, so they are high when the response names what the im
 
 With ``on_bad_sample="skip"`` every node is built with ``emit_bad_mask=True``: it has a second
 output, ``bad_samples`` bool[B], so that a graph can always unpack ``scores, skipped``.
-The prefixes ``clip``, ``model:`` and ``judge:`` win over a rule reference of the same module name.
+The kinds are registered (:data:`REWARD_KINDS`): a new kind is one decorated function. A
+registered kind wins over a rule reference of the same module name.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from nodes.registry import Registry
 from nodes.rewards.base import RewardNode
 from nodes.rewards.clip import TINY_CLIP_REWARD_CFG, ClipScoreReward
 from nodes.rewards.judge import JudgeReward
 from nodes.rewards.models import RewardModel
 from nodes.rewards.rules import RuleReward
 
-__all__ = ["SPELLINGS", "reward_from_option"]
+__all__ = ["REWARD_KINDS", "reward_from_option", "spellings"]
 
-SPELLINGS = (
-    "module:function or path/file.py:function (a rule fn(text, meta) -> float)",
-    "clip (a tiny random CLIP score of the response against the image)",
+REWARD_KINDS: Registry = Registry("reward kind")
+"""The rewards ``--reward KIND[:REST]`` names beside a rule reference: ``fn(rest, options) ->
+RewardNode``, where ``options`` are the keyword arguments every reward node takes
+(``on_bad_sample``, ``emit_bad_mask``, ``name``) and ``rest`` what follows ``KIND:`` (None
+when the spelling is ``KIND`` alone)."""
+
+RULE = "module:function or path/file.py:function (a rule fn(text, meta) -> float)"
+
+
+@REWARD_KINDS.register(
+    "clip",
+    "clip (a tiny random CLIP score of the response against the image), or "
     "clip:open_clip:NAME[:WEIGHTS_FILE] (an open_clip model; weights: a local file)",
-    "model:DIR (a local sequence classifier with one logit)",
-    "judge:DIR or judge:tiny (a local causal LM or VLM judge, or a tiny random one)",
 )
+def _clip(rest: str | None, options: dict[str, Any]) -> RewardNode:
+    if rest is None:
+        return ClipScoreReward("ViT-S-32", model_overrides=TINY_CLIP_REWARD_CFG, **options)
+    backend, _, model = rest.partition(":")
+    arch, _, weights = model.partition(":")
+    if backend != "open_clip" or not arch:
+        raise _bad(
+            f"clip:{rest}", "a CLIP reward is 'clip' or 'clip:open_clip:NAME[:WEIGHTS_FILE]'"
+        )
+    return ClipScoreReward(arch, weights or None, **options)
+
+
+@REWARD_KINDS.register("model", "model:DIR (a local sequence classifier with one logit)")
+def _model(rest: str | None, options: dict[str, Any]) -> RewardNode:
+    if not rest:
+        raise _bad("model:", "model: needs a directory after the colon")
+    return RewardModel(rest, **options)
+
+
+@REWARD_KINDS.register(
+    "judge", "judge:DIR or judge:tiny (a local causal LM or VLM judge, or a tiny random one)"
+)
+def _judge(rest: str | None, options: dict[str, Any]) -> RewardNode:
+    if not rest:
+        raise _bad("judge:", "judge: needs a directory after the colon")
+    return JudgeReward(rest, **options)
+
+
+def spellings() -> list[str]:
+    """Every spelling ``--reward`` takes, one line each: a rule, then the registered kinds."""
+    return [RULE, *(REWARD_KINDS.help(kind) for kind in REWARD_KINDS)]
 
 
 def _bad(value: str, why: str) -> ValueError:
-    listed = "\n  ".join(SPELLINGS)
+    listed = "\n  ".join(spellings())
     return ValueError(f"reward {value!r}: {why}. The spellings are:\n  {listed}")
 
 
@@ -54,7 +94,8 @@ def reward_from_option(
     """The reward node that the option string ``value`` names (see the module's table).
 
     Args:
-        value: one of the spellings above.
+        value: a registered kind (:data:`REWARD_KINDS`, ``KIND`` or ``KIND:REST``) or a rule
+            reference.
         on_bad_sample: ``"raise"`` or ``"skip"`` (then the node also outputs ``bad_samples``).
         name: the node's name in the graph.
 
@@ -68,29 +109,17 @@ def reward_from_option(
     value = value.strip()
     if on_bad_sample not in ("raise", "skip"):
         raise ValueError(f"on_bad_sample must be 'raise' or 'skip', got {on_bad_sample!r}")
-    common: dict[str, Any] = {
+    options: dict[str, Any] = {
         "on_bad_sample": on_bad_sample,
         "emit_bad_mask": on_bad_sample == "skip",
         "name": name,
     }
-    kind, _, rest = value.partition(":")
-    if value == "clip":
-        return ClipScoreReward("ViT-S-32", model_overrides=TINY_CLIP_REWARD_CFG, **common)
-    if kind == "clip":
-        backend, _, model = rest.partition(":")
-        arch, _, weights = model.partition(":")
-        if backend != "open_clip" or not arch:
-            raise _bad(value, "a CLIP reward is 'clip' or 'clip:open_clip:NAME[:WEIGHTS_FILE]'")
-        return ClipScoreReward(arch, weights or None, **common)
-    if kind in ("model", "judge"):
-        if not rest:
-            raise _bad(value, f"{kind}: needs a directory after the colon")
-        if kind == "model":
-            return RewardModel(rest, **common)
-        return JudgeReward(rest, **common)
+    kind, colon, rest = value.partition(":")
+    if kind in REWARD_KINDS:
+        return REWARD_KINDS[kind](rest if colon else None, options)
     if not rest or not kind:
         raise _bad(value, "is not a known spelling")
     try:
-        return RuleReward(value, **common)
+        return RuleReward(value, **options)
     except (ImportError, ValueError) as exc:
         raise _bad(value, f"the rule reference does not import ({exc})") from exc

@@ -19,11 +19,10 @@ References:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
+from nodes.registry import Registry
 from nodes.rl.masked import (
     _check_b,
     _check_bt,
@@ -35,8 +34,11 @@ from nodes.rl.masked import (
 )
 
 __all__ = [
+    "GROUP_ESTIMATORS",
+    "KL_ESTIMATORS",
     "KLKind",
     "compute_gae",
+    "dr_grpo_advantages",
     "grpo_advantages",
     "rloo_advantages",
     "broadcast_to_tokens",
@@ -44,7 +46,14 @@ __all__ = [
     "apply_kl_to_rewards",
 ]
 
-KLKind = Literal["k1", "k2", "k3", "abs"]
+GROUP_ESTIMATORS: Registry = Registry("group advantage estimator")
+"""Per-sample advantages from the scores of each prompt's group: ``fn(scores (B,), *,
+group_ids (B,)) -> (B,)``; :class:`nodes.advantage.GroupAdvantage` and the GRPO graphs'
+``estimator`` option name one."""
+
+KL_ESTIMATORS: Registry = Registry("KL estimator")
+"""Per-token estimates of KL(pi || pi_ref) from ``log_ratio = log pi - log pi_ref``:
+``fn(log_ratio (B, T)) -> (B, T)``; :func:`kl_penalty` and the KL loss name one."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,6 +156,7 @@ def _group_sum(x: Tensor, index: Tensor, n_groups: int) -> Tensor:
     return x.new_zeros(n_groups).index_add(0, index, x)  # (G,)
 
 
+@GROUP_ESTIMATORS.register("grpo", "each score against its group's mean and std (DeepSeekMath)")
 def grpo_advantages(
     scores: Tensor,
     group_size: int | None = None,
@@ -190,6 +200,14 @@ def grpo_advantages(
     return torch.where(counts[index] > 1, advantages, 0)  # (B,) group of one -> 0
 
 
+@GROUP_ESTIMATORS.register("dr_grpo", "each score against its group's mean, no std (Dr. GRPO)")
+def dr_grpo_advantages(scores: Tensor, *, group_ids: Tensor) -> Tensor:
+    """GRPO advantages without the std normalization (Liu et al. 2025, "Understanding R1-Zero-Like
+    Training"): ``A_i = r_i - mean(r_group)``."""
+    return grpo_advantages(scores, group_ids=group_ids, normalize_std=False)
+
+
+@GROUP_ESTIMATORS.register("rloo", "each score against the mean of the others in its group")
 def rloo_advantages(
     scores: Tensor, group_size: int | None = None, *, group_ids: Tensor | None = None
 ) -> Tensor:
@@ -284,25 +302,40 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, kind: KLKin
     _check_bt(fn, "logprobs", logprobs)
     _check_same_shape(fn, "logprobs", logprobs, "ref_logprobs", ref_logprobs, "(B, T)")
     real = _check_mask(fn, mask, logprobs.shape, "logprobs")  # (B, T) bool
-    if kind not in ("k1", "k2", "k3", "abs"):
-        raise ValueError(f"{fn}: kind is {kind!r}; it must be one of 'k1', 'k2', 'k3', 'abs'")
+    KL_ESTIMATORS.check(kind, f"{fn}: kind")
     _check_finite(fn, "logprobs", logprobs, real)
     _check_finite(fn, "ref_logprobs", ref_logprobs, real)
     return _kl_estimate(logprobs, ref_logprobs, real, kind)
 
 
+@KL_ESTIMATORS.register("k1", "log_ratio: unbiased, can be negative")
+def _k1(log_ratio: Tensor) -> Tensor:
+    return log_ratio  # (B, T)
+
+
+@KL_ESTIMATORS.register("k2", "0.5 * log_ratio**2: biased, low variance")
+def _k2(log_ratio: Tensor) -> Tensor:
+    return 0.5 * log_ratio**2  # (B, T)
+
+
+@KL_ESTIMATORS.register("k3", "exp(-log_ratio) - 1 + log_ratio: unbiased, >= 0")
+def _k3(log_ratio: Tensor) -> Tensor:
+    return torch.exp(-log_ratio) - 1 + log_ratio  # (B, T) pi_ref/pi - 1 - log(pi_ref/pi)
+
+
+@KL_ESTIMATORS.register("abs", "|log_ratio|")
+def _abs(log_ratio: Tensor) -> Tensor:
+    return log_ratio.abs()  # (B, T)
+
+
+KLKind = KL_ESTIMATORS.literal()
+"""The names of :data:`KL_ESTIMATORS`, as a type."""
+
+
 def _kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, real: Tensor, kind: str) -> Tensor:
     """``kl_penalty`` without the checks (``real`` is a bool mask)."""
     log_ratio = torch.where(real, logprobs - ref_logprobs, 0)  # (B, T) log pi/pi_ref
-    if kind == "k1":
-        kl = log_ratio  # (B, T)
-    elif kind == "k2":
-        kl = 0.5 * log_ratio**2  # (B, T)
-    elif kind == "k3":
-        kl = torch.exp(-log_ratio) - 1 + log_ratio  # (B, T) pi_ref/pi - 1 - log(pi_ref/pi)
-    else:
-        kl = log_ratio.abs()  # (B, T)
-    return torch.where(real, kl, 0)  # (B, T)
+    return torch.where(real, KL_ESTIMATORS[kind](log_ratio), 0)  # (B, T)
 
 
 def apply_kl_to_rewards(rewards: Tensor, kl: Tensor, mask: Tensor, coef: float) -> Tensor:

@@ -6,11 +6,13 @@ re-exports :func:`aggregate_token_loss`.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from nodes.registry import Registry
 from nodes.rl.masked import (
     _check_bt,
     _check_finite,
@@ -20,9 +22,38 @@ from nodes.rl.masked import (
     _check_same_shape,
 )
 
-__all__ = ["Aggregation", "aggregate_token_loss"]
+__all__ = ["AGGREGATIONS", "Aggregation", "TokenMean", "aggregate_token_loss"]
 
-Aggregation = Literal["token-mean", "seq-mean-token-mean"]
+
+class TokenMean(NamedTuple):
+    """A mean of a per-token loss: ``total(token_loss, real) / count(real)``. Written so, a
+    batch cut into micro-batches gets the whole batch's value exactly as the sum of each
+    micro-batch's value weighted by its share of ``count`` (what the updates accumulate)."""
+
+    total: Callable[[Tensor, Tensor], Tensor]
+    """(B, T) loss, zero at padding, and bool (B, T) real tokens -> () what is averaged, summed."""
+    count: Callable[[Tensor], Tensor]
+    """bool (B, T) real tokens -> () what it is averaged over."""
+
+
+AGGREGATIONS: Registry[TokenMean] = Registry("loss aggregation")
+"""How the losses reduce a per-token loss to a scalar (``aggregation=``)."""
+
+AGGREGATIONS.register("token-mean", "every real token of the batch weighs the same")(
+    TokenMean(
+        total=lambda loss, real: loss.sum(),  # ()
+        count=lambda real: real.sum(),  # () real tokens
+    )
+)
+AGGREGATIONS.register("seq-mean-token-mean", "the mean per sequence, then over sequences")(
+    TokenMean(
+        total=lambda loss, real: (loss.sum(1) / real.sum(1).clamp(min=1)).sum(),  # ()
+        count=lambda real: real.any(1).sum(),  # () sequences with a real token
+    )
+)
+
+Aggregation = AGGREGATIONS.literal()
+"""The names of :data:`AGGREGATIONS`, as a type."""
 
 # ---------------------------------------------------------------------------------------------
 # aggregation and shared checks
@@ -31,19 +62,10 @@ Aggregation = Literal["token-mean", "seq-mean-token-mean"]
 
 def _aggregate(fn: str, token_loss: Tensor, real: Tensor, aggregation: str) -> Tensor:
     """``aggregate_token_loss`` without the shape checks (``real`` is a bool mask)."""
+    mean = AGGREGATIONS[AGGREGATIONS.check(aggregation, f"{fn}: aggregation")]
+    _check_real_count(fn, real)
     token_loss = torch.where(real, token_loss, 0)  # (B, T) padding -> 0
-    if aggregation == "token-mean":
-        _check_real_count(fn, real)
-        return token_loss.sum() / real.sum().to(token_loss.dtype)  # ()
-    if aggregation == "seq-mean-token-mean":
-        _check_real_count(fn, real)
-        tokens_per_seq = real.sum(dim=1).to(token_loss.dtype)  # (B,)
-        seq_loss = token_loss.sum(dim=1) / tokens_per_seq.clamp(min=1)  # (B,)
-        n_seqs = (tokens_per_seq > 0).sum().to(token_loss.dtype)  # ()
-        return seq_loss.sum() / n_seqs  # () empty rows add 0 and are not counted
-    raise ValueError(
-        f"{fn}: aggregation is {aggregation!r}; it must be 'token-mean' or 'seq-mean-token-mean'"
-    )
+    return mean.total(token_loss, real) / mean.count(real).to(token_loss.dtype)  # ()
 
 
 def aggregate_token_loss(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nodes.rl.advantages import KLKind, _kl_estimate
+from nodes.rl.advantages import KL_ESTIMATORS, KLKind, _kl_estimate
 from nodes.rl.aggregate import (
     Aggregation,
     _aggregate,
@@ -172,8 +172,7 @@ def kl_loss(
     """
     fn = "kl_loss"
     real = _check_token_tensors(fn, mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
-    if kind not in ("k1", "k2", "k3", "abs"):
-        raise ValueError(f"{fn}: kind is {kind!r}; it must be one of 'k1', 'k2', 'k3', 'abs'")
+    KL_ESTIMATORS.check(kind, f"{fn}: kind")
     kl = _kl_estimate(logprobs, ref_logprobs, real, kind)  # (B, T)
     return _aggregate(fn, kl, real, aggregation)
 

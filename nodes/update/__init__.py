@@ -19,7 +19,7 @@ also when its steps were skipped.
 A non-finite policy logprob, value, loss or gradient (norm) skips the step: gradients are
 zeroed, no optimizer steps, ``metrics["skipped_nonfinite"]`` is 1.0 and the remaining epochs
 of the call are dropped (they would see the same batch and weights as the failed one). With
-``on_nonfinite="error"`` a ValueError names the node and the quantity instead. Non-finite
+``on_nonfinite="raise"`` a ValueError names the node and the quantity instead. Non-finite
 *inputs* (advantages, returns, ...) at real tokens are bad data and always a ValueError.
 
 The models run in eval mode (dropout off), as the rollout samples: a PPO ratio must compare the

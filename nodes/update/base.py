@@ -44,7 +44,6 @@ _INPUTS = {
     "image_embeds": Port(TensorPort("float32", "N", "D"), required=False, doc="PrefixVLM"),
     "images": Port(ANY, required=False, doc="list[PIL.Image] (HF VLMs)"),
 }
-_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 
 
 class _NonFinite(Exception):
@@ -115,8 +114,8 @@ class _Update(Offload, _Ranked, Sharing, Node):
             ),
             (temperature > 0, f"temperature={temperature}; it must be > 0 (the rollout's)"),
             (
-                on_nonfinite in ("skip", "error"),
-                f"on_nonfinite={on_nonfinite!r}; choose 'skip' or 'error'",
+                on_nonfinite in ("raise", "skip"),
+                f"on_nonfinite={on_nonfinite!r}; choose 'raise' or 'skip' (as on_bad_sample)",
             ),
             (
                 isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 1,
@@ -320,7 +319,7 @@ class _Update(Offload, _Ranked, Sharing, Node):
                 except _NonFinite as bad:
                     self._zero_grad()
                     what = f"non-finite {bad} in update {self.updates + 1}, epoch {epoch + 1}"
-                    if self.on_nonfinite == "error":
+                    if self.on_nonfinite == "raise":
                         raise NonFiniteError(
                             f"node {self.name!r}: {what}; no step was taken (on_nonfinite="
                             "'skip' skips such steps; lower lr or check the inputs)"

@@ -7,11 +7,12 @@ from typing import Any
 
 from torch import Tensor
 
+from nodes.rl.aggregate import AGGREGATIONS
 from nodes.rl.losses import (
     aggregate_token_loss,
     grpo_loss,
 )
-from nodes.update.base import _AGGREGATIONS, _INPUTS, _item, _Update
+from nodes.update.base import _INPUTS, _item, _Update
 from nodes.update.shares import View
 from yatt_graph import ANY, BatchPolicy, Port
 
@@ -75,11 +76,7 @@ class GRPOUpdate(_Update):
         batch_policy: BatchPolicy | None = None,
     ) -> None:
         super().__init__(name, placement=placement, batch_policy=batch_policy)
-        if aggregation not in _AGGREGATIONS:
-            raise ValueError(
-                f"node {self.name!r}: aggregation={aggregation!r}; choose one of {_AGGREGATIONS}"
-            )
-        self.aggregation = aggregation
+        self.aggregation = AGGREGATIONS.check(aggregation, f"node {self.name!r}: aggregation")
         self._init_common(
             policy,
             lr,
@@ -103,8 +100,8 @@ class GRPOUpdate(_Update):
 
     def _step(self, full: View) -> dict[str, Any]:
         n_tokens = int(full.real.sum())  # of the whole batch, also in a rank group
-        n_seqs = int(full.real.any(dim=1).sum())
-        per_seq = self.aggregation == "seq-mean-token-mean"
+        mean = AGGREGATIONS[self.aggregation]
+        count = int(mean.count(full.real))  # what the loss averages over, in the whole batch
 
         def micro_loss(view: View, rows: slice) -> tuple[Tensor, dict[str, float]] | None:
             t = view.t
@@ -114,7 +111,7 @@ class GRPOUpdate(_Update):
             if n == 0:
                 return None
             w_tok = n / n_tokens  # share of the batch's tokens (token-mean stats)
-            w = int(r.any(dim=1).sum()) / n_seqs if per_seq else w_tok  # share of the loss
+            w = int(mean.count(r)) / count  # share of the loss
             batch = self._prompt_batch(self.policy, view, rows)
             new_logprobs, token_entropy = self._policy_terms(batch, ids, mask, r)  # (b, R)
             ref = t["ref_logprobs"][rows] if self.kl_coef > 0 else None

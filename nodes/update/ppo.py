@@ -67,7 +67,7 @@ class PPOUpdate(_Update):
         temperature: the rollout's sampling temperature (logprobs are of ``logits / T``).
         seed: seeds randomness inside a step (dropout, if a model has any); the global RNG is
             left as it was.
-        on_nonfinite: ``"skip"`` or ``"error"`` (see the module docstring).
+        on_nonfinite: ``"skip"`` or ``"raise"`` (see the module docstring).
         device: where the models train; outputs come back on the CPU.
         share, critic_share: share keys for the policy (e.g. ``"policy"``, as on the Rollout)
             and the value model (e.g. ``"critic"``, as on the Critic): on an on-policy executor

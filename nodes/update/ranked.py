@@ -29,7 +29,7 @@ __all__ = ["NonFiniteError"]
 
 
 class NonFiniteError(ValueError):
-    """A non-finite value stopped an update with ``on_nonfinite="error"`` (no step was taken;
+    """A non-finite value stopped an update with ``on_nonfinite="raise"`` (no step was taken;
     in a rank group every rank raises it alike)."""
 
 

@@ -1,4 +1,4 @@
-"""A training node as an SPMD group of K ranks under torch.distributed (issue 18).
+"""A training node as an SPMD group of K ranks under torch.distributed.
 
 The node in the executor's process is rank 0, the *leader*. When it is built it starts K-1
 rank processes (``python -m nodes.update.rank_worker``: plain subprocesses, never a fork of a

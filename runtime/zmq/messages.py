@@ -80,19 +80,9 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 7
-"""Bumped on any change to the messages below other than an appended field with a default.
-2: STATE_* messages (checkpoints of a ZeroMQ run), Data.epoch, node timeouts.
-3: the work link: HELLO announces a second DEALER (``work_identity``) that receives RUN and
-STATE_* and sends READY, STEP_DONE, STATE_* replies and GOODBYE; READY lost ``results_identity``;
-the kind byte and the header share one frame (``head``). A protocol-2 HELLO (kind and header
-in two frames) is still read, so that such a peer is refused with the reason.
-4: streamed outputs: DATA carries ``piece``, ``rows``, ``end`` and ``size`` (a protocol-3 peer
-would take a piece for the whole value).
-5: WARN (a node call far past its usual time, with its stack; the run goes on).
-6: each controller's Resources: SETUP says them (``num_threads`` -1: its threads come from
-them), RESOURCES changes them between node calls, READY and STEP_DONE report what is applied.
-7: CUDA IPC on the data plane: SETUP lists each controller's GPUs (``cuda_ipc_gpus``), and DATA
-may hold the CUDA IPC extension (runtime.zmq.cuda_ipc), which a protocol-6 peer cannot decode."""
+"""Bumped on any change to the messages below other than an appended field with a default; a
+peer of another version is refused with both versions named. A HELLO whose kind and header
+come in two frames (an older peer's) is still read, so that it too is refused with the reason."""
 
 MAX_HEADER_BYTES = 16 << 20
 """A header frame (the Struct, not the value frames) larger than this is refused undecoded."""

@@ -99,7 +99,7 @@ def test_every_field_has_a_docstring(config):
         (PPOConfig, "lam", -0.1, "in [0.0, 1.0]"),
         (PPOConfig, "critic_lr", math.inf, "> 0"),
         (GRPOConfig, "group_size", 1, ">= 2"),
-        (GRPOConfig, "estimator", "ppo", "'grpo' or 'rloo'"),
+        (GRPOConfig, "estimator", "ppo", "one of grpo, dr_grpo, rloo"),
     ],
 )
 def test_a_bad_value_names_the_field_the_value_and_what_is_allowed(config, field, value, allowed):

@@ -1,5 +1,5 @@
-"""mm_grpo with ``train_ranks=2`` (issue 18's done-when): the update trains as a 2-rank FSDP
-group inside a ZeroMQ controller, the graph and the plan still hold one update node, and the
+"""mm_grpo with ``train_ranks=2``: the update trains as a 2-rank FSDP group inside a ZeroMQ
+controller, the graph and the plan still hold one update node, and the
 reward curve and the losses match the 1-rank in-process run.
 
 What "match" means here: the group's gradients equal one rank's up to float rounding, so the

@@ -57,7 +57,7 @@ def test_group_advantage_nodes_match_the_formulas():
 
 
 def test_group_advantage_refuses_bad_input():
-    with pytest.raises(ValueError, match="estimator must be 'grpo' or 'rloo'"):
+    with pytest.raises(ValueError, match="estimator is 'ppo': not a registered group advantage"):
         GroupAdvantage("ppo")
     with pytest.raises(NodeInputError, match="input 'group_ids': dimension B=3 disagrees with B=4"):
         GroupAdvantage().run(

@@ -9,11 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
+from nodes.models.policy import char_tokenizer
 from nodes.rewards import (
     ClipScoreReward,
     RewardModel,
     RuleReward,
-    char_tokenizer,
     clip_score,
     contains_answer,
     exact_match,

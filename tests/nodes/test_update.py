@@ -269,7 +269,7 @@ def test_nan_gradient_skips_the_step(batch):
     assert all(p.grad is None for p in node.policy.parameters())  # gradients zeroed
     assert node.optimizer.state_dict()["state"] == {}  # Adam never stepped
 
-    strict = PPOUpdate(on_nonfinite="error", name="strict_ppo")
+    strict = PPOUpdate(on_nonfinite="raise", name="strict_ppo")
     strict.policy.projector.weight.register_hook(lambda g: g * float("inf"))
     with pytest.raises(ValueError, match=r"node 'strict_ppo': non-finite gradient of the policy"):
         strict.run(_ppo_inputs(batch, image_embeds=batch["image_embeds"]))
@@ -286,7 +286,7 @@ def test_nan_parameter_skips_grpo_step_and_names_logprobs(batch):
     assert out["metrics"]["skipped_nonfinite"] == 1.0
     after = _params(node.policy)
     assert all(torch.allclose(before[k], after[k], rtol=0, atol=0, equal_nan=True) for k in before)
-    node.on_nonfinite = "error"
+    node.on_nonfinite = "raise"
     with pytest.raises(ValueError, match=r"node 'grpo': non-finite policy logprobs"):
         node.run(_grpo_inputs(batch, adv, image_embeds=batch["image_embeds"]))
 

@@ -34,7 +34,7 @@ from yatt_graph.refs import load_graph
 
 HERE = Path(__file__).resolve().parent
 # By module name: with tests/ on sys.path before tests/runtime/, yatt_graph.refs.load_module
-# would import the file path as `runtime.zmq_graphs` (reported to the lead).
+# would import the file path as `runtime.zmq_graphs`.
 GRAPHS = "zmq_graphs"
 STEPS, SEED, BATCH = 12, 3, 16
 LEARNING = ("step", "scores/mean", "scores/std", "loss", "samples_total")

@@ -1,4 +1,4 @@
-"""Roles taking turns on a device (issue 16): model state offloaded and reloaded, timed.
+"""Roles taking turns on a device: model state offloaded and reloaded, timed.
 
 On a CPU nothing has to move; ``nodes.models.offload.ALWAYS_COPY`` makes the moves copy into
 fresh CPU tensors, so the bookkeeping (what moves, back where, shared modules, optimizer
