@@ -89,10 +89,26 @@ def ppo_policy_loss(
         fn, mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages
     )
     eps_low, eps_high = _clip_range(fn, clip_eps, clip_eps_high)
+    return _ppo_policy_loss(
+        logprobs, old_logprobs, advantages, real, eps_low, eps_high, aggregation
+    )
+
+
+def _ppo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    real: Tensor,
+    eps_low: float,
+    eps_high: float,
+    aggregation: str = "token-mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`ppo_policy_loss` of checked inputs (finite on ``real``, a bool mask): what an
+    update calls on every micro-batch of the inputs it checked once."""
     token_loss, stats = _clipped_surrogate(
         logprobs, old_logprobs, advantages, real, eps_low, eps_high
     )  # (B, T)
-    return _aggregate(fn, token_loss, real, aggregation), stats
+    return _aggregate("ppo_policy_loss", token_loss, real, aggregation), stats
 
 
 def value_loss(
@@ -123,6 +139,13 @@ def value_loss(
     real = _check_token_tensors(fn, mask, values=values, old_values=old_values, returns=returns)
     if clip_eps is not None and not clip_eps > 0.0:
         raise ValueError(f"{fn}: clip_eps is {clip_eps}; it must be > 0 (or None for no clip)")
+    return _value_loss(values, old_values, returns, real, clip_eps)
+
+
+def _value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, real: Tensor, clip_eps: float | None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`value_loss` of checked inputs (finite on ``real``, a bool mask)."""
     values = torch.where(real, values, 0)  # (B, T) padding -> 0
     old_values = torch.where(real, old_values, 0)  # (B, T)
     returns = torch.where(real, returns, 0)  # (B, T)
@@ -142,7 +165,7 @@ def value_loss(
             "value_clip_fraction": clipped.sum().to(values.dtype) / n,
             "value_mean": values.sum() / n,
         }
-    return _aggregate(fn, token_loss, real, "token-mean"), stats
+    return _aggregate("value_loss", token_loss, real, "token-mean"), stats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,8 +196,15 @@ def kl_loss(
     fn = "kl_loss"
     real = _check_token_tensors(fn, mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
     KL_ESTIMATORS.check(kind, f"{fn}: kind")
+    return _kl_loss(logprobs, ref_logprobs, real, kind, aggregation)
+
+
+def _kl_loss(
+    logprobs: Tensor, ref_logprobs: Tensor, real: Tensor, kind: str, aggregation: str
+) -> Tensor:
+    """:func:`kl_loss` of checked inputs (finite on ``real``, a bool mask)."""
     kl = _kl_estimate(logprobs, ref_logprobs, real, kind)  # (B, T)
-    return _aggregate(fn, kl, real, aggregation)
+    return _aggregate("kl_loss", kl, real, aggregation)
 
 
 def grpo_loss(
@@ -241,6 +271,24 @@ def grpo_loss(
         advantages=advantages,
     )
     eps_low, eps_high = _clip_range(fn, clip_eps, clip_eps_high)
+    return _grpo_loss(
+        logprobs, old_logprobs, ref_logprobs, advantages, real, eps_low, eps_high, beta, aggregation
+    )
+
+
+def _grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    ref_logprobs: Tensor,
+    advantages: Tensor,
+    real: Tensor,
+    eps_low: float,
+    eps_high: float,
+    beta: float,
+    aggregation: str,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`grpo_loss` of checked (B, T) inputs (finite on ``real``, a bool mask)."""
+    fn = "grpo_loss"
     pg_token_loss, stats = _clipped_surrogate(
         logprobs, old_logprobs, advantages, real, eps_low, eps_high
     )  # (B, T)

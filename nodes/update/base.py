@@ -133,6 +133,8 @@ class _Update(Offload, _Ranked, Sharing, Node):
         self.lr = float(lr)
         self.clip_eps = float(clip_eps)
         self.clip_eps_high = None if clip_eps_high is None else float(clip_eps_high)
+        high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+        self._clip = (self.clip_eps, high)  # the ratio's clip range below and above 1
         self.entropy_coef = float(entropy_coef)
         self.kl_coef = float(kl_coef)
         self.epochs = int(epochs)

@@ -7,11 +7,8 @@ from typing import Any
 
 from torch import Tensor
 
-from nodes.rl.aggregate import AGGREGATIONS
-from nodes.rl.losses import (
-    aggregate_token_loss,
-    grpo_loss,
-)
+from nodes.rl.aggregate import AGGREGATIONS, _aggregate
+from nodes.rl.losses import _grpo_loss
 from nodes.update.base import _INPUTS, _item, _Update
 from nodes.update.shares import View
 from yatt_graph import ANY, BatchPolicy, Port
@@ -114,19 +111,19 @@ class GRPOUpdate(_Update):
             w = int(mean.count(r)) / count  # share of the loss
             batch = self._prompt_batch(self.policy, view, rows)
             new_logprobs, token_entropy = self._policy_terms(batch, ids, mask, r)  # (b, R)
-            ref = t["ref_logprobs"][rows] if self.kl_coef > 0 else None
-            loss, stats = grpo_loss(
+            # the inputs were checked once for the call, the logprobs by _policy_terms
+            ref = t["ref_logprobs"][rows] if self.kl_coef > 0 else new_logprobs.detach()
+            loss, stats = _grpo_loss(
                 new_logprobs,
                 t["logprobs"][rows],
                 ref,
                 t["advantages"][rows],
-                mask,
-                self.clip_eps,
-                self.clip_eps_high,
+                r,
+                *self._clip,
                 beta=self.kl_coef,
                 aggregation=self.aggregation,
             )
-            entropy = aggregate_token_loss(token_entropy, mask, self.aggregation)  # ()
+            entropy = _aggregate("entropy", token_entropy, r, self.aggregation)  # ()
             loss = loss - self.entropy_coef * entropy  # ()
             out = {
                 "loss": w * _item(loss),

@@ -10,12 +10,8 @@ from torch import Tensor, nn
 
 from nodes.models.policy import check_policy_spec
 from nodes.reference import build_value_model, value_model_fingerprint
-from nodes.rl.losses import (
-    aggregate_token_loss,
-    kl_loss,
-    ppo_policy_loss,
-    value_loss,
-)
+from nodes.rl.aggregate import _aggregate
+from nodes.rl.losses import _kl_loss, _ppo_policy_loss, _value_loss
 from nodes.shared_models import check_share_key
 from nodes.sync import WeightUpdate
 from nodes.update.base import (
@@ -223,20 +219,16 @@ class PPOUpdate(_Update):
             w = n / n_tokens  # this micro-batch's share of the token-mean
             batch = self._prompt_batch(self.policy, view, rows)
             new_logprobs, token_entropy = self._policy_terms(batch, ids, mask, r)  # (b, R)
-            pg_loss, pg_stats = ppo_policy_loss(
-                new_logprobs,
-                t["logprobs"][rows],
-                t["advantages"][rows],
-                mask,
-                self.clip_eps,
-                self.clip_eps_high,
+            # the inputs were checked once for the call, the model outputs just above and below
+            pg_loss, pg_stats = _ppo_policy_loss(
+                new_logprobs, t["logprobs"][rows], t["advantages"][rows], r, *self._clip
             )
-            entropy = aggregate_token_loss(token_entropy, mask)  # ()
+            entropy = _aggregate("entropy", token_entropy, r, "token-mean")  # ()
             critic_batch = self._prompt_batch(self.value_model.trunk, view, rows)
             new_values = self._values(critic_batch, ids, mask)  # (b, R)
             _require_finite("values of the value model", new_values, r)
-            vf_loss, vf_stats = value_loss(
-                new_values, t["values"][rows], t["returns"][rows], mask, self.value_clip_eps
+            vf_loss, vf_stats = _value_loss(
+                new_values, t["values"][rows], t["returns"][rows], r, self.value_clip_eps
             )
             loss = pg_loss + self.vf_coef * vf_loss - self.entropy_coef * entropy  # ()
             stats = {
@@ -248,7 +240,7 @@ class PPOUpdate(_Update):
                 "value_clip_fraction": _item(vf_stats["value_clip_fraction"]),
             }
             if self.kl_coef > 0:
-                kl_ref = kl_loss(new_logprobs, t["ref_logprobs"][rows], mask, "k3")  # ()
+                kl_ref = _kl_loss(new_logprobs, t["ref_logprobs"][rows], r, "k3", "token-mean")
                 loss = loss + self.kl_coef * kl_ref  # ()
                 stats["kl_ref"] = _item(kl_ref)
             stats["loss"] = _item(loss)
