@@ -99,16 +99,15 @@ class HFCausalPolicy(Policy):
         resp_ids = torch.where(real, response_ids.to(dev), self.pad_token_id)  # (B, R)
         ids = torch.cat([batch.prompt_ids.to(dev), resp_ids], 1)  # (B, P+R)
         mask = torch.cat([batch.prompt_mask.to(dev), real.long()], 1)  # (B, P+R)
-        R = response_ids.shape[1]
-        out = self.model(
+        return self._response_pass(
+            self.model,
+            response_ids.shape[1],
+            logits,
+            hidden,
             input_ids=ids,
             attention_mask=mask,
             position_ids=_positions(mask),
-            output_hidden_states=hidden,
-            logits_to_keep=R + 1,
-            use_cache=False,
         )
-        return self._response_outputs(out, R, logits, hidden)
 
     def _generate_raw(self, batch, gen_config, **kwargs) -> Tensor:
         P = batch.prompt_ids.shape[1]

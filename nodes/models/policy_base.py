@@ -250,15 +250,20 @@ class Policy(nn.Module):
         """
         raise NotImplementedError
 
-    def _response_outputs(self, out: Any, R: int, logits: bool, hidden: bool) -> ResponseForward:
-        """The response positions of a forward run with ``logits_to_keep=R + 1``.
-
-        Position L-1+t predicts response token t: the last R+1 positions minus the very last.
-        """
+    def _response_pass(
+        self, lm: nn.Module, R: int, logits: bool, hidden: bool, **inputs: Any
+    ) -> ResponseForward:
+        """One teacher-forced pass of ``lm`` over ``inputs`` ([prompt | response], R response
+        tokens), at the response positions: position L-1+t predicts response token t, the last
+        R+1 positions minus the very last. Without ``logits`` only the backbone runs (a value
+        head reads its last hidden state; the LM head's output would be thrown away)."""
+        if not logits:
+            inner = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # under peft
+            out = inner.base_model(**inputs, use_cache=False)
+            return ResponseForward(None, out.last_hidden_state[:, -(R + 1) : -1])  # (B, R, H)
+        out = lm(**inputs, output_hidden_states=hidden, logits_to_keep=R + 1, use_cache=False)
         return ResponseForward(
-            _suppress(out.logits[:, :-1], self.suppressed_token_ids)
-            if logits
-            else None,  # (B, R, V)
+            _suppress(out.logits[:, :-1], self.suppressed_token_ids),  # (B, R, V)
             out.hidden_states[-1][:, -(R + 1) : -1] if hidden else None,  # (B, R, H)
         )
 

@@ -106,16 +106,15 @@ class PrefixVLM(Policy):
         resp_emb = self.lm.get_input_embeddings()(resp_ids)  # (B, R, H)
         embeds = torch.cat([prompt_emb, resp_emb], 1)  # (B, L+R, H)
         mask = torch.cat([prompt_mask, (response_mask.to(dev) > 0).long()], 1)  # (B, L+R)
-        R = response_ids.shape[1]
-        out = self.lm(
+        return self._response_pass(
+            self.lm,
+            response_ids.shape[1],
+            logits,
+            hidden,
             inputs_embeds=embeds,
             attention_mask=mask,
             position_ids=_positions(mask),
-            output_hidden_states=hidden,
-            logits_to_keep=R + 1,
-            use_cache=False,
         )
-        return self._response_outputs(out, R, logits, hidden)
 
     def _generate_raw(self, batch, gen_config, **kwargs) -> Tensor:
         embeds, mask = self._prompt_embeds(batch)  # (B, L, H), (B, L)
