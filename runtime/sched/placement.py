@@ -210,8 +210,9 @@ def balance_sides(
             if side != hi or name in pins or graph.nodes[name].kind not in MOVABLE_KINDS:
                 continue
             t = busy_s.get(name, 0.0)
-            if max(load[hi] - t, load[lo] + t) < best_max - 1e-9:
-                best, best_max = name, max(load[hi] - t, load[lo] + t)
+            after = max(load[hi] - t, load[lo] + t)
+            if after < best_max - 1e-9:
+                best, best_max = name, after
         if best is None:
             return sides
         sides[best] = lo

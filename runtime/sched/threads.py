@@ -146,9 +146,11 @@ def decide(
     measured = "not measured" if busy is None else f"{free:.1f} of {cores} cores free"
     reason = [measured]
     if threads:
-        n, reason = threads, [measured, "--threads"]
+        n = threads
+        reason.append("--threads")
     elif (env.get(_THREADS) or "").strip().isdigit() and int(env[_THREADS]) > 0:
-        n, reason = int(env[_THREADS]), [measured, f"{_THREADS}={env[_THREADS]}"]
+        n = int(env[_THREADS])
+        reason.append(f"{_THREADS}={env[_THREADS]}")
     else:
         n = max(1, min(cores, int(free + 0.5)))
     spin = n > 1 and not shared and free >= n - 0.5
@@ -204,6 +206,6 @@ def openmp_env(env: Mapping[str, str], spin: bool | None) -> dict[str, str]:
 
 
 def passive_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` for a helper process that computes while others of the run do (a replica, a
-    training rank): it does not spin, unless the user said otherwise."""
+    """``env`` for a helper process that computes while others of the run do (a replica): it
+    does not spin, unless the user said otherwise."""
     return openmp_env(env, spin=False)

@@ -182,29 +182,21 @@ def train_with_restarts(
                 kept = truncate_metrics(out, start)
             elif restarts:
                 kept = [r for r in kept if r["step"] < start]
+
+            def train_to(ex: Any, n: int) -> list[dict[str, Any]]:
+                return train(
+                    ex, n, out, checkpoint_every=checkpoint_every, progress=progress, meta=meta
+                )
+
             segment = steps
             if replan is not None:  # a few steps measured first, the rest on a better cut
                 segment = min(steps, executor.next_step + REPLAN_AFTER)
-            rows = train(
-                executor,
-                segment,
-                out,
-                checkpoint_every=checkpoint_every,
-                progress=progress,
-                meta=meta,
-            )
+            rows = train_to(executor, segment)
             if segment < steps:
                 why, replan = replan(rows), None
                 if why:
                     executor = _moved(executor, make_executor, why, out)
-                rows += train(
-                    executor,
-                    steps,
-                    out,
-                    checkpoint_every=checkpoint_every,
-                    progress=progress,
-                    meta=meta,
-                )
+                rows += train_to(executor, steps)
             if on_done is not None:
                 on_done(executor)
             return kept + rows, restarts

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.engine.switch import MODES as OFFLOAD_MODES
+from runtime.sched.placement import SIDES
 from runtime.train.errors import UsageError
 from runtime.train.run_folder import run_folder_of
 
@@ -275,7 +276,7 @@ def parse_pins(values: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in (i for value in values for i in value.split(",")):
         name, sep, side = item.partition("=")
-        if not sep or not name.strip() or side.strip() not in ("rollout", "train"):
+        if not sep or not name.strip() or side.strip() not in SIDES:
             raise UsageError(
                 f"--pin takes NODE=rollout or NODE=train (reference=rollout), got {item!r}"
             )
