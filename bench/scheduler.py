@@ -53,10 +53,10 @@ from typing import Any
 import torch
 
 from bench._util import machine
+from bench.sim.placement import colocated, partial
+from bench.sim.scheduler import Scheduler
 from runtime.sched.batching import karmarkar_karp, lpt
 from runtime.sched.devices import Device, DevicePool, usable_cores
-from runtime.sched.placement import colocated, partial
-from runtime.sched.scheduler import Scheduler
 from yatt_graph import BatchPolicy
 
 __all__ = ["long_tail", "main", "rollout_reward"]

@@ -188,6 +188,8 @@ class Node:
     """A controller hint: an int controller index or a group name; None lets the plan decide."""
     step: int = 0
     """The step being run, set by the executor before each call (seed per-step randomness from it)."""
+    left_padded: tuple[str, ...] = ()
+    """Outputs padded on the left (prompt ids), for joining the rows of a cut call."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Node:
         self = super().__new__(cls)
@@ -351,6 +353,10 @@ class Node:
                 if why := check_value(port.spec, result[port_name], bindings):
                     raise NodeOutputError(f"node {self.name!r}: output {port_name!r}: {why}")
         return dict(result)
+
+    def pad_values(self) -> dict[str, float]:
+        """Each ragged output's pad value where it is not 0, for joining the rows of a cut call."""
+        return {}
 
     def begin_step(self, step: int) -> None:
         """Called by executors before each call; nodes seed per-step randomness from ``self.step``."""

@@ -34,6 +34,7 @@ __all__ = [
     "default_costs",
     "fuse",
     "inverse_permutation",
+    "join_outputs",
     "karmarkar_karp",
     "lpt",
     "merge",
@@ -223,6 +224,25 @@ def merge(
     inv = inverse_permutation(perm)
     joined = concat([o for o, _ in kept], shared, pad_values, left_pad, where="merge")
     return take(joined, inv, shared)
+
+
+def join_outputs(
+    outputs: Sequence[Mapping[str, Any]],
+    parts: Sequence[Sequence[int]],
+    pad_values: Mapping[str, float] | None = None,
+    left_pad: Collection[str] = (),
+) -> Batch:
+    """A node's whole-batch outputs from its outputs on the micro-batches ``parts``.
+
+    Per-sample values are put back in the batch's order (:func:`merge`); a value with nothing
+    per sample (a metric) is the first part's.
+    """
+    first = outputs[0]
+    per = [p for p, v in first.items() if _is_batched(v)]
+    if not per:
+        return dict(first)
+    rows = merge([{p: o[p] for p in per} for o in outputs], parts, (), pad_values, left_pad)
+    return {p: rows.get(p, v) for p, v in first.items()}
 
 
 # --- costs -------------------------------------------------------------------------------

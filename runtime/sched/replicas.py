@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from runtime.sched.batching import _is_batched, default_costs, merge, partition, take
+from runtime.sched.batching import _is_batched, default_costs, join_outputs, partition, take
 
 __all__ = [
     "CallRouter",
@@ -227,12 +227,7 @@ class ReplicaSet:
                 raise ValueError(f"{where}: pieces returned {expand} and {e} rows per sample")
             expand = e
             rows.append([i * e + j for i in part for j in range(e)])
-        pad = self.node.pad_values() if hasattr(self.node, "pad_values") else {}
-        left = getattr(self.node, "left_padded", ())
-        shared = set(first) - per
-        merged = merge([{p: o[p] for p in per} for o in outs], rows, (), pad, left)
-        merged.update({p: first[p] for p in shared})
-        return merged
+        return join_outputs(outs, rows, self.node.pad_values(), self.node.left_padded)
 
     # --- the workers ---------------------------------------------------------------------------
     def _work(self, replica: Replica) -> None:

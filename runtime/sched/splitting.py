@@ -1,12 +1,11 @@
-"""Split a node's call across devices inside an executor, through the batching scheduler.
+"""Split a node's call across devices inside an executor.
 
 Both executors (``LocalExecutor(devices=...)``, ``ZmqExecutor(devices=...)`` and
 ``yatt-graph run --devices N``) give each process a :class:`~runtime.sched.devices.DevicePool`
-and hand the calls of its *splittable* nodes to a :class:`~runtime.sched.scheduler.Scheduler`:
-the step's batch is cut into micro-batches balanced by cost (Karmarkar-Karp), at least one
+and hand the calls of its *splittable* nodes to a :class:`NodeSplitter`: the step's batch is cut into micro-batches balanced by cost (Karmarkar-Karp), at least one
 per device and each within the node's ``BatchPolicy.max_batch_size`` / ``max_tokens``; each
 device's worker runs the next micro-batch when it is free, and the results come back in
-the batch's order. Every other node runs whole, on the executor's thread, as before.
+the batch's order. Every other node runs whole, on the executor's thread.
 
 A node is split here when it declares a per-call budget (``BatchPolicy.max_batch_size`` or
 ``max_tokens`` > 0: a promise that it may be called on any part of a batch), its
@@ -33,12 +32,14 @@ pool with CUDA devices is refused here with that reason.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from runtime.sched.batching import _is_batched
-from runtime.sched.devices import DevicePool
-from runtime.sched.scheduler import Scheduler, SchedulerError
+from runtime.sched.batching import _is_batched, join_outputs, micro_batches, sample_costs, split
+from runtime.sched.devices import Device, DevicePool
 from yatt_graph.types import TensorSpec
 
 __all__ = ["NodeSplitter", "device_pool", "shared_ports"]
@@ -86,10 +87,11 @@ def _splittable(node: Any) -> bool:
 
 
 class NodeSplitter:
-    """The scheduler of one executor (or controller) for its splittable nodes.
+    """The splittable nodes of one executor (or controller) and the devices they are cut across.
 
-    ``call(name, inputs)`` runs one node call: split across the pool when the node is
-    splittable and ``inputs`` hold samples, else whole via ``node.run``.
+    ``call(name, inputs)`` runs one node call: cut into micro-batches across the pool when the
+    node is splittable and ``inputs`` hold samples, else whole via ``node.run``. Each device
+    is a worker thread that takes the next micro-batch (heaviest first) when it is free.
     """
 
     def __init__(self, nodes: Mapping[str, Any], pool: DevicePool):
@@ -98,12 +100,13 @@ class NodeSplitter:
         self.shared = {
             name: shared_ports(node) for name, node in self.nodes.items() if _splittable(node)
         }
-        self.scheduler: Scheduler | None = None
-        if self.shared:
-            sched = Scheduler(pool, threads_per_worker=None)
-            for name, shared in self.shared.items():
-                sched.add_node(self.nodes[name], shared=shared, keep=True)
-            self.scheduler = sched.start()
+        self.calls = dict.fromkeys(self.shared, 0)
+        self.samples = dict.fromkeys(self.shared, 0)
+        self._free: queue.SimpleQueue[Device] = queue.SimpleQueue()
+        for device in pool:
+            self._free.put(device)
+        self._workers = ThreadPoolExecutor(len(pool), thread_name_prefix="yatt-split")
+        pool.start()
 
     @property
     def split_nodes(self) -> list[str]:
@@ -118,23 +121,45 @@ class NodeSplitter:
             for p, v in inputs.items()
             if shared is not None and p not in shared and _is_batched(v)
         }
-        if self.scheduler is None or len(sizes) != 1:
+        if shared is None or len(sizes) != 1:
             # Nothing per sample, or ports of different lengths (per-prompt inputs next to
             # per-response ones: a cut could separate a prompt from its responses): whole.
             return node.run(inputs)
-        ticket = self.scheduler.submit(name, inputs)
-        self.scheduler.flush(name)  # one request per step: nothing else is coming to fuse
+        costs = sample_costs(inputs, where=f"node {name!r}")
+        policy = node.batch_policy
+        parts = micro_batches(costs, len(self.pool), policy.max_batch_size, policy.max_tokens)
+        self.calls[name] += len(parts)
+        self.samples[name] += len(costs)
+        micro = [inputs] if len(parts) == 1 else split(inputs, parts, shared)
+        jobs = [self._workers.submit(self._run, node, mb) for mb in micro]
+        outs = [job.result() for job in jobs]  # the first failed part's own error
+        if len(outs) == 1:
+            return outs[0]
+        return node._check_outputs(
+            join_outputs(outs, parts, node.pad_values(), node.left_padded), None
+        )
+
+    def _run(self, node: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+        device = self._free.get()
+        threading.current_thread().name = f"yatt-{device.name}"  # named in a hang's stacks
         try:
-            out = ticket.result(name)
-        except SchedulerError as exc:  # the node's own error is the cause
-            raise (exc.__cause__ or exc) from None
-        return node._check_outputs(out, None)
+            with self.pool.busy(device, node.name):
+                return node.run(inputs)
+        finally:
+            self._free.put(device)
 
     def summary(self) -> dict[str, Any]:
-        """The scheduler's device utilization and per-node counts (empty when nothing splits)."""
-        return self.scheduler.summary() if self.scheduler is not None else {}
+        """Per device busy/idle time and utilization, and per node its micro-batches."""
+        out = self.pool.summary()
+        out["nodes"] = {
+            name: {
+                "devices": [d.name for d in self.pool],
+                "calls": self.calls[name],
+                "samples": self.samples[name],
+            }
+            for name in self.shared
+        }
+        return out
 
     def close(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.stop()
-            self.scheduler = None
+        self._workers.shutdown(wait=True)

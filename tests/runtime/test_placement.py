@@ -5,9 +5,9 @@ import threading
 import pytest
 import torch
 
+from bench.sim.placement import Placement, colocated, partial, place
+from bench.sim.scheduler import Scheduler
 from runtime.sched.devices import Device, DevicePool, cpu_slot_count
-from runtime.sched.placement import Placement, colocated, partial, place
-from runtime.sched.scheduler import Scheduler
 from yatt_graph import BatchPolicy
 from yatt_graph.refs import load_graph
 

@@ -9,9 +9,7 @@ import traceback
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from runtime.sched.batching import batch_size, sample_costs, take
-from runtime.sched.devices import Device
-from runtime.sched.requests import (
+from bench.sim.requests import (
     Chunk,
     SchedulerError,
     _Link,
@@ -23,6 +21,8 @@ from runtime.sched.requests import (
     _Root,
     _Work,
 )
+from runtime.sched.batching import batch_size, sample_costs, take
+from runtime.sched.devices import Device
 
 __all__: list[str] = []
 

@@ -15,7 +15,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.sched.batching import Batch, CostFn, merge
+from runtime.sched.batching import Batch, CostFn, join_outputs
 from runtime.sched.devices import Device
 from yatt_graph import BatchPolicy
 
@@ -175,24 +175,9 @@ def _oldest(nodes: list[_Node]) -> _Node:
 
 
 def _merge_outputs(chunks: list[tuple[list[int], Batch]], st: _Node) -> Batch:
-    """Reassemble chunks in request order; a non-per-sample output is kept once if all chunks
-    agree, else as the list of the chunks' values."""
+    """Reassemble chunks in request order."""
     outs = [o for _, o in chunks]
-    ports = list(outs[0])
-    shared = {p for p in ports if not _per_sample(outs[0][p])}
-    extra: Batch = {}
-    for p in shared:
-        values = [o[p] for o in outs]
-        try:
-            same = all(v is values[0] or bool(v == values[0]) for v in values)
-        except Exception:
-            same = False
-        extra[p] = values[0] if same else values
-    batched = [{p: o[p] for p in ports if p not in shared} for o in outs]
-    if not batched[0]:
-        return extra
-    merged = merge(batched, [rows for rows, _ in chunks], (), st.pad_values, st.left_pad)
-    return {p: merged[p] if p in merged else extra[p] for p in ports}
+    return join_outputs(outs, [rows for rows, _ in chunks], st.pad_values, st.left_pad)
 
 
 def _per_sample(value: Any) -> bool:

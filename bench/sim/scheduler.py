@@ -53,11 +53,9 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from runtime.sched.batching import CostFn, batch_size, sample_costs
-from runtime.sched.devices import Device, DevicePool
-from runtime.sched.dispatch import _Dispatch
-from runtime.sched.placement import Placement
-from runtime.sched.requests import (
+from bench.sim.dispatch import _Dispatch
+from bench.sim.placement import Placement
+from bench.sim.requests import (
     Chunk,
     NodeFn,
     SchedulerError,
@@ -67,7 +65,9 @@ from runtime.sched.requests import (
     _Request,
     _Root,
 )
-from runtime.sched.workers import _Workers
+from bench.sim.workers import _Workers
+from runtime.sched.batching import CostFn, batch_size, sample_costs
+from runtime.sched.devices import Device, DevicePool
 from yatt_graph import BatchPolicy
 
 __all__ = ["Chunk", "NodeFn", "Scheduler", "SchedulerError", "Ticket", "summary_text"]

@@ -13,9 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.sim.placement import colocated, partial
+from bench.sim.scheduler import Scheduler, SchedulerError, summary_text
 from runtime.sched.devices import DevicePool
-from runtime.sched.placement import colocated, partial
-from runtime.sched.scheduler import Scheduler, SchedulerError, summary_text
 from yatt_graph import BatchPolicy, Node, Tensor
 
 

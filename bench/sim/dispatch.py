@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 import time
 
+from bench.sim.requests import SchedulerError, _Node, _Request, _Work
 from runtime.sched.batching import fuse, micro_batches, split
-from runtime.sched.requests import SchedulerError, _Node, _Request, _Work
 
 __all__: list[str] = []
 
