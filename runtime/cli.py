@@ -216,8 +216,9 @@ def _executor_factory(
     print(f"yatt-graph run: threads: {policy.describe()}", file=sys.stderr, flush=True)
     cut = _partial_cut(graph, args) if distributed and args.placement == "partial" else None
 
+    config = _run_config(args, options, devices, distributed)
+
     def make_executor() -> Any:
-        check_finite = not args.no_check_finite
         if not distributed:
             import torch
 
@@ -225,16 +226,7 @@ def _executor_factory(
 
             torch.set_num_threads(policy.threads)
             executor = Accounting(
-                LocalExecutor(
-                    graph,
-                    devices=devices,
-                    max_staleness=args.max_staleness,
-                    staleness=args.staleness,
-                    check_finite=check_finite,
-                    replicas=args.replica_counts,
-                    replica_factory=spawn_replica,
-                    offload=args.offload,
-                ),
+                LocalExecutor(graph, config, replica_factory=spawn_replica),
                 sched=policy.metrics(),
             )
             # As on a controller: what is built now lives as long as the run, so the cyclic
@@ -258,26 +250,15 @@ def _executor_factory(
         return Accounting(
             ZmqExecutor(
                 graph.plan(args.controllers, placement=hints),
+                config,
                 graph_ref=args.graph,
                 graph_options=options,
-                max_staleness=args.max_staleness,
                 controller_output="inherit",
                 spawn=not args.no_spawn,
                 address=args.listen,
                 allow_tcp=bool(args.listen),
                 allow_remote=args.allow_remote,
                 keys=args.keys,
-                node_timeout_s=args.node_timeout,
-                max_message_bytes=int(args.max_message_mb * (1 << 20)),
-                devices=devices,
-                check_finite=check_finite,
-                replicas=args.replica_counts,
-                staleness=args.staleness,
-                placement=args.placement,
-                device=options.get("device") or "auto",
-                adaptive=not args.no_adaptive,
-                offload=args.offload,
-                num_threads=args.threads,
                 group=vars(args).pop("early_group", None),  # the first run's, started early
             ),
             sched=policy.metrics(),
@@ -286,6 +267,26 @@ def _executor_factory(
     if cut is not None and not args.no_adaptive:
         make_executor.replan = cut.replan  # type: ignore[attr-defined]
     return make_executor
+
+
+def _run_config(args: argparse.Namespace, options: dict, devices: Any, distributed: bool) -> Any:
+    """The run's options from its flags: the one :class:`RunConfig` both executors take."""
+    from runtime.engine.config import RunConfig
+
+    return RunConfig(
+        max_staleness=args.max_staleness,
+        staleness=args.staleness,
+        devices=devices,
+        check_finite=not args.no_check_finite,
+        replicas=dict(args.replica_counts or {}),
+        offload=args.offload,
+        node_timeout_s=args.node_timeout,
+        max_message_bytes=int(args.max_message_mb * (1 << 20)),
+        num_threads=args.threads,
+        placement=args.placement,
+        device=(options.get("device") or "auto") if distributed else "auto",
+        adaptive=not args.no_adaptive,
+    ).verify("yatt-graph run")
 
 
 def _partial_cut(graph: Any, args: argparse.Namespace) -> Any:

@@ -8,13 +8,13 @@ the next.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from runtime.engine.calls import StepResult, describe
-from runtime.engine.delayed import check_staleness_mode
+from runtime.engine.config import RunConfig, run_config
 from runtime.engine.engine import StepEngine
-from runtime.engine.switch import check_offload, switch_metrics
+from runtime.engine.switch import switch_metrics
 from runtime.sched.replicas import node_caller
 from runtime.sched.splitting import device_pool
 from yatt_graph import Graph, Plan
@@ -22,62 +22,38 @@ from yatt_graph import Graph, Plan
 __all__ = ["LocalExecutor", "StepResult", "describe"]
 
 
-def check_staleness(max_staleness: Any, who: str) -> int:
-    """``max_staleness`` as an int >= 0, or a ValueError saying what it means."""
-    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
-        raise ValueError(
-            f"{who}: max_staleness must be an int >= 0 (how many weight versions a rollout may "
-            f"lag behind the update; 0 is on-policy), got {max_staleness!r}"
-        )
-    return max_staleness
-
-
 class LocalExecutor:
     """Run a graph or plan in this process. ``step()`` runs the graph once.
 
     Args:
         plan: a Plan, or a Graph (planned for one controller).
-        devices: None, a CPU slot count, ``"auto"`` or a DevicePool: splits the calls of
-            splittable nodes across that many devices (:mod:`runtime.sched.splitting`);
-            ``close()`` (or ``with``) stops their worker threads.
-        max_staleness: an input on a delayed edge at step k reads the producer's value from
-            a step in ``[k-1-max_staleness, k-1]``; staleness: which one (see
-            :mod:`runtime.engine.delayed`): ``"fixed"``, exactly step k-1-max_staleness (None
-            before that), as on the ZeroMQ runtime with the same setting, so both give the same
-            results; ``"bound"``, the newest there is, which here, one step at a time, is
-            always step k-1 (on-policy results).
-        check_finite: stop at the node whose float tensor output holds NaN or inf.
-        replicas: ``{node: R}``, over each node's ``BatchPolicy.replicas``: run R copies of
-            an inference node and cut each call across them (:mod:`runtime.sched.replicas`).
+        config: the run's options (:class:`~runtime.engine.config.RunConfig`); this executor
+            reads ``max_staleness``, ``staleness``, ``devices``, ``check_finite``,
+            ``replicas`` and ``offload``. Keyword ``options`` are fields of it, over it.
+            With ``staleness="bound"`` a delayed edge, one step at a time, always reads step
+            k-1 (on-policy results). ``offload="on"`` makes the model roles take turns on
+            their device (:mod:`runtime.engine.switch`); ``"auto"`` never moves state here: in
+            one process no other process waits for the memory. ``close()`` (or ``with``)
+            stops the device workers and replica processes.
         replica_factory: starts replica i of a node (``runtime.zmq.replicas.spawn_replica``,
             which the CLI passes; this layer does not start processes itself).
-        offload: ``"on"``: the model roles take turns on their device: before a node with
-            device state runs, the others' state moves to host memory and its own comes back
-            (:mod:`runtime.engine.switch`), timed in ``StepResult.switches`` and ``sched/*``.
-            ``"auto"`` (the default) and ``"off"``: never. In one process no other process
-            waits for the memory, so moving it pays only when the models do not fit on the
-            device together, which the user knows and asks for with ``"on"``.
     """
 
     def __init__(
         self,
         plan: Plan | Graph,
+        config: RunConfig | None = None,
         *,
-        devices: Any = None,
-        max_staleness: int = 0,
-        staleness: str = "fixed",
-        check_finite: bool = False,
-        replicas: Mapping[str, int] | None = None,
         replica_factory: Callable[[Any, int, int], Any] | None = None,
-        offload: str = "auto",
+        **options: Any,
     ):
+        self.config = config = run_config(config, options, "LocalExecutor")
         self.plan = plan if isinstance(plan, Plan) else plan.plan(1)
         self.graph = self.plan.graph
         self.graph.validate()
-        self.max_staleness = check_staleness(max_staleness, "LocalExecutor")
-        self.staleness = check_staleness_mode(staleness, "LocalExecutor")
-        self.offload = check_offload(offload, "LocalExecutor") == "on"
-        pool = device_pool(devices)
+        self.max_staleness, self.staleness = config.max_staleness, config.staleness
+        self.offload = config.offload == "on"
+        pool = device_pool(config.devices)
         nodes = self.graph.nodes
         # Nodes that can share a model (nodes/shared_models.py) learn the staleness first: one
         # registry per executor, used only on-policy (max_staleness 0).
@@ -88,7 +64,7 @@ class LocalExecutor:
                 bind(max_staleness=self.max_staleness, shared=shared)
         for name in self.graph.topological_order():  # build the models here, before a step
             nodes[name].setup()
-        self.splitter = node_caller(nodes, pool, replicas, replica_factory)
+        self.splitter = node_caller(nodes, pool, config.replicas, replica_factory)
         self.engine = StepEngine(
             nodes,
             self.graph.edges,
@@ -98,7 +74,7 @@ class LocalExecutor:
             max_staleness=self.max_staleness,
             staleness=self.staleness,
             splitter=self.splitter,
-            check_finite=check_finite,
+            check_finite=config.check_finite,
             switch="roles" if self.offload else None,
         )
         self.next_step = 0

@@ -136,7 +136,10 @@ class ControlLink:
     def _watch(self) -> None:
         poller = zmq.Poller()
         poller.register(self.driver, zmq.POLLIN)
-        interval, timeout = self.setup.heartbeat_interval_s, self.setup.heartbeat_timeout_s
+        interval, timeout = (
+            self.setup.config.heartbeat_interval_s,
+            self.setup.config.heartbeat_timeout_s,
+        )
         next_beat, last_driver = 0.0, time.monotonic()
         exit_by: float | None = (
             None  # after SHUTDOWN or a lost driver: the compute thread's deadline
@@ -198,7 +201,7 @@ class ControlLink:
                 self._report_timeout(call, seconds)
             return
         longest = self.longest(call.node)
-        if seconds > hang_threshold(longest, self.setup.hang_warning_s):
+        if seconds > hang_threshold(longest, self.setup.config.hang_warning_s):
             reported.add(call)
             usual = (
                 f"its calls so far took at most {longest:.2f}s"
@@ -222,7 +225,7 @@ class ControlLink:
         """Tell the driver a node call ran past its limit, with the stack it is stuck in."""
         name, limit = call.node, call.limit_s
         stack = self.stacks(name)
-        own = self.setup.node_timeout_s != limit
+        own = self.setup.config.node_timeout_s != limit
         source = "its BatchPolicy.timeout_s" if own else "the run's node_timeout_s"
         message = (
             f"node {name!r} ({self.describe(name)}) on controller {self.index} has run "

@@ -193,7 +193,7 @@ class Controller:
         self.index = setup.controller
         # Cores, threads and GPUs first: CUDA must see only this controller's GPUs when the
         # nodes build their models.
-        self.pinned_threads = None if setup.num_threads < 0 else setup.num_threads
+        self.pinned_threads = setup.config.num_threads
         self.applied = apply_resources(
             setup.resources or Resources(), pinned_threads=self.pinned_threads
         )
@@ -207,11 +207,14 @@ class Controller:
         from runtime.sched.splitting import device_pool
         from runtime.zmq.replicas import spawn_replica
 
-        pool = device_pool({0: None, -1: "auto"}.get(setup.devices, setup.devices))
-        mine = {n: r for n, r in setup.replicas.items() if n in nodes}  # (the others' are theirs)
+        pool = device_pool(setup.config.devices)
+        mine = {
+            n: r for n, r in setup.config.replicas.items() if n in nodes
+        }  # (the others' are theirs)
         self.splitter = node_caller(nodes, pool, mine, spawn_replica)
         limits = {
-            n: node.batch_policy.timeout_s or setup.node_timeout_s for n, node in nodes.items()
+            n: node.batch_policy.timeout_s or setup.config.node_timeout_s
+            for n, node in nodes.items()
         }
         self.engine = StepEngine(
             nodes,
@@ -220,12 +223,12 @@ class Controller:
             setup.order,
             assignment,
             here=self.index,
-            max_staleness=setup.max_staleness,
-            staleness=setup.staleness,
-            window=setup.pipeline_depth,
+            max_staleness=setup.config.max_staleness,
+            staleness=setup.config.staleness,
+            window=setup.config.window,
             outbox=self.peers,
             splitter=self.splitter,
-            check_finite=setup.check_finite,
+            check_finite=setup.config.check_finite,
             limits=limits,
             # its GPU is time-shared: its nodes' device state leaves when its turn ends
             switch="phase" if self.index in setup.offload_controllers else None,

@@ -39,12 +39,12 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from runtime.engine.calls import StepResult
-from runtime.engine.delayed import check_staleness_mode
-from runtime.engine.switch import check_offload, offloading, switch_metrics
+from runtime.engine.config import RunConfig, run_config
+from runtime.engine.switch import offloading, switch_metrics
 from runtime.errors import ControllerError, HandshakeError, NodeTimeoutError
 from runtime.sched.affinity import start_cores
 from runtime.sched.devices import Resources, visible_gpus
@@ -59,7 +59,6 @@ from runtime.zmq.keys import load_keys
 from runtime.zmq.options import check_options, plan_resources, setup_fields
 from runtime.zmq.rebalance import Rebalancer, sched_metrics
 from runtime.zmq.serial import DecodeError, decode_value
-from runtime.zmq.transport import DEFAULT_MAX_MESSAGE_BYTES
 from yatt_graph import Graph, Plan
 
 __all__ = ["ControllerError", "HandshakeError", "NodeTimeoutError", "ZmqExecutor"]
@@ -70,132 +69,69 @@ class ZmqExecutor:
 
     Args:
         plan: a Plan, or a Graph (planned for ``controllers``, default 1).
+        config: the run's options (:class:`~runtime.engine.config.RunConfig`), sent to every
+            controller in its SETUP. Keyword ``options`` are fields of it, over it.
         graph_ref / graph_options: the graph module or file and its ``build_graph`` options,
             for ``rebuild="graph"`` (see the module docstring).
-        max_staleness: 0 = on-policy (reference semantics); N = delayed edges carry the
-            value from N+1 steps back, so the graph upstream of them runs N steps ahead.
-        staleness: ``"fixed"`` (reproducible: always the value from N+1 steps back) or
-            ``"bound"`` (the newest value at most N versions old); see the module docstring.
-        pipeline_depth: most steps in flight in :meth:`run` (at least ``max_staleness + 1``).
         spawn: start the controllers here; False waits for ``yatt-graph controller
             --connect ADDRESS`` processes (``address`` must then be given).
         address: the driver's address; default ``ipc://`` in a fresh temporary directory.
             ``tcp://`` needs ``allow_tcp=True``; a non-loopback tcp address also needs
             ``allow_remote=True``. ``tcp://127.0.0.1:*`` picks a free port (see ``address``).
         keys: a ``yatt-graph keys`` folder: CURVE on every socket (:mod:`runtime.zmq.keys`).
-        node_timeout_s: the longest one node call may run, for nodes whose
-            ``BatchPolicy.timeout_s`` is 0; 0 = no limit.
-        max_message_bytes: the largest frame a runtime socket accepts (and a controller
-            sends: a larger output is an error naming it); libzmq disconnects a peer that
-            sends a larger one (0: no limit). Default 4 GiB.
-        state_timeout_s: how long :meth:`state_dict` / :meth:`load_state_dict` wait.
-        num_threads: ``torch.set_num_threads`` in each controller, fixed for the run (0:
-            torch's default); None: each controller's ``Resources.threads`` (one per core it
-            owns), which adaptive partitioning may change.
-        placement / device: what :func:`runtime.sched.devices.assign_resources` gives each
-            controller: with ``"colocated"`` and ``max_staleness=0`` every controller gets
-            every core (they take turns), else a disjoint share; ``device`` ``"cuda"`` (or
-            ``"auto"`` where GPUs are visible) gives each its GPUs (``CUDA_VISIBLE_DEVICES``).
-        resources: each controller's :class:`~runtime.sched.devices.Resources` instead.
-        offload: ``"auto"``: a controller whose GPU another controller shares under colocated
-            placement on-policy offloads its nodes' device state (weights, optimizer state) to
-            host memory when its part of a step ends, and reloads it before its next model
-            call (:mod:`runtime.engine.switch`); ``"on"``: every controller does (on a CPU
-            nothing moves, the switches are still timed); ``"off"``: none. Timed in
-            ``StepResult.switches`` and the ``sched/switch_s`` metrics.
-        adaptive: re-balance cores between controllers between steps from their measured busy
-            time (:mod:`runtime.sched.partition`; ``sched/*`` in :attr:`StepResult.sched`);
-            only with ``num_threads=None`` and controllers started here. False keeps the
-            starting Resources.
-        shm_threshold: tensors of at least this many bytes go controller to controller
-            through shared memory (one host); 0 sends everything as zmq frames.
-        cuda_ipc: CUDA tensors between controllers this driver started (one host) travel by
-            CUDA IPC when every receiver sees the GPU (:mod:`runtime.zmq.cuda_ipc`); False
-            copies them through host memory. None: on, unless ``$YATT_CUDA_IPC=0``.
         controller_output: ``"capture"`` (to a log file per controller, whose tail errors
             include) or ``"inherit"`` (this process's stdout/stderr).
-        replicas: ``{node: R}``: R copies of an inference node, on the controller that owns it
-            and R-1 replica processes beside it (:mod:`runtime.sched.replicas`).
-        devices: CPU slots per controller that splittable nodes' calls are cut across
-            (:mod:`runtime.sched.splitting`); None/0: none; ``"auto"``: ``$YATT_CPU_SLOTS`` or the
-            usable cores of each controller's host.
-        spin_s: how long the driver polls its socket without sleeping when it waits for a
-            step's result, before it blocks: a reply that comes within it is read with no
-            wake-up of a sleeping thread, which on a VM costs tens of microseconds. It spins
-            only while the last step's results came within this time (steps of tiny nodes),
-            so real steps never spin; 0 turns it off.
-        check_finite: stop at the node whose float tensor output holds NaN or inf.
         group: controllers started earlier (:class:`runtime.zmq.group.ControllerGroup`, e.g.
             while the graph was being built); the options they were started with (address,
             keys, output, threads, limits, timeouts) are theirs, not these.
-        hang_warning_s: warn (with the stack) when a call without a time limit runs this
-            long; 0: past ``max(60 s, 10 x`` the node's longest earlier call), 300 s for a
-            first call (:func:`runtime.zmq.control_link.hang_threshold`).
+        resources: each controller's :class:`~runtime.sched.devices.Resources`, instead of
+            what ``config.placement`` and ``config.device`` give
+            (:func:`runtime.sched.devices.assign_resources`).
+        state_timeout_s: how long :meth:`state_dict` / :meth:`load_state_dict` wait.
     """
 
     def __init__(
         self,
         plan: Plan | Graph,
-        controllers: int | None = None,
+        config: RunConfig | None = None,
         *,
+        controllers: int | None = None,
         graph_ref: str | None = None,
         graph_options: dict[str, Any] | None = None,
         rebuild: str = "auto",
-        max_staleness: int = 0,
-        staleness: str = "fixed",
-        pipeline_depth: int = 2,
         spawn: bool = True,
         address: str | None = None,
         allow_tcp: bool = False,
         allow_remote: bool = False,
         keys: str | os.PathLike[str] | None = None,
-        node_timeout_s: float = 0.0,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        controller_output: str = "capture",
+        group: ControllerGroup | None = None,
+        resources: Sequence[Resources] | None = None,
         state_timeout_s: float = 600.0,
-        heartbeat_interval_s: float = 0.5,
-        heartbeat_timeout_s: float = 5.0,
         startup_timeout_s: float = 120.0,
         shutdown_grace_s: float = 5.0,
-        num_threads: int | None = None,
-        shm_threshold: int = 1 << 20,
-        controller_output: str = "capture",
-        devices: int | str | None = None,
-        spin_s: float = 0.001,
-        check_finite: bool = False,
-        hang_warning_s: float = 0.0,
-        group: ControllerGroup | None = None,
-        replicas: Mapping[str, int] | None = None,
-        placement: str = "colocated",
-        device: str = "auto",
-        resources: Sequence[Resources] | None = None,
-        adaptive: bool = True,
-        offload: str = "auto",
-        cuda_ipc: bool | None = None,
+        **options: Any,
     ):
+        self.config = config = run_config(config, options, "ZmqExecutor")
         if isinstance(plan, Graph):
             plan = plan.plan(controllers or 1)
         elif controllers is not None and controllers != plan.controllers:
             raise ValueError(
                 f"ZmqExecutor: the plan has {plan.controllers} controllers, {controllers} were asked for"
             )
-        check_options(
-            max_staleness, pipeline_depth, rebuild, controller_output, spawn, address,
-            allow_tcp, allow_remote, devices, node_timeout_s, max_message_bytes, spin_s,
-        )  # fmt: skip
-        self.staleness = check_staleness_mode(staleness, "ZmqExecutor")
-        if num_threads is not None and (isinstance(num_threads, bool) or num_threads < 0):
-            raise ValueError(f"ZmqExecutor: num_threads must be None or >= 0, got {num_threads!r}")
+        check_options(rebuild, controller_output, spawn, address, allow_tcp, allow_remote)
+        self.max_staleness, self.staleness = config.max_staleness, config.staleness
         spawned = spawn if group is None else bool(group.res.procs)
         start = plan_resources(
-            plan.controllers, spawn=spawned, placement=placement, max_staleness=max_staleness,
-            device=device, resources=resources,
+            plan.controllers, spawn=spawned, placement=config.placement,
+            max_staleness=config.max_staleness, device=config.device, resources=resources,
         )  # fmt: skip
-        replica_counts(plan.graph.nodes, replicas)  # an unknown or uncopyable node: now, here
+        replica_counts(plan.graph.nodes, config.replicas)  # an unknown or uncopyable node: now
         self.offload = offloading(
-            check_offload(offload, "ZmqExecutor"), placement=placement,
-            max_staleness=max_staleness, resources=start,
+            config.offload, placement=config.placement, max_staleness=config.max_staleness,
+            resources=start,
         )  # fmt: skip
-        self.spin_s = float(spin_s)
+        self.spin_s = float(config.spin_s)
         self._wait_s = 0.0  # how long the last step's results took to come in
         self.keys = load_keys(keys, "driver") if keys is not None else None
         self.keys_dir = os.fspath(keys) if keys is not None else None
@@ -209,43 +145,26 @@ class ZmqExecutor:
         self.plan, self.graph = plan, plan.graph
         self.graph.validate()
         self.order = self.graph.topological_order()
-        self.max_staleness = max_staleness
-        self.pipeline_depth = max(pipeline_depth, max_staleness + 1)
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.pipeline_depth = config.window
         self.startup_timeout_s = startup_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
         self.state_timeout_s = state_timeout_s
-        self.max_message_bytes = max_message_bytes
         self.next_step = 0
         self._epoch = 0
         self._until = 0
         self._partial: dict[int, dict[int, tuple[m.StepDone, dict[str, Any]]]] = {}
         self._closed = False
         self._setup_kw = setup_fields(self.plan, self.order, graph_ref, graph_options, rebuild)
-        self._setup_kw.update(
-            max_staleness=max_staleness,
-            staleness=self.staleness,
-            heartbeat_interval_s=heartbeat_interval_s,
-            heartbeat_timeout_s=heartbeat_timeout_s,
-            num_threads=-1 if num_threads is None else num_threads,
-            shm_threshold=shm_threshold,
-            node_timeout_s=node_timeout_s,
-            max_message_bytes=max_message_bytes,
-            pipeline_depth=self.pipeline_depth,
-            devices=-1 if devices == "auto" else int(devices or 0),
-            check_finite=check_finite,
-            hang_warning_s=hang_warning_s,
-            replicas=dict(replicas or {}),
-            offload_controllers=self.offload,
-        )
+        self._setup_kw.update(config=config, offload_controllers=self.offload)
         owned = [
             [n for n in self.order if plan.assignment[n] == c] for c in range(plan.controllers)
         ]
         self.group = group or ControllerGroup(
             plan.controllers, address=address, keys=self.keys, keys_dir=self.keys_dir,
-            spawn=spawn, controller_output=controller_output, num_threads=num_threads or 0,
-            max_message_bytes=max_message_bytes, heartbeat_interval_s=heartbeat_interval_s,
-            heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=startup_timeout_s,
+            spawn=spawn, controller_output=controller_output,
+            num_threads=config.num_threads or 0, max_message_bytes=config.max_message_bytes,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            heartbeat_timeout_s=config.heartbeat_timeout_s, startup_timeout_s=startup_timeout_s,
             shutdown_grace_s=shutdown_grace_s, resources=start,
         )  # fmt: skip
         try:
@@ -255,7 +174,7 @@ class ZmqExecutor:
             raise
         self.controllers, self.link = self.group.controllers, self.group.link
         self.address, self.run_dir = self.group.address, self.group.run_dir
-        ipc_gpus = self._ipc_gpus(start, enabled_from_env(cuda_ipc))
+        ipc_gpus = self._ipc_gpus(start, enabled_from_env(config.cuda_ipc))
         try:
             self.group.start(
                 lambda c: m.Setup(
@@ -268,7 +187,7 @@ class ZmqExecutor:
             self._shutdown("start-up failed")
             raise
         self._rebalancer: Rebalancer | None = None
-        if adaptive and spawned and num_threads is None and len(self.controllers) > 1:
+        if config.adaptive and spawned and config.num_threads is None and len(self.controllers) > 1:
             now = [c.resources or r for c, r in zip(self.controllers, start, strict=True)]
             self._rebalancer = Rebalancer(Partitioner(now, start_cores()))
 

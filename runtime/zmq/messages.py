@@ -48,6 +48,7 @@ from typing import Any
 
 import msgspec
 
+from runtime.engine.config import RunConfig
 from runtime.sched.devices import Resources
 
 __all__ = [
@@ -79,7 +80,7 @@ __all__ = [
     "hello_protocol",
 ]
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Bumped on any change to the messages below other than an appended field with a default; a
 peer of another version is refused with both versions named. A HELLO whose kind and header
 come in two frames (an older peer's) is still read, so that it too is refused with the reason."""
@@ -173,38 +174,14 @@ class Setup(_Msg):
     """Node -> controller (needed when rebuilding from ``graph_ref``)."""
     peers: list[str] = []
     """Data address of every controller, by index."""
-    max_staleness: int = 0
-    staleness: str = "fixed"
-    """How a delayed edge reads within max_staleness: "fixed" or "bound" (runtime.engine.delayed)."""
-    heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 5.0
-    num_threads: int = -1
-    """torch.set_num_threads in the controller, fixed for the run; 0 leaves torch's default;
-    -1: the ``threads`` of ``resources`` (which RESOURCES may change)."""
-    shm_threshold: int = 0
-    """Tensors of at least this many bytes go through shared memory; 0 turns it off."""
+    config: RunConfig = msgspec.field(default_factory=RunConfig)
+    """The run's options (runtime.engine.config)."""
     run_id: str = ""
     """Prefix of this run's shared-memory segments (the driver removes leftovers)."""
     order: list[str] = []
     """Every node of the graph in topological order."""
     digest: str = ""
     """A hash of the graph's edges and outputs: a graph rebuilt from ``graph_ref`` must match it."""
-    node_timeout_s: float = 0.0
-    """Run-level limit on one node call; a node's ``BatchPolicy.timeout_s`` (> 0) wins; 0: none."""
-    max_message_bytes: int = 0
-    """Largest message a controller accepts or sends; 0: no limit."""
-    pipeline_depth: int = 2
-    """Most steps the driver allows at once (bounds how far ahead peers' data may be)."""
-    devices: int = 0
-    """CPU slots that splittable nodes' calls are cut across (runtime.sched.splitting); 0: none,
-    -1: ``$YATT_CPU_SLOTS`` or the usable cores."""
-    check_finite: bool = False
-    """Stop at a node whose float tensor output holds NaN/inf (runtime.engine.calls)."""
-    replicas: dict[str, int] = {}
-    """Copies per node, over each node's ``BatchPolicy.replicas`` (runtime.sched.replicas)."""
-    hang_warning_s: float = 0.0
-    """Warn (WARN, with the stack) when a call without a time limit runs this long; 0: when it
-    runs past ``max(60 s, 10 x`` the node's longest earlier call), or 300 s for a first call."""
     resources: Resources | None = None
     """The cores, threads and GPUs it computes on (runtime.sched.devices); None: every core of
     its host, one thread per core (a controller on another host)."""

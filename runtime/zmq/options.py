@@ -9,7 +9,6 @@ from typing import Any
 
 import msgspec
 
-from runtime.engine.local import check_staleness
 from runtime.sched.affinity import start_cores
 from runtime.sched.devices import Resources, assign_resources, visible_gpus
 from runtime.zmq import messages as m
@@ -20,13 +19,10 @@ __all__ = ["check_options", "nodes_from_setup", "plan_resources", "setup_fields"
 
 
 def check_options(
-    max_staleness: int, pipeline_depth: int, rebuild: str, controller_output: str, spawn: bool,
-    address: str | None, allow_tcp: bool, allow_remote: bool, devices: Any,
-    node_timeout_s: float, max_message_bytes: int, spin_s: Any,
+    rebuild: str, controller_output: str, spawn: bool, address: str | None, allow_tcp: bool,
+    allow_remote: bool,
 ) -> None:  # fmt: skip
-    check_staleness(max_staleness, "ZmqExecutor")
-    if pipeline_depth < 1:
-        raise ValueError("ZmqExecutor: pipeline_depth must be >= 1")
+    """The ZmqExecutor arguments that are not run options (those are RunConfig.verify's)."""
     if rebuild not in ("auto", "plan", "graph"):
         raise ValueError(f"ZmqExecutor: rebuild must be 'auto', 'plan' or 'graph', got {rebuild!r}")
     if controller_output not in ("capture", "inherit"):
@@ -38,19 +34,6 @@ def check_options(
         )
     if address:
         check_address(address, allow_tcp=allow_tcp, allow_remote=allow_remote, who="ZmqExecutor")
-    if devices not in (None, "auto") and not (
-        isinstance(devices, int) and not isinstance(devices, bool) and devices >= 0
-    ):
-        raise ValueError(
-            f"ZmqExecutor: devices must be None, a CPU slot count >= 0 or 'auto', got {devices!r}"
-        )
-    if node_timeout_s < 0 or max_message_bytes < 0:
-        raise ValueError("ZmqExecutor: node_timeout_s and max_message_bytes must be >= 0")
-    if isinstance(spin_s, bool) or not isinstance(spin_s, (int, float)) or not 0 <= spin_s <= 1:
-        raise ValueError(
-            f"ZmqExecutor: spin_s must be between 0 and 1 second, got {spin_s!r} "
-            "(0.001 is the default; 0 never spins)"
-        )
 
 
 def plan_resources(
@@ -75,12 +58,6 @@ def plan_resources(
                     f"process's {sorted(here)} or a negative thread count"
                 )
         return resources
-    if placement not in ("colocated", "partial"):
-        raise ValueError(
-            f"ZmqExecutor: placement must be 'colocated' or 'partial', got {placement!r}"
-        )
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"ZmqExecutor: device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     gpus = visible_gpus() if device != "cpu" else 0
     if device == "cuda" and gpus < 1:
         raise RuntimeError(

@@ -80,11 +80,13 @@ class Peers:
         """After SETUP: this controller's index, the run's limit, shared memory, a PUSH per peer."""
         self.index = setup.controller
         self._where = f"controller {self.index}'s data socket"
-        if setup.max_message_bytes:
-            self.max_message_bytes = setup.max_message_bytes
-            self.inbox.setsockopt(zmq.MAXMSGSIZE, setup.max_message_bytes)  # peers connect later
-        if setup.shm_threshold > 0 and setup.run_id and os.path.isdir("/dev/shm"):
-            self.pool = ShmPool(setup.run_id, self.index, setup.shm_threshold)
+        if setup.config.max_message_bytes:
+            self.max_message_bytes = setup.config.max_message_bytes
+            self.inbox.setsockopt(
+                zmq.MAXMSGSIZE, setup.config.max_message_bytes
+            )  # peers connect later
+        if setup.config.shm_threshold > 0 and setup.run_id and os.path.isdir("/dev/shm"):
+            self.pool = ShmPool(setup.run_id, self.index, setup.config.shm_threshold)
             self.reader = ShmReader(setup.run_id, self._queue_release)
         self.ipc_gpus = [list(g) for g in setup.cuda_ipc_gpus]
         if 0 <= self.index < len(self.ipc_gpus) and self.ipc_gpus[self.index]:

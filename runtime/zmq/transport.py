@@ -29,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from runtime.engine.config import DEFAULT_MAX_MESSAGE_BYTES
 from runtime.zmq.messages import Kind, ProtocolError, decode_header, encode_header
 
 __all__ = [
@@ -50,11 +51,6 @@ __all__ = [
 
 SHM_DIR = "/dev/shm"
 
-DEFAULT_MAX_MESSAGE_BYTES = 4 << 30
-"""Largest frame a runtime socket accepts by default: 4 GiB. A message is a header frame plus
-one frame per large tensor; tensors above the shared-memory threshold travel as a small handle
-on one host, so only a tensor sent between hosts comes near it. ``max_message_bytes`` sets it
-(0: no limit)."""
 
 log = logging.getLogger("yatt_graph.runtime")
 _MORE = zmq.SNDMORE

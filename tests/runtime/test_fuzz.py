@@ -10,6 +10,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from runtime.engine.config import RunConfig
 from runtime.sched.devices import Resources
 from runtime.zmq import messages as m
 from runtime.zmq.transport import split
@@ -19,7 +20,13 @@ FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCh
 _SAMPLES = [
     m.Hello(m.PROTOCOL_VERSION, 1, 42, "host", "ipc:///tmp/x", b"w" * 16),
     m.Refused("no"),
-    m.Setup(0, b"{}", peers=["ipc://a", "ipc://b"], order=["a", "b"], node_timeout_s=2.0),
+    m.Setup(
+        0,
+        b"{}",
+        peers=["ipc://a", "ipc://b"],
+        order=["a", "b"],
+        config=RunConfig(node_timeout_s=2.0),
+    ),
     m.Ready(1, ["a"]),
     m.Run(7),
     m.Data(3, "src", "port", 1, 2),
