@@ -17,107 +17,24 @@ import gc
 import os
 import sys
 import traceback
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from runtime.launch import add_launch_arguments
+from runtime.run_setup import build, executor_factory, graph_input, load
 from runtime.train.errors import Terminated, UsageError
 from runtime.train.export import export_checkpoint
 from runtime.train.run_flags import add_run_arguments
-from runtime.train.run_folder import (
-    check_new_path,
-)
+from runtime.train.run_folder import check_new_path
 from yatt_graph import GraphError, NodeExecutionError
 from yatt_graph.options import (
-    Option,
-    check_config,
-    format_options,
     load_graph_module,
-    located,
     module_options,
     option_table,
-    parse_options,
 )
-from yatt_graph.refs import load_graph
 
 __all__ = ["main"]
-
-
-def _options(
-    pairs: Sequence[str], options: list[Option], more: bool, target: str
-) -> dict[str, Any]:
-    """``--set key=value`` pairs, each value parsed by the option's declared type (the graph's
-    ``CONFIG`` or ``build_graph`` signature, see yatt_graph/options.py); an unknown key or a
-    value of the wrong type is a TypeError naming the key, the value and the valid options."""
-    texts: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--set {pair!r}: expected KEY=VALUE")
-        texts[key] = value
-    return parse_options(texts, options, more, target)
-
-
-#: flags that name a graph option (``--val-data`` is the option ``val_data``)
-_NAMED_OPTIONS = (
-    "policy", "vision", "reward", "seed", "data", "val_data", "rollout", "device", "train_ranks",
-    "train_backend",
-)  # fmt: skip
-
-
-def _reward_flags(args: argparse.Namespace) -> None:
-    """``--reward-model DIR`` and ``--judge DIR`` are ``--reward model:DIR`` / ``judge:DIR``."""
-    given = [
-        (flag, value)
-        for flag, value in (
-            ("--reward", getattr(args, "reward", None)),
-            ("--reward-model", getattr(args, "reward_model", None)),
-            ("--judge", getattr(args, "judge", None)),
-        )
-        if value is not None
-    ]
-    if len(given) > 1:
-        raise UsageError(f"{' and '.join(f for f, _ in given)}: give one reward")
-    if getattr(args, "reward_model", None) is not None:
-        args.reward = f"model:{args.reward_model}"
-    elif getattr(args, "judge", None) is not None:
-        args.reward = f"judge:{args.judge}"
-
-
-def _graph_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``--set`` pairs plus the named model options, for the graph's ``build_graph``, checked
-    against its options before anything is built (a bad value of a typed config included)."""
-    module = load_graph_module(args.graph)
-    known, more = module_options(module)
-    values = _options(args.set, known, more, args.graph)
-    names = {o.name for o in known}
-    _reward_flags(args)
-    for key in _NAMED_OPTIONS:
-        value = getattr(args, key, None)
-        if value is None:
-            continue
-        if key not in names and not more:
-            raise TypeError(
-                f"--{key.replace('_', '-')}: {args.graph} takes no {key!r} option; valid: {format_options(known)}"
-            )
-        values[key] = value
-    check_config(module, values, args.graph)  # ranges and choices, before models are built
-    return values
-
-
-def _load(args: argparse.Namespace, options: dict[str, Any] | None = None) -> Any:
-    """The graph, built with ``options`` (default: from the flags); an exception raised while
-    building it names the place in the graph's file it came from."""
-    options = _graph_options(args) if options is None else options
-    try:
-        return load_graph(args.graph, **options)
-    except Exception as exc:
-        where = located(args.graph, exc)
-        if where is None:
-            raise
-        raise GraphError(f"building {args.graph} failed at {where}") from exc
 
 
 def _planned(graph: Any, controllers: int) -> Any:
@@ -133,8 +50,8 @@ def cmd_viz(args: argparse.Namespace) -> int:
     suffix = Path(args.output).suffix.lstrip(".").lower()
     if suffix not in ("svg", "png"):
         raise UsageError(f"viz: -o must end in .svg or .png, got {args.output!r}")
-    with _graph_input(args.graph):
-        graph = _load(args)
+    with graph_input(args.graph):
+        graph = load(args)
     target = _planned(graph, args.controllers)
     target.draw(args.output)
     print(f"wrote {args.output} ({len(graph.nodes)} nodes, {len(graph.edges)} edges)")
@@ -145,188 +62,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.options:
         print(option_table(*module_options(load_graph_module(args.graph))))
         return 0
-    with _graph_input(args.graph):
-        graph = _load(args)
+    with graph_input(args.graph):
+        graph = load(args)
     target = _planned(graph, args.controllers)
     print(target.to_mermaid() if args.mermaid else target.to_text())
     return 0
-
-
-def _on_bad_sample(args: argparse.Namespace, options: dict[str, Any]) -> None:
-    """Pass ``--on-bad-sample`` to a graph whose options include ``on_bad_sample``."""
-    if args.on_bad_sample is None:
-        return
-    known, _ = module_options(load_graph_module(args.graph))
-    if any(o.name == "on_bad_sample" for o in known):
-        options["on_bad_sample"] = args.on_bad_sample
-    elif args.on_bad_sample == "skip":
-        raise SystemExit(
-            f"run: --on-bad-sample skip: the build_graph() of {args.graph!r} takes no "
-            "on_bad_sample option, so its reward nodes decide (a bad score raises by default); "
-            "add the option to the graph, or set it on the reward node (on_bad_sample='skip')"
-        )
-
-
-@contextmanager
-def _graph_input(graph: str) -> Iterator[None]:
-    """While the graph's options are read and the graph is built, a ValueError or TypeError
-    (an unknown option, a node constructor refusing a value) is the user's to fix: one line."""
-    try:
-        yield
-    except (ValueError, TypeError) as exc:
-        raise UsageError(f"{graph}: {type(exc).__name__}: {exc}") from exc
-
-
-def _build(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
-    args.thread_policy = _thread_policy(args)
-    if args.controllers > 1 and not args.no_spawn and not args.listen:
-        # Start the controllers now: they import torch and the graph's module while this
-        # process builds the graph (the first step comes seconds sooner).
-        args.early_group = _start_controllers(args)
-    with _graph_input(args.graph):
-        options = _graph_options(args)
-        _on_bad_sample(args, options)
-        return options, _load(args, options)
-
-
-def _start_controllers(args: argparse.Namespace) -> Any:
-    from runtime.zmq.group import ControllerGroup
-    from runtime.zmq.keys import load_keys
-
-    keys = load_keys(args.keys, "driver") if args.keys else None
-    return ControllerGroup(
-        args.controllers, keys=keys, keys_dir=args.keys, controller_output="inherit",
-        max_message_bytes=int(args.max_message_mb * (1 << 20)), preload=(args.graph,),
-    )  # fmt: skip
-
-
-def _executor_factory(
-    args: argparse.Namespace, graph: Any, options: dict, devices: Any, distributed: bool
-) -> Any:
-    from runtime.engine.local import LocalExecutor
-    from runtime.sched.replicas import replica_counts
-    from runtime.train.faults import Accounting
-
-    try:  # --replicas naming a node that is not there, or one that cannot be copied
-        replica_counts(graph.nodes, args.replica_counts)
-    except ValueError as exc:
-        raise UsageError(f"--replicas: {exc}") from None
-
-    policy = args.thread_policy
-    print(f"yatt-graph run: threads: {policy.describe()}", file=sys.stderr, flush=True)
-    cut = _partial_cut(graph, args) if distributed and args.placement == "partial" else None
-
-    config = _run_config(args, options, devices, distributed)
-
-    def make_executor() -> Any:
-        if not distributed:
-            import torch
-
-            from runtime.zmq.replicas import spawn_replica  # replica processes, when asked for
-
-            torch.set_num_threads(policy.threads)
-            executor = Accounting(
-                LocalExecutor(graph, config, replica_factory=spawn_replica),
-                sched=policy.metrics(),
-            )
-            # As on a controller: what is built now lives as long as the run, so the cyclic
-            # collector need not walk it on each collection of a step's garbage (cmd_run thaws
-            # it at the end, for a caller that goes on).
-            gc.freeze()
-            return executor
-        from runtime.sched.placement import controller_assignment
-        from runtime.zmq.driver import ZmqExecutor
-        from runtime.zmq.keys import check_address
-
-        if args.listen:
-            try:
-                check_address(args.listen, allow_tcp=True, allow_remote=args.allow_remote,
-                              who="yatt-graph run --listen")  # fmt: skip
-            except ValueError as exc:
-                raise UsageError(str(exc)) from None
-
-        sides = cut.sides if cut is not None else None
-        hints = controller_assignment(graph, args.controllers, args.placement, sides=sides)
-        return Accounting(
-            ZmqExecutor(
-                graph.plan(args.controllers, placement=hints),
-                config,
-                graph_ref=args.graph,
-                graph_options=options,
-                controller_output="inherit",
-                spawn=not args.no_spawn,
-                address=args.listen,
-                allow_tcp=bool(args.listen),
-                allow_remote=args.allow_remote,
-                keys=args.keys,
-                group=vars(args).pop("early_group", None),  # the first run's, started early
-            ),
-            sched=policy.metrics(),
-        )
-
-    if cut is not None and not args.no_adaptive:
-        make_executor.replan = cut.replan  # type: ignore[attr-defined]
-    return make_executor
-
-
-def _run_config(args: argparse.Namespace, options: dict, devices: Any, distributed: bool) -> Any:
-    """The run's options from its flags: the one :class:`RunConfig` both executors take."""
-    from runtime.engine.config import RunConfig
-
-    return RunConfig(
-        max_staleness=args.max_staleness,
-        staleness=args.staleness,
-        devices=devices,
-        check_finite=not args.no_check_finite,
-        replicas=dict(args.replica_counts or {}),
-        offload=args.offload,
-        node_timeout_s=args.node_timeout,
-        max_message_bytes=int(args.max_message_mb * (1 << 20)),
-        num_threads=args.threads,
-        placement=args.placement,
-        device=(options.get("device") or "auto") if distributed else "auto",
-        adaptive=not args.no_adaptive,
-    ).verify("yatt-graph run")
-
-
-def _partial_cut(graph: Any, args: argparse.Namespace) -> Any:
-    from runtime.sched.placement import PartialCut
-
-    try:
-        return PartialCut(graph, args.pins)
-    except ValueError as exc:
-        raise UsageError(f"--pin: {exc}") from None
-
-
-def _thread_policy(args: argparse.Namespace) -> Any:
-    """The run's torch threads and OpenMP wait policy (runtime.sched.threads), decided by
-    measuring the cores before torch loads (the wait policy is read then) and before the
-    controllers start (they inherit it)."""
-    from runtime.sched.devices import usable_core_ids
-    from runtime.sched.threads import run_policy
-
-    cores = usable_core_ids()
-    return run_policy(
-        cores,
-        threads=args.threads,
-        shared=_beside(args, len(cores)),
-        controllers=args.controllers > 1 or bool(args.listen),
-    )
-
-
-def _beside(args: argparse.Namespace, cores: int) -> bool:
-    """Whether other processes or worker threads of this run compute on its cores while it
-    does: replicas, training ranks, split slots, or controllers that run at once and
-    outnumber the cores (colocated on-policy controllers take turns)."""
-    ranks = args.train_ranks or 1
-    for pair in args.set:
-        key, _, value = pair.partition("=")
-        if key.strip() == "train_ranks" and value.strip().isdigit():
-            ranks = int(value)
-    if args.replicas or ranks > 1 or args.devices:
-        return True
-    at_once = args.placement == "partial" or args.max_staleness > 0
-    return args.controllers > 1 and at_once and args.controllers > cores
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -343,7 +83,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     torch = sys.modules.get("torch")  # a caller's torch: its thread count is restored after
     threads = torch.get_num_threads() if torch is not None else None
     try:
-        return run_command(args, _build, _executor_factory)
+        return run_command(args, build, executor_factory)
     finally:
         gc.unfreeze()
         if threads is not None:

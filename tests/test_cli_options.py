@@ -6,7 +6,8 @@ import textwrap
 
 import pytest
 
-from runtime.cli import _graph_options, build_parser, main
+from runtime.cli import build_parser, main
+from runtime.run_setup import graph_options
 from yatt_graph.refs import load_graph
 
 # A user's graph: typed, untyped-with-default and untyped parameters; it records what it got.
@@ -37,7 +38,7 @@ def user_graph(tmp_path):
 
 
 def options_of(*argv: str) -> dict:
-    return _graph_options(build_parser().parse_args(["show", *argv]))
+    return graph_options(build_parser().parse_args(["show", *argv]))
 
 
 def received(path, *sets: str) -> dict:

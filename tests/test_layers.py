@@ -49,10 +49,17 @@ FORBIDDEN_INSIDE = {
             "vision",
         )
     },
-    "runtime/sched": {"runtime.engine", "runtime.zmq", "runtime.train", "runtime.cli", "zmq"},
-    "runtime/engine": {"runtime.zmq", "runtime.train", "runtime.cli", "zmq"},
-    "runtime/train": {"runtime.zmq", "runtime.cli", "zmq"},
-    "runtime/zmq": {"runtime.train", "runtime.cli"},
+    "runtime/sched": {
+        "runtime.engine",
+        "runtime.zmq",
+        "runtime.train",
+        "runtime.cli",
+        "runtime.run_setup",
+        "zmq",
+    },
+    "runtime/engine": {"runtime.zmq", "runtime.train", "runtime.cli", "runtime.run_setup", "zmq"},
+    "runtime/train": {"runtime.zmq", "runtime.cli", "runtime.run_setup", "zmq"},
+    "runtime/zmq": {"runtime.train", "runtime.cli", "runtime.run_setup"},
 }
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import zmq
 
-from runtime.engine.engine import StateNotReady, StepEngine
+from runtime.engine.engine import StateNotReady
 from runtime.errors import ControllerError, SendError
 from runtime.sched.affinity import apply_resources
 from runtime.sched.devices import Resources
@@ -51,7 +51,7 @@ from runtime.zmq.control_link import (
     wait_for_shutdown,
 )
 from runtime.zmq.keys import is_loopback, load_keys, start_authenticator
-from runtime.zmq.options import nodes_from_setup
+from runtime.zmq.options import engine_from_setup
 from runtime.zmq.peers import Peers
 from runtime.zmq.serial import DecodeError, UnsupportedValueError, decode_value, encode_value
 from runtime.zmq.transport import (
@@ -197,42 +197,8 @@ class Controller:
         self.applied = apply_resources(
             setup.resources or Resources(), pinned_threads=self.pinned_threads
         )
-        nodes, edges, outputs, assignment = nodes_from_setup(setup, self._track)
-        for name in setup.order:  # build each node's models here, in the plan's order
-            if name in nodes:
-                self._building = name
-                nodes[name].setup()
-        self._building = ""
-        from runtime.sched.replicas import node_caller
-        from runtime.sched.splitting import device_pool
-        from runtime.zmq.replicas import spawn_replica
-
-        pool = device_pool(setup.config.devices)
-        mine = {
-            n: r for n, r in setup.config.replicas.items() if n in nodes
-        }  # (the others' are theirs)
-        self.splitter = node_caller(nodes, pool, mine, spawn_replica)
-        limits = {
-            n: node.batch_policy.timeout_s or setup.config.node_timeout_s
-            for n, node in nodes.items()
-        }
-        self.engine = StepEngine(
-            nodes,
-            edges,
-            outputs,
-            setup.order,
-            assignment,
-            here=self.index,
-            max_staleness=setup.config.max_staleness,
-            staleness=setup.config.staleness,
-            window=setup.config.window,
-            outbox=self.peers,
-            splitter=self.splitter,
-            check_finite=setup.config.check_finite,
-            limits=limits,
-            # its GPU is time-shared: its nodes' device state leaves when its turn ends
-            switch="phase" if self.index in setup.offload_controllers else None,
-        )
+        self.engine = engine_from_setup(setup, self.peers, self._track)
+        self.splitter = self.engine.splitter
         self.peers.connect(setup)
 
     # --- what arrives -----------------------------------------------------------------------

@@ -54,6 +54,7 @@ from runtime.zmq.serial_format import _CUDA_IPC, _MAX_DIMS, DecodeError
 
 __all__ = [
     "ENV",
+    "setup_gpus",
     "MIN_BYTES",
     "IpcReceive",
     "IpcSend",
@@ -79,6 +80,20 @@ def enabled_from_env(value: bool | None) -> bool:
     if value is not None:
         return bool(value)
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def setup_gpus(
+    cuda: Sequence[Sequence[int]], on_host: Sequence[bool], enabled: bool
+) -> list[list[int]]:
+    """SETUP's ``cuda_ipc_gpus``: for the controllers started on this host (``on_host``), the
+    GPUs each sees (:func:`peer_gpus`); ``[]`` when IPC is off or no controller is here."""
+    if not enabled or not any(on_host):
+        return []
+    from runtime.sched.devices import visible_gpus
+
+    driver_gpus = visible_gpus() if any(not c for c in cuda) else 0
+    gpus = peer_gpus(cuda, on_host, enabled=True, driver_gpus=driver_gpus)
+    return gpus if any(gpus) else []
 
 
 def peer_gpus(

@@ -25,13 +25,10 @@ nodes; a node call past its ``BatchPolicy.timeout_s`` (or ``node_timeout_s``) a
 :class:`NodeTimeoutError` with the stack it was stuck in. What does not decode, is over
 ``max_message_bytes`` or comes from a stranger is dropped and logged (``dropped_messages``).
 
-Pipelining: up to ``pipeline_depth`` steps are allowed at once in :meth:`~ZmqExecutor.run`.
-``max_staleness=N`` makes a delayed edge at step k read the producer's value from a step in
-``[k-1-N, k-1]`` (:mod:`runtime.engine.delayed`): with ``staleness="fixed"`` exactly k-1-N
-(None before), as in the in-process executor, so runs stay reproducible; with ``"bound"`` the
-newest that has reached the reader's controller, so a consumer waits only for a value at most
-N versions old. Either way the graph upstream of the delayed edges may run N steps ahead. :meth:`~ZmqExecutor.step`
-runs exactly one step with no run-ahead.
+Pipelining: up to ``RunConfig.window`` steps run at once in :meth:`~ZmqExecutor.run`, so the
+graph upstream of delayed edges runs up to ``max_staleness`` steps ahead (with ``staleness=
+"bound"`` a delayed edge reads the newest value that has reached the reader's controller);
+:meth:`~ZmqExecutor.step` runs exactly one step with no run-ahead.
 """
 
 from __future__ import annotations
@@ -47,13 +44,13 @@ from runtime.engine.config import RunConfig, run_config
 from runtime.engine.switch import offloading, switch_metrics
 from runtime.errors import ControllerError, HandshakeError, NodeTimeoutError
 from runtime.sched.affinity import start_cores
-from runtime.sched.devices import Resources, visible_gpus
+from runtime.sched.devices import Resources
 from runtime.sched.partition import Partitioner
 from runtime.sched.replicas import replica_counts
 from runtime.zmq import messages as m
-from runtime.zmq.cuda_ipc import enabled_from_env, peer_gpus
+from runtime.zmq.cuda_ipc import enabled_from_env, setup_gpus
 from runtime.zmq.driver_link import Received
-from runtime.zmq.driver_state import merge_replies, split_state
+from runtime.zmq.driver_state import merge_replies, state_frames
 from runtime.zmq.group import ControllerGroup, error_from
 from runtime.zmq.keys import load_keys
 from runtime.zmq.options import check_options, plan_resources, setup_fields
@@ -174,7 +171,8 @@ class ZmqExecutor:
             raise
         self.controllers, self.link = self.group.controllers, self.group.link
         self.address, self.run_dir = self.group.address, self.group.run_dir
-        ipc_gpus = self._ipc_gpus(start, enabled_from_env(config.cuda_ipc))
+        on_host = [c.popen is not None for c in self.controllers]
+        ipc_gpus = setup_gpus([r.cuda for r in start], on_host, enabled_from_env(config.cuda_ipc))
         try:
             self.group.start(
                 lambda c: m.Setup(
@@ -190,16 +188,6 @@ class ZmqExecutor:
         if config.adaptive and spawned and config.num_threads is None and len(self.controllers) > 1:
             now = [c.resources or r for c, r in zip(self.controllers, start, strict=True)]
             self._rebalancer = Rebalancer(Partitioner(now, start_cores()))
-
-    def _ipc_gpus(self, start: Sequence[Resources], enabled: bool) -> list[list[int]]:
-        """SETUP's ``cuda_ipc_gpus``: the controllers started here (so on this host) and the
-        GPUs each sees (runtime.zmq.cuda_ipc.peer_gpus)."""
-        on_host = [c.popen is not None for c in self.controllers]
-        if not enabled or not any(on_host):
-            return []
-        driver_gpus = visible_gpus() if any(not r.cuda for r in start) else 0
-        gpus = peer_gpus([r.cuda for r in start], on_host, enabled=True, driver_gpus=driver_gpus)
-        return gpus if any(gpus) else []
 
     @property
     def resources(self) -> list[Resources | None]:
@@ -235,14 +223,6 @@ class ZmqExecutor:
             if self._until == 0
             else f"after step {self.next_step - 1}"
         )
-
-    def _next_event(
-        self, deadline: float | None, waiting_for: str, spin_s: float = 0.0
-    ) -> Received | None:
-        return self.group.next_event(deadline, waiting_for, spin_s)
-
-    def _raise_error(self, err: m.Error) -> None:
-        raise error_from(err, self.controllers)
 
     # --- running ----------------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -306,7 +286,7 @@ class ZmqExecutor:
         spin = self.spin_s if self._wait_s < self.spin_s else 0.0
         t0 = time.perf_counter()
         while len(self._partial.get(step, ())) < len(self.controllers):
-            event = self._next_event(None, "", spin)
+            event = self.group.next_event(None, "", spin)
             if event is None:
                 continue
             if event.kind is not m.Kind.STEP_DONE:
@@ -355,7 +335,7 @@ class ZmqExecutor:
         """An event that is not the one being waited for: an error raises, a GOODBYE means the
         controller left, anything else is dropped (and logged)."""
         if event.kind is m.Kind.ERROR:
-            self._raise_error(event.msg)
+            raise error_from(event.msg, self.controllers)
         elif event.kind is m.Kind.GOODBYE:
             c = self.link.by_identity[event.identity]
             c.state = m.State.STOPPED
@@ -373,12 +353,8 @@ class ZmqExecutor:
         step = self.next_step
         request = {c.index: (m.StateRequest(step), None) for c in self.controllers}
         replies = self._exchange(request, m.Kind.STATE_REPLY, step, "send the state of their nodes")
-        executor = {
-            "kind": "zmq",
-            "controllers": len(self.controllers),
-            "max_staleness": self.max_staleness,
-            "staleness": self.staleness,
-        }
+        executor = {"kind": "zmq", "controllers": len(self.controllers),
+                    "max_staleness": self.max_staleness, "staleness": self.staleness}  # fmt: skip
         try:
             return merge_replies(replies, step, self.order, executor)
         except ControllerError:
@@ -391,19 +367,9 @@ class ZmqExecutor:
         The next step run is ``state["step"]``. Data still in flight from before is dropped
         (each restore starts a new epoch). Call it between steps.
         """
-        missing = sorted(set(self.graph.nodes) - set(state.get("nodes", {})))
-        if missing:
-            raise ValueError(
-                f"checkpoint has no state for node(s) {missing}; was it written by this graph?"
-            )
         step = int(state["step"])
-        read_by = [
-            {(e.src, e.src_port) for e in self.graph.edges if e.delay and e.dst in c.nodes}
-            for c in self.controllers
-        ]
-        frames = split_state(
-            state, [c.nodes for c in self.controllers], read_by, 1 + self.max_staleness
-        )
+        owned = [c.nodes for c in self.controllers]
+        frames = state_frames(state, self.graph, owned, 1 + self.max_staleness)
         self._epoch += 1
         load = {i: (m.StateLoad(step, self._epoch), f) for i, f in enumerate(frames)}
         self._exchange(load, m.Kind.STATE_LOADED, step, "restore the state of their nodes")
@@ -423,7 +389,7 @@ class ZmqExecutor:
                 msg, value = messages[c.index]
                 self.link.send_work(c, msg, value)
             while len(got) < len(self.controllers):
-                event = self._next_event(None, "")
+                event = self.group.next_event(None, "")
                 if event is None:
                     if time.monotonic() > deadline:
                         late = sorted(set(range(len(self.controllers))) - set(got))

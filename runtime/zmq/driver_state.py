@@ -17,7 +17,7 @@ from runtime.engine.local import delayed_entries
 from runtime.errors import ControllerError
 from runtime.zmq.serial import DecodeError, UnsupportedValueError, decode_value, encode_value
 
-__all__ = ["merge_replies", "split_state"]
+__all__ = ["merge_replies", "split_state", "state_frames"]
 
 
 def merge_replies(
@@ -85,3 +85,20 @@ def split_state(
         except UnsupportedValueError as exc:
             raise ValueError(str(exc)) from None
     return out
+
+
+def state_frames(
+    state: dict[str, Any], graph: Any, owned: list[list[str]], keep: int
+) -> list[list[Any]]:
+    """Each controller's STATE_LOAD value frames for a ``state_dict()`` of ``graph`` (``owned``:
+    each controller's nodes; ``keep``: how many steps of delayed values it reads); a
+    ValueError when the state lacks a node of the graph."""
+    missing = sorted(set(graph.nodes) - set(state.get("nodes", {})))
+    if missing:
+        raise ValueError(
+            f"checkpoint has no state for node(s) {missing}; was it written by this graph?"
+        )
+    read_by = [
+        {(e.src, e.src_port) for e in graph.edges if e.delay and e.dst in nodes} for nodes in owned
+    ]
+    return split_state(state, owned, read_by, keep)

@@ -15,7 +15,13 @@ from runtime.zmq import messages as m
 from runtime.zmq.keys import check_address
 from yatt_graph import Plan
 
-__all__ = ["check_options", "nodes_from_setup", "plan_resources", "setup_fields"]
+__all__ = [
+    "check_options",
+    "engine_from_setup",
+    "nodes_from_setup",
+    "plan_resources",
+    "setup_fields",
+]
 
 
 def check_options(
@@ -131,3 +137,36 @@ def nodes_from_setup(
         )
     nodes = {n: graph.nodes[n] for n in setup.order if assignment[n] == setup.controller}
     return nodes, graph.edges, dict(graph.graph_outputs), assignment
+
+
+def engine_from_setup(setup: m.Setup, outbox: Any, track: Callable[[str], None]) -> Any:
+    """In a controller: its nodes rebuilt and built (their models, in the plan's order; ``track``
+    is told each node first), the splitter and replicas SETUP asks for, and the step engine
+    over them, sending to ``outbox``."""
+    from runtime.engine.engine import StepEngine
+    from runtime.sched.replicas import node_caller
+    from runtime.sched.splitting import device_pool
+    from runtime.zmq.replicas import spawn_replica
+
+    config = setup.config
+    nodes, edges, outputs, assignment = nodes_from_setup(setup, track)
+    for name in setup.order:
+        if name in nodes:
+            track(name)
+            nodes[name].setup()
+    track("")
+    mine = {n: r for n, r in config.replicas.items() if n in nodes}  # (the others' are theirs)
+    splitter = node_caller(nodes, device_pool(config.devices), mine, spawn_replica)
+    limits = {n: node.batch_policy.timeout_s or config.node_timeout_s for n, node in nodes.items()}
+    try:
+        return StepEngine(
+            nodes, edges, outputs, setup.order, assignment, here=setup.controller,
+            max_staleness=config.max_staleness, staleness=config.staleness, window=config.window,
+            outbox=outbox, splitter=splitter, check_finite=config.check_finite, limits=limits,
+            # its GPU is time-shared: its nodes' device state leaves when its turn ends
+            switch="phase" if setup.controller in setup.offload_controllers else None,
+        )  # fmt: skip
+    except BaseException:
+        if splitter is not None:
+            splitter.close()
+        raise
