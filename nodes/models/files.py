@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,23 @@ def _loading(fn: str, path: Path) -> Iterator[None]:
         raise ValueError(
             f"{fn}: the model in {str(path)!r} could not be loaded ({type(exc).__name__}: {why})"
         ) from exc
+
+
+def _load_pretrained(
+    fn: str, path: Path, auto_class: str, dtype: str, companion: Callable[[Path], Any]
+) -> tuple[Any, Any]:
+    """A checkpoint directory's model (``transformers.<auto_class>`` in ``dtype``) and its
+    tokenizer or processor (``companion(path)``): checked first, local files only, and an
+    error is one ValueError line naming the path."""
+    import torch
+    import transformers
+
+    _check_checkpoint_dir(fn, path)
+    with _loading(fn, path):
+        model = getattr(transformers, auto_class).from_pretrained(
+            path, dtype=getattr(torch, dtype), local_files_only=True
+        )
+        return model, companion(path)
 
 
 #: tokenizer classes that ``tokenizer.json`` describes completely

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nodes.models.files import _check_checkpoint_dir, _load_tokenizer, _loading
+from nodes.models.files import _load_pretrained, _load_tokenizer
 from nodes.models.policy_base import (
     Policy,
     PromptBatch,
@@ -132,16 +132,11 @@ class HFCausalPolicy(Policy):
         cls, path: str | Path, *, dtype: str = "float32", use_chat_template: bool = True
     ) -> HFCausalPolicy:
         """Load a causal LM and its tokenizer from a local directory (never downloads)."""
-        from transformers import AutoModelForCausalLM
-
         fn = "HFCausalPolicy.from_pretrained"
         path = _local_dir(fn, path)
-        _check_checkpoint_dir(fn, path)
-        with _loading(fn, path):
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=getattr(torch, dtype), local_files_only=True
-            )
-            tokenizer = _load_tokenizer(path)
+        model, tokenizer = _load_pretrained(
+            fn, path, "AutoModelForCausalLM", dtype, _load_tokenizer
+        )
         return cls(model, tokenizer, use_chat_template=use_chat_template).eval()
 
 

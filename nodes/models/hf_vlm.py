@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nodes.models.files import _check_checkpoint_dir, _loading
+from nodes.models.files import _load_pretrained
 from nodes.models.policy_base import (
     _QWEN_VISION_TOKENS,
     _TINY_CHAT_TEMPLATE,
@@ -186,16 +186,14 @@ class HFVisionLanguagePolicy(Policy):
         cls, path: str | Path, *, dtype: str = "float32", use_chat_template: bool = True
     ) -> HFVisionLanguagePolicy:
         """Load a VLM and its processor from a local directory (never downloads)."""
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoProcessor
 
         fn = "HFVisionLanguagePolicy.from_pretrained"
         path = _local_dir(fn, path)
-        _check_checkpoint_dir(fn, path)
-        with _loading(fn, path):
-            model = AutoModelForImageTextToText.from_pretrained(
-                path, dtype=getattr(torch, dtype), local_files_only=True
-            )
-            processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+        model, processor = _load_pretrained(
+            fn, path, "AutoModelForImageTextToText", dtype,
+            lambda p: AutoProcessor.from_pretrained(p, local_files_only=True),
+        )  # fmt: skip
         return cls(model, processor, use_chat_template=use_chat_template)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nodes.models.files import _check_checkpoint_dir, _load_tokenizer, _loading, _read_json
+from nodes.models.files import _load_pretrained, _load_tokenizer, _loading, _read_json
 from nodes.models.policy_base import (
     _PREFIX_MARKER,
     Policy,
@@ -184,16 +184,11 @@ class PrefixVLM(Policy):
         dtype: str = "float32",
     ) -> PrefixVLM:
         """A local HF causal LM and its tokenizer, with a fresh projector."""
-        from transformers import AutoModelForCausalLM
-
         fn = "PrefixVLM.from_lm"
         lm_path = _local_dir(fn, lm_path)
-        _check_checkpoint_dir(fn, lm_path)
-        with _loading(fn, lm_path):
-            lm = AutoModelForCausalLM.from_pretrained(
-                lm_path, dtype=getattr(torch, dtype), local_files_only=True
-            )
-            tokenizer = _load_tokenizer(lm_path)
+        lm, tokenizer = _load_pretrained(
+            fn, lm_path, "AutoModelForCausalLM", dtype, _load_tokenizer
+        )
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         return cls(lm, tokenizer, image_dim, num_prefix_tokens)

@@ -74,6 +74,7 @@ class ClipScoreReward(Offload, RewardNode):
         meta_keys: the meta keys the template may use (default: ``answer``).
         text_source: ``"prompts"`` is the older spelling of ``template="{prompt}"``.
         scale, clamp_negative: see :func:`clip_score`.
+        options: the RewardNode options (token_level, on_bad_sample, emit_bad_mask, name).
     """
 
     inputs = {**RewardNode.inputs, "images": Port(ANY, doc="list[PIL.Image.Image]: B images")}
@@ -96,18 +97,9 @@ class ClipScoreReward(Offload, RewardNode):
         clamp_negative: bool = True,
         micro_batch_size: int = 32,
         device: str = "cpu",
-        token_level: bool = False,
-        on_bad_sample: str = "raise",
-        emit_bad_mask: bool = False,
-        name: str | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            token_level=token_level,
-            on_bad_sample=on_bad_sample,
-            emit_bad_mask=emit_bad_mask,
-            name=name,
-            device=device,
-        )
+        super().__init__(device=device, **options)
         if text_source not in ("texts", "prompts"):
             raise ValueError(f"node {self.name!r}: text_source must be 'texts' or 'prompts'")
         if text_source == "prompts":

@@ -109,7 +109,8 @@ class JudgeReward(Offload, RewardNode):
         max_length: longest text input in tokens (None: the model's position limit, else 2048).
         seed: seeds the tiny judge.
         device, dtype: where and in what precision the judge runs.
-        token_level, on_bad_sample, emit_bad_mask, name: see :mod:`nodes.rewards`.
+        options: the RewardNode options (token_level, on_bad_sample, emit_bad_mask, name;
+            see :mod:`nodes.rewards`).
     """
 
     needs_prompts = True  # an instance whose template has no {prompt} sets it False
@@ -129,18 +130,9 @@ class JudgeReward(Offload, RewardNode):
         seed: int = 0,
         device: str = "cpu",
         dtype: str = "float32",
-        token_level: bool = False,
-        on_bad_sample: str = "raise",
-        emit_bad_mask: bool = False,
-        name: str | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            token_level=token_level,
-            on_bad_sample=on_bad_sample,
-            emit_bad_mask=emit_bad_mask,
-            name=name,
-            device=device,
-        )
+        super().__init__(device=device, **options)
         where = f"node {self.name!r}"
         self.fields = template_fields(self.name, template, tuple(meta_keys))
         words = dict(score_words) if score_words is not None else {"yes": 1.0, "no": 0.0}

@@ -79,6 +79,7 @@ class RewardModel(Offload, RewardNode):
             so that the end of the response is kept).
         micro_batch_size: samples per forward pass.
         device, dtype: where and in what precision the model runs (``"float32"``, ``"bfloat16"``).
+        options: the RewardNode options (token_level, on_bad_sample, emit_bad_mask, name).
     """
 
     needs_prompts = True  # an instance whose template has no {prompt} sets it False
@@ -97,20 +98,11 @@ class RewardModel(Offload, RewardNode):
         micro_batch_size: int = 16,
         device: str = "cpu",
         dtype: str = "float32",
-        token_level: bool = False,
-        on_bad_sample: str = "raise",
-        emit_bad_mask: bool = False,
-        name: str | None = None,
         model: Any = None,
         tokenizer: Any = None,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            token_level=token_level,
-            on_bad_sample=on_bad_sample,
-            emit_bad_mask=emit_bad_mask,
-            name=name,
-            device=device,
-        )
+        super().__init__(device=device, **options)
         if sum(x is not None for x in (path, config, model)) != 1:
             raise ValueError(
                 f"node {self.name!r}: give exactly one of path= (a local model directory), "

@@ -63,7 +63,8 @@ class RuleReward(RewardNode):
             never evaluated). It returns a number (bools count as 0/1) or a dict
             ``{"score": x, "token_rewards": [...]?, ...}``; other dict keys are ignored.
         params: keyword arguments passed to ``fn`` (JSON values), e.g. ``{"pattern": "..."}``.
-        token_level, on_bad_sample, emit_bad_mask: see the module docstring.
+        options: the RewardNode options (token_level, on_bad_sample, emit_bad_mask, name;
+            see the module docstring).
     """
 
     def __init__(
@@ -71,17 +72,9 @@ class RuleReward(RewardNode):
         fn: Callable[..., Any] | str,
         *,
         params: Mapping[str, Any] | None = None,
-        token_level: bool = False,
-        on_bad_sample: str = "raise",
-        emit_bad_mask: bool = False,
-        name: str | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            token_level=token_level,
-            on_bad_sample=on_bad_sample,
-            emit_bad_mask=emit_bad_mask,
-            name=name,
-        )
+        super().__init__(**options)
         if isinstance(fn, str):
             fn = import_ref(fn)
         if not callable(fn):

@@ -3,9 +3,11 @@ the published weights (see :mod:`nodes.update` for the behaviour they have in co
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -72,85 +74,74 @@ class _Update(Offload, _Ranked, Sharing, Node):
     _trained = Built("(metric name, what it is in messages, parameters, optimizer) per model")
 
     # --- construction --------------------------------------------------------------------
-    def _init_common(
-        self,
-        policy: str | Mapping[str, Any],
-        lr: float,
-        weight_decay: float,
-        clip_eps: float,
-        clip_eps_high: float | None,
-        entropy_coef: float,
-        kl_coef: float,
-        epochs: int,
-        micro_batch_size: int,
-        max_grad_norm: float | None,
-        temperature: float,
-        seed: int,
-        device: str,
-        on_nonfinite: str,
-        share: str | None = None,
-        ranks: int = 1,
-        train_backend: str = "fsdp",
-        rank_timeout_s: float = 300.0,
-    ) -> None:
+    def _init_common(self) -> None:
         from nodes.update.sharding import BACKENDS
 
+        """Check and keep the options every update takes, read from the constructor's arguments
+        (given or default): PPO's and GRPO's constructors name them alike."""
+        args, kwargs = self._init_args
+        bound = inspect.signature(type(self)).bind(*args, **kwargs)
+        bound.apply_defaults()
+        o = SimpleNamespace(**bound.arguments)
         where = f"node {self.name!r}"
         checks = [
-            (lr > 0, f"lr={lr}; it must be > 0"),
-            (weight_decay >= 0, f"weight_decay={weight_decay}; it must be >= 0"),
-            (0 < clip_eps < 1, f"clip_eps={clip_eps}; it must be in (0, 1)"),
+            (o.lr > 0, f"lr={o.lr}; it must be > 0"),
+            (o.weight_decay >= 0, f"weight_decay={o.weight_decay}; it must be >= 0"),
+            (0 < o.clip_eps < 1, f"clip_eps={o.clip_eps}; it must be in (0, 1)"),
             (
-                clip_eps_high is None or clip_eps_high > 0,
-                f"clip_eps_high={clip_eps_high}; it must be > 0 (or None for clip_eps)",
+                o.clip_eps_high is None or o.clip_eps_high > 0,
+                f"clip_eps_high={o.clip_eps_high}; it must be > 0 (or None for clip_eps)",
             ),
-            (entropy_coef >= 0, f"entropy_coef={entropy_coef}; it must be >= 0"),
-            (kl_coef >= 0, f"kl_coef={kl_coef}; it must be >= 0 (0 disables the KL term)"),
-            (int(epochs) >= 1, f"epochs={epochs}; it must be >= 1"),
-            (int(micro_batch_size) >= 0, f"micro_batch_size={micro_batch_size}; 0 = whole batch"),
+            (o.entropy_coef >= 0, f"entropy_coef={o.entropy_coef}; it must be >= 0"),
+            (o.kl_coef >= 0, f"kl_coef={o.kl_coef}; it must be >= 0 (0 disables the KL term)"),
+            (int(o.epochs) >= 1, f"epochs={o.epochs}; it must be >= 1"),
             (
-                max_grad_norm is None or max_grad_norm >= 0,
-                f"max_grad_norm={max_grad_norm}; it must be >= 0 (0 or None: no clipping)",
-            ),
-            (temperature > 0, f"temperature={temperature}; it must be > 0 (the rollout's)"),
-            (
-                on_nonfinite in ("raise", "skip"),
-                f"on_nonfinite={on_nonfinite!r}; choose 'raise' or 'skip' (as on_bad_sample)",
+                int(o.micro_batch_size) >= 0,
+                f"micro_batch_size={o.micro_batch_size}; 0 = whole batch",
             ),
             (
-                isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 1,
-                f"ranks={ranks!r}; it must be an int >= 1 (the processes that train together)",
+                o.max_grad_norm is None or o.max_grad_norm >= 0,
+                f"max_grad_norm={o.max_grad_norm}; it must be >= 0 (0 or None: no clipping)",
+            ),
+            (o.temperature > 0, f"temperature={o.temperature}; it must be > 0 (the rollout's)"),
+            (
+                o.on_nonfinite in ("raise", "skip"),
+                f"on_nonfinite={o.on_nonfinite!r}; choose 'raise' or 'skip' (as on_bad_sample)",
             ),
             (
-                train_backend in BACKENDS,
-                f"train_backend={train_backend!r}; choose one of {', '.join(BACKENDS)}",
+                isinstance(o.ranks, int) and not isinstance(o.ranks, bool) and o.ranks >= 1,
+                f"ranks={o.ranks!r}; it must be an int >= 1 (the processes that train together)",
             ),
-            (rank_timeout_s > 0, f"rank_timeout_s={rank_timeout_s}; it must be > 0"),
+            (
+                o.train_backend in BACKENDS,
+                f"train_backend={o.train_backend!r}; choose one of {', '.join(BACKENDS)}",
+            ),
+            (o.rank_timeout_s > 0, f"rank_timeout_s={o.rank_timeout_s}; it must be > 0"),
         ]
         for ok, why in checks:
             if not ok:
                 raise ValueError(f"{where}: {why}")
-        self.lr = float(lr)
-        self.clip_eps = float(clip_eps)
-        self.clip_eps_high = None if clip_eps_high is None else float(clip_eps_high)
+        self.lr = float(o.lr)
+        self.clip_eps = float(o.clip_eps)
+        self.clip_eps_high = None if o.clip_eps_high is None else float(o.clip_eps_high)
         high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
         self._clip = (self.clip_eps, high)  # the ratio's clip range below and above 1
-        self.entropy_coef = float(entropy_coef)
-        self.kl_coef = float(kl_coef)
-        self.epochs = int(epochs)
-        self.micro_batch_size = int(micro_batch_size)
-        self.max_grad_norm = float(max_grad_norm or 0.0)
-        self.temperature = float(temperature)
-        self.seed = int(seed)
-        self.on_nonfinite = on_nonfinite
-        self.device = torch.device(device)
-        check_policy_spec(policy)
-        self.policy_spec = policy
-        self.share = check_share_key(share, where)
-        self.weight_decay = float(weight_decay)
-        self.ranks = int(ranks)
-        self.train_backend = train_backend
-        self.rank_timeout_s = float(rank_timeout_s)
+        self.entropy_coef = float(o.entropy_coef)
+        self.kl_coef = float(o.kl_coef)
+        self.epochs = int(o.epochs)
+        self.micro_batch_size = int(o.micro_batch_size)
+        self.max_grad_norm = float(o.max_grad_norm or 0.0)
+        self.temperature = float(o.temperature)
+        self.seed = int(o.seed)
+        self.on_nonfinite = o.on_nonfinite
+        self.device = torch.device(o.device)
+        check_policy_spec(o.policy)
+        self.policy_spec = o.policy
+        self.share = check_share_key(o.share, where)
+        self.weight_decay = float(o.weight_decay)
+        self.ranks = int(o.ranks)
+        self.train_backend = o.train_backend
+        self.rank_timeout_s = float(o.rank_timeout_s)
         self.version = 0
         self.updates = 0
 

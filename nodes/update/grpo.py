@@ -74,26 +74,7 @@ class GRPOUpdate(_Update):
     ) -> None:
         super().__init__(name, placement=placement, batch_policy=batch_policy)
         self.aggregation = AGGREGATIONS.check(aggregation, f"node {self.name!r}: aggregation")
-        self._init_common(
-            policy,
-            lr,
-            weight_decay,
-            clip_eps,
-            clip_eps_high,
-            entropy_coef,
-            kl_coef,
-            epochs,
-            micro_batch_size,
-            max_grad_norm,
-            temperature,
-            seed,
-            device,
-            on_nonfinite,
-            share,
-            ranks,
-            train_backend,
-            rank_timeout_s,
-        )
+        self._init_common()
 
     def _step(self, full: View) -> dict[str, Any]:
         n_tokens = int(full.real.sum())  # of the whole batch, also in a rank group

@@ -141,26 +141,7 @@ class PPOUpdate(_Update):
             )
         if vf_coef < 0:
             raise ValueError(f"{where}: vf_coef={vf_coef}; it must be >= 0")
-        self._init_common(
-            policy,
-            lr,
-            weight_decay,
-            clip_eps,
-            clip_eps_high,
-            entropy_coef,
-            kl_coef,
-            epochs,
-            micro_batch_size,
-            max_grad_norm,
-            temperature,
-            seed,
-            device,
-            on_nonfinite,
-            share,
-            ranks,
-            train_backend,
-            rank_timeout_s,
-        )
+        self._init_common()
         check_policy_spec(critic)
         self.value_clip_eps = None if value_clip_eps is None else float(value_clip_eps)
         self.vf_coef = float(vf_coef)
