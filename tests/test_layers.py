@@ -17,38 +17,13 @@ FORBIDDEN = {
 }
 # Inside a package, by folder (module prefixes, matched on whole dotted parts):
 # rl <- models <- the node modules; sched <- engine <- zmq, engine <- train.
+NODE_MODULES = (
+    "advantage", "data", "reference", "rewards", "rollout", "sync", "toy", "update", "vision",
+)  # fmt: skip
+"""The node modules, which nodes/rl and nodes/models may not import."""
 FORBIDDEN_INSIDE = {
-    "nodes/rl": {
-        "nodes.models",
-        *(
-            f"nodes.{m}"
-            for m in (
-                "advantage",
-                "data",
-                "reference",
-                "rewards",
-                "rollout",
-                "sync",
-                "toy",
-                "update",
-                "vision",
-            )
-        ),
-    },
-    "nodes/models": {
-        f"nodes.{m}"
-        for m in (
-            "advantage",
-            "data",
-            "reference",
-            "rewards",
-            "rollout",
-            "sync",
-            "toy",
-            "update",
-            "vision",
-        )
-    },
+    "nodes/rl": {"nodes.models", *(f"nodes.{m}" for m in NODE_MODULES)},
+    "nodes/models": {f"nodes.{m}" for m in NODE_MODULES},
     "runtime/sched": {
         "runtime.engine",
         "runtime.zmq",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from policy_helpers import PROMPTS, _ids, _logits, _perturb_adapters
 
 from nodes.models.hf_causal import HFCausalPolicy, tiny_causal_lm
 from nodes.models.policy import (
@@ -14,32 +15,8 @@ from nodes.models.policy import (
     load_policy,
 )
 
-PROMPTS = ["hi", "what colour is it?", "x"]
 ATOL = 1e-5  # cached generation vs teacher-forced forward, float32 on CPU (seen: ~5e-7)
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"}
-
-
-def _ids(policy, texts):
-    rows = [policy.tokenizer(t).input_ids for t in texts]
-    R = max(len(r) for r in rows)
-    ids = torch.tensor([r + [policy.pad_token_id] * (R - len(r)) for r in rows])
-    mask = (torch.arange(R)[None] < torch.tensor([[len(r)] for r in rows])).float()
-    return ids, mask
-
-
-def _logits(policy, **kw):
-    ids, mask = _ids(policy, ["abc", "de", "f"])
-    with torch.no_grad():
-        return policy.forward_logits(policy.encode_prompts(PROMPTS, **kw), ids, mask)
-
-
-def _perturb_adapters(policy, seed=1):
-    """LoRA's B starts at zero (the adapter is a no-op); give it weights that change logits."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama", "qwen2"])

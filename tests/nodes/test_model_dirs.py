@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from PIL import Image
+from policy_helpers import PROMPTS, _ids, _logits, _perturb_adapters
 
 from nodes.models.families import model_family
 from nodes.models.hf_causal import HFCausalPolicy, tiny_causal_lm
@@ -20,30 +21,7 @@ from nodes.models.policy import (
     tiny_qwen2_vl,
 )
 
-PROMPTS = ["hi", "what colour is it?", "x"]
 LORA = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
-
-
-def _ids(policy, texts):
-    rows = [policy.tokenizer(t).input_ids for t in texts]
-    R = max(len(r) for r in rows)
-    ids = torch.tensor([r + [policy.pad_token_id] * (R - len(r)) for r in rows])
-    mask = (torch.arange(R)[None] < torch.tensor([[len(r)] for r in rows])).float()
-    return ids, mask
-
-
-def _logits(policy, **kw):
-    ids, mask = _ids(policy, ["abc", "de", "f"])
-    with torch.no_grad():
-        return policy.forward_logits(policy.encode_prompts(PROMPTS, **kw), ids, mask)
-
-
-def _perturb_adapters(policy, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
 
 def _images():
