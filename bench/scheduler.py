@@ -55,9 +55,9 @@ import torch
 from bench._util import machine
 from bench.sim.placement import colocated, partial
 from bench.sim.scheduler import Scheduler
-from runtime.sched.batching import karmarkar_karp, lpt
 from runtime.sched.devices import Device, DevicePool, usable_cores
 from yatt_graph import BatchPolicy
+from yatt_graph.partition import karmarkar_karp, lpt
 
 __all__ = ["long_tail", "main", "rollout_reward"]
 

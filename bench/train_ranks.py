@@ -84,6 +84,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
 
     from nodes.update import GRPOUpdate
     from nodes.update.ranked import _snapshot
+    from runtime.ranks import start_groups
 
     torch.set_num_threads(args.threads)
     spec = {"name": "tiny-prefix-vlm", "seed": 0, "n_layer": args.layers, "n_embd": 768}
@@ -92,6 +93,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         policy=spec, lr=1e-5, ranks=args.ranks, train_backend=args.backend, name="grpo"
     )
     start = time.perf_counter()
+    start_groups({"grpo": node})
     node.setup()
     setup_s = time.perf_counter() - start
     params = list(node.policy.parameters())

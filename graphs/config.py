@@ -122,7 +122,7 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     The update node starts train_ranks - 1 rank processes beside its own and splits each
     batch among them by token count; the result equals one rank's up to float rounding
-    (nodes/update/ranks.py). On CUDA each rank takes its own GPU."""
+    (runtime/ranks/). On CUDA each rank takes its own GPU."""
     train_backend: Literal["fsdp", "ddp"] = "fsdp"
     """With train_ranks > 1: fsdp (FSDP2: weights, gradients, Adam state 1/K per rank) or ddp."""
 

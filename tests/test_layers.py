@@ -24,7 +24,17 @@ NODE_MODULES = (
 FORBIDDEN_INSIDE = {
     "nodes/rl": {"nodes.models", *(f"nodes.{m}" for m in NODE_MODULES)},
     "nodes/models": {f"nodes.{m}" for m in NODE_MODULES},
+    "runtime/ranks": {
+        "runtime.sched",
+        "runtime.engine",
+        "runtime.zmq",
+        "runtime.train",
+        "runtime.cli",
+        "runtime.run_setup",
+        "zmq",
+    },
     "runtime/sched": {
+        "runtime.ranks",
         "runtime.engine",
         "runtime.zmq",
         "runtime.train",
@@ -78,6 +88,25 @@ def test_no_forbidden_imports_between_folders(folder):
             if hit:
                 bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not bad, "layer rule broken:\n" + "\n".join(bad)
+
+
+PROCESS_MODULES = ("subprocess", "multiprocessing", "torch.distributed", "zmq")
+"""What starts processes, forms process groups or opens sockets: the runtime's, never a node's."""
+
+
+def test_nodes_are_pure_compute():
+    """Nothing in nodes/ starts a process, forms a torch.distributed group or opens a socket:
+    how a node runs (split, replicated, as K ranks) is the runtime's job."""
+    bad = {
+        str(path.relative_to(ROOT)): hits
+        for path in sorted((ROOT / "nodes").rglob("*.py"))
+        if (
+            hits := sorted(
+                n for n in modules_imported(path) if any(_under(n, p) for p in PROCESS_MODULES)
+            )
+        )
+    }
+    assert not bad, f"nodes/ imports process or group modules: {bad}"
 
 
 def test_the_checker_sees_a_forbidden_import(tmp_path):

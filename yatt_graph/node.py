@@ -39,9 +39,9 @@ import msgspec
 
 from yatt_graph.errors import NodeInputError, NodeOutputError
 from yatt_graph.stream import Piece, check_piece, join_pieces
-from yatt_graph.types import AnySpec, PortSpec, StructSpec, spec_of
+from yatt_graph.types import PortSpec, check_value, spec_of
 
-__all__ = ["BatchPolicy", "Built", "Node", "FunctionNode", "Port", "node", "check_value"]
+__all__ = ["BatchPolicy", "Built", "Node", "FunctionNode", "Port", "node"]
 
 
 class BatchPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -128,52 +128,6 @@ def _snake(name: str) -> str:
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
 
 
-_dtype_names: dict[Any, str] = {}
-
-
-def _value_dtype(value: Any) -> str | None:
-    dtype = getattr(value, "dtype", None)
-    if dtype is None:
-        return None
-    name = _dtype_names.get(dtype)
-    if name is None:  # str(dtype) is slow next to a dict lookup; there are few dtypes
-        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
-    return name
-
-
-def check_value(spec: PortSpec, value: Any, bindings: dict[str, int] | None = None) -> str | None:
-    """Check a value against a port spec; return None if it fits, else why not.
-
-    ``bindings`` carries symbol sizes across the ports of one call, so that
-    ``rewards: (B, T)`` and ``values: (B, T)`` must agree on B and T.
-    """
-    if isinstance(spec, AnySpec):
-        return None
-    if isinstance(spec, StructSpec):
-        cls = spec.resolve()
-        if cls is not None and not isinstance(value, cls):
-            return f"expected {spec}, got {type(value).__name__}"
-        return None
-    shape = getattr(value, "shape", None)
-    dtype = _value_dtype(value)
-    if shape is None or dtype is None:
-        return f"expected a tensor {spec}, got {type(value).__name__}"
-    if dtype != spec.dtype:
-        return f"expected dtype {spec.dtype}, got {dtype}"
-    shape = tuple(shape)
-    if len(shape) != len(spec.shape):
-        return f"expected {len(spec.shape)} dims {spec}, got shape {shape}"
-    for dim, size in zip(spec.shape, shape):
-        if isinstance(dim, int):
-            if dim != size:
-                return f"expected shape {spec}, got {shape}"
-        elif dim != "*" and bindings is not None:
-            bound = bindings.setdefault(dim, size)
-            if bound != size:
-                return f"dimension {dim}={size} disagrees with {dim}={bound} set by an earlier port"
-    return None
-
-
 class Node:
     """Base class of every node. Subclasses declare ``inputs``/``outputs`` and ``forward``."""
 
@@ -190,6 +144,15 @@ class Node:
     """The step being run, set by the executor before each call (seed per-step randomness from it)."""
     left_padded: tuple[str, ...] = ()
     """Outputs padded on the left (prompt ids), for joining the rows of a cut call."""
+    ranks: int = 1
+    """Processes that run this node together as one SPMD group (torch.distributed). Above 1, the
+    executor starts the group (``runtime.ranks``) and sets :attr:`rank_group` before
+    :meth:`setup`; each other rank rebuilds the node and runs ``serve_rank(op, values, meta)``
+    for each call rank 0 tells it of."""
+    rank_timeout_s: float = 300.0
+    """How long the group's start and each of its collectives may take."""
+    rank_group: Any = None
+    """This process's side of the group (rank, world, collectives, sharding), or None."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Node:
         self = super().__new__(cls)

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 __all__ = [
+    "check_value",
     "ANY",
     "AnySpec",
     "Dim",
@@ -165,3 +166,49 @@ def compatible(src: PortSpec, dst: PortSpec) -> str | None:
             return None
         return f"type {src} is not {dst} (nor a subclass of it)"
     return f"a {type(src).__name__[:-4].lower()} port cannot feed a {type(dst).__name__[:-4].lower()} port"
+
+
+_dtype_names: dict[Any, str] = {}
+
+
+def _value_dtype(value: Any) -> str | None:
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return None
+    name = _dtype_names.get(dtype)
+    if name is None:  # str(dtype) is slow next to a dict lookup; there are few dtypes
+        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def check_value(spec: PortSpec, value: Any, bindings: dict[str, int] | None = None) -> str | None:
+    """Check a value against a port spec; return None if it fits, else why not.
+
+    ``bindings`` carries symbol sizes across the ports of one call, so that
+    ``rewards: (B, T)`` and ``values: (B, T)`` must agree on B and T.
+    """
+    if isinstance(spec, AnySpec):
+        return None
+    if isinstance(spec, StructSpec):
+        cls = spec.resolve()
+        if cls is not None and not isinstance(value, cls):
+            return f"expected {spec}, got {type(value).__name__}"
+        return None
+    shape = getattr(value, "shape", None)
+    dtype = _value_dtype(value)
+    if shape is None or dtype is None:
+        return f"expected a tensor {spec}, got {type(value).__name__}"
+    if dtype != spec.dtype:
+        return f"expected dtype {spec.dtype}, got {dtype}"
+    shape = tuple(shape)
+    if len(shape) != len(spec.shape):
+        return f"expected {len(spec.shape)} dims {spec}, got shape {shape}"
+    for dim, size in zip(spec.shape, shape):
+        if isinstance(dim, int):
+            if dim != size:
+                return f"expected shape {spec}, got {shape}"
+        elif dim != "*" and bindings is not None:
+            bound = bindings.setdefault(dim, size)
+            if bound != size:
+                return f"dimension {dim}={size} disagrees with {dim}={bound} set by an earlier port"
+    return None

@@ -27,13 +27,13 @@ very function that sampled the tokens.
 
 With ``ranks=K`` (K > 1) an update trains as one SPMD group of K processes under
 torch.distributed, and the graph still sees one node. The node that the executor builds is
-rank 0, and it starts the other ranks itself (:mod:`nodes.update.ranks`). Each call's batch
-is split across the ranks by token count, and the models are sharded by FSDP2
-(``train_backend="fsdp"``) or replicated by DDP (:mod:`nodes.update.sharding`). Loss weights
+rank 0; the executor starts the other ranks and hands the node its group (``runtime.ranks``).
+Each call's batch is split across the ranks by token count, and the models are sharded by
+FSDP2 (``train_backend="fsdp"``) or replicated by DDP, through that group. Loss weights
 are shares of the whole batch, so the step equals the 1-rank step up to float rounding. The
 published weights and the checkpointed state are gathered onto rank 0, unsharded and in the
 1-rank layout, so a checkpoint resumes with any K. A rank that dies is a
-:class:`~nodes.update.ranks.RankError` that names it. ``close()`` ends the group, and the
+``RankError`` (``runtime.ranks``) that names it. ``close()`` ends the group, and the
 ranks also exit when rank 0 does. One process holds one group at a time, and all ranks run
 on rank 0's host.
 """

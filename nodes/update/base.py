@@ -35,6 +35,9 @@ __all__ = ["NonFiniteError"]  # the updates themselves are public in nodes.updat
 log = logging.getLogger(__name__)
 
 _TOKENS = TensorPort("float32", "B", "R")
+TRAIN_BACKENDS = ("fsdp", "ddp")
+"""How a rank group trains the models: FSDP2 (sharded) or DDP (replicated); runtime.ranks."""
+
 _INPUTS = {
     "prompt_ids": TensorPort("int64", "B", "P"),
     "prompt_mask": TensorPort("int64", "B", "P"),
@@ -63,7 +66,7 @@ def _require_finite(what: str, x: Tensor, real: Tensor) -> None:
 
 class _Update(Offload, _Ranked, Sharing, Node):
     """What PPO and GRPO updates share: input checks, micro-batches, the guarded step, weights,
-    and the rank group (``ranks > 1``: :mod:`nodes.update.ranks`)."""
+    and the rank group (``ranks > 1``: ``runtime.ranks``)."""
 
     kind = "update"
     _metric_keys: tuple[str, ...] = ()
@@ -75,8 +78,6 @@ class _Update(Offload, _Ranked, Sharing, Node):
 
     # --- construction --------------------------------------------------------------------
     def _init_common(self) -> None:
-        from nodes.update.sharding import BACKENDS
-
         """Check and keep the options every update takes, read from the constructor's arguments
         (given or default): PPO's and GRPO's constructors name them alike."""
         args, kwargs = self._init_args
@@ -113,8 +114,8 @@ class _Update(Offload, _Ranked, Sharing, Node):
                 f"ranks={o.ranks!r}; it must be an int >= 1 (the processes that train together)",
             ),
             (
-                o.train_backend in BACKENDS,
-                f"train_backend={o.train_backend!r}; choose one of {', '.join(BACKENDS)}",
+                o.train_backend in TRAIN_BACKENDS,
+                f"train_backend={o.train_backend!r}; choose one of {', '.join(TRAIN_BACKENDS)}",
             ),
             (o.rank_timeout_s > 0, f"rank_timeout_s={o.rank_timeout_s}; it must be > 0"),
         ]
@@ -160,7 +161,7 @@ class _Update(Offload, _Ranked, Sharing, Node):
 
     def build(self) -> None:
         if self.ranks > 1:
-            self._start_ranks()
+            self._join_ranks()
             policy = build_policy(self.policy_spec).to(self.device).eval()
             self._ranks.join()
             self.policy = policy

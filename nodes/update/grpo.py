@@ -34,7 +34,7 @@ class GRPOUpdate(_Update):
         share: a share key (e.g. ``"policy"``, as on the Rollout): one policy module with the
             nodes of that key on an on-policy executor (:mod:`nodes.shared_models`).
         ranks, train_backend, rank_timeout_s: train as an SPMD group of ``ranks`` processes
-            (:mod:`nodes.update.ranks`), sharded by ``"fsdp"`` (FSDP2) or replicated by
+            (``runtime.ranks``), sharded by ``"fsdp"`` (FSDP2) or replicated by
             ``"ddp"``; ``rank_timeout_s`` bounds the ranks' start and each collective.
         The others are as in :class:`PPOUpdate`.
     """

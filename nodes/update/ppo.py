@@ -70,7 +70,7 @@ class PPOUpdate(_Update):
             the nodes of a key use one module (:mod:`nodes.shared_models`), and the published
             weights are then its live tensors.
         ranks, train_backend, rank_timeout_s: train both models as an SPMD group of ``ranks``
-            processes (:mod:`nodes.update.ranks`), sharded by ``"fsdp"`` (FSDP2) or replicated
+            processes (``runtime.ranks``), sharded by ``"fsdp"`` (FSDP2) or replicated
             by ``"ddp"``; ``rank_timeout_s`` bounds the ranks' start and each collective. The
             metrics then also hold time/weight_gather (seconds gathering both weights).
     """

@@ -2,12 +2,13 @@
 
 Alone (``ranks=1``), a call trains in this process, the published weights are a snapshot (or
 the live tensors of a model shared in-process), and the state is the modules' own
-``state_dict()``. As a group (``ranks > 1``, :mod:`nodes.update.ranks`), rank 0 checks the
+``state_dict()``. As a group (``ranks > 1``), the executor starts the other ranks and gives
+the node its side of the group (``rank_group``, from ``runtime.ranks``): rank 0 checks the
 call's inputs and sends them to the ranks, and then every rank runs the same step. The
-published weights and the state are gathered onto rank 0, unsharded
-(:mod:`nodes.update.sharding`). They are in the 1-rank layout, so a checkpoint written with
-one K resumes with any other K. A group's state calls are themselves group operations:
-rank 0 tells the ranks to join each of them.
+published weights and the state are gathered onto rank 0 by the group, unsharded and in the
+1-rank layout, so a checkpoint written with one K resumes with any other K. A group's state
+calls are themselves group operations: rank 0 tells the ranks to join each of them. This
+module starts no process and imports no torch.distributed: the group does both.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class _Ranked:
     """Mixin of :class:`nodes.update.base._Update`: the rank group, the call, weights, state."""
 
     _ranks: Any = None
-    """The rank group (rank 0: a RankGroup; the other ranks: a RankLink), or None alone."""
+    """The node's joined rank group (``rank_group`` once built), or None alone."""
     _counters: tuple[str, ...] = ("version", "updates")
     """The integer attributes a checkpoint keeps beside the models."""
     execution_options: tuple[str, ...] = (
@@ -67,42 +68,40 @@ class _Ranked:
         try:
             super().setup()  # type: ignore[misc]
         except BaseException:
-            if self._ranks is not None and self._ranks.rank == 0:
-                self._ranks.close()
-                self._ranks = None
+            self.close()
+            self._ranks = None
             raise
 
-    def _start_ranks(self) -> None:
-        """Rank 0 starts the other ranks; a rank process was given its link before setup()."""
-        from nodes.update.ranks import RankGroup
-
-        if self.device.type == "cuda":  # one GPU per rank, from the node's device on
+    def _join_ranks(self) -> None:
+        """Take this process's side of the group the executor started (``rank_group``) and
+        compute on this rank's device: on CUDA, one GPU per rank from the node's device on."""
+        group = self.rank_group
+        if group is None:
+            raise ValueError(
+                f"node {self.name!r}: ranks={self.ranks} trains as a group of processes, which an "
+                "executor starts (runtime.ranks.start_groups, before setup()): run the node in "
+                "LocalExecutor, ZmqExecutor or yatt-graph run"
+            )
+        if self.device.type == "cuda":
             first = self.device.index or 0
             if torch.cuda.device_count() < first + self.ranks:
                 raise ValueError(
                     f"node {self.name!r}: ranks={self.ranks} on {self.device} needs GPUs "
                     f"{first}..{first + self.ranks - 1}; torch sees {torch.cuda.device_count()}"
                 )
-        link = self.__dict__.get("_rank_link")
-        rank = 0 if link is None else link.rank
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", (self.device.index or 0) + rank)
+            self.device = torch.device("cuda", first + group.rank)
             torch.cuda.set_device(self.device)
-        if link is None:
-            self._ranks = RankGroup.start(self, self.ranks, self.device, self.rank_timeout_s)
-        else:
-            link.set_device(self.device)
-            self._ranks = link
+        group.set_device(self.device)
+        self._ranks = group
 
     def _shard(self, module: nn.Module, method: str, pick: Callable[[Any], Tensor]) -> Any:
-        from nodes.update.sharding import shard_module
-
-        return shard_module(module, self.train_backend, self.device, self.ranks, method, pick)
+        return self._ranks.shard(module, self.train_backend, method, pick)
 
     def close(self) -> None:
         """End the rank group (no-op alone); the node cannot train afterwards."""
-        if self._ranks is not None and self._ranks.rank == 0:
-            self._ranks.close()
+        group = self.rank_group
+        if group is not None and group.rank == 0:
+            group.close()
 
     # --- the call: alone, or rank 0 telling its group --------------------------------------
     def forward(self, **inputs: Any) -> dict[str, Any]:
@@ -117,7 +116,7 @@ class _Ranked:
         raise NotImplementedError
 
     def serve_rank(self, op: str, values: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Run rank 0's call ``op`` on this rank (``python -m nodes.update.rank_worker``)."""
+        """Run rank 0's call ``op`` on this rank (``python -m runtime.ranks.worker``)."""
         if op == "step":
             self.begin_step(int(meta["step"]))
             with contextlib.suppress(NonFiniteError):  # rank 0 raised it too and reports it
@@ -134,10 +133,8 @@ class _Ranked:
         (``metrics["time/weight_gather"]`` sums its seconds)."""
         if self._ranks is None:
             return _weights(module, self._is_shared(share))
-        from nodes.update.sharding import full_weights
-
         start = time.perf_counter()
-        weights = full_weights(module)
+        weights = self._ranks.full_weights(module)
         key = "time/weight_gather"
         metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - start
         return weights
@@ -168,9 +165,7 @@ class _Ranked:
                 state[model_key] = _snapshot(model)
                 state[optim_key] = copy.deepcopy(optimizer.state_dict())
             else:
-                from nodes.update.sharding import full_state
-
-                state[model_key], state[optim_key] = full_state(model, optimizer)
+                state[model_key], state[optim_key] = self._ranks.full_state(model, optimizer)
         return {**state, **{k: getattr(self, k) for k in self._counters}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -203,9 +198,7 @@ class _Ranked:
                 model.load_state_dict(state[model_key])
                 optimizer.load_state_dict(optim)
             else:
-                from nodes.update.sharding import load_full_state
-
                 weights, fresh = state.get(model_key, {}), meta["fresh"].get(optim_key)
-                load_full_state(model, optimizer, weights, optim, self._ranks.rank, fresh)
+                self._ranks.load_full_state(model, optimizer, weights, optim, fresh)
         for k, v in meta["counters"].items():
             setattr(self, k, int(v))

@@ -3,7 +3,7 @@
 A batch of B rows is cut into *units*: one row each, or one prompt's ``group`` consecutive
 rows when the image inputs come one row per prompt (the rows of a unit share that image row).
 The units are split across the K ranks by token cost (``response_mask`` counts,
-:func:`nodes.update.ranks.split_by_cost`). Each rank cuts its share into micro-batches as a
+:func:`yatt_graph.partition.lpt`). Each rank cuts its share into micro-batches as a
 1-rank node cuts its batch.
 
 Every rank must run the same number of backward passes, because each backward ends in the
@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from nodes.update.ranks import split_by_cost
+from yatt_graph.partition import lpt
 
 __all__ = ["Micro", "View", "plan_micro_batches"]
 
@@ -68,7 +68,7 @@ def plan_micro_batches(
         return [Micro(full, rows, 1.0, 1.0) for rows in slices(B)], None
     g = full.group
     costs = full.real.reshape(B // g, -1).sum(1).tolist()  # real tokens per unit
-    shares = split_by_cost(costs, world)
+    shares = lpt(costs, world)  # a pure function: every rank cuts alike
     counts = [len(slices(len(s) * g)) if s else 0 for s in shares]
     first = next(u for u, c in enumerate(costs) if c > 0)  # the batch has a real token
     filler = Micro(full, slice(first * g, (first + 1) * g), 0.0, 0.0)

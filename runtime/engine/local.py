@@ -15,6 +15,7 @@ from runtime.engine.calls import StepResult, describe
 from runtime.engine.config import RunConfig, run_config
 from runtime.engine.engine import StepEngine
 from runtime.engine.switch import switch_metrics
+from runtime.ranks import start_groups
 from runtime.sched.replicas import node_caller
 from runtime.sched.splitting import device_pool
 from yatt_graph import Graph, Plan
@@ -62,6 +63,7 @@ class LocalExecutor:
             bind = getattr(nodes[name], "bind_executor", None)
             if callable(bind):
                 bind(max_staleness=self.max_staleness, shared=shared)
+        start_groups(nodes)  # the other ranks of nodes that train as a group, before they build
         for name in self.graph.topological_order():  # build the models here, before a step
             nodes[name].setup()
         self.splitter = node_caller(nodes, pool, config.replicas, replica_factory)

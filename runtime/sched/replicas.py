@@ -39,7 +39,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from runtime.sched.batching import _is_batched, default_costs, join_outputs, partition, take
+from runtime.sched.batching import _is_batched, default_costs, join_outputs, take
+from yatt_graph.partition import partition
 
 __all__ = [
     "CallRouter",

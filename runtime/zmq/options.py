@@ -144,12 +144,14 @@ def engine_from_setup(setup: m.Setup, outbox: Any, track: Callable[[str], None])
     is told each node first), the splitter and replicas SETUP asks for, and the step engine
     over them, sending to ``outbox``."""
     from runtime.engine.engine import StepEngine
+    from runtime.ranks import start_groups
     from runtime.sched.replicas import node_caller
     from runtime.sched.splitting import device_pool
     from runtime.zmq.replicas import spawn_replica
 
     config = setup.config
     nodes, edges, outputs, assignment = nodes_from_setup(setup, track)
+    start_groups(nodes)  # the other ranks of nodes that train as a group, before they build
     for name in setup.order:
         if name in nodes:
             track(name)

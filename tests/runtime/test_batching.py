@@ -14,15 +14,13 @@ from runtime.sched.batching import (
     default_costs,
     fuse,
     inverse_permutation,
-    karmarkar_karp,
-    lpt,
     merge,
     micro_batches,
-    partition,
     sample_costs,
     split,
     take,
 )
+from yatt_graph.partition import karmarkar_karp, lpt, partition
 
 
 def loads(costs, parts):

@@ -1,8 +1,9 @@
-"""A training node as an SPMD group of K ranks under torch.distributed.
+"""A node as an SPMD group of K ranks under torch.distributed: the runtime's side.
 
-The node in the executor's process is rank 0, the *leader*. When it is built it starts K-1
-rank processes (``python -m nodes.update.rank_worker``: plain subprocesses, never a fork of a
-process that has torch loaded). Each rebuilds the same node from its plan spec (builds are
+A node whose ``ranks`` is K > 1 (an update node's option) runs as K processes. The node in the
+executor's process is rank 0, the *leader*. Before it is built, the executor starts K-1 rank
+processes (``runtime.ranks.start_groups``: ``python -m runtime.ranks.worker``, plain subprocesses, never
+a fork of a process that has torch loaded) and sets the node's ``rank_group``. Each rebuilds the same node from its plan spec (builds are
 seeded from the config, so every rank starts from the same weights), and all join one process
 group (gloo on the CPU, NCCL on CUDA) through a TCPStore that rank 0 hosts on 127.0.0.1.
 
@@ -49,9 +50,10 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from nodes.update.rank_values import describe, rebuild, shapes
+from runtime.ranks import sharding
+from runtime.ranks.values import describe, rebuild, shapes
 
-__all__ = ["RankError", "RankGroup", "RankLink", "split_by_cost"]
+__all__ = ["RankError", "RankGroup", "RankLink"]
 
 _CMD = "yatt/cmd/"
 _READY = "yatt/ready/"
@@ -67,19 +69,6 @@ class RankError(RuntimeError):
     process_fault = True
     """A process failed, not the node's logic: ``--restart on-failure`` restarts the run from
     its last checkpoint (the executors read this attribute, as for a dead replica)."""
-
-
-def split_by_cost(costs: Sequence[float], parts: int) -> list[list[int]]:
-    """Indices of ``costs`` cut into ``parts`` lists of near-equal total cost (LPT: largest
-    first, each to the lightest part; ties go to the lower part). Each list is sorted, and the
-    result is a pure function of its arguments, so every rank computes the same split."""
-    loads = [0.0] * parts
-    shares: list[list[int]] = [[] for _ in range(parts)]
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        j = min(range(parts), key=lambda j: (loads[j], len(shares[j]), j))
-        loads[j] += costs[i]
-        shares[j].append(i)
-    return [sorted(s) for s in shares]
 
 
 def _exit_text(code: int | None) -> str:
@@ -106,6 +95,11 @@ class _Ranks:
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.timeout = datetime.timedelta(seconds=float(timeout_s))
 
+    def set_device(self, device: torch.device) -> None:
+        """Compute (and communicate: gloo on the CPU, NCCL on CUDA) on ``device``."""
+        self.device = device
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+
     def _init_group(self) -> None:
         store = dist.PrefixStore("pg/", self.store)
         dist.init_process_group(
@@ -124,6 +118,25 @@ class _Ranks:
         x = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.device)  # (1,)
         dist.all_reduce(x, op=dist.ReduceOp.MAX)
         return bool(x.item())
+
+    # --- the node's models across the group (runtime.ranks.sharding) --------------------------
+    def shard(self, module: torch.nn.Module, backend: str, method: str, pick: Any) -> Any:
+        """Shard (FSDP2) or replicate (DDP) ``module``; the callable to train through."""
+        return sharding.shard_module(module, backend, self.device, self.world, method, pick)
+
+    def full_weights(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The unsharded weights, gathered onto rank 0's CPU."""
+        return sharding.full_weights(module)
+
+    def full_state(self, model: torch.nn.Module, optimizer: Any) -> tuple[dict, dict]:
+        """The unsharded model and optimizer state on rank 0, in the 1-rank layout."""
+        return sharding.full_state(model, optimizer)
+
+    def load_full_state(
+        self, model: torch.nn.Module, optimizer: Any, weights: Any, optim: Any, fresh: Any
+    ) -> None:
+        """Load a 1-rank layout state (given on rank 0) into every rank."""
+        sharding.load_full_state(model, optimizer, weights, optim, self.rank, fresh)
 
 
 # --- rank 0 ---------------------------------------------------------------------------------------
@@ -154,8 +167,9 @@ class RankGroup(_Ranks):
         self._joined = False
 
     @classmethod
-    def start(cls, node: Any, world: int, device: torch.device, timeout_s: float) -> RankGroup:
-        """Host the store and start ranks 1..world-1, each building ``node`` from its spec."""
+    def start(cls, node: Any) -> RankGroup:
+        """Host the store and start ranks 1..K-1 (K: ``node.ranks``), each building ``node``
+        from its spec; they compute on the CPU until the node sets its device."""
         from yatt_graph.refs import import_roots
         from yatt_graph.serialize import node_spec
 
@@ -169,7 +183,8 @@ class RankGroup(_Ranks):
                 "a process runs one rank group at a time: close() that node first, or place "
                 "this one on another controller"
             )
-        self = cls(node, world, device, timeout_s)
+        world, timeout_s = int(node.ranks), float(node.rank_timeout_s)
+        self = cls(node, world, torch.device("cpu"), timeout_s)
         self.store = dist.TCPStore(
             "127.0.0.1", 0, world, is_master=True, timeout=self.timeout, wait_for_workers=False
         )
@@ -183,7 +198,7 @@ class RankGroup(_Ranks):
         }
         for rank in range(1, world):
             cmd = [
-                sys.executable, "-m", "nodes.update.rank_worker",
+                sys.executable, "-m", "runtime.ranks.worker",
                 "--port", str(self.store.port), "--rank", str(rank), "--world", str(world),
                 "--parent-pid", str(os.getpid()), "--timeout", str(self.timeout_s),
                 "--threads", str(threads),
@@ -318,10 +333,6 @@ class RankLink(_Ranks):
 
     def node_spec(self) -> bytes:
         return self.store.get(_NODE)
-
-    def set_device(self, device: torch.device) -> None:
-        self.device = device
-        self.backend = "nccl" if device.type == "cuda" else "gloo"
 
     def join(self) -> None:
         self.store.set(f"{_READY}{self.rank}", b"1")

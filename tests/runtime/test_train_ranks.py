@@ -1,4 +1,4 @@
-"""Update nodes as SPMD groups of K ranks (nodes/update/ranks.py, sharding.py, shares.py):
+"""Update nodes as SPMD groups of K ranks (runtime/ranks/, nodes/update/shares.py):
 a 2-rank group trains as the 1-rank node does, its checkpoints resume with K=2 or K=1, a
 dead rank is named, and the ranks end with their parent.
 
@@ -27,9 +27,11 @@ from nodes.reference import Critic
 from nodes.rl.advantages import broadcast_to_tokens
 from nodes.rollout import Rollout
 from nodes.update import GRPOUpdate, PPOUpdate
-from nodes.update.rank_values import describe, rebuild
-from nodes.update.ranks import RankError, split_by_cost
 from nodes.update.shares import View, plan_micro_batches
+from runtime.ranks import start_groups
+from runtime.ranks.group import RankError
+from runtime.ranks.values import describe, rebuild
+from yatt_graph.partition import lpt
 
 PROMPTS = ["hi", "what colour is it?", "x", "name the shape"]
 WEIGHT_TOL = 1e-5
@@ -70,14 +72,20 @@ def _assert_same_metrics(one, many):
 @pytest.fixture(scope="class")
 def grpo_fsdp():
     """One FSDP group for the tests of a class (a process holds one group at a time)."""
-    node = GRPOUpdate(lr=1e-3, epochs=2, ranks=2, train_backend="fsdp")
+    node = _grouped(GRPOUpdate(lr=1e-3, epochs=2, ranks=2, train_backend="fsdp"))
     node.setup()
     yield node
     node.close()
 
 
 def _fresh_grpo(**kw):
-    return GRPOUpdate(lr=1e-3, epochs=2, **kw)
+    return _grouped(GRPOUpdate(lr=1e-3, epochs=2, **kw))
+
+
+def _grouped(node):
+    """The node with its rank group started, as an executor starts it before setup()."""
+    start_groups({node.name: node})
+    return node
 
 
 # --- pure parts -------------------------------------------------------------------------------
@@ -85,12 +93,12 @@ def _fresh_grpo(**kw):
 
 def test_split_by_cost_balances_whole_units():
     costs = [9, 1, 8, 2, 7, 3, 3, 0]
-    shares = split_by_cost(costs, 3)
+    shares = lpt(costs, 3)
     assert sorted(i for s in shares for i in s) == list(range(len(costs)))
     loads = [sum(costs[i] for i in s) for s in shares]
     assert loads == [11, 11, 11]  # 33 over 3: balanced exactly
-    assert split_by_cost(costs, 3) == shares  # a pure function: every rank cuts alike
-    assert split_by_cost([5], 2) == [[0], []]
+    assert lpt(costs, 3) == shares  # a pure function: every rank cuts alike
+    assert lpt([5], 2) == [[0], []]
 
 
 def test_micro_batches_pad_with_fillers():
@@ -191,7 +199,7 @@ def test_grpo_ddp_with_uneven_shares_equals_one_rank(batch):
 
 def test_ppo_fsdp_two_ranks_equal_one_rank(batch):
     one = PPOUpdate(lr=1e-3, epochs=2)
-    many = PPOUpdate(lr=1e-3, epochs=2, ranks=2)
+    many = _grouped(PPOUpdate(lr=1e-3, epochs=2, ranks=2))
     try:
         for _ in range(3):
             out1, out2 = one.run(batch["ppo"]), many.run(batch["ppo"])
@@ -215,7 +223,7 @@ def test_hf_vlm_with_images_on_two_ranks_equals_one_rank():
     adv = broadcast_to_tokens(scores, out["response_mask"])  # (B, R)
     inputs = {**ports, "logprobs": out["logprobs"], "advantages": adv, "images": images}
     one = GRPOUpdate(policy="tiny-qwen2-vl", lr=1e-3)
-    many = GRPOUpdate(policy="tiny-qwen2-vl", lr=1e-3, ranks=2)
+    many = _grouped(GRPOUpdate(policy="tiny-qwen2-vl", lr=1e-3, ranks=2))
     try:
         for _ in range(2):
             out1, out2 = one.run(inputs), many.run(inputs)
@@ -255,13 +263,13 @@ def _rank_processes() -> list[int]:
         except (OSError, ValueError):
             continue
         mine = f"--parent-pid\0{os.getpid()}".encode() in b"\0".join(cmd)
-        if b"nodes.update.rank_worker" in cmd and mine and _state_of(int(entry.name)) != "Z":
+        if b"runtime.ranks.worker" in cmd and mine and _state_of(int(entry.name)) != "Z":
             pids.append(int(entry.name))
     return pids
 
 
 def test_a_build_that_fails_leaves_no_rank_behind():
-    from nodes.update import ranks
+    from runtime.ranks import group as ranks
 
     node = _fresh_grpo(ranks=2, policy={"name": "tiny-prefix-vlm", "n_head": 5})
     with pytest.raises(ValueError, match="divisible by num_heads"):
@@ -284,7 +292,9 @@ def test_ranks_exit_when_rank_zero_exits():
         import os, sys, torch
         torch.set_num_threads(1)
         from nodes.update import GRPOUpdate
+        from runtime.ranks import start_groups
         node = GRPOUpdate(ranks=2)
+        start_groups({"update": node})
         node.setup()
         print(node._ranks.procs[0].pid, flush=True)
         os._exit(0)  # as a controller exits: no close(), no atexit

@@ -1,9 +1,9 @@
-"""A rank of a training group: ``python -m nodes.update.rank_worker`` (started by rank 0).
+"""A rank of a node's group: ``python -m runtime.ranks.worker`` (started for rank 0).
 
-It connects to rank 0's store, rebuilds the node from the spec rank 0 left there, forms the
-process group while the node is built (:meth:`nodes.update.base._Update.build`), and then
-runs each of rank 0's calls until rank 0 says close or is gone
-(:mod:`nodes.update.ranks`). If it fails, it leaves the error in the store for rank 0 to
+It connects to rank 0's store, rebuilds the node from the spec rank 0 left there, gives it
+its side of the group (``node.rank_group``), builds it (the node joins the group there), and
+then runs each of rank 0's calls (``node.serve_rank``) until rank 0 says close or is gone
+(:mod:`runtime.ranks.group`). If it fails, it leaves the error in the store for rank 0 to
 name, and exits with code 1.
 """
 
@@ -20,7 +20,7 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m nodes.update.rank_worker", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m runtime.ranks.worker", description=__doc__)
     p.add_argument("--port", type=int, required=True, help="rank 0's TCPStore port on 127.0.0.1")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from nodes.update.ranks import RankLink
+    from runtime.ranks.group import RankLink
     from yatt_graph.serialize import NodeSpec, build_node
 
     torch.set_num_threads(max(1, args.threads))
@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         spec = msgspec.json.decode(link.node_spec(), type=NodeSpec)
         node = build_node(spec)
-        node.__dict__["_rank_link"] = link  # build() joins the group instead of starting one
+        node.rank_group = link
         node.setup()
         for op, values, meta in link.commands():
             node.serve_rank(op, values, meta)
