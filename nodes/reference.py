@@ -27,7 +27,7 @@ from nodes.models.offload import Offload
 from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
 from nodes.seeding import seeded
 from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
-from nodes.sync import apply_weights, decode_weights
+from nodes.sync import WeightInput, apply_weights
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built
@@ -224,7 +224,7 @@ def build_value_model(
         return ValueModel(trunk, detach_trunk=detach_trunk, seed=head_seed)
 
 
-class Critic(Offload, Sharing, Node):
+class Critic(Offload, Sharing, WeightInput, Node):
     """``values: float32[B, R]`` from a value head on a policy trunk (0 at padding).
 
     Args:
@@ -279,8 +279,6 @@ class Critic(Offload, Sharing, Node):
         self.shared = model is not None
         self.critic_spec, self._model = critic, model
         self.detach_trunk, self.head_seed = bool(detach_trunk), int(head_seed)
-        self.weights_version = 0
-        self._last_weights: Any = None
 
     def build(self) -> None:
         def build() -> ValueModel:
@@ -301,23 +299,17 @@ class Critic(Offload, Sharing, Node):
         self.value_model = self._acquire(self.share, fp, build)
 
     def _load(self, weights: Any) -> None:
-        """Load a weight-sync payload into the value model (``PPOUpdate``'s ``critic_weights``:
-        a versioned WeightUpdate or a plain state dict), as the Rollout loads
-        its ``weights``: a version not newer than the one loaded is skipped, and the same
-        object twice is loaded once."""
-        if weights is None or weights is self._last_weights:
+        """Load a weight-sync payload into the value model (``PPOUpdate``'s ``critic_weights``),
+        as the rollout loads its ``weights`` (:class:`nodes.sync.WeightInput`)."""
+        update = self._newer_weights(weights)
+        if update is None:
             return
-        who = f"node {self.name!r}: input 'weights'"
-        try:
-            update = decode_weights(weights)
-            if update.version and update.version <= self.weights_version:
-                return
-            if not (self.share is not None and same_storage(self.value_model, update.weights)):
-                apply_weights(self.value_model, update)  # (a shared model's own: no copy)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise ValueError(f"{who}: {err}") from err
-        self._last_weights = weights
-        self.weights_version = max(self.weights_version, update.version)
+        if not (self.share is not None and same_storage(self.value_model, update.weights)):
+            try:  # (a shared model's own tensors: nothing to copy)
+                apply_weights(self.value_model, update)
+            except (TypeError, ValueError, RuntimeError) as err:
+                raise ValueError(f"node {self.name!r}: input 'weights': {err}") from err
+        self._loaded_weights(weights, update)
 
     @torch.no_grad()
     def forward(
@@ -362,4 +354,4 @@ class Critic(Offload, Sharing, Node):
         if "trunk" in state:
             self.value_model.trunk.load_state_dict(state["trunk"])
         # the restored weights replace whatever version was loaded: accept the next one
-        self.weights_version, self._last_weights = 0, None
+        self._forget_weights()

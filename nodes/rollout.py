@@ -43,7 +43,7 @@ from nodes.models.policy import (
 from nodes.models.vllm_engine import VLLMEngine, check_vllm_options, vllm_unavailable_reason
 from nodes.seeding import seeded
 from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
-from nodes.sync import decode_weights
+from nodes.sync import WeightInput
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built
@@ -77,7 +77,7 @@ def _checkpoint_dir(spec: Any, model: Policy | None) -> str | None:
     return spec if isinstance(spec, str) and Path(spec).is_dir() else None
 
 
-class Rollout(Offload, Sharing, Node):
+class Rollout(Offload, Sharing, WeightInput, Node):
     """Prompts (+ images or image embeddings) -> sampled responses and their logprobs.
 
     With ``n`` samples per prompt, outputs have B = N * n rows, the n samples of a prompt in
@@ -211,8 +211,6 @@ class Rollout(Offload, Sharing, Node):
         self.share = check_share_key(share, where)
         self.step = 0
         self.next_group = 0
-        self.weights_version = 0
-        self._last_weights: Any = None
         self._vllm: VLLMEngine | None = None
         self._piece: tuple[Mapping[str, int], list[int]] | None = None
 
@@ -264,25 +262,17 @@ class Rollout(Offload, Sharing, Node):
         return N
 
     def _load(self, weights: Any) -> None:
-        """Load a weight-sync payload: a state dict, or what :class:`nodes.sync.WeightSync`
-        publishes (a versioned ``WeightUpdate``). A version not newer
-        than the one loaded is skipped; the same object twice is loaded once."""
-        if weights is None or weights is self._last_weights:
+        """Load a weight-sync payload (:class:`nodes.sync.WeightInput`: once, only when newer)."""
+        update = self._newer_weights(weights)
+        if update is None:
             return
         who = f"node {self.name!r}: input 'weights'"
-        try:
-            update = decode_weights(weights)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"{who}: {err}") from err
-        if update.version and update.version <= self.weights_version:
-            return
         if not (self.share is not None and same_storage(self.policy, update.weights)):
             # (a shared module's own tensors: nothing to copy)
             self.policy.load_weights(update.weights, strict=update.complete, who=who)
         if self._vllm is not None:
             self._vllm.load_weights(update.weights)
-        self._last_weights = weights
-        self.weights_version = max(self.weights_version, update.version)
+        self._loaded_weights(weights, update)
 
     # --- the work ----------------------------------------------------------------------------
     @property
@@ -432,5 +422,4 @@ class Rollout(Offload, Sharing, Node):
                 f"node {self.name!r}: expected state keys {sorted(keys)}, got {sorted(state)}"
             )
         self.step, self.next_group = int(state["step"]), int(state["next_group"])
-        self.weights_version = int(state.get("weights_version", 0))
-        self._last_weights = None
+        self._forget_weights(int(state.get("weights_version", 0)))

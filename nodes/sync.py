@@ -11,7 +11,8 @@ A :class:`WeightUpdate` is a msgspec Struct: ``weights`` (``dict[str, Tensor]``)
 (False when only some keys were sent: load it with ``strict=False``). Being a Struct, it
 crosses controllers whole, through the runtime's one data-plane codec (no pickle): the
 receiver rebuilds it because every node that reads weights imports this module.
-:func:`apply_weights` loads one into a module.
+:func:`apply_weights` loads one into a module; :class:`WeightInput` is a consumer node's side
+(the rollout's, the critic's): load a payload once, and only when it is newer.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from yatt_graph import ANY, Node, Port
 
-__all__ = ["WeightSync", "WeightUpdate", "apply_weights", "decode_weights"]
+__all__ = ["WeightInput", "WeightSync", "WeightUpdate", "apply_weights", "decode_weights"]
 
 
 class WeightUpdate(msgspec.Struct, frozen=True):
@@ -87,6 +88,38 @@ def apply_weights(
             f"keys {sorted(unexpected)[:8]}, missing keys {sorted(missing)[:8] if update.complete else []}"
         )
     return update.version
+
+
+class WeightInput:
+    """Mixin of a node with a ``weights`` input: which payload to load, once and only when newer.
+
+    ``_newer_weights(weights)`` is the decoded update to load, or None when there is nothing
+    new (no payload, the same object as last time, or a version not newer than
+    ``weights_version``); the node loads it and then calls ``_loaded_weights``.
+    """
+
+    weights_version: int = 0
+    """The newest version loaded (0: the built weights, or a plain state dict)."""
+    _last_weights: Any = None
+
+    def _newer_weights(self, weights: Any) -> WeightUpdate | None:
+        if weights is None or weights is self._last_weights:
+            return None
+        try:
+            update = decode_weights(weights)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"node {self.name!r}: input 'weights': {err}") from err  # type: ignore[attr-defined]
+        if update.version and update.version <= self.weights_version:
+            return None
+        return update
+
+    def _loaded_weights(self, weights: Any, update: WeightUpdate) -> None:
+        self._last_weights = weights
+        self.weights_version = max(self.weights_version, update.version)
+
+    def _forget_weights(self, version: int = 0) -> None:
+        """After a restore: ``version`` is loaded, and the next payload is read anew."""
+        self.weights_version, self._last_weights = version, None
 
 
 class WeightSync(Node):

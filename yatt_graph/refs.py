@@ -90,10 +90,18 @@ def load_module(target: str) -> Any:
                 if _origin(dotted) == resolved:  # the name must lead back to this very file
                     return _import(dotted, target)
         name = path.stem
+        stat = resolved.stat()
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        known = sys.modules.get(name)
+        if getattr(known, "__file__", None) == str(resolved) and (
+            getattr(known, "__yatt_stamp__", None) == stamp
+        ):
+            return known  # imported once per process (again only once the file changes)
         spec = importlib.util.spec_from_file_location(name, resolved)
         if spec is None or spec.loader is None:
             raise ImportError(f"cannot load {target!r} as a Python module")
         module = importlib.util.module_from_spec(spec)
+        module.__yatt_stamp__ = stamp  # type: ignore[attr-defined]
         sys.modules[name] = module
         try:
             spec.loader.exec_module(module)

@@ -1,8 +1,10 @@
 """A user's graph file runs on controllers whatever the working folder: named by path from
-another folder, or run as a script (``python path/file.py``, its classes in ``__main__``)."""
+another folder, or run as a script (``python path/file.py``, its classes in ``__main__``),
+imported once in each process."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -68,3 +70,25 @@ def test_a_graph_file_run_as_a_script_runs_on_two_controllers(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[[0.0, 2.0, 4.0, 6.0], [2.0, 4.0, 6.0, 8.0]]"
+
+
+@pytest.mark.timeout(120)
+def test_a_graph_file_is_imported_once_per_process(tmp_path):
+    """The driver reads the file's options, checks --set values and builds the graph; each
+    controller preloads it and builds its nodes: one import each."""
+    log = tmp_path / "imports.log"
+    (tmp_path / "elsewhere").mkdir()
+    path = tmp_path / "counted.py"  # not importable by name from the working folder
+    path.write_text(
+        f"import os\nopen({str(log)!r}, 'a').write(f'{{os.getpid()}}\\n')\n" + GRAPH_FILE
+    )
+    cli = "import sys; from runtime.cli import main; sys.exit(main())"
+    cmd = [sys.executable, "-c", cli, "run", str(path), "--controllers", "2", "--steps", "2",
+           "--out", str(tmp_path / "out"), "--quiet", "--on-bad-sample", "raise"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run(
+        cmd, cwd=tmp_path / "elsewhere", capture_output=True, text=True, timeout=100, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    pids = log.read_text().split()
+    assert len(pids) == 3 and len(set(pids)) == 3, pids  # the driver and two controllers
