@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.launch import add_launch_arguments
-from runtime.run_setup import build, executor_factory, graph_input, load
+from runtime.run_setup import RunSetup, graph_input, load
 from runtime.train.errors import Terminated, UsageError
 from runtime.train.export import export_checkpoint
 from runtime.train.run_flags import add_run_arguments
@@ -82,15 +82,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         return host.share.wait()  # the driver on node 0 runs the graph
     torch = sys.modules.get("torch")  # a caller's torch: its thread count is restored after
     threads = torch.get_num_threads() if torch is not None else None
+    setup = RunSetup(args)
     try:
-        return run_command(args, build, executor_factory)
+        return run_command(args, setup)
     finally:
         gc.unfreeze()
         if threads is not None:
             torch.set_num_threads(threads)
-        early = vars(args).pop("early_group", None)
-        if early is not None:  # the run stopped before it needed them
-            early.shutdown("the run stopped before its first step")
+        setup.close()
         if host is not None:
             host.share.stop()
 

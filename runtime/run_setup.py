@@ -25,7 +25,7 @@ from yatt_graph.options import (
 )
 from yatt_graph.refs import load_graph
 
-__all__ = ["build", "executor_factory", "graph_input", "graph_options", "load", "run_config"]
+__all__ = ["RunSetup", "executor_factory", "graph_input", "graph_options", "load", "run_config"]
 
 
 def _set_options(
@@ -128,16 +128,43 @@ def graph_input(graph: str) -> Iterator[None]:
         raise UsageError(f"{graph}: {type(exc).__name__}: {exc}") from exc
 
 
-def build(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
-    args.thread_policy = _thread_policy(args)
-    if args.controllers > 1 and not args.no_spawn and not args.listen:
-        # Start the controllers now: they import torch and the graph's module while this
-        # process builds the graph (the first step comes seconds sooner).
-        args.early_group = _start_controllers(args)
-    with graph_input(args.graph):
-        options = graph_options(args)
-        _on_bad_sample(args, options)
-        return options, load(args, options)
+class RunSetup:
+    """One ``yatt-graph run`` assembled from its flags: :meth:`build` decides the thread policy
+    (before torch loads), starts the controllers early where there are some, and builds the
+    graph; :meth:`executor_factory` makes the executor for each attempt of the run (again after
+    a restart); :meth:`close` ends controllers that were started and never used. What it holds
+    (the policy, the early group) stays here, not on the parsed flags."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.thread_policy: Any = None
+        self.early_group: Any = None
+
+    def build(self) -> tuple[dict[str, Any], Any]:
+        """The graph's options and the graph."""
+        args = self.args
+        self.thread_policy = _thread_policy(args)
+        if args.controllers > 1 and not args.no_spawn and not args.listen:
+            # Start the controllers now: they import torch and the graph's module while this
+            # process builds the graph (the first step comes seconds sooner).
+            self.early_group = _start_controllers(args)
+        with graph_input(args.graph):
+            options = graph_options(args)
+            _on_bad_sample(args, options)
+            return options, load(args, options)
+
+    def executor_factory(self, graph: Any, options: dict, devices: Any, distributed: bool) -> Any:
+        """``make_executor()`` for the run (see :func:`executor_factory`)."""
+        return executor_factory(self, graph, options, devices, distributed)
+
+    def take_group(self) -> Any:
+        """The controllers started early, for the first executor (later ones start their own)."""
+        group, self.early_group = self.early_group, None
+        return group
+
+    def close(self) -> None:
+        if self.early_group is not None:  # the run stopped before it needed them
+            self.take_group().shutdown("the run stopped before its first step")
 
 
 def _start_controllers(args: argparse.Namespace) -> Any:
@@ -152,18 +179,22 @@ def _start_controllers(args: argparse.Namespace) -> Any:
 
 
 def executor_factory(
-    args: argparse.Namespace, graph: Any, options: dict, devices: Any, distributed: bool
+    setup: RunSetup, graph: Any, options: dict, devices: Any, distributed: bool
 ) -> Any:
+    """The factory of the run's executor: in-process, or ZeroMQ controllers (``distributed``),
+    each configured by the one :class:`~runtime.engine.config.RunConfig` of the flags."""
     from runtime.engine.local import LocalExecutor
     from runtime.sched.replicas import replica_counts
     from runtime.train.faults import Accounting
+
+    args = setup.args
 
     try:  # --replicas naming a node that is not there, or one that cannot be copied
         replica_counts(graph.nodes, args.replica_counts)
     except ValueError as exc:
         raise UsageError(f"--replicas: {exc}") from None
 
-    policy = args.thread_policy
+    policy = setup.thread_policy
     print(f"yatt-graph run: threads: {policy.describe()}", file=sys.stderr, flush=True)
     cut = _partial_cut(graph, args) if distributed and args.placement == "partial" else None
 
@@ -210,7 +241,7 @@ def executor_factory(
                 allow_tcp=bool(args.listen),
                 allow_remote=args.allow_remote,
                 keys=args.keys,
-                group=vars(args).pop("early_group", None),  # the first run's, started early
+                group=setup.take_group(),  # the first attempt's, started early
             ),
             sched=policy.metrics(),
         )

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +34,9 @@ from runtime.train.signals import sigterm_as_interrupt
 __all__ = ["print_summary", "resume_point", "run_command", "run_summary"]
 
 
-def run_command(args: Any, build: Callable, executor_factory: Callable) -> int:
+def run_command(args: Any, setup: Any) -> int:
     """``yatt-graph run``: check every flag and path, take the run folder, build the graph
-    (``build(args) -> (options, graph)``), train on ``executor_factory(args, graph, options,
+    (``setup.build() -> (options, graph)``), train on ``setup.executor_factory(graph, options,
     devices, distributed)()``, export. Returns the exit code."""
 
     devices, distributed = check_flags(args)  # before the graph (and its models) is built
@@ -51,15 +50,13 @@ def run_command(args: Any, build: Callable, executor_factory: Callable) -> int:
     lock = RunLock(out).acquire() if out is not None else None
     try:
         with sigterm_as_interrupt():
-            return _run_in_folder(args, out, devices, distributed, build, executor_factory)
+            return _run_in_folder(args, out, devices, distributed, setup)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run_in_folder(
-    args: Any, out: Path | None, devices: Any, distributed: bool, build: Any, executor_factory: Any
-) -> int:
+def _run_in_folder(args: Any, out: Path | None, devices: Any, distributed: bool, setup: Any) -> int:
     from runtime.train.faults import train_with_restarts
 
     resuming_here = bool(args.resume) and out is not None and same_folder(str(out), args.resume)
@@ -70,7 +67,7 @@ def _run_in_folder(
     export = Path(args.export) if args.export else None
     if export is not None:
         check_new_path(export, "--export")
-    options, graph = build(args)
+    options, graph = setup.build()
     if export is not None:
         policy_node(graph)
     if args.show_graph:
@@ -78,7 +75,7 @@ def _run_in_folder(
     resume = resume_point(args, graph, out if resuming_here else None)
     meta = {"graph_ref": args.graph, "graph_options": options}
 
-    make_executor = executor_factory(args, graph, options, devices, distributed)
+    make_executor = setup.executor_factory(graph, options, devices, distributed)
 
     device_lines: list[str] = []
     final: dict[str, Any] = {}
