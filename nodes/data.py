@@ -106,17 +106,40 @@ def task_vocabulary() -> list[str]:
 
 
 def answer_reward(text: str, meta: dict[str, Any], format_bonus: float = 0.2) -> float:
-    """1 when the first word of the response is the answer; ``format_bonus`` when it is another
-    valid choice (an answer of the right kind, but wrong); 0 otherwise.
+    """1 when the response begins with the answer; ``format_bonus`` when it begins with another
+    valid choice (``meta["choices"]``: an answer of the right kind, but wrong); 0 otherwise.
+
+    Words are compared without case and without the punctuation around them, and numbers by
+    value, so ``"Red."`` matches ``"red"``, ``"42"`` matches ``42`` and ``"3.0"`` matches
+    ``"3"``; an answer of several words must begin the response word for word.
 
     With the bonus, a policy that always names some colour scores 0.25 + 0.75 * 0.2 = 0.4 on
     the colour task: that is chance for a policy that ignores the image.
     """
-    words = text.split()
-    first = words[0].strip(".,!?").lower() if words else ""
-    if first == meta["answer"]:
+    words = _words(text)
+
+    def begins_with(answer: Any) -> bool:
+        want = _words(answer)
+        return bool(want) and len(words) >= len(want) and all(map(_same, words, want))
+
+    if begins_with(meta["answer"]):
         return 1.0
-    return format_bonus if first in meta.get("choices", ()) else 0.0
+    return format_bonus if any(begins_with(c) for c in meta.get("choices", ())) else 0.0
+
+
+def _words(text: Any) -> list[str]:
+    """The words of ``text`` (any value, as str), lower-cased, without surrounding punctuation."""
+    words = (w.strip(".,!?").lower() for w in str(text).split())
+    return [w for w in words if w]
+
+
+def _same(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return False
 
 
 class ShapesSource(Node):

@@ -104,12 +104,34 @@ def dataset_columns(path: str | Path) -> tuple[str, Path, list[str]]:
         except Exception as exc:
             raise ValueError(f"{path}: cannot read the Parquet schema ({exc})") from exc
     if fmt == "csv":
-        with path.open(newline="", encoding="utf-8") as f:
+        with path.open(newline="", encoding="utf-8-sig") as f:  # (-sig: a BOM is no column)
             header = next(csv.reader(f), None)
         if not header:
             raise ValueError(f"{path}: no header row; the first line must name the columns")
         return fmt, path, header
     return fmt, path, _json_columns(path)
+
+
+def _check_csv_rows(path: Path, fields: int) -> None:
+    """Refuse a CSV row whose field count is not the header's: a reader would shift its
+    columns (an extra field becomes an index, and prompts become answers) or fill them with
+    nothing. The error names the line."""
+    with path.open(newline="", encoding="utf-8-sig") as f:
+        rows = csv.reader(f)
+        try:
+            next(rows, None)
+            for row in rows:
+                if row and len(row) != fields:
+                    raise ValueError(
+                        f"{path}:{rows.line_num}: this row has {len(row)} fields and the header "
+                        f'names {fields}; quote a field that holds a comma ("a, b") and give '
+                        "every row one value per column"
+                    )
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"{path}: after line {rows.line_num}, byte {exc.object[exc.start]:#04x} is not "
+                "UTF-8; save the file as UTF-8"
+            ) from None
 
 
 def _open_image(cell: Any, base: Path) -> Any:
@@ -218,6 +240,7 @@ class DatasetSource(Node):
         if self.format == "disk":
             ds = datasets.load_from_disk(path)
         elif self.format == "csv":  # CSV has no types: every column is text
+            _check_csv_rows(self.data_path, len(self.columns))
             features = datasets.Features({c: datasets.Value("string") for c in self.columns})
             ds = datasets.load_dataset("csv", data_files=path, split="train", features=features)
         else:

@@ -59,3 +59,19 @@ def test_text_hint_puts_the_answer_in_words_that_the_vocabulary_covers():
     _, prompt, meta = make_sample(2, 5, "shape", text_hint=True)
     assert meta["shape"] in prompt.split() and prompt.endswith(TASKS["shape"])
     assert set(prompt.split()) <= set(task_vocabulary())
+
+
+def test_answer_reward_matches_without_case_punctuation_or_number_format():
+    """User data: capitalized, numeric and several-word answers (the shapes task's are one
+    lower-case word, whose rewards are unchanged)."""
+    from nodes.data import answer_reward
+
+    assert answer_reward("Red", {"answer": "Red"}) == 1.0
+    assert answer_reward("red.", {"answer": "RED"}) == 1.0
+    assert answer_reward("42, I think", {"answer": 42}) == 1.0
+    assert answer_reward("3.0", {"answer": "3"}) == 1.0
+    assert answer_reward("New York City", {"answer": "new york"}) == 1.0
+    assert answer_reward("New Jersey", {"answer": "new york"}) == 0.0
+    assert answer_reward("York", {"answer": "new york"}) == 0.0
+    choice = {"answer": "Paris", "choices": ["Paris", "Rome"]}
+    assert answer_reward("Rome!", choice) == pytest.approx(0.2)

@@ -374,3 +374,22 @@ def test_shapes_files_command(tmp_path, capsys):
     assert (tmp_path / "out" / rows[0]["image"]).is_file()
     with pytest.raises(SystemExit):
         main([str(tmp_path / "x"), "--rows", "0"])
+
+
+def test_a_csv_row_with_a_field_more_or_less_than_the_header_is_refused_naming_its_line(tmp_path):
+    """pandas would make an extra first field the index and shift every column (prompts
+    becoming answers) with no warning."""
+    path = tmp_path / "d.csv"
+    path.write_text("question,answer\nwhat colour?,red\nname it, please?,blue,extra\n")
+    with pytest.raises(ValueError, match=r"d\.csv:3: this row has 4 fields and the header names 2"):
+        DatasetSource(str(path), prompt_key="question").setup()
+    path.write_text("question,answer\nonly a question\n")
+    with pytest.raises(ValueError, match=r"d\.csv:2: this row has 1 fields"):
+        DatasetSource(str(path), prompt_key="question").setup()
+
+
+def test_a_csv_with_a_byte_order_mark_reads_its_first_column(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_bytes("\ufeffquestion,answer\nwhat colour?,red\n".encode())
+    source = DatasetSource(str(path), prompt_key="question", batch_size=1)
+    assert source.run()["prompts"] == ["what colour?"]
