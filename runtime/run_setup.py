@@ -144,14 +144,23 @@ class RunSetup:
         """The graph's options and the graph."""
         args = self.args
         self.thread_policy = _thread_policy(args)
-        if args.controllers > 1 and not args.no_spawn and not args.listen:
+        if 1 < args.controllers <= self.thread_policy.cores and not (args.no_spawn or args.listen):
             # Start the controllers now: they import torch and the graph's module while this
-            # process builds the graph (the first step comes seconds sooner).
+            # process builds the graph (the first step comes seconds sooner). Only as many as
+            # the host has cores: a count the graph cannot use is refused below, and must not
+            # load the machine first.
             self.early_group = _start_controllers(args)
         with graph_input(args.graph):
             options = graph_options(args)
             _on_bad_sample(args, options)
-            return options, load(args, options)
+            graph = load(args, options)
+        if args.controllers > len(graph.nodes):
+            self.close()
+            raise UsageError(
+                f"--controllers {args.controllers}: {args.graph} has {len(graph.nodes)} nodes and "
+                f"a controller runs at least one; use --controllers {len(graph.nodes)} or fewer"
+            )
+        return options, graph
 
     def executor_factory(self, graph: Any, options: dict, devices: Any, distributed: bool) -> Any:
         """``make_executor()`` for the run (see :func:`executor_factory`)."""

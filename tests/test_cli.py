@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -153,3 +154,47 @@ def test_devices_splits_the_per_sample_models_and_prints_their_utilization(capsy
     out = capsys.readouterr().out
     assert "devices (nodes critic, reference, reward, vision split across them): cpu:0" in out
     assert "cpu:1" in out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("controllers", [7, 100])
+def test_more_controllers_than_nodes_is_one_line_before_any_controller_starts(
+    controllers, tmp_path, capsys
+):
+    """toy has 6 nodes. 100 controllers must not be started to find that out."""
+    before = set(_children())
+    assert main(["run", "graphs.toy", "--controllers", str(controllers), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"--controllers {controllers}: graphs.toy has 6 nodes" in err
+    assert "bug" not in err and "Traceback" not in err
+    assert set(_children()) <= before  # none started (or none left)
+
+
+@pytest.mark.timeout(120)
+def test_controllers_started_early_are_ended_when_the_graph_has_fewer_nodes(tmp_path, capsys):
+    graph = tmp_path / "one.py"
+    graph.write_text(
+        "import torch\nfrom yatt_graph import Graph, Tensor, node\n"
+        "@node(outputs={'x': Tensor('float32', 'B')})\ndef source():\n"
+        "    return {'x': torch.zeros(2)}\n"
+        "def build_graph():\n    with Graph('one') as g:\n        g.output('x', source())\n"
+        "    return g\n"
+    )
+    assert main(["run", str(graph), "--controllers", "2", "--threads", "1", "--quiet"]) == 2
+    assert "--controllers 2: " in capsys.readouterr().err
+    assert _children() == []
+
+
+def _children() -> list[int]:
+    """Pids of live processes this process started."""
+    me = os.getpid()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == me and stat[0] != "Z":
+                pids.append(int(entry.name))
+    return pids
