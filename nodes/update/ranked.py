@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nodes.models.policy import build_policy
 from nodes.shared_models import live_weights
 from nodes.sync import WeightUpdate
 from nodes.update.shares import View
@@ -142,6 +143,23 @@ class _Ranked:
     def _publish(self, metrics: dict[str, float]) -> WeightUpdate:
         self.version += 1
         return WeightUpdate(self._weights_of(self.policy, self.share, metrics), self.version)
+
+    # --- export --------------------------------------------------------------------------
+    def save_policy(self, path: Any, state: Mapping[str, Any] | None = None) -> None:
+        """Save the trained policy with ``save_pretrained`` (a LoRA policy merged): the weights
+        of ``state`` (this node's :meth:`state_dict`, written with any K) when given, else the
+        node's own. Built alone in this process, the node saves its own policy; otherwise (a
+        rank group, whose sharded parameters only the whole group could gather, or a node not
+        built here) a fresh one-process copy is built from the spec and loaded, so nothing
+        waits on a collective."""
+        if state is None:
+            state = self.state_dict()  # in a group, gathered on rank 0
+        if self.ranks == 1 and self.is_set_up:
+            policy = self.policy
+        else:
+            policy = build_policy(self.policy_spec)
+        policy.load_state_dict(state["policy"])
+        policy.save_pretrained(path)
 
     # --- state ---------------------------------------------------------------------------
     def _models(self) -> list[tuple[str, str, nn.Module, torch.optim.Optimizer]]:

@@ -63,7 +63,7 @@ class LocalExecutor:
             bind = getattr(nodes[name], "bind_executor", None)
             if callable(bind):
                 bind(max_staleness=self.max_staleness, shared=shared)
-        start_groups(nodes)  # the other ranks of nodes that train as a group, before they build
+        self._groups = start_groups(nodes)  # the other ranks of grouped nodes, before they build
         for name in self.graph.topological_order():  # build the models here, before a step
             nodes[name].setup()
         self.splitter = node_caller(nodes, pool, config.replicas, replica_factory)
@@ -129,11 +129,14 @@ class LocalExecutor:
         return results
 
     def close(self) -> None:
-        """Stop the device workers of ``devices=`` and the replica processes."""
+        """Stop the device workers of ``devices=``, the replica processes and the ranks this
+        executor started (their nodes cannot train afterwards)."""
         if self.splitter is not None:
             self.splitter.close()
             self.splitter = None
             self.engine.splitter = None
+        for group in self._groups:
+            group.close()
 
     def __enter__(self) -> LocalExecutor:
         return self

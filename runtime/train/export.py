@@ -3,7 +3,8 @@
 ``yatt-graph run --export DIR`` saves the policy of the graph's update node with
 ``save_pretrained``; ``yatt-graph export CHECKPOINT DIR`` rebuilds the graph recorded in the
 checkpoint's ``meta.json`` (its module or file and its ``build_graph`` options), checks that
-it is the graph the checkpoint was written by, loads the node states and saves the policy.
+it is the graph the checkpoint was written by, and saves the policy from the checkpoint's
+state (the update node's ``save_policy``: never through a model sharded across ranks).
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from runtime.train.checkpoint import CheckpointError, find_checkpoint, load_chec
 from runtime.train.errors import UsageError
 from runtime.train.identity import graph_identity, identity_differences
 
-__all__ = ["export_checkpoint", "export_policy", "load_node_states", "policy_node"]
+__all__ = ["export_checkpoint", "export_policy", "policy_node"]
 
 
 def policy_node(graph: Any) -> str:
-    """The update node whose policy ``--export`` saves; a UsageError when there is none."""
+    """The update node whose policy ``--export`` saves (one with ``save_policy``, which builds
+    nothing to say so); a UsageError when there is none."""
     for name, node in graph.nodes.items():
-        policy = getattr(node, "policy", None)
-        if node.kind == "update" and hasattr(policy, "save_pretrained"):
+        if node.kind == "update" and callable(getattr(node, "save_policy", None)):
             return name
     raise UsageError(
         f"--export: graph {graph.name!r} has no update node holding a policy with "
@@ -30,18 +31,12 @@ def policy_node(graph: Any) -> str:
     )
 
 
-def export_policy(graph: Any, path: Path) -> str:
-    """Save the trained policy of the graph's update node with ``save_pretrained``."""
+def export_policy(graph: Any, path: Path, state: dict[str, Any]) -> str:
+    """Save the trained policy of the graph's update node with ``save_pretrained``, from an
+    executor's ``state_dict()`` (in-process or ZeroMQ, trained alone or as K ranks)."""
     name = policy_node(graph)
-    graph.nodes[name].policy.save_pretrained(path)
+    graph.nodes[name].save_policy(path, state["nodes"][name])
     return name
-
-
-def load_node_states(graph: Any, state: dict[str, Any]) -> None:
-    """Load the node states of an executor's ``state_dict()`` into the graph's nodes."""
-    for name, node in graph.nodes.items():
-        if state["nodes"].get(name):
-            node.load_state_dict(state["nodes"][name])
 
 
 def export_checkpoint(source: str | Path, path: Path) -> tuple[Path, str]:
@@ -65,5 +60,4 @@ def export_checkpoint(source: str | Path, path: Path) -> tuple[Path, str]:
             + "; ".join(diffs)
         )
     _, state = load_checkpoint(checkpoint)
-    load_node_states(graph, state)
-    return checkpoint, export_policy(graph, path)
+    return checkpoint, export_policy(graph, path, state)

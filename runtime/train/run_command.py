@@ -18,7 +18,7 @@ from typing import Any
 
 from runtime.train.checkpoint import checkpoint_step, checkpoints, find_checkpoint, save_checkpoint
 from runtime.train.errors import Terminated, UsageError
-from runtime.train.export import export_policy, load_node_states, policy_node
+from runtime.train.export import export_policy, policy_node
 from runtime.train.identity import graph_identity
 from runtime.train.run_flags import check_flags, same_folder
 from runtime.train.run_folder import (
@@ -83,7 +83,6 @@ def _run_in_folder(args: Any, out: Path | None, devices: Any, distributed: bool,
     def on_done(ex: Any) -> None:
         if export is not None:
             final.update(step=ex.next_step, state=ex.state_dict())
-            load_node_states(graph, final["state"])  # a ZeroMQ run trained other processes' copies
         splitter = getattr(ex, "splitter", None)
         summary = splitter.summary() if splitter is not None else {}
         if summary.get("devices"):
@@ -220,11 +219,11 @@ def print_summary(
 def _export(graph: Any, export: Path, out: Path | None, final: dict[str, Any], meta: dict) -> int:
     """Export the policy; when that fails, keep it in a checkpoint and say how to export it."""
     try:
-        name = export_policy(graph, export)
+        name = export_policy(graph, export, final["state"])
     except Exception as exc:  # the training is done: whatever went wrong, keep the policy
         newest = checkpoints(out)[-1] if out is not None and checkpoints(out) else None
         if newest is None or checkpoint_step(newest) != final["step"]:
-            home = out or Path(f"yatt-graph-rescue-{time.strftime('%Y%m%d-%H%M%S')}")
+            home = out or export.with_name(f"{export.name}.rescue-{time.strftime('%Y%m%d-%H%M%S')}")
             newest = save_checkpoint(home, final["step"], final["state"], meta=meta)
         print(
             f"yatt-graph run: --export {export} failed ({type(exc).__name__}: {exc}); the trained "

@@ -311,3 +311,25 @@ def test_ranks_exit_when_rank_zero_exits():
     while _state_of(pid) not in (None, "Z") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _state_of(pid) in (None, "Z"), f"rank 1 (pid {pid}) outlived rank 0"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["fsdp", "ddp"])
+def test_a_policy_trained_as_a_rank_group_exports_and_loads(backend, tmp_path):
+    """The export saves a one-process copy loaded with the gathered state: with FSDP2 the
+    policy's own save_pretrained would wait for a collective the other rank never joins."""
+    from nodes.models.policy import load_policy
+    from runtime.cli import main
+    from runtime.train.checkpoint import load_checkpoint
+
+    out, target = tmp_path / "run", tmp_path / "policy"
+    assert main([
+        "run", "graphs.mm_grpo", "--steps", "2", "--set", "batch_size=4", "--quiet",
+        "--train-ranks", "2", "--set", f"train_backend={backend}", "--threads", "1",
+        "--out", str(out), "--checkpoint-every", "2", "--export", str(target),
+    ]) == 0  # fmt: skip
+    _, state = load_checkpoint(out / "checkpoints" / "step_000002")
+    trained = state["nodes"]["grpo"]["policy"]
+    exported = load_policy(str(target)).state_dict()
+    assert _max_diff(trained, exported) == 0.0
+    assert _rank_processes() == []
