@@ -208,6 +208,15 @@ def executor_factory(
     cut = _partial_cut(graph, args) if distributed and args.placement == "partial" else None
 
     config = run_config(args, options, devices, distributed)
+    if distributed and config.max_staleness and config.staleness == "fixed" and config.adaptive:
+        print(
+            "yatt-graph run: --staleness fixed: every step reads exactly the weights "
+            f"{config.max_staleness + 1} versions back; a rerun matches this one bitwise only "
+            "with fixed thread counts (--no-adaptive or --threads N), since adaptive "
+            "partitioning changes them when it measures a gain, and float rounding with them",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def make_executor() -> Any:
         if not distributed:

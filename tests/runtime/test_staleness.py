@@ -183,3 +183,31 @@ def test_zmq_bound_reads_within_the_bound_and_reports_it():
         assert r.staleness == {"acc.prev": 0}
         torch.testing.assert_close(r.outputs["total"], previous + xs[k], rtol=0, atol=1e-6)
         previous = r.outputs["total"]
+
+
+@pytest.mark.timeout(300)
+def test_fixed_staleness_with_fixed_threads_reruns_bitwise_on_controllers(tmp_path, capsys):
+    """Partial placement, one step of staleness: the reads are fixed, and with adaptive
+    partitioning off so are torch's thread counts, so a rerun is the same run to the bit,
+    whatever the timing. With it on, the run says what a bitwise rerun needs."""
+    from runtime.cli import main
+    from runtime.train.metrics import read_metrics
+
+    flags = ["run", "graphs.mm_grpo", "--controllers", "2", "--placement", "partial",
+             "--max-staleness", "1", "--staleness", "fixed", "--steps", "12",
+             "--set", "batch_size=8", "--quiet"]  # fmt: skip
+    learned = []
+    for i in range(2):
+        assert main([*flags, "--no-adaptive", "--out", str(tmp_path / f"run{i}")]) == 0
+        rows = read_metrics(tmp_path / f"run{i}")
+        learned.append([_learning_values(r) for r in rows])
+    assert "bitwise only with fixed thread counts" not in capsys.readouterr().err
+    assert learned[0] == learned[1]
+    assert main([*flags, "--steps", "1", "--out", str(tmp_path / "adaptive")]) == 0
+    assert "bitwise only with fixed thread counts (--no-adaptive" in capsys.readouterr().err
+
+
+def _learning_values(row):
+    """A metrics row without what timing decides (times, throughput, cores, utilization)."""
+    timing = ("time/", "sched/", "util/", "samples_per_s")
+    return {k: v for k, v in row.items() if not k.startswith(timing)}
