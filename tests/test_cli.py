@@ -198,3 +198,26 @@ def _children() -> list[int]:
             if int(stat[1]) == me and stat[0] != "Z":
                 pids.append(int(entry.name))
     return pids
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("controllers", ["1", "2"])
+def test_a_model_folder_that_does_not_load_is_the_users_error_in_one_line(
+    controllers, tmp_path, capsys
+):
+    """Weights that do not fit their config.json (n_embd edited): the node that builds the
+    policy refuses it; in-process as on controllers that is one line, exit 2, not a bug."""
+    from nodes.models.hf_causal import tiny_gpt2
+
+    folder = tmp_path / "policy"
+    tiny_gpt2().save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "n_embd": 48}))
+    capsys.readouterr()
+    args = ["run", "graphs.text_grpo", "--policy", str(folder), "--steps", "1", "--quiet"]
+    assert main([*args, "--controllers", controllers]) == 2
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("yatt-graph run: error:"))
+    assert "error: node 'rollout' (Rollout) could not be built: ValueError:" in line
+    assert str(folder) in line
+    assert "this is a bug in yatt-graph" not in err

@@ -15,6 +15,8 @@ __all__ = [
     "NodeInputError",
     "NodeOutputError",
     "NodeExecutionError",
+    "NodeBuildError",
+    "build_error",
 ]
 
 
@@ -87,3 +89,34 @@ class NodeExecutionError(RuntimeError):
         self.node = node
         self.remote_traceback = remote_traceback
         self.context = context
+
+
+class NodeBuildError(NodeExecutionError):
+    """A library node could not be built from what the user gave it (an option, a model
+    folder, a data file): the user's to fix, reported in one line, in-process as on
+    controllers."""
+
+
+_BUG_TYPES = (AttributeError, NameError, AssertionError, IndexError, NotImplementedError,
+              RecursionError, ZeroDivisionError, SyntaxError)  # fmt: skip
+"""What a build raises when its own code is wrong, not its input."""
+
+_LIBRARY = ("nodes", "graphs", "yatt_graph", "runtime")
+
+
+def build_error(node: object, exc: BaseException) -> NodeBuildError | None:
+    """The one-line :class:`NodeBuildError` for ``exc``, raised while ``node`` was built, when
+    it is the input's fault: a library node (the user's own node classes keep their
+    traceback) failing with anything but a programming error. None otherwise."""
+    name = getattr(node, "name", "?")
+    library = type(node).__module__.split(".")[0] in _LIBRARY
+    if not library or not isinstance(exc, Exception) or isinstance(exc, _BUG_TYPES):
+        return None
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = "; ".join(lines)
+    if len(text) > 600:
+        text = text[:600] + " ..."
+    message = (
+        f"node {name!r} ({type(node).__name__}) could not be built: {type(exc).__name__}: {text}"
+    )
+    return NodeBuildError(str(name), message)

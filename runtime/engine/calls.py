@@ -13,7 +13,7 @@ deep inside whatever reads it (sampling's "invalid multinomial distribution").
 from __future__ import annotations
 
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ import msgspec
 import torch
 
 from yatt_graph import NodeExecutionError
+from yatt_graph.errors import build_error
 from yatt_graph.stream import Piece
 
 __all__ = ["Running", "StepResult", "describe", "first_non_finite", "run_node", "stream_node"]
@@ -159,3 +160,24 @@ def stream_node(
         raise
     except Exception as exc:
         raise _node_error(node, inputs, step, controller, exc) from exc
+
+
+def build_nodes(
+    nodes: Mapping[str, Any], order: Sequence[str], track: Callable[[str], None] | None = None
+) -> None:
+    """Build each node (``setup()``) in the plan's order, telling ``track`` which one is being
+    built; a library node that fails on what the user gave it raises a one-line
+    :class:`~yatt_graph.errors.NodeBuildError` (:func:`yatt_graph.errors.build_error`)."""
+    for name in order:
+        if name in nodes:
+            if track is not None:
+                track(name)
+            try:
+                nodes[name].setup()
+            except Exception as exc:
+                error = build_error(nodes[name], exc)
+                if error is None:
+                    raise
+                raise error from exc
+    if track is not None:
+        track("")

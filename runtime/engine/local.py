@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from runtime.engine.calls import StepResult, describe
+from runtime.engine.calls import StepResult, build_nodes, describe
 from runtime.engine.config import RunConfig, run_config
 from runtime.engine.engine import StepEngine
 from runtime.engine.switch import switch_metrics
@@ -64,8 +64,7 @@ class LocalExecutor:
             if callable(bind):
                 bind(max_staleness=self.max_staleness, shared=shared)
         self._groups = start_groups(nodes)  # the other ranks of grouped nodes, before they build
-        for name in self.graph.topological_order():  # build the models here, before a step
-            nodes[name].setup()
+        build_nodes(nodes, self.graph.topological_order())  # the models, before a step
         self.splitter = node_caller(nodes, pool, config.replicas, replica_factory)
         self.engine = StepEngine(
             nodes,

@@ -63,7 +63,7 @@ from runtime.zmq.transport import (
     recv,
     send,
 )
-from yatt_graph import NodeExecutionError
+from yatt_graph import NodeBuildError, NodeExecutionError
 from yatt_graph.refs import load_module
 
 __all__ = ["Controller"]
@@ -419,6 +419,11 @@ class Controller:
 
     def _report_setup_error(self, setup: m.Setup, exc: Exception) -> None:
         node = self._building
+        if isinstance(exc, NodeBuildError):  # the user's input: one line (controller.py: build)
+            text = f"{exc} (on controller {setup.controller})"
+            error = m.Error(setup.controller, text, exc.node, -1, traceback.format_exc(), "build")
+            send(self.driver, error)
+            return
         what = f"{type(exc).__name__}: {exc}"
         text = f"controller {setup.controller} could not build its nodes: {what}"
         if node:

@@ -32,7 +32,7 @@ from runtime.zmq.processes import (
     spawn_controllers,
 )
 from runtime.zmq.transport import DEFAULT_MAX_MESSAGE_BYTES
-from yatt_graph import NodeExecutionError
+from yatt_graph import NodeBuildError, NodeExecutionError
 
 __all__ = ["ControllerGroup", "error_from"]
 
@@ -254,6 +254,8 @@ def error_from(err: m.Error, controllers: list[ControllerProc]) -> Exception:
             err.node, err.message, err.traceback, step=err.step, controller=err.controller,
             during="timeout", seconds=err.seconds, limit_s=err.limit_s,
         )  # fmt: skip
+    if err.during == "build":
+        return NodeBuildError(err.node, err.message, err.traceback, controller=err.controller)
     if err.node and err.during in ("step", "setup", "send", "state"):
         message = err.message
         if err.during in ("setup", "state") and err.traceback:  # a send error says it all

@@ -263,7 +263,8 @@ class Error(_Msg):
     step: int = -1
     traceback: str = ""
     during: str = "step"
-    """``setup`` (building nodes), ``step`` (a node call), ``send`` (encoding), ``io``,
+    """``setup`` (building nodes), ``build`` (a library node refused what the user gave it:
+    a one-line input error), ``step`` (a node call), ``send`` (encoding), ``io``,
     ``timeout`` (a node call ran past its limit), ``state`` (state_dict/load_state_dict),
     ``replica`` (a replica process of the node died: a process fault, restartable)."""
     seconds: float = 0.0

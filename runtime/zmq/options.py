@@ -143,6 +143,7 @@ def engine_from_setup(setup: m.Setup, outbox: Any, track: Callable[[str], None])
     """In a controller: its nodes rebuilt and built (their models, in the plan's order; ``track``
     is told each node first), the splitter and replicas SETUP asks for, and the step engine
     over them, sending to ``outbox``."""
+    from runtime.engine.calls import build_nodes
     from runtime.engine.engine import StepEngine
     from runtime.ranks import start_groups
     from runtime.sched.replicas import node_caller
@@ -152,11 +153,7 @@ def engine_from_setup(setup: m.Setup, outbox: Any, track: Callable[[str], None])
     config = setup.config
     nodes, edges, outputs, assignment = nodes_from_setup(setup, track)
     start_groups(nodes)  # the other ranks of nodes that train as a group, before they build
-    for name in setup.order:
-        if name in nodes:
-            track(name)
-            nodes[name].setup()
-    track("")
+    build_nodes(nodes, setup.order, track)
     mine = {n: r for n, r in config.replicas.items() if n in nodes}  # (the others' are theirs)
     splitter = node_caller(nodes, device_pool(config.devices), mine, spawn_replica)
     limits = {n: node.batch_policy.timeout_s or config.node_timeout_s for n, node in nodes.items()}
