@@ -64,6 +64,14 @@ def _as_number(value: Any) -> float | None:
     return None
 
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _fits(number: float) -> bool:
+    """Finite, and within float32's range (the scores' dtype: 1e39 would overflow)."""
+    return math.isfinite(number) and abs(number) <= _FLOAT32_MAX
+
+
 def _check_list(node: str, port: str, values: Any, n: int | None) -> list[Any]:
     if isinstance(values, tuple):
         values = list(values)
@@ -227,7 +235,7 @@ class RewardNode(Node):
                 raise ValueError(
                     f"node {self.name!r}: texts[{i}] is a {type(t).__name__}; texts must be strings"
                 )
-        meta = [{}] * n if meta is None else _check_list(self.name, "meta", meta, n)
+        meta = [{} for _ in range(n)] if meta is None else _check_list(self.name, "meta", meta, n)
         prompts = None if prompts is None else _check_list(self.name, "prompts", prompts, n)
         images = None if images is None else _check_list(self.name, "images", images, n)
         if response_mask is not None and response_mask.shape[0] != n:
@@ -272,13 +280,16 @@ class RewardNode(Node):
                 self._bad(i, f"a non-numeric score ({type(value).__name__})", value)
                 bad[i] = True
                 continue
-            if not math.isfinite(number):
-                self._bad(i, "a non-finite score", number)
+            if not _fits(number):
+                what = (
+                    "a non-finite score" if not math.isfinite(number) else "a score beyond float32"
+                )
+                self._bad(i, what, number)
                 bad[i] = True
                 continue
             if per_token is not None and self.token_level:
                 row = [_as_number(v) for v in per_token]
-                broken = [v for v in row if v is None or not math.isfinite(v)]
+                broken = [v for v in row if v is None or not _fits(v)]
                 if broken:
                     self._bad(i, "a non-finite or non-numeric token reward", broken[0])
                     bad[i] = True

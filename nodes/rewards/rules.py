@@ -93,9 +93,9 @@ class RuleReward(RewardNode):
     def score_samples(self, texts, meta, prompts, images):
         out = []
         for i, (text, m) in enumerate(zip(texts, meta)):
-            try:
-                out.append(self.fn(text, m if m is not None else {}, **self.params))
-            except Exception as exc:
+            try:  # each call its own copy of the row's meta: a reward may change it freely
+                out.append(self.fn(text, dict(m) if m is not None else {}, **self.params))
+            except (Exception, SystemExit) as exc:  # (a reward that calls sys.exit)
                 raise ValueError(
                     f"node {self.name!r}: reward function {self._fn_name} failed on sample {i}: "
                     f"{type(exc).__name__}: {exc}"

@@ -564,3 +564,43 @@ def test_a_reward_model_dir_transformers_cannot_read_is_one_line_naming_it(tmp_p
     with pytest.raises(ValueError, match=r"node 'rm': .*could not be loaded") as info:
         RewardModel(str(tmp_path), name="rm").setup()
     assert str(tmp_path) in str(info.value) and "\n" not in str(info.value)
+
+
+def _overflow(text, meta):
+    return 1e39  # a Python float, beyond float32's range
+
+
+def _exits(text, meta):
+    raise SystemExit(3)
+
+
+def _writes_meta(text, meta):
+    meta["seen"] = meta.get("seen", 0) + 1
+    return float(meta["seen"])
+
+
+def test_a_score_beyond_float32_follows_on_bad_sample():
+    from nodes.rewards import RuleReward
+
+    with pytest.raises(ValueError, match="sample 0 got a score beyond float32 1e"):
+        RuleReward(_overflow).run(texts=["a"], meta=[{}])
+    out = RuleReward(_overflow, on_bad_sample="skip", emit_bad_mask=True).run(
+        texts=["a"], meta=[{}]
+    )
+    assert out["scores"].tolist() == [0.0] and out["bad_samples"].tolist() == [True]
+
+
+def test_a_reward_that_calls_sys_exit_is_a_reward_error_naming_the_sample():
+    from nodes.rewards import RuleReward
+
+    with pytest.raises(ValueError, match="failed on sample 0: SystemExit: 3"):
+        RuleReward(_exits).run(texts=["a", "b"], meta=[{}, {}])
+
+
+def test_each_sample_gets_its_own_meta():
+    from nodes.rewards import RuleReward
+
+    shared = {"answer": "x"}
+    out = RuleReward(_writes_meta).run(texts=["a", "b", "c"], meta=[shared, shared, shared])
+    assert out["scores"].tolist() == [1.0, 1.0, 1.0] and shared == {"answer": "x"}
+    assert RuleReward(_writes_meta).run(texts=["a", "b"])["scores"].tolist() == [1.0, 1.0]
