@@ -161,11 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("graph", help="a graph module (graphs.toy) or file (graphs/toy.py)")
         p.add_argument(
             "--set",
-            action="append",
+            action="extend",
+            nargs="+",
             default=[],
             metavar="KEY=VALUE",
-            help="an option of the graph's build_graph(), parsed by its type (booleans: "
-            "true/false/yes/no/on/off/1/0); repeatable; `show GRAPH --options` lists them",
+            help="options of the graph's build_graph(), parsed by their types (booleans: "
+            "true/false/yes/no/on/off/1/0); several after one --set, or --set again; "
+            "`show GRAPH --options` lists them",
         )
         models = p.add_argument_group("models, data and reward (graphs that take them)")
         models.add_argument(
@@ -275,7 +277,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(words)
+    except SystemExit as exc:  # argparse said what is wrong; a graph swallowed by --set too
+        if exc.code == 2 and "--set" in words:
+            print(
+                "yatt-graph: the graph goes before --set, which takes every KEY=VALUE after it",
+                file=sys.stderr,
+            )
+        raise
     from runtime.errors import ControllerError
 
     try:

@@ -38,7 +38,10 @@ def _set_options(
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--set {pair!r}: expected KEY=VALUE")
+            raise SystemExit(
+                f"--set {pair!r}: expected KEY=VALUE (the graph goes before --set, which takes "
+                "every KEY=VALUE after it)"
+            )
         texts[key] = value
     return parse_options(texts, options, more, target)
 

@@ -180,3 +180,15 @@ def test_show_options_lists_types_defaults_and_docs_without_building(user_graph,
     table = textwrap.dedent(capsys.readouterr().out)
     assert table.splitlines()[0].split() == ["flag", "bool", "True"]
     assert not user_graph.with_suffix(".json").exists()  # build_graph was not called
+
+
+def test_one_set_takes_several_pairs_and_numbers_as_python_writes_them():
+    options = options_of("graphs/mm_ppo.py", "--set", "batch_size=1_6", "lr=.5e-3", "seed=+3")
+    assert options == {"batch_size": 16, "lr": 0.0005, "seed": 3}
+
+
+def test_a_graph_named_after_set_says_where_the_graph_goes(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["show", "--set", "batch_size=2", "graphs/mm_ppo.py"])
+    assert exit_.value.code == 2
+    assert "the graph goes before --set" in capsys.readouterr().err

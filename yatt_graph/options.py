@@ -186,6 +186,14 @@ def _parse(option: Option, text: str) -> Any:
         raise ValueError(text)
     if tp is str:
         return text
+    if type(None) in typing.get_args(tp) and text.strip().lower() in ("none", "null"):
+        return None
+    for kind in (tp, *typing.get_args(tp)):  # what Python's int() and float() accept
+        if kind in (int, float):  # ("1_000", ".5", "+3", "2e-5"), before JSON's narrower rules
+            try:
+                return kind(text)
+            except ValueError:
+                break
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
