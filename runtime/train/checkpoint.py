@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from runtime.pids import pid_alive
 from runtime.train.errors import UsageError
 from runtime.train.identity import identity_differences
 
@@ -78,7 +79,10 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    for left in root.glob(".tmp_step_*"):  # a write killed midway: its process is gone
+        pid = left.name.rsplit("_", 1)[-1]
+        if left == tmp or (pid.isdigit() and not pid_alive(int(pid))):
+            shutil.rmtree(left, ignore_errors=True)
     tmp.mkdir()
     import torch  # here, not at import: the CLI starts controllers before it loads torch
 
@@ -125,6 +129,12 @@ def find_checkpoint(
         raise CheckpointError(
             f"{source} is a file; --resume takes a run folder or one of its "
             "checkpoints/step_N folders"
+        )
+    if checkpoint_step(source) is not None and not (source / "meta.json").exists():
+        raise CheckpointError(
+            f"{source} has no meta.json: not a whole checkpoint (its write was cut short, or "
+            f"the file was removed); give the run folder {source.parent.parent} to use its "
+            "newest good one"
         )
     candidates = [source] if (source / "meta.json").exists() else checkpoints(source)[::-1]
     if not candidates:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -132,14 +133,27 @@ def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
             f"no metrics at {path}: run `yatt-graph run GRAPH --out {out_dir}` first"
         )
     rows: dict[int, dict[str, Any]] = {}
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
+            if number == last:  # a crash cut the last row short: the rows before it are whole
+                warnings.warn(
+                    f"{path}:{number}: the last line is cut short (the run stopped while writing "
+                    f"it); using the {len(rows)} rows before it",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                break
             raise ValueError(f"{path}:{number}: not a JSON line ({exc})") from exc
-        rows[int(row["step"])] = row
+        step = row.get("step") if isinstance(row, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise ValueError(f"{path}:{number}: a row without a whole-number 'step': {line[:80]!r}")
+        rows[step] = row
     return [rows[k] for k in sorted(rows)]
 
 

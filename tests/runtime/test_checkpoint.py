@@ -71,3 +71,22 @@ def test_rotation_orders_by_step_and_never_deletes_the_checkpoint_just_written(t
     just_written = save_checkpoint(tmp_path, 5, {"step": 5}, keep=2)  # below the others
     assert just_written.is_dir()
     assert [p.name for p in checkpoints(tmp_path)] == ["step_000005", "step_1000001"]
+
+
+def test_a_write_killed_midway_leaves_no_temporary_folder_after_the_next_save(tmp_path):
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    dead = root / ".tmp_step_000004_999999999"  # no such pid
+    (dead / "state.pt").parent.mkdir()
+    (dead / "state.pt").write_bytes(b"half")
+    save_checkpoint(tmp_path, 5, {"x": 1})
+    assert sorted(p.name for p in root.iterdir()) == ["step_000005"]
+
+
+def test_a_step_folder_without_meta_json_is_named(tmp_path):
+    step = save_checkpoint(tmp_path, 2, {"x": 1})
+    (step / "meta.json").unlink()
+    with pytest.raises(
+        CheckpointError, match=r"step_000002 has no meta.json: not a whole checkpoint"
+    ):
+        load_checkpoint(step)

@@ -107,3 +107,15 @@ def test_plot_draws_the_kl_to_the_reference_not_the_update_step(row, kl_key):
     fields = _progress_fields(full, 10.0)
     assert fields["reward"] == "0.500"
     assert fields.get("kl") == (None if kl_key is None else f"{full[kl_key]:.3f}")
+
+
+def test_a_last_line_cut_short_by_a_crash_is_left_out_with_a_warning(tmp_path, capsys):
+    rows = [{"step": k, "reward/mean": 0.1 * k, "scores/mean": 0.1 * k} for k in range(3)]
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "rew'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    with pytest.warns(RuntimeWarning, match=r"metrics.jsonl:4: the last line is cut short"):
+        assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+    assert main(["plot", str(tmp_path)]) == 0  # the plot uses the whole rows
+    (tmp_path / "metrics.jsonl").write_text(text.replace('{"step": 1', 'garbage {"step": 1'))
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON line"):
+        read_metrics(tmp_path)
