@@ -146,6 +146,14 @@ class RunSetup:
     def build(self) -> tuple[dict[str, Any], Any]:
         """The graph's options and the graph."""
         args = self.args
+        if args.listen:
+            from runtime.zmq.keys import check_address
+
+            try:
+                check_address(args.listen, allow_tcp=True, allow_remote=args.allow_remote,
+                              who="yatt-graph run --listen")  # fmt: skip
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
         self.thread_policy = _thread_policy(args)
         if 1 < args.controllers <= self.thread_policy.cores and not (args.no_spawn or args.listen):
             # Start the controllers now: they import torch and the graph's module while this
@@ -157,12 +165,11 @@ class RunSetup:
             options = graph_options(args)
             _on_bad_sample(args, options)
             graph = load(args, options)
-        if args.controllers > len(graph.nodes):
+        try:
+            _check_controllers(args, graph, options)
+        except UsageError:
             self.close()
-            raise UsageError(
-                f"--controllers {args.controllers}: {args.graph} has {len(graph.nodes)} nodes and "
-                f"a controller runs at least one; use --controllers {len(graph.nodes)} or fewer"
-            )
+            raise
         return options, graph
 
     def executor_factory(self, graph: Any, options: dict, devices: Any, distributed: bool) -> Any:
@@ -177,6 +184,48 @@ class RunSetup:
     def close(self) -> None:
         if self.early_group is not None:  # the run stopped before it needed them
             self.take_group().shutdown("the run stopped before its first step")
+
+
+def _check_controllers(args: argparse.Namespace, graph: Any, options: dict[str, Any]) -> None:
+    """Controllers and ranks the graph can use, checked once it is built (before any step)."""
+    n, count = len(graph.nodes), args.controllers
+    if count > n:
+        raise UsageError(
+            f"--controllers {count}: {args.graph} has {n} nodes and a controller runs at least "
+            f"one; use --controllers {n} or fewer"
+        )
+    if args.placement == "partial" and count > 1:
+        from runtime.sched.placement import partial_sides
+
+        try:
+            sides = partial_sides(graph, args.pins)
+        except ValueError as exc:
+            raise UsageError(f"--pin: {exc}") from None
+        per = {side: sum(1 for s in sides.values() if s == side) for side in ("rollout", "train")}
+        fits = [
+            c
+            for c in range(2, count + 1)
+            if -(-c // 2) <= per["rollout"] and c // 2 <= per["train"]
+        ]
+        if not fits or fits[-1] < count:
+            best = f"use --controllers {fits[-1]} or fewer" if fits else "pin a node to each side"
+            raise UsageError(
+                f"--placement partial --controllers {count}: the rollout side gets {-(-count // 2)} "
+                f"controllers for its {per['rollout']} node(s) and the training side "
+                f"{count // 2} for its {per['train']}, and a controller runs at least one; {best}"
+            )
+    from runtime.sched.devices import usable_cores, visible_gpus
+
+    ranks, cores = int(options.get("train_ranks") or 1), usable_cores()
+    device = str(options.get("device") or "auto")
+    on_gpu = device.startswith("cuda") or (device == "auto" and visible_gpus() > 0)
+    if ranks > cores and not on_gpu:
+        print(
+            f"yatt-graph run: --train-ranks {ranks} on {cores} cores: the ranks share cores, and "
+            "each step waits for the slowest; fewer ranks than cores train faster",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _start_controllers(args: argparse.Namespace) -> Any:
@@ -239,14 +288,6 @@ def executor_factory(
             return executor
         from runtime.sched.placement import controller_assignment
         from runtime.zmq.driver import ZmqExecutor
-        from runtime.zmq.keys import check_address
-
-        if args.listen:
-            try:
-                check_address(args.listen, allow_tcp=True, allow_remote=args.allow_remote,
-                              who="yatt-graph run --listen")  # fmt: skip
-            except ValueError as exc:
-                raise UsageError(str(exc)) from None
 
         sides = cut.sides if cut is not None else None
         hints = controller_assignment(graph, args.controllers, args.placement, sides=sides)

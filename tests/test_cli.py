@@ -116,6 +116,12 @@ def test_run_on_three_controllers_matches_the_in_process_run(tmp_path, capsys):
         (["--max-restarts", "-1"], "--max-restarts must be 0 or more"),
         (["--controllers", "2", "--no-spawn"], "--no-spawn waits for controllers started by hand"),
         (["--resume", "x", "--overwrite"], "choose one"),
+        (["--staleness", "fixed"], "--staleness fixed chooses which old weights"),
+        (["--listen", "tcp://127.0.0.1:5999"], "--listen binds the driver for controllers"),
+        (
+            ["--controllers", "2", "--listen", "tcp://127.0.0.1:70000"],
+            "needs a port from 1 to 65535",
+        ),
     ],
 )
 def test_bad_flags_are_refused_in_one_line_with_exit_code_2_before_training(
@@ -221,3 +227,14 @@ def test_a_model_folder_that_does_not_load_is_the_users_error_in_one_line(
     assert "error: node 'rollout' (Rollout) could not be built: ValueError:" in line
     assert str(folder) in line
     assert "this is a bug in yatt-graph" not in err
+
+
+def test_partial_placement_with_more_controllers_than_its_sides_can_use_is_one_line(capsys):
+    """toy with its encoder pinned to the training side: source and rollout (2 nodes) against
+    encoder, reward, advantage and update (4)."""
+    args = ["run", "graphs.toy", "--placement", "partial", "--pin", "encoder=train", "--quiet"]
+    args += ["--controllers", "5"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--placement partial --controllers 5: the rollout side gets 3 controllers" in err
+    assert "use --controllers 4 or fewer" in err and "Traceback" not in err

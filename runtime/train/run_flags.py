@@ -92,8 +92,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         choices=("bound", "fixed"),
         default="bound",
         help="with --max-staleness K: bound (default) reads the newest weights at most K "
-        "versions old; fixed always reads the ones exactly K+1 steps back (reproducible "
-        "whatever the timing)",
+        "versions old; fixed always reads the ones exactly K+1 steps back, whatever the "
+        "timing (a bitwise rerun also needs fixed thread counts: --no-adaptive)",
     )
     p.add_argument(
         "--threads",
@@ -250,6 +250,17 @@ def _check_run_flags(args: Any, distributed: bool) -> None:
         raise UsageError(
             "--placement partial puts the rollout side and the training side on separate "
             "controllers; it needs --controllers 2 or more"
+        )
+    if args.staleness == "fixed" and not args.max_staleness:
+        raise UsageError(
+            "--staleness fixed chooses which old weights a rollout reads within --max-staleness "
+            "K; without it (K=0, on-policy) every step reads the step before: add "
+            "--max-staleness K (K >= 1) or drop --staleness"
+        )
+    if args.listen and args.controllers < 2:
+        raise UsageError(
+            "--listen binds the driver for controllers that join over tcp; say how many with "
+            "--controllers N (N > 1), e.g. --controllers 2 --no-spawn for two started by hand"
         )
     if not distributed and (args.keys or args.allow_remote or args.node_timeout):
         raise UsageError(

@@ -84,6 +84,11 @@ def check_address(address: str, *, allow_tcp: bool, allow_remote: bool, who: str
         return
     if not address.startswith("tcp://"):
         raise ValueError(f"{who}: {address!r} is not an ipc:// or tcp:// address")
+    port = address.rsplit(":", 1)[-1] if address.count(":") >= 2 else ""
+    if port != "*" and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(
+            f"{who}: {address} needs a port from 1 to 65535 (or * for a free one): tcp://HOST:PORT"
+        )
     if not allow_tcp:
         raise ValueError(
             f"{who}: {address} is a tcp address; pass allow_tcp=True to accept controllers over "
