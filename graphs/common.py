@@ -187,6 +187,25 @@ def data_source(config: RLConfig, *, text_only: bool) -> Node:
     )
 
 
+def _check_meta(source: Node, reward: RewardNode) -> None:
+    """The user's data holds the columns the reward reads (the answer, a template's keys)."""
+    from nodes.datasets import DatasetSource
+
+    if not isinstance(source, DatasetSource):  # the shapes task has every key
+        return
+    columns = source.columns
+    have = {c for c in columns if c not in (source.prompt_key, source.image_key)}
+    have |= {"answer"} if source.answer_key in columns else set()
+    missing = sorted(reward.reads_meta - have)
+    if missing:
+        hint = " pass --set answer_key=<column>, or" if "answer" in missing else ""
+        raise ValueError(
+            f"{source.file_label}: the reward {type(reward).__name__} reads {missing} of each "
+            f"row, and the data has no such column (its columns: {list(columns)});{hint} use a "
+            "reward that does not need it"
+        )
+
+
 def _vllm_options(config: RLConfig) -> dict[str, Any]:
     return {
         "gpu_memory_utilization": config.vllm_gpu_memory,
@@ -267,6 +286,7 @@ def sample_and_score(
     )
     sample = rollout(prompts=data.prompts, **image_port)
     reward = reward_node(config.reward, config.on_bad_sample)
+    _check_meta(source, reward)
     extra: dict[str, Handle] = {}
     if getattr(reward, "needs_prompts", False):
         extra["prompts"] = data.prompts

@@ -127,6 +127,9 @@ def answer_reward(text: str, meta: dict[str, Any], format_bonus: float = 0.2) ->
     return format_bonus if any(begins_with(c) for c in meta.get("choices", ())) else 0.0
 
 
+answer_reward.reads_meta = ("answer",)  # type: ignore[attr-defined]
+
+
 def _words(text: Any) -> list[str]:
     """The words of ``text`` (any value, as str), lower-cased, without surrounding punctuation."""
     words = (w.strip(".,!?").lower() for w in str(text).split())

@@ -18,7 +18,9 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Mapping
+import tempfile
+import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +56,9 @@ def _saved_folder(path: Path) -> Path:
 
 
 def _json_columns(path: Path) -> list[str]:
-    with path.open(encoding="utf-8") as f:
-        first = next((line for line in f if line.strip()), None)
+    with path.open("rb") as f:
+        raw = next((line for line in f if line.strip()), None)
+    first = None if raw is None else raw.decode("utf-8", errors="replace")
     if first is None:
         raise ValueError(f"{path}: the file is empty; it needs one JSON object per line")
     try:
@@ -83,6 +86,11 @@ def dataset_columns(path: str | Path) -> tuple[str, Path, list[str]]:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"data path {str(path)!r} does not exist; pass an existing file or folder")
+    if not path.is_dir() and not path.is_file():
+        raise ValueError(
+            f"data path {str(path)!r} is not a regular file (a pipe, a device or a socket); "
+            "save the data to a file and pass that"
+        )
     if path.is_dir():
         folder = _saved_folder(path)
         info_file = folder / "dataset_info.json"
@@ -110,6 +118,36 @@ def dataset_columns(path: str | Path) -> tuple[str, Path, list[str]]:
             raise ValueError(f"{path}: no header row; the first line must name the columns")
         return fmt, path, header
     return fmt, path, _json_columns(path)
+
+
+def _utf8_lines(path: Path, on_bad_sample: str, scratch: Callable[[], Path]) -> str:
+    """``path``, when every line is UTF-8 text; else with ``on_bad_sample="raise"`` a
+    ValueError naming the first bad line, and with ``"skip"`` a copy without the bad lines
+    (in ``scratch()``, a folder of this node's), with a warning that counts them."""
+    bad: list[int] = []
+    with path.open("rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                if on_bad_sample == "raise":
+                    raise ValueError(
+                        f"{path}:{number}: byte {line[exc.start]:#04x} is not UTF-8 text; save "
+                        "the file as UTF-8, or pass --on-bad-sample skip to leave such rows out"
+                    ) from None
+                bad.append(number)
+    if not bad:
+        return str(path)
+    clean = scratch() / path.name
+    skip = set(bad)
+    with path.open("rb") as src, clean.open("wb") as dst:
+        dst.writelines(line for number, line in enumerate(src, 1) if number not in skip)
+    warnings.warn(
+        f"{path}: left out {len(bad)} line(s) that are not UTF-8 text (first: line {bad[0]})",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return str(clean)
 
 
 def _check_csv_rows(path: Path, fields: int) -> None:
@@ -212,6 +250,11 @@ class DatasetSource(Node):
         self.file_label = Path(path).name
         self.base = self.data_path if self.format == "disk" else self.data_path.parent
         found = f"the columns found are {self.columns}"
+        if prompt_key == image_key:
+            raise ValueError(
+                f"{self.file_label}: prompt_key and image_key both name column {prompt_key!r}; "
+                "a column is the prompt or the image: pass --set image_key=<the image column>"
+            )
         if prompt_key not in self.columns:
             raise ValueError(
                 f"{self.file_label}: no prompt column {prompt_key!r}; {found}; "
@@ -232,6 +275,12 @@ class DatasetSource(Node):
         self._perm: list[int] | None = None
         self._perm_epoch = -1
 
+    def _scratch(self) -> Path:
+        """A folder of this node's for cleaned copies of its data, removed with the node."""
+        if self.__dict__.get("_tmp") is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="yatt-data-")
+        return Path(self._tmp.name)
+
     def build(self) -> None:
         import datasets
 
@@ -244,6 +293,8 @@ class DatasetSource(Node):
             features = datasets.Features({c: datasets.Value("string") for c in self.columns})
             ds = datasets.load_dataset("csv", data_files=path, split="train", features=features)
         else:
+            if self.format == "json":
+                path = _utf8_lines(self.data_path, self.on_bad_sample, self._scratch)
             ds = datasets.load_dataset(self.format, data_files=path, split="train")
         if self.use_images:  # decode images here, row by row, so a bad one names its row
             feature = ds.features.get(self.image_key)

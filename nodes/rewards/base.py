@@ -192,6 +192,9 @@ class RewardNode(Node):
     """Whether the node reads ``prompts`` (a graph wires ``prompts=`` only when True)."""
     needs_images: bool = False
     """Whether the node reads ``images`` (a graph wires ``images=`` only when True)."""
+    reads_meta: frozenset[str] = frozenset()
+    """The data row's keys the node reads from ``meta`` (a template's ``{answer}``, a rule's
+    declared keys), so that a graph can check the data has them before a step."""
 
     def __init__(
         self,

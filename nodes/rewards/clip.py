@@ -124,6 +124,7 @@ class ClipScoreReward(Offload, RewardNode):
         self.fields = template_fields(
             self.name, template, tuple(meta_keys), one_of=("response", "prompt")
         )
+        self.reads_meta = self.fields - {"prompt", "response"}
         self.needs_prompts = "prompt" in self.fields
         self.scale, self.clamp_negative = scale, clamp_negative
         self.micro_batch_size = micro_batch_size

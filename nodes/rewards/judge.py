@@ -135,6 +135,7 @@ class JudgeReward(Offload, RewardNode):
         super().__init__(device=device, **options)
         where = f"node {self.name!r}"
         self.fields = template_fields(self.name, template, tuple(meta_keys))
+        self.reads_meta = self.fields - {"prompt", "response"}
         words = dict(score_words) if score_words is not None else {"yes": 1.0, "no": 0.0}
         if len(words) < 2:
             raise ValueError(

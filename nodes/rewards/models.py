@@ -109,6 +109,7 @@ class RewardModel(Offload, RewardNode):
                 "config= (transformers config kwargs with 'model_type') or model="
             )
         self.fields = template_fields(self.name, template, tuple(meta_keys))
+        self.reads_meta = self.fields - {"prompt", "response"}
         if dtype not in _TORCH_DTYPES:
             raise ValueError(f"node {self.name!r}: dtype must be one of {sorted(_TORCH_DTYPES)}")
         if micro_batch_size < 1 or max_length < 1:

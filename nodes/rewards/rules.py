@@ -88,6 +88,7 @@ class RuleReward(RewardNode):
             )
         self.fn = fn
         self.params = dict(params or {})
+        self.reads_meta = frozenset(getattr(fn, "reads_meta", ()))  # a rule's declared keys
         self._fn_name = f"{getattr(fn, '__module__', '?')}:{fn.__qualname__}"
 
     def score_samples(self, texts, meta, prompts, images):

@@ -95,3 +95,16 @@ def test_val_data_is_scored_greedily_every_k_steps(tmp_path, capsys):
     assert [r["step"] for r in rows if "val/reward" in r] == [0, 2]
     assert all(r["val/samples"] == 10 for r in rows if "val/reward" in r)
     assert summary["val_reward_last"] == pytest.approx(rows[2]["val/reward"], abs=1e-6)
+
+
+def test_data_without_the_answer_the_reward_reads_is_one_line_at_start(tmp_path, capsys):
+    from runtime.cli import main
+
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"prompt": "what colour?", "label": "red"}\n')
+    assert main(["run", "graphs.text_grpo", "--data", str(data), "--steps", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "q.jsonl: the reward RuleReward reads ['answer'] of each row" in err
+    assert "pass --set answer_key=<column>" in err and "Traceback" not in err
+    args = ["--data", str(data), "--set", "answer_key=label", "batch_size=1", "--steps", "1"]
+    assert main(["run", "graphs.text_grpo", *args, "--quiet"]) == 0

@@ -393,3 +393,27 @@ def test_a_csv_with_a_byte_order_mark_reads_its_first_column(tmp_path):
     path.write_bytes("\ufeffquestion,answer\nwhat colour?,red\n".encode())
     source = DatasetSource(str(path), prompt_key="question", batch_size=1)
     assert source.run()["prompts"] == ["what colour?"]
+
+
+def test_a_line_that_is_not_utf8_is_named_or_left_out_with_skip(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "b\xff"}\n{"prompt": "c"}\n')
+    with pytest.raises(ValueError, match=r"d\.jsonl:2: byte 0xff is not UTF-8 text"):
+        DatasetSource(str(path), shuffle=False).setup()
+    source = DatasetSource(str(path), shuffle=False, on_bad_sample="skip", batch_size=2)
+    with pytest.warns(RuntimeWarning, match="left out 1 line"):
+        source.setup()
+    assert source.run()["prompts"] == ["a", "c"]
+
+
+def test_a_pipe_and_one_column_for_prompt_and_image_are_refused(tmp_path):
+    import os
+
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="is not a regular file"):
+        DatasetSource(str(fifo))  # (reading it would wait for a writer forever)
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a"}\n')
+    with pytest.raises(ValueError, match="prompt_key and image_key both name column 'prompt'"):
+        DatasetSource(str(path), image_key="prompt")
