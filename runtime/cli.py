@@ -102,12 +102,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
-    from runtime.zmq.controller_main import main as controller_main
+    from runtime.zmq.controller_main import serve
 
-    argv = ["--connect", args.connect, "--index", str(args.index)]
-    argv += ["--keys", args.keys] if args.keys else []
-    argv += ["--allow-remote"] if args.allow_remote else []
-    return controller_main(argv)
+    return serve(args)
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -239,14 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "controller", help="join a driver started with `run --listen` (another host)"
     )
-    p.add_argument("--connect", required=True, metavar="tcp://HOST:PORT")
-    p.add_argument("--index", type=int, required=True, help="which controller of the plan this is")
-    p.add_argument("--keys", default=None, metavar="DIR", help="the run's CURVE keys folder")
-    p.add_argument(
-        "--allow-remote",
-        action="store_true",
-        help="let the data socket listen on a non-loopback interface (a driver on another host)",
-    )
+    from runtime.zmq.controller_main import add_arguments as controller_arguments
+
+    controller_arguments(p)
     p.set_defaults(func=cmd_controller)
 
     p = sub.add_parser("keys", help="create CURVE keys for runs across hosts")

@@ -23,6 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="yatt-graph controller", description="run one controller of a ZeroMQ run"
     )
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The controller's flags, for ``python -m runtime.zmq.controller_main`` and
+    ``yatt-graph controller`` alike (the ones a driver passes to its own are hidden)."""
     p.add_argument(
         "--connect", required=True, help="the driver's address, ipc://PATH or tcp://HOST:PORT"
     )
@@ -34,12 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--parent-pid",
         type=int,
         default=None,
-        help="exit when this process is no longer the parent",
+        help=argparse.SUPPRESS,  # exit when this process is no longer the parent
     )
     p.add_argument(
         "--spawned",
         action="store_true",
-        help="started by a local driver: ignore Ctrl-C (the driver stops us)",
+        help=argparse.SUPPRESS,  # started by a local driver: ignore Ctrl-C (it stops us)
     )
     p.add_argument(
         "--startup-timeout",
@@ -60,19 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="MODULE",
-        help="import this module or file while waiting for the driver (its graph, say)",
+        help=argparse.SUPPRESS,  # import this module or file while waiting for the driver
     )
     p.add_argument(
         "--max-message-bytes",
         type=int,
         default=DEFAULT_MAX_MESSAGE_BYTES,
-        help="largest data frame accepted from peers (the driver's limit applies once it is known)",
+        help=argparse.SUPPRESS,  # largest data frame from peers until the driver's limit is known
     )
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return serve(build_parser().parse_args(argv))
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run one controller from its parsed flags; exits the process when it is done."""
     # Before torch (and its OpenMP) loads: the wait policy the driver chose for the run
     # (runtime.sched.threads); a controller started by hand without one sleeps.
     os.environ.update(openmp_env(os.environ, spin=None))

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import stat
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -220,3 +221,13 @@ def test_a_controller_with_no_driver_says_whom_it_waits_for_and_gives_up_clearly
     err = capsys.readouterr().err
     assert f"waiting for the driver at {address} (up to 1s" in err  # said at once
     assert f"error: no SETUP from the driver at {address} within 1s (--startup-timeout)" in err
+
+
+@pytest.mark.timeout(60)
+def test_the_controller_command_takes_the_startup_timeout_it_documents():
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    cmd = [sys.executable, "-m", "runtime.cli", "controller", "--connect", address,
+           "--index", "0", "--startup-timeout", "1"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 3, done.stderr
+    assert "within 1s (--startup-timeout)" in done.stderr
