@@ -386,9 +386,25 @@ class Rollout(Offload, Sharing, WeightInput, Node):
 
     @contextlib.contextmanager
     def _seeded(self, seed: int) -> Iterator[None]:
-        """Draw from the global generator seeded with ``seed``; its state is restored after."""
-        with seeded(seed, self.device):
-            yield
+        """Draw from the global generator seeded with ``seed``; its state is restored after.
+        A sampler that meets non-finite probabilities says whose weights are to blame."""
+        try:
+            with seeded(seed, self.device):
+                yield
+        except RuntimeError as exc:
+            if "probability tensor contains" not in str(exc):
+                raise
+            cause = (
+                f"its weights (version {self.weights_version}, the newest the update sent) have "
+                "diverged: lower the learning rate or set max_grad_norm, and resume from a "
+                "checkpoint written before that version"
+                if self.weights_version
+                else "its weights as built are not finite: check the model folder"
+            )
+            raise ValueError(
+                f"node {self.name!r}: the policy's next-token probabilities are not finite, so "
+                f"it cannot sample; {cause}"
+            ) from exc
 
     # --- the device, when roles take turns on it ----------------------------------------------
     def offload(self) -> int:

@@ -327,3 +327,19 @@ def test_no_false_attention_mask_warning(policy, stream):
         assert len(_mask_warnings(policy, stream)) == 1
     finally:
         logger.addFilter(flt)
+
+
+def test_weights_that_diverged_are_named_when_the_rollout_cannot_sample():
+    """A learning rate far too high leaves finite but huge weights; sampling then meets
+    non-finite probabilities, and the error says whose weights they are."""
+    from nodes.sync import WeightUpdate
+
+    node = Rollout(n=1, max_new_tokens=2, seed=0)
+    embeds = torch.zeros(2, 32)
+    huge = {
+        k: v * 1e30 if v.is_floating_point() else v for k, v in node.policy.state_dict().items()
+    }
+    with pytest.raises(
+        ValueError, match=r"weights \(version 3, the newest the update sent\) have diverged"
+    ):
+        node.run(prompts=["a", "b"], image_embeds=embeds, weights=WeightUpdate(huge, 3))
