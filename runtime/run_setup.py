@@ -289,6 +289,15 @@ def executor_factory(
         from runtime.sched.placement import controller_assignment
         from runtime.zmq.driver import ZmqExecutor
 
+        if args.no_spawn:  # say at once whom the driver waits for, and how to start them
+            keys = f" --keys {args.keys}" if args.keys else ""
+            print(
+                f"yatt-graph run: waiting up to 120 s for {args.controllers} controllers at "
+                f"{args.listen}; start each (I = 0..{args.controllers - 1}) with `yatt-graph "
+                f"controller --connect {args.listen} --index I{keys}`",
+                file=sys.stderr,
+                flush=True,
+            )
         sides = cut.sides if cut is not None else None
         hints = controller_assignment(graph, args.controllers, args.placement, sides=sides)
         return Accounting(

@@ -231,3 +231,19 @@ def test_the_controller_command_takes_the_startup_timeout_it_documents():
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=50)
     assert done.returncode == 3, done.stderr
     assert "within 1s (--startup-timeout)" in done.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_no_spawn_driver_says_whom_it_waits_for_at_once():
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    cmd = [sys.executable, "-m", "runtime.cli", "run", "graphs.toy", "--controllers", "2",
+           "--no-spawn", "--listen", address, "--steps", "1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [proc.stderr.readline() for _ in range(2)]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    expected = f"waiting up to 120 s for 2 controllers at {address}; start each (I = 0..1) with"
+    assert expected in lines[1], lines
+    assert f"`yatt-graph controller --connect {address} --index I`" in lines[1]
