@@ -431,3 +431,51 @@ def test_a_checkpoint_may_resume_with_other_train_ranks_but_not_other_options():
     assert identity_differences(one, two) == []  # how the update runs, not what it is
     other = graph_identity(load_graph("graphs.mm_grpo", train_ranks=2, lr=0.01))
     assert any("lr" in d for d in identity_differences(one, other))
+
+
+HANGING_GRAPH = """
+import time
+import torch
+from yatt_graph import Graph, Tensor, node
+
+CALLS = [0]
+
+@node(outputs={"x": Tensor("float32", "B")})
+def source():
+    return {"x": torch.zeros(2)}
+
+@node(outputs={"scores": Tensor("float32", "B")})
+def stuck(x: Tensor("float32", "B")):
+    CALLS[0] += 1
+    if CALLS[0] > 2:
+        print("hung", flush=True)
+        time.sleep(1000)  # step 2 never ends
+    return {"scores": x + 1}
+
+def build_graph():
+    with Graph("hang") as g:
+        g.output("scores", stuck(source()))
+    return g
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_second_sigterm_stops_an_in_process_run_hung_in_a_node_and_keeps_its_trace(tmp_path):
+    graph, out = tmp_path / "hang.py", tmp_path / "run"
+    graph.write_text(HANGING_GRAPH)
+    cmd = [sys.executable, "-m", "runtime.cli", "run", str(graph), "--steps", "10",
+           "--out", str(out), "--quiet"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "hung"
+        proc.send_signal(signal.SIGTERM)  # the step in progress should end first: it cannot
+        time.sleep(1.0)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)  # a second one stops at once
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM after step 2" in err
+    spans = json.loads((out / "trace.json").read_text())["traceEvents"]
+    assert max(e["args"]["step"] for e in spans if e["ph"] == "X") == 1
