@@ -193,6 +193,7 @@ class Rollout(Offload, Sharing, WeightInput, Node):
             raise ValueError(f"{where}: backend='vllm' is unavailable: {why}; use backend='hf'")
         self.backend = backend
         self.n = int(n)
+        self.rows_per_input = self.n  # (Node: for the executor's cost estimates)
         self.sampling = {
             "max_new_tokens": int(max_new_tokens),
             "temperature": float(temperature),

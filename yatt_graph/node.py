@@ -153,6 +153,11 @@ class Node:
     """How long the group's start and each of its collectives may take."""
     rank_group: Any = None
     """This process's side of the group (rank, world, collectives, sharding), or None."""
+    execution_options: tuple[str, ...] = ()
+    """Constructor options that choose how the node runs, not what it computes (a run's
+    identity leaves them out, so a resume may change them: an update's ``ranks``)."""
+    rows_per_input: int = 1
+    """Output rows per input row (a rollout's samples per prompt), for cost estimates."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Node:
         self = super().__new__(cls)
@@ -316,6 +321,27 @@ class Node:
                 if why := check_value(port.spec, result[port_name], bindings):
                     raise NodeOutputError(f"node {self.name!r}: output {port_name!r}: {why}")
         return dict(result)
+
+    # --- what the executor's fan-out asks of a node (runtime/sched: splitting, replicas) ------
+    def bind_executor(self, *, max_staleness: int, shared: dict[str, Any]) -> None:
+        """Told by an in-process executor before :meth:`setup`: the run's staleness and its
+        registry of models that nodes may share (nodes/shared_models.py). Nothing by default."""
+
+    def piece_context(self) -> dict[str, int] | None:
+        """What every copy of the node needs to run a piece of this step's call as the step's
+        own (a rollout: its call count and first group label), or None when a piece is any
+        part of a batch (a per-sample scorer). With a context, :meth:`begin_piece` and
+        :meth:`end_piece` frame each piece and :meth:`end_pieces` closes the step."""
+        return None
+
+    def begin_piece(self, context: Mapping[str, int], rows: Any) -> None:
+        """The next call is the piece of the step ``context`` began holding input ``rows``."""
+
+    def end_piece(self) -> None:
+        """The piece that :meth:`begin_piece` began is done."""
+
+    def end_pieces(self, context: Mapping[str, int], size: int) -> None:
+        """Every piece of the step that ``context`` began (``size`` input rows) is in."""
 
     def pad_values(self) -> dict[str, float]:
         """Each ragged output's pad value where it is not 0, for joining the rows of a cut call."""

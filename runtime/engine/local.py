@@ -60,9 +60,7 @@ class LocalExecutor:
         # registry per executor, used only on-policy (max_staleness 0).
         shared: dict[str, Any] = {}
         for name in self.graph.topological_order():
-            bind = getattr(nodes[name], "bind_executor", None)
-            if callable(bind):
-                bind(max_staleness=self.max_staleness, shared=shared)
+            nodes[name].bind_executor(max_staleness=self.max_staleness, shared=shared)
         self._groups = start_groups(nodes)  # the other ranks of grouped nodes, before they build
         build_nodes(nodes, self.graph.topological_order())  # the models, before a step
         self.splitter = node_caller(nodes, pool, config.replicas, replica_factory)

@@ -69,14 +69,14 @@ class Replica(Protocol):
 
 def replicable(node: Any) -> str | None:
     """Why ``node`` cannot have replicas, or None: it must have inputs and either run pieces
-    of a step as the step's own (``begin_piece``: the rollout) or be splittable with a per-call
+    of a step as the step's own (``piece_context()``: the rollout) or be splittable with a per-call
     budget (vision, rewards, reference, critic). Updates (an optimizer step on the whole
     batch) cannot."""
     policy = node.batch_policy
     if not node.inputs:
         return "it has no inputs to cut"
-    if hasattr(node, "begin_piece"):
-        if getattr(node, "streaming", False):
+    if node.piece_context() is not None:
+        if node.streaming:
             return "it streams (stream=True); a replicated rollout returns whole pieces"
         return None
     if policy.splittable and (policy.max_batch_size or policy.max_tokens):
@@ -170,7 +170,7 @@ class ReplicaSet:
         k = min(size, self.pieces_per_replica * len(self.replicas))
         parts = [sorted(p) for p in partition(costs, k, self.method) if p]
         parts.sort(key=lambda p: (-sum(costs[i] for i in p), p[0]))  # heaviest first
-        context = self.node.piece_context() if hasattr(self.node, "piece_context") else None
+        context = self.node.piece_context()
         results: queue.Queue[tuple[int, Any, BaseException | None]] = queue.Queue()
         for j, part in enumerate(parts):
             self._jobs.put((j, take(inputs, part, shared), context, part, results))
@@ -194,7 +194,7 @@ class ReplicaSet:
         each) plus the mean response seen so far times the samples per prompt."""
         prompts = inputs.get("prompts")
         if isinstance(prompts, list | tuple) and all(isinstance(p, str) for p in prompts):
-            n = int(getattr(self.node, "n", 1))
+            n = self.node.rows_per_input
             tail = n * (self._mean_response or 0.0)
             return [len(p) / 4 + tail for p in prompts]
         try:

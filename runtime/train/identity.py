@@ -23,7 +23,7 @@ def graph_identity(graph: Any) -> dict[str, Any]:
         try:
             spec = node_spec(node)
             config = json.loads(json.dumps(spec.config))
-            for key in getattr(node, "execution_options", ()):  # how it runs, not what it is
+            for key in node.execution_options:  # how it runs, not what it is
                 config.pop(key, None)  # (e.g. an update's ranks: a resume may change them)
             nodes[name] = {"class": spec.ref, "config": config}
         except (TypeError, ValueError):  # a configuration no graph file can hold
