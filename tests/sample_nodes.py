@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from yatt_graph import ANY, BatchPolicy, Node, Port, Tensor, node
+from yatt_graph import ANY, BatchPolicy, Graph, Node, Port, Tensor, node
 
 
 class Prompt(msgspec.Struct):
@@ -258,3 +258,15 @@ class LengthScore(Node):
         self.calls.append(len(texts))
         chars = torch.tensor([float(len(t)) for t in texts])  # (b,)
         return {"score": chars / response_lengths.float()}
+
+
+def loop_graph() -> Graph:
+    """A source summed into a loop that adds its own value of the step before (a delayed
+    edge): step k outputs 3 * (k + 1)."""
+    with Graph("acc") as g:
+        total = Sum(name="sum")(Source(rows=2, cols=3, name="src")().x)
+        loop = Loop(name="loop")
+        out = loop(total)
+        g.connect(out, loop, "back", delay=1)
+        g.output("out", out)
+    return g

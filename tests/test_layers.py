@@ -21,28 +21,14 @@ NODE_MODULES = (
     "advantage", "data", "reference", "rewards", "rollout", "sync", "toy", "update", "vision",
 )  # fmt: skip
 """The node modules, which nodes/rl and nodes/models may not import."""
+_ENGINE_UP = ("runtime.zmq", "runtime.train", "runtime.cli", "runtime.run_setup", "zmq")
+"""What sits above the step engine: no folder at or below it imports these."""
 FORBIDDEN_INSIDE = {
     "nodes/rl": {"nodes.models", *(f"nodes.{m}" for m in NODE_MODULES)},
     "nodes/models": {f"nodes.{m}" for m in NODE_MODULES},
-    "runtime/ranks": {
-        "runtime.sched",
-        "runtime.engine",
-        "runtime.zmq",
-        "runtime.train",
-        "runtime.cli",
-        "runtime.run_setup",
-        "zmq",
-    },
-    "runtime/sched": {
-        "runtime.ranks",
-        "runtime.engine",
-        "runtime.zmq",
-        "runtime.train",
-        "runtime.cli",
-        "runtime.run_setup",
-        "zmq",
-    },
-    "runtime/engine": {"runtime.zmq", "runtime.train", "runtime.cli", "runtime.run_setup", "zmq"},
+    "runtime/ranks": {"runtime.sched", "runtime.engine", *_ENGINE_UP},
+    "runtime/sched": {"runtime.ranks", "runtime.engine", *_ENGINE_UP},
+    "runtime/engine": set(_ENGINE_UP),
     "runtime/train": {"runtime.zmq", "runtime.cli", "runtime.run_setup", "zmq"},
     "runtime/zmq": {"runtime.train", "runtime.cli", "runtime.run_setup"},
 }

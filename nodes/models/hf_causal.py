@@ -5,6 +5,7 @@ See :mod:`nodes.models.policy_base` for the interface every family implements.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -210,34 +211,9 @@ def tiny_causal_lm(
     return HFCausalPolicy(model, tokenizer).eval()
 
 
-def tiny_gpt2(
-    seed: int = 0,
-    words: Sequence[str] | None = None,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    chat_template: str | None = None,
-) -> HFCausalPolicy:
-    """:func:`tiny_causal_lm` with ``arch="gpt2"``."""
-    return tiny_causal_lm("gpt2", seed, words, hidden_size, num_layers, chat_template)
-
-
-def tiny_llama(
-    seed: int = 0,
-    words: Sequence[str] | None = None,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    chat_template: str | None = None,
-) -> HFCausalPolicy:
-    """:func:`tiny_causal_lm` with ``arch="llama"``."""
-    return tiny_causal_lm("llama", seed, words, hidden_size, num_layers, chat_template)
-
-
-def tiny_qwen2(
-    seed: int = 0,
-    words: Sequence[str] | None = None,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    chat_template: str | None = None,
-) -> HFCausalPolicy:
-    """:func:`tiny_causal_lm` with ``arch="qwen2"``."""
-    return tiny_causal_lm("qwen2", seed, words, hidden_size, num_layers, chat_template)
+tiny_gpt2 = functools.partial(tiny_causal_lm, "gpt2")
+tiny_gpt2.__doc__ = """:func:`tiny_causal_lm` with ``arch="gpt2"``."""
+tiny_llama = functools.partial(tiny_causal_lm, "llama")
+tiny_llama.__doc__ = """:func:`tiny_causal_lm` with ``arch="llama"``."""
+tiny_qwen2 = functools.partial(tiny_causal_lm, "qwen2")
+tiny_qwen2.__doc__ = """:func:`tiny_causal_lm` with ``arch="qwen2"``."""

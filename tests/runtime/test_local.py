@@ -7,15 +7,9 @@ from yatt_graph.refs import load_graph
 
 
 def test_runs_in_topological_order_and_carries_delayed_edges():
-    from sample_nodes import Loop, Source, Sum
+    from sample_nodes import loop_graph
 
-    with Graph("acc") as g:
-        total = Sum(name="sum")(Source(rows=2, cols=3, name="src")().x)
-        loop = Loop(name="loop")
-        out = loop(total)
-        g.connect(out, loop, "back", delay=1)
-        g.output("out", out)
-    results = LocalExecutor(g).run(3)
+    results = LocalExecutor(loop_graph()).run(3)
     # step 0: 3 ; step 1: 3 + 3 ; step 2: 3 + 6
     assert [r.outputs["out"].tolist() for r in results] == [[3.0, 3.0], [6.0, 6.0], [9.0, 9.0]]
     assert [r.step for r in results] == [0, 1, 2]

@@ -294,10 +294,10 @@ def _remote_node(hosts: Hosts, graph: str, address_port: int, controllers: int, 
     return hosts.start([*cmd, "--keys", keys, *hosts.remote_flags], log)
 
 
-@pytest.mark.timeout(300)
-def test_controllers_on_two_hosts_carry_every_value_bitwise(hosts, keys, tmp_path):
-    """Images, a 2.4 MB tensor, bfloat16, strided views and Structs cross the hosts as frames."""
-    reference = LocalExecutor(load_graph("zmq_graphs", kind="rich").plan(2)).run(3)
+@contextlib.contextmanager
+def _across_hosts(hosts, keys, tmp_path, kind, **options):
+    """A driver here for ``zmq_graphs`` ``kind`` on 2 controllers, controller 1 started on the
+    other host: yields (the executor, the remote node's process, its log)."""
     port = _free_port(hosts.driver_ip)
     address = f"tcp://{hosts.driver_ip}:{port}"
     log = tmp_path / "node1.log"
@@ -305,14 +305,22 @@ def test_controllers_on_two_hosts_carry_every_value_bitwise(hosts, keys, tmp_pat
     here = HostShare([0], address, keys_dir=keys, allow_remote=hosts.mode == "netns")
     try:
         with ZmqExecutor(
-            load_graph("zmq_graphs", kind="rich").plan(2), spawn=False, address=address,
-            allow_tcp=True, allow_remote=hosts.mode == "netns", keys=keys,
+            load_graph("zmq_graphs", kind=kind).plan(2), spawn=False, address=address,
+            allow_tcp=True, allow_remote=hosts.mode == "netns", keys=keys, **options,
         ) as ex:  # fmt: skip
-            assert ex.controllers[0].data_address.startswith(f"tcp://{hosts.driver_ip}:")
-            assert ex.controllers[1].data_address.startswith(f"tcp://{hosts.remote_ip}:")
-            results = ex.run(3)
+            yield ex, remote, log
     finally:
         here.stop()
+
+
+@pytest.mark.timeout(300)
+def test_controllers_on_two_hosts_carry_every_value_bitwise(hosts, keys, tmp_path):
+    """Images, a 2.4 MB tensor, bfloat16, strided views and Structs cross the hosts as frames."""
+    reference = LocalExecutor(load_graph("zmq_graphs", kind="rich").plan(2)).run(3)
+    with _across_hosts(hosts, keys, tmp_path, "rich") as (ex, remote, log):
+        assert ex.controllers[0].data_address.startswith(f"tcp://{hosts.driver_ip}:")
+        assert ex.controllers[1].data_address.startswith(f"tcp://{hosts.remote_ip}:")
+        results = ex.run(3)
     code, text = _finish(remote, log)
     assert code == 0, text
     for ref, got in zip(reference, results, strict=True):
@@ -321,24 +329,14 @@ def test_controllers_on_two_hosts_carry_every_value_bitwise(hosts, keys, tmp_pat
 
 @pytest.mark.timeout(300)
 def test_a_killed_remote_controller_is_detected_and_named(hosts, keys, tmp_path):
-    port = _free_port(hosts.driver_ip)
-    address = f"tcp://{hosts.driver_ip}:{port}"
-    log = tmp_path / "node1.log"
-    remote = _remote_node(hosts, "zmq_graphs", port, 2, keys, log)
-    here = HostShare([0], address, keys_dir=keys, allow_remote=hosts.mode == "netns")
-    try:
-        with ZmqExecutor(
-            load_graph("zmq_graphs", kind="feedback").plan(2), spawn=False, address=address,
-            allow_tcp=True, allow_remote=hosts.mode == "netns", keys=keys,
-            heartbeat_timeout_s=10.0,
-        ) as ex:  # fmt: skip
-            ex.run(2)
-            victim = ex.controllers[1]
-            os.kill(victim.pid, signal.SIGKILL)
-            with pytest.raises(ControllerError) as caught:
-                ex.run(10_000)  # every step needs the dead controller's node
-    finally:
-        here.stop()
+    with _across_hosts(hosts, keys, tmp_path, "feedback", heartbeat_timeout_s=10.0) as (
+        ex, remote, log,
+    ):  # fmt: skip
+        ex.run(2)
+        victim = ex.controllers[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        with pytest.raises(ControllerError) as caught:
+            ex.run(10_000)  # every step needs the dead controller's node
     assert caught.value.controller == 1 and caught.value.nodes == ["acc"]
     assert f"controller 1 (pid {victim.pid}) has sent nothing" in str(caught.value)
     code, text = _finish(remote, log)

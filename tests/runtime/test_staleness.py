@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import zmq_graphs
+from sample_nodes import loop_graph
 
 from runtime import LocalExecutor
 from runtime.engine.delayed import DelayedValues
@@ -44,22 +45,10 @@ def test_a_bad_mode_is_one_clear_line():
         LocalExecutor(load_graph("graphs.toy"), max_staleness=1, staleness="lag")
 
 
-def _loop_graph() -> Graph:
-    from sample_nodes import Loop, Source, Sum
-
-    with Graph("acc") as g:
-        total = Sum(name="sum")(Source(rows=2, cols=3, name="src")().x)
-        loop = Loop(name="loop")
-        out = loop(total)
-        g.connect(out, loop, "back", delay=1)
-        g.output("out", out)
-    return g
-
-
 def test_in_process_the_bound_reads_the_previous_step_and_reports_it():
-    on_policy = LocalExecutor(_loop_graph()).run(4)
-    bound = LocalExecutor(_loop_graph(), max_staleness=2, staleness="bound").run(4)
-    fixed = LocalExecutor(_loop_graph(), max_staleness=2).run(4)
+    on_policy = LocalExecutor(loop_graph()).run(4)
+    bound = LocalExecutor(loop_graph(), max_staleness=2, staleness="bound").run(4)
+    fixed = LocalExecutor(loop_graph(), max_staleness=2).run(4)
     outs = [[r.outputs["out"].tolist() for r in rs] for rs in (on_policy, bound, fixed)]
     assert outs[0] == outs[1] == [[3.0] * 2, [6.0] * 2, [9.0] * 2, [12.0] * 2]
     assert outs[2] == [[3.0] * 2, [3.0] * 2, [3.0] * 2, [6.0] * 2]  # step 3 reads step 0
