@@ -270,3 +270,21 @@ def loop_graph() -> Graph:
         g.connect(out, loop, "back", delay=1)
         g.output("out", out)
     return g
+
+
+def scaled_loop(
+    name: str, scales: dict[str, float], *, source: dict | None = None, **sum_options
+) -> Graph:
+    """src -> sum -> one ``scale`` node per entry of ``scales`` (name -> factor) -> a loop fed
+    its own output of the step before; the graph outputs ``out`` and the source's ``prompt``."""
+    with Graph(name) as g:
+        src = Source(name="src", **(source or {}))()
+        x = Sum(name="sum", **sum_options)(src.x)
+        for step, factor in scales.items():
+            x = scale(x, factor=factor, name=step)
+        loop = Loop(name="loop")
+        out = loop(x)
+        g.connect(out, loop, "back", delay=1)
+        g.output("out", out)
+        g.output("prompt", src.prompt)
+    return g

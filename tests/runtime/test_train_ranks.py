@@ -69,6 +69,19 @@ def _assert_same_metrics(one, many):
         assert math.isclose(v, many[k], rel_tol=METRIC_RTOL, abs_tol=1e-7), (k, v, many[k])
 
 
+def _trains_alike(one, many, inputs, calls, ports=("weights",)):
+    """``calls`` calls of a 1-rank node and of a rank group on ``inputs`` give weights within
+    WEIGHT_TOL and the same metrics; the group is closed after."""
+    try:
+        for _ in range(calls):
+            out1, out2 = one.run(inputs), many.run(inputs)
+        for port in ports:
+            assert _max_diff(out1[port].weights, out2[port].weights) <= WEIGHT_TOL
+        _assert_same_metrics(out1["metrics"], out2["metrics"])
+    finally:
+        many.close()
+
+
 @pytest.fixture(scope="class")
 def grpo_fsdp():
     """One FSDP group for the tests of a class (a process holds one group at a time)."""
@@ -187,27 +200,14 @@ def test_grpo_ddp_with_uneven_shares_equals_one_rank(batch):
     inputs = _rows(batch["grpo"], 3)
     one = _fresh_grpo(micro_batch_size=4)
     many = _fresh_grpo(micro_batch_size=4, ranks=2, train_backend="ddp")
-    try:
-        for _ in range(3):
-            out1, out2 = one.run(inputs), many.run(inputs)
-        assert _max_diff(out1["weights"].weights, out2["weights"].weights) <= WEIGHT_TOL
-        _assert_same_metrics(out1["metrics"], out2["metrics"])
-    finally:
-        many.close()
+    _trains_alike(one, many, inputs, calls=3)
     assert [p.returncode for p in many._ranks.procs] == [0]  # closed cleanly, none left
 
 
 def test_ppo_fsdp_two_ranks_equal_one_rank(batch):
     one = PPOUpdate(lr=1e-3, epochs=2)
     many = _grouped(PPOUpdate(lr=1e-3, epochs=2, ranks=2))
-    try:
-        for _ in range(3):
-            out1, out2 = one.run(batch["ppo"]), many.run(batch["ppo"])
-        for port in ("weights", "critic_weights"):
-            assert _max_diff(out1[port].weights, out2[port].weights) <= WEIGHT_TOL
-        _assert_same_metrics(out1["metrics"], out2["metrics"])
-    finally:
-        many.close()
+    _trains_alike(one, many, batch["ppo"], calls=3, ports=("weights", "critic_weights"))
 
 
 def test_hf_vlm_with_images_on_two_ranks_equals_one_rank():
@@ -224,13 +224,7 @@ def test_hf_vlm_with_images_on_two_ranks_equals_one_rank():
     inputs = {**ports, "logprobs": out["logprobs"], "advantages": adv, "images": images}
     one = GRPOUpdate(policy="tiny-qwen2-vl", lr=1e-3)
     many = _grouped(GRPOUpdate(policy="tiny-qwen2-vl", lr=1e-3, ranks=2))
-    try:
-        for _ in range(2):
-            out1, out2 = one.run(inputs), many.run(inputs)
-        assert _max_diff(out1["weights"].weights, out2["weights"].weights) <= WEIGHT_TOL
-        _assert_same_metrics(out1["metrics"], out2["metrics"])
-    finally:
-        many.close()
+    _trains_alike(one, many, inputs, calls=2)
 
 
 # --- supervision ------------------------------------------------------------------------------

@@ -1,21 +1,11 @@
 import pytest
-from sample_nodes import Loop, Source, Sum, scale
+from sample_nodes import scaled_loop
 
 from yatt_graph import Graph
 
 
 def chain() -> Graph:
-    with Graph("chain") as g:
-        src = Source(name="src")()
-        total = Sum(name="sum")(src.x)
-        a = scale(total, name="a")
-        b = scale(a, name="b")
-        loop = Loop(name="loop")
-        out = loop(b)
-        g.connect(out, loop, "back", delay=1)
-        g.output("out", out)
-        g.output("prompt", src.prompt)
-    return g
+    return scaled_loop("chain", {"a": 2.0, "b": 2.0})
 
 
 def test_default_plan_cuts_the_topological_order_into_runs():

@@ -3,22 +3,14 @@ import xml.etree.ElementTree as ET
 
 import networkx as nx
 import pytest
-from sample_nodes import Loop, Source, Sum, scale
+from sample_nodes import scaled_loop
 
 from yatt_graph import Graph
 from yatt_graph.render import edge_labels, picture
 
 
 def build() -> Graph:
-    with Graph("pictured") as g:
-        src = Source(name="src")()
-        a = scale(Sum(name="sum")(src.x), name="scaled")
-        loop = Loop(name="loop")
-        out = loop(a)
-        g.connect(out, loop, "back", delay=1)
-        g.output("out", out)
-        g.output("prompt", src.prompt)
-    return g
+    return scaled_loop("pictured", {"scaled": 2.0})
 
 
 def _texts(svg: str) -> str:

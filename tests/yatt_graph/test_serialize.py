@@ -1,22 +1,15 @@
 import msgspec
 import pytest
-from sample_nodes import Loop, Source, Sum, scale
+from sample_nodes import Source, scaled_loop
 
 from yatt_graph import Graph, Node, Plan
 from yatt_graph.serialize import GraphSpec
 
 
 def build() -> Graph:
-    with Graph("round_trip") as g:
-        src = Source(rows=3, cols=4, name="src")()
-        total = Sum(name="sum", placement="reward")(src.x)
-        scaled = scale(total, factor=0.5, name="half")
-        loop = Loop(name="loop")
-        out = loop(scaled)
-        g.connect(out, loop, "back", delay=1)
-        g.output("out", out)
-        g.output("prompt", src.prompt)
-    return g
+    return scaled_loop(
+        "round_trip", {"half": 0.5}, source={"rows": 3, "cols": 4}, placement="reward"
+    )
 
 
 def test_graph_json_round_trip_is_equal():
