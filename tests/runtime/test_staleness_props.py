@@ -72,18 +72,21 @@ def check_once(spec: Spec, run, start: int, stop: int) -> None:
     assert delayed_only, run.drops  # only values no reader's window reaches any more
 
 
+RUNS = {
+    "spec": specs(),
+    "K": st.integers(0, 2),
+    "mode": st.sampled_from(["fixed", "bound"]),
+    "seed": st.integers(0, 2**32 - 1),
+}
+"""What every property draws: a graph, the staleness bound, the read mode, the timing seed."""
+
+
 def reference(spec: Spec, K: int, steps: int) -> list[dict]:
     return [r.outputs for r in LocalExecutor(build(spec), max_staleness=K).run(steps)]
 
 
 @PROPS
-@given(
-    spec=specs(),
-    K=st.integers(0, 2),
-    mode=st.sampled_from(["fixed", "bound"]),
-    extra_depth=st.integers(0, 2),
-    seed=st.integers(0, 2**32 - 1),
-)
+@given(**RUNS, extra_depth=st.integers(0, 2))
 def test_random_timings_keep_the_bound_and_run_every_step_once(spec, K, mode, extra_depth, seed):
     depth = K + 1 + extra_depth  # the driver's pipeline_depth is at least K + 1
     steps = 8
@@ -97,13 +100,7 @@ def test_random_timings_keep_the_bound_and_run_every_step_once(spec, K, mode, ex
 
 
 @PROPS
-@given(
-    spec=specs(),
-    K=st.integers(0, 2),
-    mode=st.sampled_from(["fixed", "bound"]),
-    cut=st.integers(1, 7),
-    seed=st.integers(0, 2**32 - 1),
-)
+@given(**RUNS, cut=st.integers(1, 7))
 def test_state_and_restore_between_steps_at_random_timings(spec, K, mode, cut, seed):
     steps, depth, rng = 8, K + 2, random.Random(seed)
     first = simulate(spec, K, mode, depth, rng, stop=cut)
