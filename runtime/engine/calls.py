@@ -15,7 +15,7 @@ from __future__ import annotations
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import torch
@@ -24,7 +24,17 @@ from yatt_graph import NodeExecutionError
 from yatt_graph.errors import build_error
 from yatt_graph.stream import Piece
 
-__all__ = ["Running", "StepResult", "describe", "first_non_finite", "run_node", "stream_node"]
+__all__ = [
+    "Executor",
+    "OnStep",
+    "Running",
+    "StepResult",
+    "Stop",
+    "describe",
+    "first_non_finite",
+    "run_node",
+    "stream_node",
+]
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,31 @@ class StepResult(msgspec.Struct):
     switches: list[tuple[str, float, float, int, int]] = []
     """Roles taking turns on a device (:mod:`runtime.engine.switch`): each offload and reload
     of this step as ``(what, start time.time(), seconds, bytes moved, controller)``."""
+
+
+OnStep = Callable[[StepResult], None] | None
+"""Called with each step's result as it arrives (the training loop's metrics and checkpoints)."""
+Stop = Callable[[], bool] | None
+"""Asked after each step; True ends the run early (a SIGTERM)."""
+
+
+class Executor(Protocol):
+    """What the training loop drives: :class:`~runtime.engine.local.LocalExecutor` and
+    ``runtime.zmq.driver.ZmqExecutor`` alike, each made from ``(plan, RunConfig)``."""
+
+    next_step: int
+
+    def step(self) -> StepResult: ...
+
+    def run(self, steps: int = 1, on_step: OnStep = None, stop: Stop = None) -> list[StepResult]:
+        """Run ``steps`` steps; results in step order."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def describe(value: Any) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from runtime.engine.calls import StepResult, build_nodes, describe
+from runtime.engine.calls import OnStep, StepResult, Stop, build_nodes, describe
 from runtime.engine.config import RunConfig, run_config
 from runtime.engine.engine import StepEngine
 from runtime.engine.switch import switch_metrics
@@ -108,12 +108,7 @@ class LocalExecutor:
         self.engine.restore(step, {**state, "delayed": delayed_entries(state, step)})
         self.next_step = step
 
-    def run(
-        self,
-        steps: int = 1,
-        on_step: Callable[[StepResult], None] | None = None,
-        stop: Callable[[], bool] | None = None,
-    ) -> list[StepResult]:
+    def run(self, steps: int = 1, on_step: OnStep = None, stop: Stop = None) -> list[StepResult]:
         """Run ``steps`` steps; ``stop()``, asked after each, ends the run early (a SIGTERM)."""
         results = []
         for _ in range(steps):

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from runtime.engine.calls import Executor, OnStep, StepResult, Stop
 from runtime.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
 from runtime.train.identity import graph_identity
 from runtime.train.loop import train
@@ -37,7 +38,7 @@ __all__ = ["Accounting", "train_with_restarts"]
 class Accounting:
     """An executor that adds sample counts to each step's outputs (see the module docstring)."""
 
-    def __init__(self, executor: Any, sched: dict[str, float] | None = None):
+    def __init__(self, executor: Executor, sched: dict[str, float] | None = None):
         """``sched``: ``sched/*`` figures of the whole run (its thread policy), joined to every
         step's own."""
         self.executor = executor
@@ -50,12 +51,7 @@ class Accounting:
     def step(self) -> Any:
         return self._account(self.executor.step())
 
-    def run(
-        self,
-        steps: int = 1,
-        on_step: Callable[[Any], None] | None = None,
-        stop: Callable[[], bool] | None = None,
-    ) -> list[Any]:
+    def run(self, steps: int = 1, on_step: OnStep = None, stop: Stop = None) -> list[StepResult]:
         """The executor's ``run`` (pipelined where it is), each result counted as it arrives."""
 
         def counted(result: Any) -> None:

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runtime.engine.calls import Executor
 from runtime.train import signals
 from runtime.train.checkpoint import checkpoints, load_checkpoint, save_checkpoint
 from runtime.train.errors import Terminated
@@ -64,7 +65,7 @@ def utilization(result: Any, step_seconds: float) -> dict[str, float]:
 
 
 def train(
-    executor: Any,
+    executor: Executor,
     steps: int,
     out_dir: str | Path | None = None,
     *,

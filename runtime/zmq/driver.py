@@ -36,10 +36,10 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from runtime.engine.calls import StepResult
+from runtime.engine.calls import OnStep, StepResult, Stop
 from runtime.engine.config import RunConfig, run_config
 from runtime.engine.switch import offloading, switch_metrics
 from runtime.errors import ControllerError, HandshakeError, NodeTimeoutError
@@ -229,12 +229,7 @@ class ZmqExecutor:
         """Run one step (no run-ahead) and return what it produced."""
         return self.run(1)[0]
 
-    def run(
-        self,
-        steps: int = 1,
-        on_step: Callable[[StepResult], None] | None = None,
-        stop: Callable[[], bool] | None = None,
-    ) -> list[StepResult]:
+    def run(self, steps: int = 1, on_step: OnStep = None, stop: Stop = None) -> list[StepResult]:
         """Run ``steps`` steps, up to ``pipeline_depth`` of them in flight; results in step order.
 
         ``stop()``, asked after each step, ends the run early: no step is started after it
