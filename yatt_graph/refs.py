@@ -32,11 +32,19 @@ def import_roots() -> list[str]:
         path = getattr(module, "__file__", None)
         if not path or name == "__main__" or not path.endswith(".py"):
             continue
-        root = Path(path).resolve().parent
-        depth = name.count(".") + (Path(path).name == "__init__.py")
+        if not Path(path).is_absolute():  # (torch.ops says "_ops.py": no folder to add)
+            continue
+        file = Path(path).resolve()
+        root = file.parent
+        depth = name.count(".") + (file.name == "__init__.py")
         for _ in range(depth):
             root = root.parent
-        if str(root) not in here and "site-packages" not in root.parts:
+        parts = name.split(".")
+        leads_back = file in (
+            root.joinpath(*parts).with_suffix(".py"),
+            root.joinpath(*parts, "__init__.py"),
+        )  # the name is the module's path under the root (not an alias of another module)
+        if leads_back and str(root) not in here and "site-packages" not in root.parts:
             roots[str(root)] = None
     return list(roots)
 

@@ -4,10 +4,12 @@ imported once in each process."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +94,29 @@ def test_a_graph_file_is_imported_once_per_process(tmp_path):
     assert done.returncode == 0, done.stderr
     pids = log.read_text().split()
     assert len(pids) == 3 and len(set(pids)) == 3, pids  # the driver and two controllers
+
+
+def test_import_roots_adds_only_folders_that_lead_back_to_a_module(tmp_path, monkeypatch):
+    """torch.ops says its file is "_ops.py" (relative): counting from there added the working
+    folder's parent to the controllers' path, and a graph file beside it then imported under
+    another name there (``graphs_of_mine.my_graph``) than in the driver (``my_graph``)."""
+    import types
+
+    from yatt_graph.refs import import_roots
+
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    odd = types.ModuleType("pkg.ops")
+    odd.__file__ = "_ops.py"
+    alias = types.ModuleType("alias_of_json")
+    alias.__file__ = str(Path(json.__file__).resolve())
+    own = tmp_path / "mine" / "graph_of_mine.py"
+    own.parent.mkdir()
+    own.write_text("")
+    real = types.ModuleType("graph_of_mine")
+    real.__file__ = str(own)
+    for module in (odd, alias, real):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    roots = import_roots()
+    assert str(tmp_path) not in roots and str(Path(json.__file__).resolve().parent) not in roots
+    assert str(own.parent) in roots
