@@ -116,7 +116,7 @@ def answer_reward(text: str, meta: dict[str, Any], format_bonus: float = 0.2) ->
     With the bonus, a policy that always names some colour scores 0.25 + 0.75 * 0.2 = 0.4 on
     the colour task: that is chance for a policy that ignores the image.
     """
-    words = _words(text)
+    words = _words(text, keep_empty=True)  # a stray "." first is a wrong first word
 
     def begins_with(answer: Any) -> bool:
         want = _words(answer)
@@ -130,10 +130,11 @@ def answer_reward(text: str, meta: dict[str, Any], format_bonus: float = 0.2) ->
 answer_reward.reads_meta = ("answer",)  # type: ignore[attr-defined]
 
 
-def _words(text: Any) -> list[str]:
-    """The words of ``text`` (any value, as str), lower-cased, without surrounding punctuation."""
-    words = (w.strip(".,!?").lower() for w in str(text).split())
-    return [w for w in words if w]
+def _words(text: Any, keep_empty: bool = False) -> list[str]:
+    """The words of ``text`` (any value, as str), lower-cased, without surrounding punctuation
+    (a word of punctuation alone is left out, or kept as ``""`` with ``keep_empty``)."""
+    words = [w.strip(".,!?").lower() for w in str(text).split()]
+    return words if keep_empty else [w for w in words if w]
 
 
 def _same(a: str, b: str) -> bool:

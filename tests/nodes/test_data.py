@@ -75,3 +75,26 @@ def test_answer_reward_matches_without_case_punctuation_or_number_format():
     assert answer_reward("York", {"answer": "new york"}) == 0.0
     choice = {"answer": "Paris", "choices": ["Paris", "Rome"]}
     assert answer_reward("Rome!", choice) == pytest.approx(0.2)
+
+
+def test_answer_reward_scores_the_shapes_task_as_its_first_word_rule():
+    """On the built-in task (one lower-case word answers and choices) the reward is the rule it
+    always was: the response's first word, stripped of .,!? and lower-cased."""
+    import random
+
+    from nodes.data import answer_reward, task_vocabulary
+
+    def first_word_rule(text, meta):
+        words = text.split()
+        first = words[0].strip(".,!?").lower() if words else ""
+        if first == meta["answer"]:
+            return 1.0
+        return 0.2 if first in meta.get("choices", ()) else 0.0
+
+    vocab = task_vocabulary()
+    pieces = [*vocab, *(w.upper() for w in vocab), ".", "!", "?,", "x", "", "1"]
+    rng = random.Random(0)
+    for _ in range(3000):
+        meta = {"answer": rng.choice(vocab), "choices": rng.sample(vocab, 4)}
+        text = " ".join(rng.choice(pieces) + rng.choice(["", ".", ","]) for _ in range(3))
+        assert answer_reward(text, meta) == first_word_rule(text, meta), (text, meta)
