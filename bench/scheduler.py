@@ -12,7 +12,7 @@
     most one a core).
     *static*: batches of one request per slot (8 samples on 2 slots), split by count, 4
     samples a slot, a barrier after each batch.
-    *scheduler*: :class:`runtime.sched.scheduler.Scheduler`, fusing up to as many samples per call,
+    *scheduler*: :class:`bench.sim.scheduler.Scheduler`, fusing up to as many samples per call,
     splitting by cost with Karmarkar-Karp, no barrier. The lower bound is total work / slots,
     with the work timed while all slots run (so that sharing the cores is not counted as
     waste).

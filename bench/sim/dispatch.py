@@ -1,5 +1,5 @@
 """The batching scheduler's dispatcher: per-node queues fused by BatchPolicy and split into
-cost-balanced micro-batches (steps 1 to 3 of :mod:`runtime.sched.scheduler`)."""
+cost-balanced micro-batches (steps 1 to 3 of :mod:`bench.sim.scheduler`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__: list[str] = []
 
 
 class _Dispatch:
-    """The queue half of :class:`~runtime.sched.scheduler.Scheduler` (a mixin: the state is the
+    """The queue half of :class:`~bench.sim.scheduler.Scheduler` (a mixin: the state is the
     scheduler's)."""
 
     # --- internals: queues (call with the lock held) -----------------------------------------

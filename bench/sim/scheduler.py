@@ -35,14 +35,14 @@ How a request moves (the knobs are those of Triton's dynamic batcher):
 5. **Gather.** Results reach a :class:`Ticket` per submitted request, put back in the
    submitted order (the inverse permutation of every fuse and split).
 
-Placement (:mod:`runtime.sched.placement`) says which devices serve which node, and the cost of
+Placement (:mod:`bench.sim.placement`) says which devices serve which node, and the cost of
 switching a device between nodes. The :meth:`Scheduler.summary` dict holds per-device busy,
 switch and idle time and per-node queue waits.
 
 The code follows those roles: this module is the public API (declaring, starting, submitting,
-accounting); :mod:`runtime.sched.dispatch` queues, fuses and splits (steps 1 to 3);
-:mod:`runtime.sched.workers` runs micro-batches on devices, streams and gathers (4 and 5);
-:mod:`runtime.sched.requests` holds the values they pass around.
+accounting); :mod:`bench.sim.dispatch` queues, fuses and splits (steps 1 to 3);
+:mod:`bench.sim.workers` runs micro-batches on devices, streams and gathers (4 and 5);
+:mod:`bench.sim.requests` holds the values they pass around.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The batching scheduler's device workers: which micro-batch a device takes next (placement
 groups and their barrier), switch costs, running a node call, streaming its chunks downstream
-and gathering them back in order (steps 4 and 5 of :mod:`runtime.sched.scheduler`)."""
+and gathering them back in order (steps 4 and 5 of :mod:`bench.sim.scheduler`)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ __all__: list[str] = []
 
 
 class _Workers:
-    """The device half of :class:`~runtime.sched.scheduler.Scheduler` (a mixin: the state is the
+    """The device half of :class:`~bench.sim.scheduler.Scheduler` (a mixin: the state is the
     scheduler's)."""
 
     # --- internals: workers ------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The dynamic batching scheduler (runtime.sched.scheduler): fuse, delay, split, stream, accounting.
+"""The dynamic batching scheduler (bench.sim.scheduler): fuse, delay, split, stream, accounting.
 
 Threads only, 2 CPU slots; ~10 s. Timing is asserted only where the behaviour is a time (the
 queue delay), with generous slack; everything else asserts on event order.
