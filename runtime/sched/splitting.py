@@ -35,7 +35,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from runtime.sched.batching import _is_batched, join_outputs, micro_batches, sample_costs, split
@@ -102,10 +102,17 @@ class NodeSplitter:
         }
         self.calls = dict.fromkeys(self.shared, 0)
         self.samples = dict.fromkeys(self.shared, 0)
-        self._free: queue.SimpleQueue[Device] = queue.SimpleQueue()
-        for device in pool:
-            self._free.put(device)
-        self._workers = ThreadPoolExecutor(len(pool), thread_name_prefix="yatt-split")
+        self._jobs: queue.SimpleQueue[tuple[Any, dict[str, Any], Future] | None] = (
+            queue.SimpleQueue()
+        )
+        # One daemon thread per device, named for it (a hang's report shows their stacks); a
+        # call stuck in a node never holds up the process's exit.
+        self._threads = [
+            threading.Thread(target=self._serve, args=(d,), name=f"yatt-{d.name}", daemon=True)
+            for d in pool
+        ] if self.shared else []  # fmt: skip
+        for thread in self._threads:
+            thread.start()
         pool.start()
 
     @property
@@ -131,7 +138,9 @@ class NodeSplitter:
         self.calls[name] += len(parts)
         self.samples[name] += len(costs)
         micro = [inputs] if len(parts) == 1 else split(inputs, parts, shared)
-        jobs = [self._workers.submit(self._run, node, mb) for mb in micro]
+        jobs = [Future() for _ in micro]
+        for mb, job in zip(micro, jobs):  # heaviest first: the next free device takes the next
+            self._jobs.put((node, mb, job))
         outs = [job.result() for job in jobs]  # the first failed part's own error
         if len(outs) == 1:
             return outs[0]
@@ -139,14 +148,14 @@ class NodeSplitter:
             join_outputs(outs, parts, node.pad_values(), node.left_padded), None
         )
 
-    def _run(self, node: Any, inputs: dict[str, Any]) -> dict[str, Any]:
-        device = self._free.get()
-        threading.current_thread().name = f"yatt-{device.name}"  # named in a hang's stacks
-        try:
-            with self.pool.busy(device, node.name):
-                return node.run(inputs)
-        finally:
-            self._free.put(device)
+    def _serve(self, device: Device) -> None:
+        while (job := self._jobs.get()) is not None:
+            node, inputs, result = job
+            try:
+                with self.pool.busy(device, node.name):
+                    result.set_result(node.run(inputs))
+            except BaseException as exc:  # the caller raises it
+                result.set_exception(exc)
 
     def summary(self) -> dict[str, Any]:
         """Per device busy/idle time and utilization, and per node its micro-batches."""
@@ -162,4 +171,7 @@ class NodeSplitter:
         return out
 
     def close(self) -> None:
-        self._workers.shutdown(wait=True)
+        """End the device threads once the calls they run return."""
+        for _ in self._threads:
+            self._jobs.put(None)
+        self._threads = []
