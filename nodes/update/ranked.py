@@ -152,13 +152,14 @@ class _Ranked:
         rank group, whose sharded parameters only the whole group could gather, or a node not
         built here) a fresh one-process copy is built from the spec and loaded, so nothing
         waits on a collective."""
-        if state is None:
-            state = self.state_dict()  # in a group, gathered on rank 0
         if self.ranks == 1 and self.is_set_up:
-            policy = self.policy
+            policy = self.policy  # its own weights, unless ``state`` says otherwise
         else:
             policy = build_policy(self.policy_spec)
-        policy.load_state_dict(state["policy"])
+            if state is None:
+                state = self.state_dict()  # in a group, gathered on rank 0
+        if state is not None:
+            policy.load_state_dict(state["policy"])
         policy.save_pretrained(path)
 
     # --- state ---------------------------------------------------------------------------
