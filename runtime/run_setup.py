@@ -290,9 +290,12 @@ def executor_factory(
         from runtime.zmq.driver import ZmqExecutor
 
         if args.no_spawn:  # say at once whom the driver waits for, and how to start them
+            from runtime.zmq import STARTUP_TIMEOUT_S
+
             keys = f" --keys {args.keys}" if args.keys else ""
             print(
-                f"yatt-graph run: waiting up to 120 s for {args.controllers} controllers at "
+                f"yatt-graph run: waiting up to {STARTUP_TIMEOUT_S:g} s for {args.controllers} "
+                f"controllers at "
                 f"{args.listen}; start each (I = 0..{args.controllers - 1}) with `yatt-graph "
                 f"controller --connect {args.listen} --index I{keys}`",
                 file=sys.stderr,

@@ -41,6 +41,7 @@ from runtime.engine.engine import StateNotReady
 from runtime.errors import ControllerError, SendError
 from runtime.sched.affinity import apply_resources
 from runtime.sched.devices import Resources
+from runtime.zmq import STARTUP_TIMEOUT_S
 from runtime.zmq import messages as m
 from runtime.zmq.control_link import (
     ControlLink,
@@ -96,7 +97,7 @@ class Controller:
         index: int = -1,
         bind: str | None = None,
         parent_pid: int | None = None,
-        startup_timeout_s: float = 120.0,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
         *,
         keys: str | None = None,
         allow_remote: bool = False,

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from runtime.sched.threads import openmp_env
+from runtime.zmq import STARTUP_TIMEOUT_S
 from runtime.zmq.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = ["build_parser", "main"]
@@ -51,8 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--startup-timeout",
         type=float,
-        default=120.0,
-        help="seconds to wait for the driver's SETUP (default 120)",
+        default=STARTUP_TIMEOUT_S,
+        help=f"seconds to wait for the driver's SETUP (default {STARTUP_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--keys", default=None, metavar="DIR", help="CURVE keys from `yatt-graph keys DIR`"

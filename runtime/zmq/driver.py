@@ -47,6 +47,7 @@ from runtime.sched.affinity import start_cores
 from runtime.sched.devices import Resources
 from runtime.sched.partition import Partitioner
 from runtime.sched.replicas import replica_counts
+from runtime.zmq import STARTUP_TIMEOUT_S
 from runtime.zmq import messages as m
 from runtime.zmq.cuda_ipc import enabled_from_env, setup_gpus
 from runtime.zmq.driver_link import Received
@@ -105,7 +106,7 @@ class ZmqExecutor:
         group: ControllerGroup | None = None,
         resources: Sequence[Resources] | None = None,
         state_timeout_s: float = 600.0,
-        startup_timeout_s: float = 120.0,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
         shutdown_grace_s: float = 5.0,
         **options: Any,
     ):

@@ -21,6 +21,7 @@ import zmq
 
 from runtime.errors import ControllerError, HandshakeError, NodeTimeoutError
 from runtime.sched.devices import Resources
+from runtime.zmq import STARTUP_TIMEOUT_S
 from runtime.zmq import messages as m
 from runtime.zmq.driver_link import DriverLink, HelloRefused, Received
 from runtime.zmq.keys import start_authenticator
@@ -59,7 +60,7 @@ class ControllerGroup:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         heartbeat_interval_s: float = 0.5,
         heartbeat_timeout_s: float = 5.0,
-        startup_timeout_s: float = 120.0,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
         shutdown_grace_s: float = 5.0,
         preload: tuple[str, ...] = (),
         resources: Sequence[Resources] | None = None,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.launch import Launch, LaunchError, controller_shares, resolve_launch
+from runtime.zmq import STARTUP_TIMEOUT_S
 
 __all__ = ["HostRun", "HostShare", "check_listen", "resolve_ipv4", "start_host"]
 
@@ -89,7 +90,7 @@ class HostShare:
         allow_remote: bool,
         data_host: str | None = None,
         preload: Sequence[str] = (),
-        startup_timeout_s: float = 120.0,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
         max_message_bytes: int | None = None,
         label: str = "",
         forward_sigterm: bool = False,
