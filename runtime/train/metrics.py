@@ -15,6 +15,8 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from runtime.interrupts import interrupts_held
+
 __all__ = [
     "CURVES",
     "MetricsWriter",
@@ -111,12 +113,16 @@ class MetricsWriter:
                 for key, value in row.items()
                 if key != "step" and isinstance(value, int | float)
             ]
-            self._tb.file_writer.add_summary(Summary(value=values), row["step"])
+            # TensorBoard's writer hands events to a thread through a queue: Ctrl-C inside
+            # that hand-off can leave the queue so that close() never returns.
+            with interrupts_held():
+                self._tb.file_writer.add_summary(Summary(value=values), row["step"])
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
-            self._tb.close()
+            with interrupts_held():
+                self._tb.close()
 
     def __enter__(self) -> MetricsWriter:
         return self

@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from runtime.errors import ControllerError, HandshakeError, NodeTimeoutError
+from runtime.interrupts import interrupts_held
 from runtime.sched.devices import Resources
 from runtime.zmq import STARTUP_TIMEOUT_S
 from runtime.zmq import messages as m
@@ -29,7 +30,6 @@ from runtime.zmq.processes import (
     ControllerProc,
     RunCleanup,
     remove_stale_runs,
-    sigint_deferred,
     spawn_controllers,
 )
 from runtime.zmq.transport import DEFAULT_MAX_MESSAGE_BYTES
@@ -233,7 +233,7 @@ class ControllerGroup:
         if self.closed:
             return
         self.closed = True
-        with sigint_deferred():
+        with interrupts_held():
             try:
                 link = getattr(self, "link", None)
                 for c in self.controllers if link is not None else ():

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -34,7 +34,6 @@ __all__ = [
     "ControllerProc",
     "RunCleanup",
     "remove_stale_runs",
-    "sigint_deferred",
     "spawn_controllers",
 ]
 
@@ -146,22 +145,6 @@ def remove_stale_runs(parent: str | None = None) -> list[str]:
         remove_run_segments(os.path.basename(path))
         removed.append(path)
     return removed
-
-
-@contextlib.contextmanager
-def sigint_deferred() -> Iterator[None]:
-    """Hold Ctrl-C while shutting down (bounded by timeouts), so clean-up is not cut short."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    old = signal.signal(signal.SIGINT, lambda s, f: caught.append(s))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-    if caught and callable(old):
-        old(signal.SIGINT, None)
 
 
 def spawn_controllers(

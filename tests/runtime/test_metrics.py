@@ -1,9 +1,12 @@
 import json
+import os
+import signal
 
 import pytest
 import torch
 
 from runtime.cli import main
+from runtime.interrupts import interrupts_held
 from runtime.train.metrics import MetricsWriter, read_metrics, summarize
 
 
@@ -119,3 +122,43 @@ def test_a_last_line_cut_short_by_a_crash_is_left_out_with_a_warning(tmp_path, c
     (tmp_path / "metrics.jsonl").write_text(text.replace('{"step": 1', 'garbage {"step": 1'))
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON line"):
         read_metrics(tmp_path)
+
+
+def _spin() -> None:
+    for _ in range(10_000):  # bytecodes, where Python runs a pending signal's handler
+        pass
+
+
+def test_ctrl_c_inside_the_tensorboard_hand_off_waits_for_it_and_close_returns(tmp_path):
+    w = MetricsWriter(tmp_path)
+    if w._tb is None:
+        pytest.skip("TensorBoard is not installed")
+    writer = w._tb.file_writer
+    real, done = writer.add_summary, []
+
+    def add_summary(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        _spin()
+        done.append(real(*args, **kwargs))
+
+    writer.add_summary = add_summary
+    with pytest.raises(KeyboardInterrupt):
+        w.write({"step": 0, "scores/mean": 0.5})
+    assert done == [None]  # the hand-off finished before Ctrl-C acted
+    w.close()  # the writer thread got its shutdown (a cut hand-off left this waiting for ever)
+    assert read_metrics(tmp_path)[0]["scores/mean"] == 0.5
+
+
+def test_signals_held_in_a_block_reach_their_handlers_once_when_it_ends():
+    seen = []
+    old = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+    try:
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+            _spin()
+            assert seen == []
+        assert seen == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGTERM, old)
