@@ -59,6 +59,9 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The policy's Adam learning rate (> 0); the figures were measured at 1e-3."""
     max_new_tokens: int = 2
     """Longest response in tokens (>= 1); the shapes answers are one word and an end token."""
+    max_prompt_tokens: int | None = None
+    """A longer prompt keeps its last this many tokens (>= 1); none: a prompt that leaves no
+    room for max_new_tokens in the model's context stops the run, naming it."""
     temperature: float = 1.0
     """Sampling temperature (> 0), also used for the logprobs of the update and the reference."""
     kl_coef: float = 0.05
@@ -132,6 +135,8 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _at_least("batch_size", self.batch_size, 1)
         _at_least("seed", self.seed, 0)
         _at_least("max_new_tokens", self.max_new_tokens, 1)
+        if self.max_prompt_tokens is not None:
+            _at_least("max_prompt_tokens", self.max_prompt_tokens, 1)
         _at_least("epochs", self.epochs, 1)
         _positive("lr", self.lr)
         _positive("temperature", self.temperature)

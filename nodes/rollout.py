@@ -103,6 +103,9 @@ class Rollout(Offload, Sharing, WeightInput, Node):
         temperature: 0 means greedy decoding.
         top_p, top_k: nucleus and top-k truncation (1.0 / 0 = off).
         max_new_tokens: the longest response.
+        max_prompt_tokens: a longer prompt keeps its last this many tokens (None: a prompt
+            that leaves no room for ``max_new_tokens`` in the model's context is an error
+            naming it); see :meth:`nodes.models.policy.Policy.fit_prompts`.
         stop: stop strings; a response ends with the token that completes one (kept).
         stop_token_ids: token ids that end a response (kept), besides the EOS token.
         seed: base of the per-step seeds.
@@ -152,6 +155,7 @@ class Rollout(Offload, Sharing, WeightInput, Node):
         top_p: float = 1.0,
         top_k: int = 0,
         max_new_tokens: int = 32,
+        max_prompt_tokens: int | None = None,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
         seed: int = 0,
@@ -171,8 +175,11 @@ class Rollout(Offload, Sharing, WeightInput, Node):
         where = f"node {self.name!r}"
         if backend not in _BACKENDS:
             raise ValueError(f"{where}: backend={backend!r}; choose one of {_BACKENDS}")
-        if n < 1 or max_new_tokens < 1:
-            raise ValueError(f"{where}: n={n}, max_new_tokens={max_new_tokens}; both must be >= 1")
+        if n < 1 or max_new_tokens < 1 or (max_prompt_tokens is not None and max_prompt_tokens < 1):
+            raise ValueError(
+                f"{where}: n={n}, max_new_tokens={max_new_tokens}, max_prompt_tokens="
+                f"{max_prompt_tokens}; each must be >= 1"
+            )
         if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
             raise ValueError(
                 f"{where}: temperature={temperature}, top_p={top_p}, top_k={top_k}; need "
@@ -202,6 +209,7 @@ class Rollout(Offload, Sharing, WeightInput, Node):
             "stop_token_ids": [int(t) for t in stop_token_ids],
             "stop_strings": [str(s) for s in stop],
         }
+        self.max_prompt_tokens = None if max_prompt_tokens is None else int(max_prompt_tokens)
         self.seed = int(seed)
         self.stream, self.stream_every = bool(stream), int(stream_every)
         self.recompute_logprobs = bool(recompute_logprobs)
@@ -290,6 +298,10 @@ class Rollout(Offload, Sharing, WeightInput, Node):
         images_b = None if images is None else [im for im in images for _ in range(n)]
         embeds_b = None if image_embeds is None else image_embeds.repeat_interleave(n, 0)  # (B, D)
         batch = self.policy.encode_prompts(prompts_b, images=images_b, image_embeds=embeds_b)
+        batch = self.policy.fit_prompts(
+            batch, prompts_b, max_new_tokens=self.sampling["max_new_tokens"],
+            max_prompt_tokens=self.max_prompt_tokens, who=f"node {self.name!r}",
+        )  # fmt: skip
         seed = _step_seed(self.seed, self.step)
         if self._piece is not None:  # a replica's piece: its own seed, from its first row
             ctx, rows = self._piece

@@ -38,6 +38,7 @@ class GreedyValidation(Node):
         rows: how many rows (the first ones) each pass scores; fewer if the set is smaller.
         batch_size: rows decoded together.
         max_new_tokens: the longest response.
+        max_prompt_tokens: as the rollout's (a longer prompt keeps its last this many tokens).
         image_input: ``"none"`` (text), ``"images"`` (an HF VLM reads them) or
             ``"image_embeds"`` (a prefix-VLM: ``vision`` encodes them).
         vision: :class:`nodes.vision.VisionEncoder` keyword arguments (with image_embeds).
@@ -62,6 +63,7 @@ class GreedyValidation(Node):
         rows: int = 64,
         batch_size: int = 16,
         max_new_tokens: int = 16,
+        max_prompt_tokens: int | None = None,
         image_input: str = "none",
         vision: Mapping[str, Any] | None = None,
         keys: Mapping[str, str] | None = None,
@@ -81,6 +83,7 @@ class GreedyValidation(Node):
         self.policy_spec = dict(policy) if isinstance(policy, Mapping) else policy
         self.every, self.rows, self.batch_size = every, rows, batch_size
         self.max_new_tokens, self.image_input = max_new_tokens, image_input
+        self.max_prompt_tokens = max_prompt_tokens
         self.vision = dict(vision or {})
         self.device = device
         self.calls = 0
@@ -142,6 +145,10 @@ class GreedyValidation(Node):
             elif self.image_input == "image_embeds":
                 image_kwargs["image_embeds"] = self.encoder.encode(images[part])
             batch = self.policy.encode_prompts(prompts[part], **image_kwargs)
+            batch = self.policy.fit_prompts(
+                batch, prompts[part], max_new_tokens=self.max_new_tokens,
+                max_prompt_tokens=self.max_prompt_tokens, who=f"node {self.name!r}",
+            )  # fmt: skip
             out = self.policy.generate(batch, max_new_tokens=self.max_new_tokens, temperature=0.0)
             texts += out.texts
             lengths += out.response_lengths.tolist()

@@ -27,7 +27,7 @@ from runtime.train.errors import Terminated, UsageError
 from runtime.train.export import export_checkpoint
 from runtime.train.run_flags import add_run_arguments
 from runtime.train.run_folder import check_new_path
-from yatt_graph import GraphError, NodeBuildError, NodeExecutionError
+from yatt_graph import GraphError, NodeBuildError, NodeDataError, NodeExecutionError
 from yatt_graph.options import (
     load_graph_module,
     module_options,
@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except NodeBuildError as exc:  # a node refused what the user gave it: the user's to fix
+    except (NodeBuildError, NodeDataError) as exc:  # what the user gave: the user's to fix
         print(f"yatt-graph {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except (NodeExecutionError, ControllerError) as exc:

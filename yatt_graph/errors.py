@@ -16,6 +16,8 @@ __all__ = [
     "NodeOutputError",
     "NodeExecutionError",
     "NodeBuildError",
+    "DataError",
+    "NodeDataError",
     "build_error",
 ]
 
@@ -95,6 +97,17 @@ class NodeBuildError(NodeExecutionError):
     """A library node could not be built from what the user gave it (an option, a model
     folder, a data file): the user's to fix, reported in one line, in-process as on
     controllers."""
+
+
+class DataError(ValueError):
+    """A sample the user gave is wrong (a data row, a prompt too long for the model, a reward
+    that is not a number), found while a node runs. Library nodes raise it with a message
+    naming the sample and the fix; executors report it as :class:`NodeDataError`."""
+
+
+class NodeDataError(NodeExecutionError):
+    """A node stopped on a :class:`DataError`: the user's to fix, reported in one line with no
+    traceback, in-process as on controllers."""
 
 
 _BUG_TYPES = (AttributeError, NameError, AssertionError, IndexError, NotImplementedError,

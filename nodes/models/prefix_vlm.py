@@ -82,6 +82,11 @@ class PrefixVLM(Policy):
         extra = {} if image_embeds is None else {"image_embeds": image_embeds.float()}
         return PromptBatch(prompt_ids.long(), prompt_mask.long(), extra)
 
+    def prompt_positions(self, batch: PromptBatch) -> Tensor:
+        """The prompt's tokens and, with image embeddings, the k prefix positions: int64[B]."""
+        k = self.num_prefix_tokens if "image_embeds" in batch.model_inputs else 0
+        return batch.prompt_mask.sum(1) + k
+
     def _prompt_embeds(self, batch: PromptBatch) -> tuple[Tensor, Tensor]:
         """Embeddings and mask of ``[prefix | prompt]``: float[B, k+P, H], int64[B, k+P]."""
         dev = self.device

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import msgspec
 import torch
 
-from yatt_graph import NodeExecutionError
+from yatt_graph import DataError, NodeDataError, NodeExecutionError
 from yatt_graph.errors import build_error
 from yatt_graph.stream import Piece
 
@@ -111,8 +111,18 @@ def describe(value: Any) -> str:
 def _node_error(
     node: Any, inputs: Mapping[str, Any], step: int, controller: int, exc: BaseException
 ) -> NodeExecutionError:
-    shapes = ", ".join(f"{k}={describe(v)}" for k, v in inputs.items()) or "no inputs"
     tb = traceback.format_exc()
+    if isinstance(exc, DataError):  # the user's sample, named by the message: one line
+        return NodeDataError(
+            node.name,
+            f"node {node.name!r} ({type(node).__name__}) stopped at step {step}: "
+            + str(exc).removeprefix(f"node {node.name!r}: "),
+            tb,
+            step=step,
+            controller=controller,
+            during="data",
+        )
+    shapes = ", ".join(f"{k}={describe(v)}" for k, v in inputs.items()) or "no inputs"
     return NodeExecutionError(
         node.name,
         f"node {node.name!r} ({type(node).__name__}) failed at step {step} on controller "

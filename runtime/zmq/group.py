@@ -33,7 +33,7 @@ from runtime.zmq.processes import (
     spawn_controllers,
 )
 from runtime.zmq.transport import DEFAULT_MAX_MESSAGE_BYTES
-from yatt_graph import NodeBuildError, NodeExecutionError
+from yatt_graph import NodeBuildError, NodeDataError, NodeExecutionError
 
 __all__ = ["ControllerGroup", "error_from"]
 
@@ -257,6 +257,11 @@ def error_from(err: m.Error, controllers: list[ControllerProc]) -> Exception:
         )  # fmt: skip
     if err.during == "build":
         return NodeBuildError(err.node, err.message, err.traceback, controller=err.controller)
+    if err.during == "data":
+        return NodeDataError(
+            err.node, err.message, err.traceback, step=err.step, controller=err.controller,
+            during="data",
+        )  # fmt: skip
     if err.node and err.during in ("step", "setup", "send", "state"):
         message = err.message
         if err.during in ("setup", "state") and err.traceback:  # a send error says it all

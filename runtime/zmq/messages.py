@@ -80,7 +80,7 @@ __all__ = [
     "hello_protocol",
 ]
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Bumped on any change to the messages below other than an appended field with a default; a
 peer of another version is refused with both versions named. A HELLO whose kind and header
 come in two frames (an older peer's) is still read, so that it too is refused with the reason."""
@@ -264,7 +264,8 @@ class Error(_Msg):
     traceback: str = ""
     during: str = "step"
     """``setup`` (building nodes), ``build`` (a library node refused what the user gave it:
-    a one-line input error), ``step`` (a node call), ``send`` (encoding), ``io``,
+    a one-line input error), ``step`` (a node call), ``data`` (a node call stopped on a
+    sample the user gave: a one-line :class:`~yatt_graph.DataError`), ``send`` (encoding), ``io``,
     ``timeout`` (a node call ran past its limit), ``state`` (state_dict/load_state_dict),
     ``replica`` (a replica process of the node died: a process fault, restartable)."""
     seconds: float = 0.0

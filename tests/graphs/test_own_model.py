@@ -108,3 +108,21 @@ def test_data_without_the_answer_the_reward_reads_is_one_line_at_start(tmp_path,
     assert "pass --set answer_key=<column>" in err and "Traceback" not in err
     args = ["--data", str(data), "--set", "answer_key=label", "batch_size=1", "--steps", "1"]
     assert main(["run", "graphs.text_grpo", *args, "--quiet"]) == 0
+
+
+def test_a_prompt_longer_than_the_context_is_one_line_and_max_prompt_tokens_cuts_it(
+    tmp_path, capsys
+):
+    data = tmp_path / "long.jsonl"
+    rows = [{"prompt": "what colour is it?", "answer": "red"}] * 3
+    rows.insert(1, {"prompt": "tell me " * 200 + "what colour is it?", "answer": "red"})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["run", "graphs.text_grpo", "--data", str(data), "--steps", "1", "--quiet"]
+    for controllers in ("1", "2"):
+        assert main([*args, "--set", "batch_size=4", "--controllers", controllers]) == 2
+        err = capsys.readouterr().err
+        assert "error: node 'rollout' (Rollout) stopped at step 0: the prompt 'tell me" in err
+        assert "--set max_prompt_tokens=N" in err and "Traceback" not in err
+    out = tmp_path / "run"
+    flags = ["--set", "batch_size=4", "max_prompt_tokens=32", "--out", str(out)]
+    assert main([*args, *flags]) == 0

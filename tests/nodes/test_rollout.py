@@ -343,3 +343,45 @@ def test_weights_that_diverged_are_named_when_the_rollout_cannot_sample():
         ValueError, match=r"weights \(version 3, the newest the update sent\) have diverged"
     ):
         node.run(prompts=["a", "b"], image_embeds=embeds, weights=WeightUpdate(huge, 3))
+
+
+def test_a_prompt_too_long_for_the_context_is_one_error_with_the_fixes(policy, embeds):
+    from yatt_graph import DataError
+
+    node = Rollout(model=policy, max_new_tokens=8)
+    room = policy.context_length - policy.num_prefix_tokens - 8  # text tokens beside the image
+    fits = ["a" * room, "hi", "x"]  # a character per token
+    node.run(prompts=fits, image_embeds=embeds)
+    with pytest.raises(DataError) as info:
+        node.run(prompts=["b" * (room + 1), "hi", "x"], image_embeds=embeds)
+    message = str(info.value)
+    assert f"takes {room + 1 + policy.num_prefix_tokens} positions" in message
+    assert f"the model takes {policy.context_length} (1 of 3 rows" in message
+    assert f"--set max_prompt_tokens=N (N <= {room})" in message
+    without_images = Rollout(model=policy, max_new_tokens=8)
+    without_images.run(prompts=["c" * (room + 2), "hi"])  # no prefix: two more tokens fit
+
+
+def test_max_prompt_tokens_keeps_the_end_of_a_longer_prompt(policy, embeds):
+    keep = 5
+    node = Rollout(model=policy, max_new_tokens=4, max_prompt_tokens=keep)
+    prompts = ["0123456789", "hi", "what"]
+    out = node.run(prompts=prompts, image_embeds=embeds)
+    whole = policy.encode_prompts(prompts)
+    assert out["prompt_ids"].shape[1] == keep
+    assert out["prompt_ids"][0].tolist() == whole.prompt_ids[0, -keep:].tolist()  # "56789"
+    assert out["prompt_mask"].sum(1).tolist() == [5, 2, 4]
+    # what was sampled read the cut prompt: the teacher-forced logprobs agree
+    assert (out["logprobs"] - _recompute(node, out, embeds)).abs().max() <= ATOL
+    with pytest.raises(ValueError, match="max_prompt_tokens=0; each must be >= 1"):
+        Rollout(model=policy, max_prompt_tokens=0)
+
+
+def test_max_prompt_tokens_never_cuts_an_images_tokens():
+    from yatt_graph import DataError
+
+    image = Image.new("RGB", (32, 32), (200, 10, 10))
+    node = Rollout(policy="tiny-qwen2-vl", max_new_tokens=4, max_prompt_tokens=8)
+    node.run(prompts=["ab"], images=[image])  # 8 tokens: the image's 6 and the text's 2
+    with pytest.raises(DataError, match="would cut its image's tokens"):
+        node.run(prompts=["abcdefgh"], images=[image])

@@ -328,9 +328,11 @@ def test_on_bad_sample_skip_scores_them_zero_and_counts_them(tmp_path, capsys):
     assert [r["skipped_samples_total"] for r in rows] == [0, 1, 1, 2]
     assert rows[-1]["samples_total"] == 16
     assert "skipped samples: 2 of 16" in capsys.readouterr().out
-    assert main([*args, "--on-bad-sample", "raise"]) == 1
-    err = capsys.readouterr().err
-    assert "the run stopped: node 'reward'" in err and "sample 1 got" in err and "nan" in err
+    for controllers in ("1", "2"):  # the user's reward: one line, on controllers as in-process
+        assert main([*args, "--on-bad-sample", "raise", "--controllers", controllers]) == 2
+        err = capsys.readouterr().err
+        assert "error: node 'reward' (" in err and "stopped at step 1: sample 1 got" in err
+        assert "nan" in err and "Traceback" not in err and len(err.strip().splitlines()) <= 2
 
 
 class _Steps:
