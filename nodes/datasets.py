@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from nodes.dataset_files import _check_csv_rows, _utf8_lines, dataset_columns
-from yatt_graph import ANY, DataError, Node
+from yatt_graph import ANY, Node, UsageError
 from yatt_graph.node import Port
 
 __all__ = ["DatasetSource", "dataset_columns"]
@@ -263,12 +263,12 @@ class DatasetSource(Node):
                     samples.append(sample)
                     continue
                 if self.on_bad_sample == "raise":
-                    raise DataError(f"{why}; fix the row or pass --on-bad-sample skip")
+                    raise UsageError(f"{why}; fix the row or pass --on-bad-sample skip")
                 self.skipped += 1
                 first_problem = first_problem or why
                 bad.add(index)
                 if len(bad) >= n:
-                    raise DataError(
+                    raise UsageError(
                         f"{self.file_label}: no usable row among its {n} rows (every one is bad; "
                         f"the first: {first_problem}); fix the data"
                     )
@@ -321,7 +321,7 @@ class DatasetSource(Node):
             if sample is not None:
                 samples.append(sample)
             elif self.on_bad_sample == "raise":
-                raise DataError(f"{why}; fix the row or pass --on-bad-sample skip")
+                raise UsageError(f"{why}; fix the row or pass --on-bad-sample skip")
             else:
                 skipped += 1
         return self._outputs(samples, skipped)

@@ -23,11 +23,11 @@ from typing import Any
 
 from runtime.launch import add_launch_arguments
 from runtime.run_setup import RunSetup, graph_input, load
-from runtime.train.errors import Terminated, UsageError
+from runtime.train.errors import Terminated
 from runtime.train.export import export_checkpoint
 from runtime.train.run_flags import add_run_arguments
 from runtime.train.run_folder import check_new_path
-from yatt_graph import GraphError, NodeBuildError, NodeDataError, NodeExecutionError
+from yatt_graph import GraphError, NodeBuildError, NodeExecutionError, NodeUsageError, UsageError
 from yatt_graph.options import (
     load_graph_module,
     module_options,
@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (NodeBuildError, NodeDataError) as exc:  # what the user gave: the user's to fix
+    except (NodeBuildError, NodeUsageError) as exc:  # what the user gave: the user's to fix
         print(f"yatt-graph {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except (NodeExecutionError, ControllerError) as exc:

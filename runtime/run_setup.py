@@ -12,8 +12,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from runtime.train.errors import UsageError
-from yatt_graph import GraphError
+from yatt_graph import GraphError, UsageError
 from yatt_graph.options import (
     Option,
     check_config,
@@ -127,6 +126,8 @@ def graph_input(graph: str) -> Iterator[None]:
     (an unknown option, a node constructor refusing a value) is the user's to fix: one line."""
     try:
         yield
+    except UsageError:
+        raise
     except (ValueError, TypeError) as exc:
         raise UsageError(f"{graph}: {type(exc).__name__}: {exc}") from exc
 

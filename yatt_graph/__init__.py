@@ -6,20 +6,20 @@ serialization. It imports neither torch nor zmq; executors live in ``runtime``.
 
 from yatt_graph.errors import (
     CycleError,
-    DataError,
     DuplicateNodeError,
     GraphError,
     GraphLookupError,
     GraphValidationError,
     MissingInputError,
     NodeBuildError,
-    NodeDataError,
     NodeExecutionError,
     NodeInputError,
     NodeOutputError,
+    NodeUsageError,
     PortTypeError,
     ShapeError,
     UnusedOutputWarning,
+    UsageError,
 )
 from yatt_graph.graph import Edge, Graph, Handle, Outputs
 from yatt_graph.node import BatchPolicy, FunctionNode, Node, Port, node
@@ -32,7 +32,6 @@ __all__ = [
     "BatchPolicy",
     "Channel",
     "CycleError",
-    "DataError",
     "DuplicateNodeError",
     "Edge",
     "FunctionNode",
@@ -44,10 +43,10 @@ __all__ = [
     "MissingInputError",
     "Node",
     "NodeBuildError",
-    "NodeDataError",
     "NodeExecutionError",
     "NodeInputError",
     "NodeOutputError",
+    "NodeUsageError",
     "Outputs",
     "Plan",
     "Port",
@@ -59,6 +58,7 @@ __all__ = [
     "Tensor",
     "TensorSpec",
     "UnusedOutputWarning",
+    "UsageError",
     "node",
 ]
 

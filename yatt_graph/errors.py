@@ -16,8 +16,8 @@ __all__ = [
     "NodeOutputError",
     "NodeExecutionError",
     "NodeBuildError",
-    "DataError",
-    "NodeDataError",
+    "UsageError",
+    "NodeUsageError",
     "build_error",
 ]
 
@@ -99,14 +99,15 @@ class NodeBuildError(NodeExecutionError):
     controllers."""
 
 
-class DataError(ValueError):
-    """A sample the user gave is wrong (a data row, a prompt too long for the model, a reward
-    that is not a number), found while a node runs. Library nodes raise it with a message
-    naming the sample and the fix; executors report it as :class:`NodeDataError`."""
+class UsageError(ValueError):
+    """What the user gave is wrong: a flag, a folder, a checkpoint, a data row, a prompt too
+    long for the model, a reward that is not a number. The message says what, where and how to
+    fix it; ``yatt-graph`` shows it as one line with exit code 2 (a traceback is for bugs).
+    A library node that raises it while running stops the run as :class:`NodeUsageError`."""
 
 
-class NodeDataError(NodeExecutionError):
-    """A node stopped on a :class:`DataError`: the user's to fix, reported in one line with no
+class NodeUsageError(NodeExecutionError):
+    """A node stopped on a :class:`UsageError`: the user's to fix, reported in one line with no
     traceback, in-process as on controllers."""
 
 

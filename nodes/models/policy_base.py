@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from nodes.rl.losses import logprobs_from_logits
-from yatt_graph import DataError
+from yatt_graph import UsageError
 
 __all__ = [
     "Generation",
@@ -259,7 +259,7 @@ class Policy(nn.Module):
                 if room >= 1
                 else "(no prompt fits beside this many new tokens)"
             )
-            raise DataError(
+            raise UsageError(
                 f"{who}: the prompt {_preview(prompts[i])} takes {n} positions and "
                 f"max_new_tokens={max_new_tokens} more, {n + max_new_tokens} in all, but the "
                 f"model takes {limit} ({len(over)} of {len(prompts)} rows are too long); "
@@ -280,7 +280,7 @@ class Policy(nn.Module):
             hit = ((cut == image_token) & (batch.prompt_mask[:, :-keep] > 0)).any(1)
             if hit.any():
                 i = int(hit.nonzero()[0])
-                raise DataError(
+                raise UsageError(
                     f"{who}: the prompt {_preview(prompts[i])} takes {int(lengths[i])} tokens, "
                     f"over max_prompt_tokens={keep}, and cutting it would cut its "
                     "image's tokens; raise max_prompt_tokens or shorten the prompt's text"

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from yatt_graph import ANY, BatchPolicy, DataError, Node, Port, Tensor
+from yatt_graph import ANY, BatchPolicy, Node, Port, Tensor, UsageError
 
 __all__ = ["RewardNode", "fill_template", "place_on_last_token", "template_fields"]
 
@@ -252,7 +252,7 @@ class RewardNode(Node):
     # --- raw scores -> outputs ----------------------------------------------------------------
     def _bad(self, i: int, what: str, value: Any) -> None:
         if self.on_bad_sample == "raise":
-            raise DataError(
+            raise UsageError(
                 f"node {self.name!r}: sample {i} got {what} {value!r}; a reward must be a finite "
                 "number. Fix the reward, or pass on_bad_sample='skip' to score such samples 0 "
                 "and count them"

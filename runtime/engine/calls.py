@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import msgspec
 import torch
 
-from yatt_graph import DataError, NodeDataError, NodeExecutionError
+from yatt_graph import NodeExecutionError, NodeUsageError, UsageError
 from yatt_graph.errors import build_error
 from yatt_graph.stream import Piece
 
@@ -112,8 +112,8 @@ def _node_error(
     node: Any, inputs: Mapping[str, Any], step: int, controller: int, exc: BaseException
 ) -> NodeExecutionError:
     tb = traceback.format_exc()
-    if isinstance(exc, DataError):  # the user's sample, named by the message: one line
-        return NodeDataError(
+    if isinstance(exc, UsageError):  # the user's sample, named by the message: one line
+        return NodeUsageError(
             node.name,
             f"node {node.name!r} ({type(node).__name__}) stopped at step {step}: "
             + str(exc).removeprefix(f"node {node.name!r}: "),

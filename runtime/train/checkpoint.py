@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from runtime.pids import pid_alive
-from runtime.train.errors import UsageError
 from runtime.train.identity import identity_differences
+from yatt_graph import UsageError
 
 __all__ = [
     "CheckpointError",

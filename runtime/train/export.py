@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from runtime.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
-from runtime.train.errors import UsageError
 from runtime.train.identity import graph_identity, identity_differences
+from yatt_graph import UsageError
 
 __all__ = ["export_checkpoint", "export_policy", "policy_node"]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.train.checkpoint import checkpoint_step, checkpoints, find_checkpoint, save_checkpoint
-from runtime.train.errors import Terminated, UsageError
+from runtime.train.errors import Terminated
 from runtime.train.export import export_policy, policy_node
 from runtime.train.identity import graph_identity
 from runtime.train.run_flags import check_flags, same_folder
@@ -30,6 +30,7 @@ from runtime.train.run_folder import (
     run_folder_of,
 )
 from runtime.train.signals import sigterm_as_interrupt
+from yatt_graph import UsageError
 
 __all__ = ["print_summary", "resume_point", "run_command", "run_summary"]
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from runtime.engine.switch import MODES as OFFLOAD_MODES
 from runtime.sched.placement import SIDES
-from runtime.train.errors import UsageError
 from runtime.train.run_folder import run_folder_of
+from yatt_graph import UsageError
 
 __all__ = ["add_run_arguments", "check_flags", "parse_devices", "parse_pins", "same_folder"]
 

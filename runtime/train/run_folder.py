@@ -23,7 +23,7 @@ from typing import Any
 
 from runtime.pids import pid_alive
 from runtime.train.checkpoint import checkpoint_step, checkpoints
-from runtime.train.errors import UsageError
+from yatt_graph import UsageError
 
 __all__ = [
     "RunLock",

@@ -33,7 +33,7 @@ from runtime.zmq.processes import (
     spawn_controllers,
 )
 from runtime.zmq.transport import DEFAULT_MAX_MESSAGE_BYTES
-from yatt_graph import NodeBuildError, NodeDataError, NodeExecutionError
+from yatt_graph import NodeBuildError, NodeExecutionError, NodeUsageError
 
 __all__ = ["ControllerGroup", "error_from"]
 
@@ -258,7 +258,7 @@ def error_from(err: m.Error, controllers: list[ControllerProc]) -> Exception:
     if err.during == "build":
         return NodeBuildError(err.node, err.message, err.traceback, controller=err.controller)
     if err.during == "data":
-        return NodeDataError(
+        return NodeUsageError(
             err.node, err.message, err.traceback, step=err.step, controller=err.controller,
             during="data",
         )  # fmt: skip

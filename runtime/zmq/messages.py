@@ -265,7 +265,7 @@ class Error(_Msg):
     during: str = "step"
     """``setup`` (building nodes), ``build`` (a library node refused what the user gave it:
     a one-line input error), ``step`` (a node call), ``data`` (a node call stopped on a
-    sample the user gave: a one-line :class:`~yatt_graph.DataError`), ``send`` (encoding), ``io``,
+    sample the user gave: a one-line :class:`~yatt_graph.UsageError`), ``send`` (encoding), ``io``,
     ``timeout`` (a node call ran past its limit), ``state`` (state_dict/load_state_dict),
     ``replica`` (a replica process of the node died: a process fault, restartable)."""
     seconds: float = 0.0

@@ -346,13 +346,13 @@ def test_weights_that_diverged_are_named_when_the_rollout_cannot_sample():
 
 
 def test_a_prompt_too_long_for_the_context_is_one_error_with_the_fixes(policy, embeds):
-    from yatt_graph import DataError
+    from yatt_graph import UsageError
 
     node = Rollout(model=policy, max_new_tokens=8)
     room = policy.context_length - policy.num_prefix_tokens - 8  # text tokens beside the image
     fits = ["a" * room, "hi", "x"]  # a character per token
     node.run(prompts=fits, image_embeds=embeds)
-    with pytest.raises(DataError) as info:
+    with pytest.raises(UsageError) as info:
         node.run(prompts=["b" * (room + 1), "hi", "x"], image_embeds=embeds)
     message = str(info.value)
     assert f"takes {room + 1 + policy.num_prefix_tokens} positions" in message
@@ -378,10 +378,10 @@ def test_max_prompt_tokens_keeps_the_end_of_a_longer_prompt(policy, embeds):
 
 
 def test_max_prompt_tokens_never_cuts_an_images_tokens():
-    from yatt_graph import DataError
+    from yatt_graph import UsageError
 
     image = Image.new("RGB", (32, 32), (200, 10, 10))
     node = Rollout(policy="tiny-qwen2-vl", max_new_tokens=4, max_prompt_tokens=8)
     node.run(prompts=["ab"], images=[image])  # 8 tokens: the image's 6 and the text's 2
-    with pytest.raises(DataError, match="would cut its image's tokens"):
+    with pytest.raises(UsageError, match="would cut its image's tokens"):
         node.run(prompts=["abcdefgh"], images=[image])
