@@ -24,6 +24,7 @@ from typing import Any, Literal, Self
 import msgspec
 
 from nodes.data import TASKS
+from nodes.models.sampling import MIN_TEMPERATURE, temperature_problem
 from nodes.rl.advantages import GROUP_ESTIMATORS
 from yatt_graph.options import check_options, config_options
 
@@ -139,7 +140,8 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _at_least("max_prompt_tokens", self.max_prompt_tokens, 1)
         _at_least("epochs", self.epochs, 1)
         _positive("lr", self.lr)
-        _positive("temperature", self.temperature)
+        if temperature_problem(self.temperature, greedy=False):
+            _refuse("temperature", self.temperature, f"a finite number >= {MIN_TEMPERATURE}")
         _at_least("kl_coef", self.kl_coef, 0.0)
         _at_least("entropy_coef", self.entropy_coef, 0.0)
         if self.on_bad_sample not in ("raise", "skip"):

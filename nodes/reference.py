@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from nodes.models.offload import Offload
 from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
+from nodes.models.sampling import temperature_problem
 from nodes.seeding import seeded
 from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
 from nodes.sync import WeightInput, apply_weights
@@ -116,8 +117,8 @@ class ReferenceLogprobs(Offload, Sharing, Node):
         self.share = check_share_key(share, f"node {self.name!r}")
         self.base_shared = False
         self._base_lock = threading.Lock()
-        if temperature <= 0:
-            raise ValueError(f"node {self.name!r}: temperature={temperature}; it must be > 0")
+        if why := temperature_problem(temperature, greedy=False):
+            raise ValueError(f"node {self.name!r}: {why}")
         if model is None:
             check_policy_spec(policy)
         self.temperature = float(temperature)

@@ -40,6 +40,7 @@ from nodes.models.policy import (
     build_policy,
     check_policy_spec,
 )
+from nodes.models.sampling import temperature_problem
 from nodes.models.vllm_engine import VLLMEngine, check_vllm_options, vllm_unavailable_reason
 from nodes.seeding import seeded
 from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
@@ -180,10 +181,11 @@ class Rollout(Offload, Sharing, WeightInput, Node):
                 f"{where}: n={n}, max_new_tokens={max_new_tokens}, max_prompt_tokens="
                 f"{max_prompt_tokens}; each must be >= 1"
             )
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        if why := temperature_problem(temperature):
+            raise ValueError(f"{where}: {why}")
+        if not 0 < top_p <= 1 or top_k < 0:
             raise ValueError(
-                f"{where}: temperature={temperature}, top_p={top_p}, top_k={top_k}; need "
-                "temperature >= 0, 0 < top_p <= 1, top_k >= 0"
+                f"{where}: top_p={top_p}, top_k={top_k}; need 0 < top_p <= 1, top_k >= 0"
             )
         if isinstance(stop, str):
             raise ValueError(f"{where}: stop must be a list of strings, got the string {stop!r}")

@@ -129,7 +129,10 @@ def graph_input(graph: str) -> Iterator[None]:
     except UsageError:
         raise
     except (ValueError, TypeError) as exc:
-        raise UsageError(f"{graph}: {type(exc).__name__}: {exc}") from exc
+        text = str(exc)  # a message that names the graph already is the whole line
+        if not text.startswith(f"{graph}: "):
+            text = f"{graph}: {type(exc).__name__}: {text}"
+        raise UsageError(text) from exc
 
 
 class RunSetup:

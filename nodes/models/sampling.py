@@ -19,6 +19,7 @@ its support changes with top-p and the update could not reproduce it.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 from collections.abc import Iterator, Sequence
@@ -30,7 +31,27 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from nodes.models.policy_base import Generation, Policy, PromptBatch
 
-__all__ = ["generate", "generate_stream"]
+__all__ = ["MIN_TEMPERATURE", "generate", "generate_stream", "temperature_problem"]
+
+MIN_TEMPERATURE = 0.01
+"""The lowest sampling temperature above 0 (as vLLM's floor): below it ``logits / T`` leaves
+float32's useful range (the logprobs the update trains on overflow or lose their precision)."""
+
+
+def temperature_problem(temperature: float, greedy: bool = True) -> str | None:
+    """Why ``temperature`` cannot be used, or None: it must be finite and 0 (greedy, where
+    ``greedy``) or at least :data:`MIN_TEMPERATURE`."""
+    t = float(temperature)
+    if t == 0 and greedy:
+        return None
+    if not (math.isfinite(t) and t >= MIN_TEMPERATURE):
+        zero = "0 (greedy) or " if greedy else ""
+        return (
+            f"temperature={temperature}; it must be {zero}a finite number >= {MIN_TEMPERATURE} "
+            "(below it logits / temperature overflow the float32 logprobs)"
+        )
+    return None
+
 
 _in_generate = threading.local()
 
@@ -146,10 +167,11 @@ class _Setup:
 
         if max_new_tokens < 1:
             raise ValueError(f"generate: max_new_tokens is {max_new_tokens}; it must be >= 1")
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        if why := temperature_problem(temperature):
+            raise ValueError(f"generate: {why}")
+        if not 0 < top_p <= 1 or top_k < 0:
             raise ValueError(
-                f"generate: temperature={temperature}, top_p={top_p}, top_k={top_k}; need "
-                "temperature >= 0, 0 < top_p <= 1, top_k >= 0"
+                f"generate: top_p={top_p}, top_k={top_k}; need 0 < top_p <= 1, top_k >= 0"
             )
         greedy = temperature == 0
         eos = [policy.eos_token_id]

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from nodes.models.offload import Offload
 from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
+from nodes.models.sampling import temperature_problem
 from nodes.reference import _prompt_batch
 from nodes.rl.losses import (
     logprobs_from_logits,
@@ -104,7 +105,10 @@ class _Update(Offload, _Ranked, Sharing, Node):
                 o.max_grad_norm is None or o.max_grad_norm >= 0,
                 f"max_grad_norm={o.max_grad_norm}; it must be >= 0 (0 or None: no clipping)",
             ),
-            (o.temperature > 0, f"temperature={o.temperature}; it must be > 0 (the rollout's)"),
+            (
+                temperature_problem(o.temperature, greedy=False) is None,
+                f"{temperature_problem(o.temperature, greedy=False)} (the rollout's)",
+            ),
             (
                 o.on_nonfinite in ("raise", "skip"),
                 f"on_nonfinite={o.on_nonfinite!r}; choose 'raise' or 'skip' (as on_bad_sample)",

@@ -241,6 +241,14 @@ def test_bad_inputs_and_config(policy, embeds):
         Rollout(model=policy, top_p=0)
     with pytest.raises(ValueError, match="list of strings"):
         Rollout(model=policy, stop="\n")
+    for t in (1e-30, 0.009, float("inf"), float("nan"), -1.0):  # logits / T would overflow
+        with pytest.raises(ValueError, match=f"temperature={t}; it must be 0 .greedy. or a fini"):
+            Rollout(model=policy, temperature=t)
+    Rollout(model=policy, temperature=0.01)
+    from nodes.reference import ReferenceLogprobs
+
+    with pytest.raises(ValueError, match="temperature=0; it must be a finite number >= 0.01"):
+        ReferenceLogprobs(model=policy, temperature=0)
 
 
 def test_config_rebuilds_the_node(embeds):
