@@ -99,8 +99,9 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The data column holding the image: a path relative to the data file, bytes, or a list."""
     answer_key: str = "answer"
     """The data column the reward reads as ``meta['answer']``."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights' dtype of the policy's copies (a local model's, or the tiny one's)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights' dtype of the policy's copies (a local model's, or the tiny one's). Not float16:
+    the policy is trained in it, and AdamW on float16 weights overflows without a loss scaler."""
     gradient_checkpointing: bool = False
     """Recompute activations in the update's backward pass (less memory, more time)."""
     lora_r: int = 0
@@ -156,8 +157,8 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             value = getattr(self, name)
             if value is not None and not os.path.exists(value):
                 _refuse(name, value, "an existing local file or folder (nothing is downloaded)")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            _refuse("dtype", self.dtype, "float32, bfloat16 or float16")
+        if self.dtype not in ("float32", "bfloat16"):
+            _refuse("dtype", self.dtype, "float32 or bfloat16")
         if self.rollout not in ("hf", "vllm"):
             _refuse("rollout", self.rollout, "'hf' or 'vllm'")
         if self.device not in ("auto", "cpu", "cuda"):

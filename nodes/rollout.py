@@ -45,7 +45,7 @@ from nodes.models.vllm_engine import VLLMEngine, check_vllm_options, vllm_unavai
 from nodes.seeding import seeded
 from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
 from nodes.sync import WeightInput
-from yatt_graph import ANY, BatchPolicy, Node, Port
+from yatt_graph import ANY, BatchPolicy, Node, Port, UsageError
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built
 
@@ -416,7 +416,7 @@ class Rollout(Offload, Sharing, WeightInput, Node):
                 if self.weights_version
                 else "its weights as built are not finite: check the model folder"
             )
-            raise ValueError(
+            raise UsageError(
                 f"node {self.name!r}: the policy's next-token probabilities are not finite, so "
                 f"it cannot sample; {cause}"
             ) from exc

@@ -85,6 +85,7 @@ def test_numbers_are_parsed_by_their_declared_type():
         ),
         ("lr=-1", "option lr=-1.0: must be a finite number > 0"),
         ("temperature=1e-30", "option temperature=1e-30: must be a finite number >= 0.01"),
+        ("dtype=float16", "option 'dtype' of graphs/mm_ppo.py: 'float16' is not float32|bfloat16"),
     ],
 )
 def test_a_wrong_key_or_value_is_refused_in_one_line_with_exit_code_2(pair, expected, capsys):

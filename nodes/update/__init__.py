@@ -18,8 +18,12 @@ also when its steps were skipped.
 
 A non-finite policy logprob, value, loss or gradient (norm) skips the step: gradients are
 zeroed, no optimizer steps, ``metrics["skipped_nonfinite"]`` is 1.0 and the remaining epochs
-of the call are dropped (they would see the same batch and weights as the failed one). With
-``on_nonfinite="raise"`` a ValueError names the node and the quantity instead. Non-finite
+of the call are dropped (they would see the same batch and weights as the failed one). The
+weights are checked after every optimizer step: a step that leaves them non-finite, or after
+which the next epoch's values are not finite (the same batch was fine before it), is undone:
+the weights from before it are put back (a copy of the trained weights is kept during a call
+for this; the optimizer's moments keep that step's gradient). With ``on_nonfinite="raise"`` a
+:class:`NonFiniteError` (a ``UsageError``) names the node and the quantity instead. Non-finite
 *inputs* (advantages, returns, ...) at real tokens are bad data and always a ValueError.
 
 The models run in eval mode (dropout off), as the rollout samples: a PPO ratio must compare the

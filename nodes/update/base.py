@@ -52,6 +52,10 @@ _INPUTS = {
 }
 
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+"""The largest learning rate an optimizer step can apply (larger ones do not convert)."""
+
+
 class _NonFinite(Exception):
     """Raised inside a step when a model output, the loss or a gradient is not finite."""
 
@@ -87,7 +91,7 @@ class _Update(Offload, _Ranked, Sharing, Node):
         o = SimpleNamespace(**bound.arguments)
         where = f"node {self.name!r}"
         checks = [
-            (o.lr > 0, f"lr={o.lr}; it must be > 0"),
+            (0 < o.lr <= _FLOAT32_MAX, f"lr={o.lr}; it must be > 0 and fit float32"),
             (o.weight_decay >= 0, f"weight_decay={o.weight_decay}; it must be >= 0"),
             (0 < o.clip_eps < 1, f"clip_eps={o.clip_eps}; it must be in (0, 1)"),
             (
@@ -177,6 +181,13 @@ class _Update(Offload, _Ranked, Sharing, Node):
                 lambda: build_policy(self.policy_spec).to(self.device),
             ).eval()
             self._policy_logits = lambda *args: self.policy.forward_response(*args).logits
+        if any(p.dtype == torch.float16 for p in self.policy.parameters() if p.requires_grad):
+            raise ValueError(
+                f"node {self.name!r}: the policy to train has float16 weights; AdamW on float16 "
+                "weights with no loss scaler overflows (its eps, 1e-8, is 0 in float16) and "
+                "every step would be undone: train in bfloat16 or float32 (float16 serves "
+                "inference: the rollout and the reference)"
+            )
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=self.lr, weight_decay=self.weight_decay
         )
@@ -297,6 +308,61 @@ class _Update(Offload, _Ranked, Sharing, Node):
         keys = [k for k in self._metric_keys if not k.endswith("grad_norm")]
         return keys + (["kl_ref"] if self.kl_coef > 0 else [])
 
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _optimizer_step(self, norms: list[Tensor]) -> None:
+        """One optimizer step per trained model, gradients clipped to ``max_grad_norm``."""
+        for (_, _, params, opt), norm in zip(self._trained, norms):
+            if self.max_grad_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
+            opt.step()
+
+    def _skip(self, what: str, undo: list[list[Tensor]] | None) -> None:
+        """Drop the step that found a non-finite value: put back the weights from before this
+        call's last optimizer step (``undo``: that step led to it), then warn or raise
+        (``on_nonfinite``). The optimizer's moments keep that step's (finite) gradient."""
+        self._zero_grad()
+        if undo is not None:
+            self._restore_weights(undo)
+            what += (
+                f"; the optimizer step that led to it (lr {self._lr()}) was undone: lower lr "
+                "or set max_grad_norm"
+            )
+        if self.on_nonfinite == "raise":
+            raise NonFiniteError(
+                f"node {self.name!r}: {what}; no step was kept (on_nonfinite='skip' skips such "
+                "steps; lower lr or check the inputs)"
+            )
+        log.warning("node %r: %s; step skipped", self.name, what)
+
+    def _weights_finite(self) -> bool:
+        """Whether every trained weight is finite (in a group: on every rank)."""
+        bad = False
+        with torch.no_grad():
+            for _, _, params, _ in self._trained:
+                local = [getattr(p, "_local_tensor", p) for p in params]  # a DTensor's shard
+                if local and not bool(torch.stack([t.isfinite().all() for t in local]).all()):
+                    bad = True
+                    break
+        return not (self._ranks.any_flag(bad) if self._ranks is not None else bad)
+
+    def _copy_weights(self, into: list[list[Tensor]] | None = None) -> list[list[Tensor]]:
+        """The trained weights as they are (into the buffers of an earlier copy, if given)."""
+        with torch.no_grad():
+            if into is None:
+                return [[p.detach().clone() for p in params] for _, _, params, _ in self._trained]
+            for (_, _, params, _), saved in zip(self._trained, into):
+                for copy, p in zip(saved, params):
+                    copy.copy_(p.detach())
+        return into
+
+    def _restore_weights(self, saved: list[list[Tensor]]) -> None:
+        with torch.no_grad():
+            for (_, _, params, _), copies in zip(self._trained, saved):
+                for p, copy in zip(params, copies):
+                    p.detach().copy_(copy)
+
     def _train(
         self,
         full: View,
@@ -308,27 +374,26 @@ class _Update(Offload, _Ranked, Sharing, Node):
         done: list[dict[str, float]] = []
         attempt: dict[str, float] = {}
         skipped = False
+        before: list[list[Tensor]] | None = None  # the weights before this call's last step
         with seeded(_step_seed(self.seed, self.updates), self.device):
             for epoch in range(self.epochs):
                 self._zero_grad()
                 attempt = {}
+                where = f"in update {self.updates + 1}, epoch {epoch + 1}"
                 try:
                     norms = self._accumulate(micros, filler, micro_loss, attempt)
-                except _NonFinite as bad:
-                    self._zero_grad()
-                    what = f"non-finite {bad} in update {self.updates + 1}, epoch {epoch + 1}"
-                    if self.on_nonfinite == "raise":
-                        raise NonFiniteError(
-                            f"node {self.name!r}: {what}; no step was taken (on_nonfinite="
-                            "'skip' skips such steps; lower lr or check the inputs)"
-                        ) from None
-                    log.warning("node %r: %s; step skipped", self.name, what)
+                except _NonFinite as bad:  # after a step of this call: that step caused it
+                    done = [] if before is not None else done
+                    self._skip(f"non-finite {bad} {where}", undo=before)
                     skipped = True
                     break
-                for (_, _, params, opt), norm in zip(self._trained, norms):
-                    if self.max_grad_norm > 0:
-                        torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
-                    opt.step()
+                before = self._copy_weights(into=before)
+                self._optimizer_step(norms)
+                if not self._weights_finite():
+                    done = []
+                    self._skip(f"non-finite weights after the optimizer step {where}", before)
+                    skipped = True
+                    break
                 done.append(attempt)
         self._zero_grad()  # free the gradients' memory until the next call
         self.updates += 1
@@ -337,7 +402,7 @@ class _Update(Offload, _Ranked, Sharing, Node):
         keys = [*self._metric_keys, *(["kl_ref"] if self.kl_coef > 0 else [])]
         metrics = {k: sum(r.get(k, math.nan) for r in rows) / len(rows) for k in keys}
         metrics["skipped_nonfinite"] = float(skipped)
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["lr"] = self._lr()
         return metrics
 
     def _accumulate(

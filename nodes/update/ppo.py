@@ -15,6 +15,7 @@ from nodes.rl.losses import _kl_loss, _ppo_policy_loss, _value_loss
 from nodes.shared_models import check_share_key
 from nodes.sync import WeightUpdate
 from nodes.update.base import (
+    _FLOAT32_MAX,
     _INPUTS,
     _TOKENS,
     _item,
@@ -133,8 +134,10 @@ class PPOUpdate(_Update):
     ) -> None:
         super().__init__(name, placement=placement, batch_policy=batch_policy)
         where = f"node {self.name!r}"
-        if critic_lr is not None and not critic_lr > 0:
-            raise ValueError(f"{where}: critic_lr={critic_lr}; it must be > 0 (or None for lr)")
+        if critic_lr is not None and not 0 < critic_lr <= _FLOAT32_MAX:
+            raise ValueError(
+                f"{where}: critic_lr={critic_lr}; it must be > 0 and fit float32 (or None: lr)"
+            )
         if value_clip_eps is not None and not value_clip_eps > 0:
             raise ValueError(
                 f"{where}: value_clip_eps={value_clip_eps}; it must be > 0 (or None: no clip)"

@@ -26,13 +26,14 @@ from nodes.models.policy import build_policy
 from nodes.shared_models import live_weights
 from nodes.sync import WeightUpdate
 from nodes.update.shares import View
+from yatt_graph import UsageError
 
 __all__ = ["NonFiniteError"]
 
 
-class NonFiniteError(ValueError):
-    """A non-finite value stopped an update with ``on_nonfinite="raise"`` (no step was taken;
-    in a rank group every rank raises it alike)."""
+class NonFiniteError(UsageError):
+    """A non-finite value stopped an update with ``on_nonfinite="raise"`` (no step was kept;
+    in a rank group every rank raises it alike): the learning rate or the inputs to fix."""
 
 
 def _snapshot(module: nn.Module) -> dict[str, Tensor]:

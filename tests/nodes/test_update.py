@@ -291,6 +291,56 @@ def test_nan_parameter_skips_grpo_step_and_names_logprobs(batch):
         node.run(_grpo_inputs(batch, adv, image_embeds=batch["image_embeds"]))
 
 
+def test_a_step_that_makes_the_policy_diverge_is_undone_and_names_the_lr(batch, caplog):
+    """lr 1e30: the first step leaves finite weights of ~1e30, whose logits overflow in the
+    second epoch; that step is undone, so the weights published are the ones before it."""
+    from yatt_graph import UsageError
+
+    adv = broadcast_to_tokens(batch["scores"], batch["response_mask"])
+    inputs = _grpo_inputs(batch, adv, image_embeds=batch["image_embeds"])
+    node = GRPOUpdate(lr=1e30, epochs=2, name="grpo")
+    before = _params(node.policy)
+    with caplog.at_level("WARNING"):
+        out = node.run(inputs)
+    assert out["metrics"]["skipped_nonfinite"] == 1.0
+    assert _same_params(before, _params(node.policy))
+    assert _same_params(before, out["weights"].weights)
+    assert "epoch 2; the optimizer step that led to it (lr 1e+30) was undone" in caplog.text
+    node.on_nonfinite = "raise"
+    with pytest.raises(UsageError, match=r"non-finite policy logprobs in update 2, epoch 2; the"):
+        node.run(inputs)
+    assert _same_params(before, _params(node.policy))
+
+
+def test_a_step_that_leaves_weights_not_finite_is_undone_before_anything_reads_them(batch):
+    adv = broadcast_to_tokens(batch["scores"], batch["response_mask"])
+    inputs = _grpo_inputs(batch, adv, image_embeds=batch["image_embeds"])
+    node = GRPOUpdate(epochs=1, name="grpo")
+    before = _params(node.policy)
+    step = node.optimizer.step
+
+    def overflowing_step(*args, **kwargs):  # as a float16 weight that overflows
+        step(*args, **kwargs)
+        with torch.no_grad():
+            node.policy.projector.weight[0, 0] = float("inf")
+
+    node.optimizer.step = overflowing_step
+    out = node.run(inputs)
+    assert out["metrics"]["skipped_nonfinite"] == 1.0
+    assert _same_params(before, _params(node.policy))
+    assert _same_params(before, out["weights"].weights)
+    node.optimizer.step = step
+    assert node.run(inputs)["metrics"]["skipped_nonfinite"] == 0.0
+    assert not _same_params(before, _params(node.policy))
+
+
+def test_a_float16_policy_is_refused_for_training_with_the_reason():
+    spec = {"name": "tiny-prefix-vlm", "dtype": "float16"}
+    with pytest.raises(ValueError, match=r"float16 weights; AdamW on float16 .* no loss scaler"):
+        GRPOUpdate(policy=spec, name="grpo").setup()
+    GRPOUpdate(policy={**spec, "dtype": "bfloat16"}, name="grpo").setup()
+
+
 # --- state ----------------------------------------------------------------------------------
 
 
