@@ -26,6 +26,7 @@ from yatt_graph.stream import Piece
 
 __all__ = [
     "Executor",
+    "NodeWorkers",
     "OnStep",
     "Running",
     "StepResult",
@@ -226,3 +227,49 @@ def build_nodes(
                 raise error from exc
     if track is not None:
         track("")
+
+
+@dataclass
+class NodeWorkers:
+    """What runs a process's nodes besides the process itself: the other ranks of the nodes
+    trained as a group, and the caller that fans their calls out (split across the slots of
+    ``devices``, replicas; None: ``node.run``). ``close()`` ends them all."""
+
+    caller: Any
+    groups: list[Any]
+
+    def close(self) -> None:
+        caller, groups = self.caller, self.groups
+        self.caller, self.groups = None, []
+        try:
+            if caller is not None:
+                caller.close()
+        finally:
+            for group in groups:
+                group.close()
+
+
+def start_nodes(
+    nodes: Mapping[str, Any],
+    order: Sequence[str],
+    config: Any,
+    spawn: Callable[[Any, int, int], Any] | None = None,
+    track: Callable[[str], None] | None = None,
+) -> NodeWorkers:
+    """Make ``nodes`` ready to run, in-process or on a controller: start the rank groups of
+    grouped nodes (before they build: the update joins its group), build the nodes in
+    ``order`` (:func:`build_nodes`), then the caller for ``config.devices`` and
+    ``config.replicas`` (``spawn`` starts replica i of a node). A failure ends what started."""
+    from runtime.ranks import start_groups
+    from runtime.sched.replicas import node_caller
+    from runtime.sched.splitting import device_pool
+
+    workers = NodeWorkers(None, start_groups(nodes))
+    try:
+        build_nodes(nodes, order, track)
+        mine = {n: r for n, r in config.replicas.items() if n in nodes}  # (the others' elsewhere)
+        workers.caller = node_caller(nodes, device_pool(config.devices), mine, spawn)
+    except BaseException:
+        workers.close()
+        raise
+    return workers

@@ -11,13 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from runtime.engine.calls import OnStep, StepResult, Stop, build_nodes, describe
+from runtime.engine.calls import OnStep, StepResult, Stop, describe, start_nodes
 from runtime.engine.config import RunConfig, run_config
 from runtime.engine.engine import StepEngine
 from runtime.engine.switch import switch_metrics
-from runtime.ranks import start_groups
-from runtime.sched.replicas import node_caller
-from runtime.sched.splitting import device_pool
 from yatt_graph import Graph, Plan
 
 __all__ = ["LocalExecutor", "StepResult", "describe"]
@@ -54,21 +51,20 @@ class LocalExecutor:
         self.graph.validate()
         self.max_staleness, self.staleness = config.max_staleness, config.staleness
         self.offload = config.offload == "on"
-        pool = device_pool(config.devices)
         nodes = self.graph.nodes
         # Nodes that can share a model (nodes/shared_models.py) learn the staleness first: one
         # registry per executor, used only on-policy (max_staleness 0).
         shared: dict[str, Any] = {}
         for name in self.graph.topological_order():
             nodes[name].bind_executor(max_staleness=self.max_staleness, shared=shared)
-        self._groups = start_groups(nodes)  # the other ranks of grouped nodes, before they build
-        build_nodes(nodes, self.graph.topological_order())  # the models, before a step
-        self.splitter = node_caller(nodes, pool, config.replicas, replica_factory)
+        order = self.graph.topological_order()
+        self.workers = start_nodes(nodes, order, config, replica_factory)  # models, ranks, ...
+        self.splitter = self.workers.caller
         self.engine = StepEngine(
             nodes,
             self.graph.edges,
             self.graph.graph_outputs,
-            self.graph.topological_order(),
+            order,
             self.plan.assignment,
             max_staleness=self.max_staleness,
             staleness=self.staleness,
@@ -123,12 +119,8 @@ class LocalExecutor:
     def close(self) -> None:
         """Stop the device workers of ``devices=``, the replica processes and the ranks this
         executor started (their nodes cannot train afterwards)."""
-        if self.splitter is not None:
-            self.splitter.close()
-            self.splitter = None
-            self.engine.splitter = None
-        for group in self._groups:
-            group.close()
+        self.splitter = self.engine.splitter = None
+        self.workers.close()
 
     def __enter__(self) -> LocalExecutor:
         return self

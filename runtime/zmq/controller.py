@@ -134,6 +134,7 @@ class Controller:
         self.data_address = self.peers.address
         self.index = -1
         self.splitter: Any = None
+        self.workers: Any = None  # what runs its nodes besides itself (engine_from_setup)
         self.link: ControlLink | None = None
         self._building = ""
         self._failed = False
@@ -198,8 +199,8 @@ class Controller:
         self.applied = apply_resources(
             setup.resources or Resources(), pinned_threads=self.pinned_threads
         )
-        self.engine = engine_from_setup(setup, self.peers, self._track)
-        self.splitter = self.engine.splitter
+        self.engine, self.workers = engine_from_setup(setup, self.peers, self._track)
+        self.splitter = self.workers.caller
         self.peers.connect(setup)
 
     # --- what arrives -----------------------------------------------------------------------
@@ -433,8 +434,8 @@ class Controller:
         send(self.driver, error)
 
     def _close_resources(self, destroy: bool = True) -> None:
-        if self.splitter is not None:
-            self.splitter.close()
+        if self.workers is not None:
+            self.workers.close()  # its ranks hear "close" before the store's owner leaves
         self.peers.close()
         if destroy and self.auth is not None:
             with contextlib.suppress(Exception):

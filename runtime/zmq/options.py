@@ -5,7 +5,7 @@ graph: written by the driver (:func:`setup_fields`), read by each controller
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -14,6 +14,9 @@ from runtime.sched.devices import Resources, assign_resources, visible_gpus
 from runtime.zmq import messages as m
 from runtime.zmq.keys import check_address
 from yatt_graph import Plan
+
+if TYPE_CHECKING:
+    from runtime.engine.calls import NodeWorkers
 
 __all__ = [
     "check_options",
@@ -139,33 +142,30 @@ def nodes_from_setup(
     return nodes, graph.edges, dict(graph.graph_outputs), assignment
 
 
-def engine_from_setup(setup: m.Setup, outbox: Any, track: Callable[[str], None]) -> Any:
-    """In a controller: its nodes rebuilt and built (their models, in the plan's order; ``track``
-    is told each node first), the splitter and replicas SETUP asks for, and the step engine
-    over them, sending to ``outbox``."""
-    from runtime.engine.calls import build_nodes
+def engine_from_setup(
+    setup: m.Setup, outbox: Any, track: Callable[[str], None]
+) -> tuple[Any, NodeWorkers]:
+    """In a controller: its nodes rebuilt and made ready (:func:`runtime.engine.calls.start_nodes`:
+    ``track`` is told each node first), and the step engine over them, sending to ``outbox``.
+    The caller ends the returned workers (ranks, replicas, device slots) when it is done."""
+    from runtime.engine.calls import start_nodes
     from runtime.engine.engine import StepEngine
-    from runtime.ranks import start_groups
-    from runtime.sched.replicas import node_caller
-    from runtime.sched.splitting import device_pool
     from runtime.zmq.replicas import spawn_replica
 
     config = setup.config
     nodes, edges, outputs, assignment = nodes_from_setup(setup, track)
-    start_groups(nodes)  # the other ranks of nodes that train as a group, before they build
-    build_nodes(nodes, setup.order, track)
-    mine = {n: r for n, r in config.replicas.items() if n in nodes}  # (the others' are theirs)
-    splitter = node_caller(nodes, device_pool(config.devices), mine, spawn_replica)
+    workers = start_nodes(nodes, setup.order, config, spawn_replica, track)
     limits = {n: node.batch_policy.timeout_s or config.node_timeout_s for n, node in nodes.items()}
     try:
-        return StepEngine(
+        engine = StepEngine(
             nodes, edges, outputs, setup.order, assignment, here=setup.controller,
             max_staleness=config.max_staleness, staleness=config.staleness, window=config.window,
-            outbox=outbox, splitter=splitter, check_finite=config.check_finite, limits=limits,
+            outbox=outbox, splitter=workers.caller, check_finite=config.check_finite,
+            limits=limits,
             # its GPU is time-shared: its nodes' device state leaves when its turn ends
             switch="phase" if setup.controller in setup.offload_controllers else None,
         )  # fmt: skip
     except BaseException:
-        if splitter is not None:
-            splitter.close()
+        workers.close()
         raise
+    return engine, workers

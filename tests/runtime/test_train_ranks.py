@@ -327,3 +327,19 @@ def test_a_policy_trained_as_a_rank_group_exports_and_loads(backend, tmp_path):
     exported = load_policy(str(target)).state_dict()
     assert _max_diff(trained, exported) == 0.0
     assert _rank_processes() == []
+
+
+@pytest.mark.timeout(300)
+def test_a_run_on_controllers_with_a_rank_group_ends_cleanly(tmp_path):
+    """The controller ends its node's ranks before it leaves: rank 1 read its commands from a
+    store the controller owned, and printed a C++ stack dump when it vanished."""
+    yatt = Path(sys.executable).with_name("yatt-graph")
+    cmd = [
+        str(yatt), "run", "graphs.mm_grpo", "--steps", "2", "--set", "batch_size=4", "--quiet",
+        "--controllers", "2", "--train-ranks", "2", "--out", str(tmp_path / "run"),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    for noise in ("frame #", "Traceback", "Broken pipe", "Connection reset", "[W"):
+        assert noise not in done.stderr, done.stderr
+    assert _rank_processes() == []
