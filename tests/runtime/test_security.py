@@ -247,3 +247,13 @@ def test_a_no_spawn_driver_says_whom_it_waits_for_at_once():
     expected = f"waiting up to 120 s for 2 controllers at {address}; start each (I = 0..1) with"
     assert expected in lines[1], lines
     assert f"`yatt-graph controller --connect {address} --index I`" in lines[1]
+
+
+@pytest.mark.timeout(120)
+def test_the_default_address_is_ipc_in_a_folder_only_this_user_can_open():
+    with ZmqExecutor(load_graph("graphs.toy").plan(2)) as ex:
+        assert ex.address.startswith("ipc://")
+        assert ex.address.removeprefix("ipc://").startswith(str(ex.run_dir))
+        assert stat.S_IMODE(os.stat(ex.run_dir).st_mode) == 0o700
+        ex.run(1)
+    assert_gone(ex.pids, ex.run_dir)
