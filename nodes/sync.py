@@ -125,6 +125,10 @@ class WeightInput:
 class WeightSync(Node):
     """Publishes updated policy weights, with a version, for a rollout node to load.
 
+    Given an update node's :class:`WeightUpdate`, it keeps that update's version and its
+    completeness (one version per published state, counted where the weights change); given
+    a state dict or a module, it counts versions itself (checkpointed).
+
     Args:
         key: take the state dict from ``state[key]`` (e.g. ``"model"``) instead of ``state``.
         include: regexes (``re.search``); only keys matching one are sent (e.g. LoRA adapters,
@@ -185,6 +189,7 @@ class WeightSync(Node):
         return state
 
     def forward(self, state: Any) -> dict[str, Any]:
+        given = state if isinstance(state, WeightUpdate) else None  # an update node's output
         full = self._state_of(state)
         out: dict[str, torch.Tensor] = {}
         for k, t in full.items():
@@ -198,8 +203,9 @@ class WeightSync(Node):
             out[k] = t.clone() if self.snapshot else t
         if self.only_changed:
             self._last.update({k: t.clone() for k, t in out.items()})
-        complete = len(out) == len(full)
-        self.version += 1
+        complete = len(out) == len(full) and (given is None or given.complete)
+        # One version per published state: an update's own, else this node's count.
+        self.version = given.version if given is not None and given.version else self.version + 1
         return {"weights": WeightUpdate(out, self.version, complete)}
 
     def state_dict(self) -> dict[str, Any]:

@@ -56,7 +56,10 @@ def test_on_bad_sample_skip_scores_bad_samples_zero_and_counts_them(tmp_path):
     ).step()
     assert result.outputs["scores"].tolist() == [1.0, 0.0, 1.0, 0.0]
     assert result.outputs["bad_samples"].tolist() == [False, True, False, True]
-    with pytest.raises(Exception, match=r"node 'reward': sample 1 got a non-finite score nan"):
+    from yatt_graph import NodeUsageError
+
+    message = r"node 'reward' \(RuleReward\) stopped at step 0: sample 1 got a non-finite score nan"
+    with pytest.raises(NodeUsageError, match=message):
         LocalExecutor(load_graph("graphs.text_ppo", batch_size=4, reward=ref)).step()
 
 

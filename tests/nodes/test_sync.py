@@ -110,10 +110,14 @@ def test_weight_sync_takes_a_key_a_module_or_an_update_nodes_output():
     published = WeightUpdate(dict(net.state_dict()), version=9)
     by_update = WeightSync().run(state=published)["weights"]
     for update in (by_key, by_module, by_update):
-        assert update.version == 1 and update.complete
-        assert list(update.weights) == list(net.state_dict())
+        assert update.complete and list(update.weights) == list(net.state_dict())
+    assert by_key.version == by_module.version == 1
+    assert by_update.version == 9  # an update's version goes on as it is: one count
+    partial = WeightUpdate({"head.bias": net.head.bias}, version=10, complete=False)
+    relayed = WeightSync().run(state=partial)["weights"]
+    assert relayed.version == 10 and not relayed.complete  # a partial update stays partial
     fresh = make_net(1)
-    assert apply_weights(fresh, by_update) == 1
+    assert apply_weights(fresh, by_update) == 9
     ids = torch.randint(0, 11, (3, 4))
     assert torch.equal(fresh(ids), net(ids))
 
