@@ -209,9 +209,9 @@ class DatasetSource(Node):
             cell = row.get(self.image_key)
             if isinstance(cell, (list, tuple)):
                 if len(cell) > 1:
-                    raise ValueError(
-                        f"{self._where(index, self.image_key)}: {len(cell)} images in one row; "
-                        "one image per prompt is read: keep one, or split the row"
+                    return None, (
+                        f"{self._where(index, self.image_key)}: {len(cell)} images in one row "
+                        "(one image per prompt is read: keep one, or split the row)"
                     )
                 cell = cell[0] if cell else None
             if cell is None:
@@ -243,7 +243,7 @@ class DatasetSource(Node):
         n = len(self.dataset)
         want = min(self.batch_size, n)
         if not 0 <= self.position < n:
-            raise ValueError(
+            raise UsageError(
                 f"{self.file_label}: the state's position {self.position} is outside its {n} rows "
                 "(the data changed since the checkpoint?); resume with the same data"
             )

@@ -55,6 +55,25 @@ def regex_format(
     return float(match(pattern, text, flags=re.DOTALL) is not None)
 
 
+def _check_signature(fn: Callable[..., Any], params: Mapping[str, Any], where: str) -> None:
+    """Refuse a reward that cannot be called as ``fn(text, meta, **params)``, before a step."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin with no signature: its first call will tell
+        return
+    try:
+        signature.bind("text", {}, **params)
+    except TypeError as exc:
+        name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
+        raise TypeError(
+            f"{where}: the reward {name}{signature} cannot be called as fn(text, meta"
+            f"{', **params' if params else ''}) ({exc}); a reward takes the response text and "
+            "the row's meta dict"
+        ) from None
+
+
 class RuleReward(RewardNode):
     """Scores each sample with a user function ``fn(text, meta, **params) -> float | dict``.
 
@@ -88,6 +107,7 @@ class RuleReward(RewardNode):
             )
         self.fn = fn
         self.params = dict(params or {})
+        _check_signature(fn, self.params, f"node {self.name!r}")
         self.reads_meta = frozenset(getattr(fn, "reads_meta", ()))  # a rule's declared keys
         self._fn_name = f"{getattr(fn, '__module__', '?')}:{fn.__qualname__}"
 

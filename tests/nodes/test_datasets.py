@@ -126,6 +126,10 @@ def test_image_cells_of_every_form(tmp_path):
     assert source.run()["images"][0].getpixel((0, 0)) == (1, 2, 3)
     with pytest.raises(ValueError, match=r"l.jsonl row 2, column 'image': 2 images in one row"):
         source.run()
+    rows.append({"prompt": "r", "image": "a.png"})  # a bad row like any other: skippable
+    path = str(_jsonl(tmp_path / "s.jsonl", rows))
+    skip = DatasetSource(path, batch_size=2, shuffle=False, on_bad_sample="skip").run()
+    assert skip["prompts"] == ["p", "r"]
 
 
 def test_text_only_data_and_images_false(tmp_path):

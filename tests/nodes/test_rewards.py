@@ -100,6 +100,11 @@ def test_rule_reward_refuses_lambdas_and_bad_refs():
         RuleReward(lambda t, m: 1.0)
     with pytest.raises(ImportError, match="no_such_rule"):
         RuleReward("nodes.rewards:no_such_rule")
+    # a function that cannot take (text, meta, **params) is refused before any step
+    with pytest.raises(TypeError, match=r"the reward math:floor\(x, /\) cannot be called as fn"):
+        RuleReward("math:floor")
+    with pytest.raises(TypeError, match=r"fn\(text, meta, \*\*params\)"):
+        RuleReward(exact_match, params={"no_such_option": 1})
 
 
 def test_rule_reward_input_errors_name_node_and_port():
