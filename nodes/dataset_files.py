@@ -50,6 +50,10 @@ def _json_columns(path: Path) -> list[str]:
         row = None
     if isinstance(row, dict):  # JSON Lines
         return list(row)
+    if row is not None and not isinstance(row, list):  # one value, but not an object
+        raise ValueError(
+            f"{path}:1: a JSON {type(row).__name__}, not an object; write one JSON object per line"
+        )
     try:  # one JSON document: a list of row objects
         doc = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
@@ -99,6 +103,12 @@ def dataset_columns(path: str | Path) -> tuple[str, Path, list[str]]:
             header = next(csv.reader(f), None)
         if not header:
             raise ValueError(f"{path}: no header row; the first line must name the columns")
+        twice = sorted({c for c in header if header.count(c) > 1})
+        if twice:  # a reader keeps one of them and drops the other's values
+            raise ValueError(
+                f"{path}: the header names {', '.join(map(repr, twice))} twice; give each "
+                "column its own name"
+            )
         return fmt, path, header
     return fmt, path, _json_columns(path)
 
@@ -153,3 +163,37 @@ def _check_csv_rows(path: Path, fields: int) -> None:
                 f"{path}: after line {rows.line_num}, byte {exc.object[exc.start]:#04x} is not "
                 "UTF-8; save the file as UTF-8"
             ) from None
+
+
+def _parquet_rows(path: Path) -> int:
+    """The row count a Parquet file's footer states (a reader fails on a file of none)."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).metadata.num_rows
+
+
+def _first_bad_json_line(path: Path) -> str | None:
+    """Why the first line of a JSON Lines file that is not one JSON object fails, naming the
+    line (counted from 1), or None when every line is one."""
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line, object_pairs_hook=_no_duplicate_keys)
+                json.dumps(row, ensure_ascii=False).encode("utf-8")
+            except json.JSONDecodeError as exc:
+                return f"{path}:{number}: not JSON ({exc.msg} at column {exc.colno}); write one JSON object per line"
+            except ValueError as exc:  # a key twice, or a lone surrogate (\\ud800)
+                return f"{path}:{number}: {exc}"
+            if not isinstance(row, dict):
+                return f"{path}:{number}: a JSON {type(row).__name__}, not an object; write one JSON object per line"
+    return None
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"the key(s) {', '.join(map(repr, twice))} appear twice in one object")
+    return dict(pairs)

@@ -21,7 +21,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nodes.dataset_files import _check_csv_rows, _utf8_lines, dataset_columns
+from nodes.dataset_files import (
+    _check_csv_rows,
+    _first_bad_json_line,
+    _parquet_rows,
+    _utf8_lines,
+    dataset_columns,
+)
 from yatt_graph import ANY, Node, UsageError
 from yatt_graph.node import Port
 
@@ -49,6 +55,15 @@ def _open_image(cell: Any, base: Path) -> Any:
         raise TypeError(f"expected a path, bytes or an image, got {type(cell).__name__}")
     image.load()
     return image.convert("RGB")
+
+
+def _root(exc: BaseException) -> str:
+    """The innermost cause of ``exc``, as ``Type: message`` (a reader's own reason)."""
+    seen: list[BaseException] = []
+    while exc not in seen and (exc.__cause__ or exc.__context__) is not None:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return f"{type(exc).__name__}: {exc}"
 
 
 class DatasetSource(Node):
@@ -118,6 +133,15 @@ class DatasetSource(Node):
                 f"{self.file_label}: no prompt column {prompt_key!r}; {found}; "
                 f"pass --set prompt_key=<column>"
             )
+        for option, value, default in (
+            ("answer_key", answer_key, "answer"),
+            ("image_key", image_key, "image"),
+        ):
+            if value != default and value not in self.columns:  # a named column, mistyped
+                raise ValueError(
+                    f"{self.file_label}: no column {value!r} ({option}); {found}; "
+                    f"pass --set {option}=<column>"
+                )
         if images is True and image_key not in self.columns:
             raise ValueError(
                 f"{self.file_label}: no image column {image_key!r} (images are required); {found}; "
@@ -153,7 +177,16 @@ class DatasetSource(Node):
         else:
             if self.format == "json":
                 path = _utf8_lines(self.data_path, self.on_bad_sample, self._scratch)
-            ds = datasets.load_dataset(self.format, data_files=path, split="train")
+            elif _parquet_rows(self.data_path) == 0:
+                raise ValueError(f"{self.file_label}: the dataset has no rows")
+            try:
+                ds = datasets.load_dataset(self.format, data_files=path, split="train")
+            except Exception as exc:  # say which line, as a reader of the file would count
+                if self.format == "json" and (why := _first_bad_json_line(Path(path))):
+                    raise ValueError(why) from exc
+                raise ValueError(
+                    f"{self.file_label}: the {self.format} reader refused it: {_root(exc)}"
+                ) from exc
         if self.use_images:  # decode images here, row by row, so a bad one names its row
             feature = ds.features.get(self.image_key)
             inner = getattr(feature, "feature", None)

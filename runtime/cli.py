@@ -39,17 +39,28 @@ __all__ = ["main"]
 
 def _planned(graph: Any, controllers: int) -> Any:
     """The graph, or its plan as ``yatt-graph run --controllers N`` (colocated) makes it."""
+    if controllers < 1:
+        raise UsageError(f"--controllers must be 1 or more, got {controllers}")
     if controllers < 2:
         return graph
+    if controllers > len(graph.nodes):
+        raise UsageError(
+            f"--controllers {controllers}: {graph.name} has {len(graph.nodes)} nodes and a "
+            "controller runs at least one"
+        )
     from runtime.sched.placement import controller_assignment
 
     return graph.plan(controllers, placement=controller_assignment(graph, controllers))
 
 
 def cmd_viz(args: argparse.Namespace) -> int:
-    suffix = Path(args.output).suffix.lstrip(".").lower()
+    output = Path(args.output)
+    suffix = output.suffix.lstrip(".").lower()
     if suffix not in ("svg", "png"):
         raise UsageError(f"viz: -o must end in .svg or .png, got {args.output!r}")
+    if output.is_dir() or not output.parent.is_dir():
+        what = "is a folder" if output.is_dir() else f"is in {str(output.parent)!r}, not a folder"
+        raise UsageError(f"viz: -o {args.output!r} {what}; name a file in an existing folder")
     with graph_input(args.graph):
         graph = load(args)
     target = _planned(graph, args.controllers)

@@ -10,6 +10,7 @@ import gc
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from yatt_graph import GraphError, UsageError
@@ -17,6 +18,7 @@ from yatt_graph.options import (
     Option,
     check_config,
     format_options,
+    graph_file,
     load_graph_module,
     located,
     module_options,
@@ -40,6 +42,10 @@ def _set_options(
             raise SystemExit(
                 f"--set {pair!r}: expected KEY=VALUE (the graph goes before --set, which takes "
                 "every KEY=VALUE after it)"
+            )
+        if key in texts and texts[key] != value:
+            raise UsageError(
+                f"--set gives {key!r} twice ({texts[key]!r} and {value!r}); give it once"
             )
         texts[key] = value
     return parse_options(texts, options, more, target)
@@ -83,6 +89,11 @@ def graph_options(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, key, None)
         if value is None:
             continue
+        flag = "--" + key.replace("_", "-")
+        if key in values:
+            raise UsageError(f"{flag} and --set {key}=... both give {key!r}; give it once")
+        if isinstance(value, str) and not value.strip():
+            raise UsageError(f"{flag} was given an empty value (an unset shell variable?)")
         if key not in names and not more:
             raise TypeError(
                 f"--{key.replace('_', '-')}: {args.graph} takes no {key!r} option; valid: {format_options(known)}"
@@ -92,6 +103,14 @@ def graph_options(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
+def _ready_graph(target: str) -> bool:
+    """Whether ``target`` is one of the ready graphs (``graphs/``), not a user's file."""
+    import graphs
+
+    path = graph_file(target)
+    return path is not None and path.parent == Path(graphs.__file__).resolve().parent
+
+
 def load(args: argparse.Namespace, options: dict[str, Any] | None = None) -> Any:
     """The graph, built with ``options`` (default: from the flags); an exception raised while
     building it names the place in the graph's file it came from."""
@@ -99,6 +118,9 @@ def load(args: argparse.Namespace, options: dict[str, Any] | None = None) -> Any
     try:
         return load_graph(args.graph, **options)
     except Exception as exc:
+        if _ready_graph(args.graph) and type(exc) in (ValueError, TypeError, UsageError):
+            # a ready graph refusing what the user gave it: the message is the whole line
+            raise UsageError(f"{args.graph}: {exc}") from exc
         where = located(args.graph, exc)
         if where is None:
             raise
@@ -223,6 +245,12 @@ def _check_controllers(args: argparse.Namespace, graph: Any, options: dict[str, 
     ranks, cores = int(options.get("train_ranks") or 1), usable_cores()
     device = str(options.get("device") or "auto")
     on_gpu = device.startswith("cuda") or (device == "auto" and visible_gpus() > 0)
+    if ranks > _RANKS_PER_CORE * cores and not on_gpu:  # each one a process with torch
+        raise UsageError(
+            f"--train-ranks {ranks} on {cores} cores: each rank is a process holding torch and "
+            f"a copy of the model, and more than {_RANKS_PER_CORE} a core only add memory "
+            f"(enough of them end in an out-of-memory kill); use at most {cores}"
+        )
     if ranks > cores and not on_gpu:
         print(
             f"yatt-graph run: --train-ranks {ranks} on {cores} cores: the ranks share cores, and "
@@ -230,6 +258,10 @@ def _check_controllers(args: argparse.Namespace, graph: Any, options: dict[str, 
             file=sys.stderr,
             flush=True,
         )
+
+
+_RANKS_PER_CORE = 4
+"""Training ranks a CPU core may carry before a run is refused (one warns above 1)."""
 
 
 def _start_controllers(args: argparse.Namespace) -> Any:

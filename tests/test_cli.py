@@ -122,6 +122,18 @@ def test_run_on_three_controllers_matches_the_in_process_run(tmp_path, capsys):
             ["--controllers", "2", "--listen", "tcp://127.0.0.1:70000"],
             "needs a port from 1 to 65535",
         ),
+        # an empty path (an unset shell variable) would turn the option off
+        (["--out", ""], "--out was given an empty path"),
+        (["--resume", " "], "--resume was given an empty path"),
+        (["--export", ""], "--export was given an empty path"),
+        # a limit that is no number, or rounds to no limit
+        (["--controllers", "2", "--node-timeout", "nan"], "--node-timeout takes 0 (no limit)"),
+        (["--max-message-mb", "inf"], "--max-message-mb takes 0 (no limit) or a finite"),
+        (["--controllers", "2", "--max-message-mb", "1e-9"], "is under one byte"),
+        (["--max-message-mb", "1"], "--max-message-mb apply to controller processes"),
+        # one option given twice
+        (["--seed", "1", "--set", "seed=2"], "--seed and --set seed=... both give 'seed'"),
+        (["--set", "batch_size=2", "batch_size=3"], "--set gives 'batch_size' twice"),
     ],
 )
 def test_bad_flags_are_refused_in_one_line_with_exit_code_2_before_training(
@@ -227,6 +239,13 @@ def test_a_model_folder_that_does_not_load_is_the_users_error_in_one_line(
     assert "error: node 'rollout' (Rollout) could not be built: ValueError:" in line
     assert str(folder) in line
     assert "this is a bug in yatt-graph" not in err
+    # fewer layers in the config than in the files: transformers loads what fits, warns, and
+    # would train a model the folder does not hold; refused, naming both sides
+    (folder / "config.json").write_text(json.dumps({**config, "n_layer": 1}))
+    assert main([*args, "--controllers", controllers]) == 2
+    err = capsys.readouterr().err
+    assert "the weights do not fit its config.json (model_type 'gpt2')" in err
+    assert "in the files fit no layer of it (transformer.h.1." in err
 
 
 def test_partial_placement_with_more_controllers_than_its_sides_can_use_is_one_line(capsys):
@@ -238,3 +257,40 @@ def test_partial_placement_with_more_controllers_than_its_sides_can_use_is_one_l
     err = capsys.readouterr().err
     assert "--placement partial --controllers 5: the rollout side gets 3 controllers" in err
     assert "use --controllers 4 or fewer" in err and "Traceback" not in err
+
+
+def test_viz_refuses_a_plan_it_cannot_make_and_a_path_it_cannot_write(tmp_path, capsys):
+    svg = str(tmp_path / "g.svg")
+    for args, message in (
+        (["-o", svg, "--controllers", "0"], "--controllers must be 1 or more, got 0"),
+        (["-o", svg, "--controllers", "99"], "--controllers 99: toy_rlhf has 6 nodes"),
+        (["-o", str(tmp_path / "no" / "g.svg")], "not a folder; name a file in an existing"),
+    ):
+        assert main(["viz", "graphs/toy.py", *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    (tmp_path / "d.svg").mkdir()
+    assert main(["viz", "graphs/toy.py", "-o", str(tmp_path / "d.svg")]) == 2
+    assert "is a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("def build_graph():\n    return 42\n", "build_graph() returned int 42, not a Graph"),
+        ("build_graph = 5\n", "build_graph is a int, not a function"),
+    ],
+)
+def test_a_graph_file_whose_build_graph_is_no_graph_says_so(tmp_path, capsys, body, message):
+    graph = tmp_path / "g.py"
+    graph.write_text(body)
+    assert main(["show", str(graph)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_more_training_ranks_than_the_cores_can_hold_is_one_line(tmp_path, capsys):
+    args = ["run", "graphs.text_grpo", "--steps", "1", "--quiet", "--out", str(tmp_path / "r")]
+    assert main([*args, "--train-ranks", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert "--train-ranks 4096 on " in err and "out-of-memory" in err
+    assert not (tmp_path / "r").exists()

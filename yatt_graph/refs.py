@@ -152,6 +152,16 @@ def load_graph(target: str, **kwargs: Any) -> Any:
             raise TypeError(
                 f"{target!r} defines a graph object, not build_graph(); it takes no options"
             )
+    if build is not None and not callable(build):
+        raise ValueError(
+            f"{target!r}: build_graph is a {type(build).__name__}, not a function; define "
+            "build_graph(**options) -> Graph"
+        )
+    if callable(build) and not isinstance(graph, Graph):
+        raise ValueError(
+            f"{target!r}: build_graph() returned {type(graph).__name__} {graph!r:.60}, not a "
+            "Graph; return the Graph it builds (with Graph(...) as g: ...; return g)"
+        )
     if not isinstance(graph, Graph):
         raise ValueError(
             f"{target!r} declares no graph: define build_graph(**options) -> Graph, or a module-level Graph"

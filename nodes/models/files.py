@@ -74,10 +74,35 @@ def _load_pretrained(
 
     _check_checkpoint_dir(fn, path)
     with _loading(fn, path):
-        model = getattr(transformers, auto_class).from_pretrained(
-            path, dtype=getattr(torch, dtype), local_files_only=True
+        model, info = getattr(transformers, auto_class).from_pretrained(
+            path, dtype=getattr(torch, dtype), local_files_only=True, output_loading_info=True
         )
+        _check_loaded(fn, path, model, info)
         return model, companion(path)
+
+
+def _check_loaded(fn: str, path: Path, model: Any, info: dict[str, Any]) -> None:
+    """Refuse a model whose weight files and ``config.json`` describe different models:
+    transformers loads what fits, leaves the rest at random values and only warns."""
+    missing, unexpected = (
+        sorted(info.get("missing_keys", ())),
+        sorted(info.get("unexpected_keys", ())),
+    )
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(
+            f"{len(missing)} weight(s) its config needs are not in the files ({missing[0]}, ...)"
+        )
+    if unexpected:
+        parts.append(f"{len(unexpected)} in the files fit no layer of it ({unexpected[0]}, ...)")
+    kind = getattr(model.config, "model_type", "?")
+    raise ValueError(
+        f"{fn}: {str(path)!r}: the weights do not fit its config.json (model_type {kind!r}): "
+        f"{'; '.join(parts)}; the config and the weight files are of different models (a "
+        "config edited or copied from another model?)"
+    )
 
 
 #: tokenizer classes that ``tokenizer.json`` describes completely

@@ -131,10 +131,11 @@ def resume_point(args: Any, graph: Any, here: Path | None) -> Path | None:
     if not args.resume:
         return None
     path, meta = find_checkpoint(args.resume, graph_identity(graph))
-    if meta["step"] > args.steps:
+    if meta["step"] >= args.steps:  # (equal: nothing to run, and the run's summary stays)
+        where = "is below" if meta["step"] > args.steps else "is already"
         raise UsageError(
-            f"--steps {args.steps} is below the step of {path} ({meta['step']}); --steps "
-            "counts the restored steps too: pass --steps above it"
+            f"--steps {args.steps} {where} the step of {path} ({meta['step']}); --steps "
+            "counts the restored steps too: pass --steps above it to train on"
         )
     later = [p for p in checkpoints(here) if checkpoint_step(p) > meta["step"]] if here else []
     if later:

@@ -5,6 +5,7 @@ and combinations cannot work (:func:`check_flags`, before anything is built: one
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -204,8 +205,22 @@ def _check_numbers(args: Any) -> None:
     for flag, (value, low) in least.items():
         if value < low:
             raise UsageError(f"{flag} must be {low} or more, got {value}")
-    if args.node_timeout < 0 or args.max_message_mb < 0:
-        raise UsageError("--node-timeout and --max-message-mb take 0 (no limit) or more")
+    for flag, value in (
+        ("--node-timeout", args.node_timeout),
+        ("--max-message-mb", args.max_message_mb),
+    ):
+        if not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"{flag} takes 0 (no limit) or a finite number above it, got {value}")
+    if 0 < args.max_message_mb * (1 << 20) < 1:
+        raise UsageError(
+            f"--max-message-mb {args.max_message_mb} is under one byte (0 is no limit); "
+            "give at least 0.001 (about 1 KB)"
+        )
+    for flag in ("out", "resume", "export"):  # (an empty one: an unset shell variable)
+        value = getattr(args, flag, None)
+        if isinstance(value, str) and not value.strip():
+            name = "--" + flag.replace("_", "-")
+            raise UsageError(f"{name} was given an empty path; name a folder")
     if args.no_spawn and not args.listen:
         raise UsageError(
             "--no-spawn waits for controllers started by hand, which join a driver on tcp; "
@@ -262,10 +277,12 @@ def _check_run_flags(args: Any, distributed: bool) -> None:
             "--listen binds the driver for controllers that join over tcp; say how many with "
             "--controllers N (N > 1), e.g. --controllers 2 --no-spawn for two started by hand"
         )
-    if not distributed and (args.keys or args.allow_remote or args.node_timeout):
+    if not distributed and (
+        args.keys or args.allow_remote or args.node_timeout or args.max_message_mb != 4096.0
+    ):
         raise UsageError(
-            "--keys, --allow-remote and --node-timeout apply to controller processes; add "
-            "--controllers N (N > 1) or --listen"
+            "--keys, --allow-remote, --node-timeout and --max-message-mb apply to controller "
+            "processes and their sockets; add --controllers N (N > 1) or --listen"
         )
 
 

@@ -421,3 +421,32 @@ def test_a_pipe_and_one_column_for_prompt_and_image_are_refused(tmp_path):
     path.write_text('{"prompt": "a"}\n')
     with pytest.raises(ValueError, match="prompt_key and image_key both name column 'prompt'"):
         DatasetSource(str(path), image_key="prompt")
+
+
+def test_files_a_reader_would_misread_are_named_with_the_line(tmp_path):
+    """Lines that are not one JSON object, a key twice, a column named twice, a mistyped
+    column option and a Parquet file with no rows: each one line naming file and line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cases = {
+        "cut.jsonl": ('{"prompt": "a"}\n{"prompt": \n', r"cut\.jsonl:2: not JSON"),
+        "twice.jsonl": (
+            '{"prompt": "a", "prompt": "b"}\n',
+            r"twice\.jsonl:1: the key\(s\) 'prompt'",
+        ),
+        "list.jsonl": ('{"prompt": "a"}\n[1, 2]\n', r"list\.jsonl:2: a JSON list, not an object"),
+        "str.jsonl": ('"just text"\n{"prompt": "a"}\n', r"str\.jsonl:1: a JSON str, not an object"),
+        "dup.csv": ("prompt,answer,answer\nq,red,blue\n", r"the header names 'answer' twice"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=message):
+            DatasetSource(str(tmp_path / name)).setup()
+    good = _jsonl(tmp_path / "good.jsonl", _text_rows(2))
+    for option in ("answer_key", "image_key"):
+        with pytest.raises(ValueError, match=rf"no column 'colr' \({option}\).*--set {option}="):
+            DatasetSource(str(good), **{option: "colr"})
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "none.parquet")
+    with pytest.raises(ValueError, match=r"none\.parquet: the dataset has no rows"):
+        DatasetSource(str(tmp_path / "none.parquet")).setup()

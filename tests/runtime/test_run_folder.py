@@ -229,6 +229,10 @@ def test_resume_without_out_continues_its_folder_once_per_step_and_keeps_the_tra
     assert raw_steps(out) == [0, 1, 2, 3, 4, 5]  # rows 4, 5 are past the checkpoint
     assert run("--seed", "3", "--steps", "3", "--resume", str(out)) == 2
     assert "--steps 3 is below the step of" in capsys.readouterr().err
+    summary = (out / "summary.json").read_text()
+    assert run("--seed", "3", "--steps", "6", "--resume", str(out)) == 2  # nothing to run
+    assert "--steps 6 is already the step of" in capsys.readouterr().err
+    assert (out / "summary.json").read_text() == summary  # the run's summary is kept
     assert run("--seed", "3", "--steps", "8", "--resume", str(out)) == 0
     assert raw_steps(out) == list(range(8))  # every step once, in the folder it resumed
     assert learning(read_metrics(out)) == learning(read_metrics(whole))
