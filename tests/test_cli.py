@@ -293,4 +293,4 @@ def test_more_training_ranks_than_the_cores_can_hold_is_one_line(tmp_path, capsy
     assert main([*args, "--train-ranks", "4096"]) == 2
     err = capsys.readouterr().err
     assert "--train-ranks 4096 on " in err and "out-of-memory" in err
-    assert not (tmp_path / "r").exists()
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()  # before any step
