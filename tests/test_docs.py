@@ -12,8 +12,9 @@ _REF = re.compile(r"`([^`]*?test_\w+[^`]*)`")
 
 
 def _claims(text: str) -> list[tuple[int, str]]:
-    """(line number, last cell) of each row of the tables whose header's last cell is 'test'."""
-    rows, in_claims = [], False
+    """(line number, last cell) of each row of the tables whose header's last cell is 'test';
+    a row with another number of cells than its header is given as the cell ``"<cells>"``."""
+    rows, in_claims, width = [], False, 0
     lines = text.splitlines()
     for i, line in enumerate(lines, 1):
         if not line.startswith("|"):
@@ -21,12 +22,12 @@ def _claims(text: str) -> list[tuple[int, str]]:
             continue
         if set(line) <= set("|-: "):
             continue
-        cell = line.rstrip().rstrip("|").rsplit("|", 1)[-1].strip()
+        cells = line.strip().strip("|").replace("\\|", "").split("|")
         if i < len(lines) and lines[i].startswith("|") and set(lines[i]) <= set("|-: "):
-            in_claims = cell == "test"  # a header: its separator follows
+            in_claims, width = cells[-1].strip() == "test", len(cells)  # a header
             continue
         if in_claims:
-            rows.append((i, cell))
+            rows.append((i, cells[-1].strip() if len(cells) == width else "<cells>"))
     return rows
 
 
@@ -39,6 +40,9 @@ def problems(text: str, root: Path = ROOT) -> list[str]:
         files.setdefault(path.name, []).append(path)
     found = []
     for line, cell in _claims(text):
+        if cell == "<cells>":
+            found.append(f"line {line}: the row has another number of cells than its header")
+            continue
         refs = _REF.findall(cell)
         if not refs:
             found.append(f"line {line}: the row names no test")
@@ -74,10 +78,12 @@ def test_the_checker_sees_a_missing_test_and_a_row_without_one():
         "| case | what | test |\n|---|---|---|\n"
         "| a | b | `tests/test_docs.py::test_no_such_test`, `test_cli.py` |\n"
         "| c | d | - |\n"
+        "| g | h | i | `test_docs.py` |\n"
         "| e | f | `test_docs.py::test_the_checker_sees_a_missing_test_and_a_row_without_one` |\n"
         "\n| process | MB |\n|---|---|\n| driver | 604 |\n"
     )
     assert problems(text) == [
         "line 3: test_docs.py has no test_no_such_test",
         "line 4: the row names no test",
+        "line 5: the row has another number of cells than its header",
     ]
