@@ -10,7 +10,6 @@ import gc
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from yatt_graph import GraphError, UsageError
@@ -105,10 +104,14 @@ def graph_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def _ready_graph(target: str) -> bool:
     """Whether ``target`` is one of the ready graphs (``graphs/``), not a user's file."""
-    import graphs
+    import importlib.util
+    from pathlib import Path
 
+    spec = importlib.util.find_spec("graphs")  # (found, not imported: it is a layer up)
     path = graph_file(target)
-    return path is not None and path.parent == Path(graphs.__file__).resolve().parent
+    if path is None or spec is None or not spec.origin:
+        return False
+    return path.parent == Path(spec.origin).resolve().parent
 
 
 def load(args: argparse.Namespace, options: dict[str, Any] | None = None) -> Any:
