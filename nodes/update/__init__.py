@@ -19,8 +19,9 @@ also when its steps were skipped.
 A non-finite policy logprob, value, loss or gradient (norm) skips the step: gradients are
 zeroed, no optimizer steps, ``metrics["skipped_nonfinite"]`` is 1.0 and the remaining epochs
 of the call are dropped (they would see the same batch and weights as the failed one). The
-weights are checked after every optimizer step: a step that leaves them non-finite, or after
-which the next epoch's values are not finite (the same batch was fine before it), is undone:
+weights are checked after every optimizer step (one fused norm per model): a step that leaves
+them non-finite or too large to square, or after which the next epoch's values are not finite
+(the same batch was fine before it), is undone:
 the weights from before it are put back (a copy of the trained weights is kept during a call
 for this; the optimizer's moments keep that step's gradient). With ``on_nonfinite="raise"`` a
 :class:`NonFiniteError` (a ``UsageError``) names the node and the quantity instead. Non-finite

@@ -326,7 +326,7 @@ class _Update(Offload, _Ranked, Sharing, Node):
         if undo is not None:
             self._restore_weights(undo)
             what += (
-                f"; the optimizer step that led to it (lr {self._lr()}) was undone: lower lr "
+                f"; the optimizer step that led to it (lr {self._lr():g}) was undone: lower lr "
                 "or set max_grad_norm"
             )
         if self.on_nonfinite == "raise":
@@ -336,32 +336,36 @@ class _Update(Offload, _Ranked, Sharing, Node):
             )
         log.warning("node %r: %s; step skipped", self.name, what)
 
+    def _shards(self) -> list[list[Tensor]]:
+        """Each trained model's weights as plain tensors: this rank's shard of a DTensor."""
+        return [
+            [getattr(p, "_local_tensor", p).detach() for p in params]
+            for _, _, params, _ in self._trained
+        ]
+
     def _weights_finite(self) -> bool:
-        """Whether every trained weight is finite (in a group: on every rank)."""
-        bad = False
+        """Whether every trained weight is finite (in a group: on every rank): one fused norm
+        per model, not finite when a weight is not (or so large its square overflows)."""
         with torch.no_grad():
-            for _, _, params, _ in self._trained:
-                local = [getattr(p, "_local_tensor", p) for p in params]  # a DTensor's shard
-                if local and not bool(torch.stack([t.isfinite().all() for t in local]).all()):
-                    bad = True
-                    break
+            bad = any(
+                local and not bool(torch.stack(torch._foreach_norm(local)).isfinite().all())
+                for local in self._shards()
+            )
         return not (self._ranks.any_flag(bad) if self._ranks is not None else bad)
 
     def _copy_weights(self, into: list[list[Tensor]] | None = None) -> list[list[Tensor]]:
         """The trained weights as they are (into the buffers of an earlier copy, if given)."""
         with torch.no_grad():
             if into is None:
-                return [[p.detach().clone() for p in params] for _, _, params, _ in self._trained]
-            for (_, _, params, _), saved in zip(self._trained, into):
-                for copy, p in zip(saved, params):
-                    copy.copy_(p.detach())
+                return [[t.clone() for t in local] for local in self._shards()]
+            for local, saved in zip(self._shards(), into):
+                torch._foreach_copy_(saved, local)
         return into
 
     def _restore_weights(self, saved: list[list[Tensor]]) -> None:
         with torch.no_grad():
-            for (_, _, params, _), copies in zip(self._trained, saved):
-                for p, copy in zip(params, copies):
-                    p.detach().copy_(copy)
+            for local, copies in zip(self._shards(), saved):
+                torch._foreach_copy_(local, copies)
 
     def _train(
         self,

@@ -291,23 +291,31 @@ def test_nan_parameter_skips_grpo_step_and_names_logprobs(batch):
         node.run(_grpo_inputs(batch, adv, image_embeds=batch["image_embeds"]))
 
 
-def test_a_step_that_makes_the_policy_diverge_is_undone_and_names_the_lr(batch, caplog):
-    """lr 1e30: the first step leaves finite weights of ~1e30, whose logits overflow in the
-    second epoch; that step is undone, so the weights published are the ones before it."""
+@pytest.mark.parametrize(
+    ("lr", "found"),
+    [
+        (1e30, "non-finite weights after the optimizer step in update 1, epoch 1"),  # ~1e30: w*w
+        (1e15, "non-finite policy logprobs in update 1, epoch 2"),  # finite, but logits overflow
+    ],
+)
+def test_a_step_that_makes_the_policy_diverge_is_undone_and_names_the_lr(batch, caplog, lr, found):
+    """A step whose weights are too large to square is caught at once; one whose weights are
+    finite but whose logits overflow, at the next epoch's forward. Either way the step is
+    undone, so the weights published are the ones before it."""
     from yatt_graph import UsageError
 
     adv = broadcast_to_tokens(batch["scores"], batch["response_mask"])
     inputs = _grpo_inputs(batch, adv, image_embeds=batch["image_embeds"])
-    node = GRPOUpdate(lr=1e30, epochs=2, name="grpo")
+    node = GRPOUpdate(lr=lr, epochs=2, name="grpo")
     before = _params(node.policy)
     with caplog.at_level("WARNING"):
         out = node.run(inputs)
     assert out["metrics"]["skipped_nonfinite"] == 1.0
     assert _same_params(before, _params(node.policy))
     assert _same_params(before, out["weights"].weights)
-    assert "epoch 2; the optimizer step that led to it (lr 1e+30) was undone" in caplog.text
+    assert f"{found}; the optimizer step that led to it (lr {lr:g}) was undone" in caplog.text
     node.on_nonfinite = "raise"
-    with pytest.raises(UsageError, match=r"non-finite policy logprobs in update 2, epoch 2; the"):
+    with pytest.raises(UsageError, match=found.replace("update 1", "update 2")):
         node.run(inputs)
     assert _same_params(before, _params(node.policy))
 
