@@ -78,7 +78,29 @@ def _load_pretrained(
             path, dtype=getattr(torch, dtype), local_files_only=True, output_loading_info=True
         )
         _check_loaded(fn, path, model, info)
-        return model, companion(path)
+        reader = companion(path)
+    _check_vocabulary(fn, path, model, getattr(reader, "tokenizer", reader))
+    return model, reader
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def _check_vocabulary(fn: str, path: Path, model: Any, tokenizer: Any) -> None:
+    """Refuse a folder with no tokenizer of its own (transformers then builds an empty one
+    from the model type) or one whose ids run past the model's embedding rows."""
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(
+            f"{fn}: {str(path)!r} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
+            "save the model's tokenizer there too (tokenizer.save_pretrained(path))"
+        )
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ValueError(
+            f"{fn}: {str(path)!r}: the tokenizer has {len(tokenizer)} tokens and the model's "
+            f"embedding {rows} rows, so ids from {rows} on would index past it; the tokenizer is "
+            "of another model"
+        )
 
 
 def _check_loaded(fn: str, path: Path, model: Any, info: dict[str, Any]) -> None:

@@ -95,6 +95,26 @@ def test_unsupported_and_broken_dirs_say_what(tmp_path):
         model_family(tmp_path / "nope")
 
 
+def test_a_folder_without_its_tokenizer_or_with_another_models_is_refused(tmp_path):
+    """transformers builds an empty tokenizer from the model type alone, and takes any
+    tokenizer file: both failed inside generate with an IndexError."""
+    import shutil
+
+    from nodes.models.policy_base import word_tokenizer
+
+    tiny_causal_lm("gpt2", seed=0).save_pretrained(tmp_path / "lm")
+    rows = load_policy(tmp_path / "lm").model.get_input_embeddings().num_embeddings
+    shutil.copytree(tmp_path / "lm", tmp_path / "bare")
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        (tmp_path / "bare" / name).unlink(missing_ok=True)
+    with pytest.raises(ValueError, match=r"holds no tokenizer \(none of tokenizer.json"):
+        load_policy(tmp_path / "bare")
+    shutil.copytree(tmp_path / "lm", tmp_path / "other")
+    word_tokenizer([f"w{i}" for i in range(rows + 10)]).save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match=rf"tokens and the model's embedding {rows} rows"):
+        load_policy(tmp_path / "other")
+
+
 def test_path_spec_keys_are_checked(tmp_path):
     tiny_causal_lm("gpt2").save_pretrained(tmp_path / "lm")
     path = str(tmp_path / "lm")
