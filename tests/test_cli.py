@@ -126,6 +126,7 @@ def test_run_on_three_controllers_matches_the_in_process_run(tmp_path, capsys):
         (["--out", ""], "--out was given an empty path"),
         (["--resume", " "], "--resume was given an empty path"),
         (["--export", ""], "--export was given an empty path"),
+        (["--resume", "nope"], "--resume nope: does not exist; it takes a run folder"),
         # a limit that is no number, or rounds to no limit
         (["--controllers", "2", "--node-timeout", "nan"], "--node-timeout takes 0 (no limit)"),
         (["--max-message-mb", "inf"], "--max-message-mb takes 0 (no limit) or a finite"),

@@ -127,7 +127,7 @@ def find_checkpoint(
     source = Path(source)
     if source.is_file():
         raise CheckpointError(
-            f"{source} is a file; --resume takes a run folder or one of its "
+            f"{source} is a file; a checkpoint is read from a run folder or one of its "
             "checkpoints/step_N folders"
         )
     if checkpoint_step(source) is not None and not (source / "meta.json").exists():

@@ -41,11 +41,17 @@ def run_command(args: Any, setup: Any) -> int:
     devices, distributed)()``, export. Returns the exit code."""
 
     devices, distributed = check_flags(args)  # before the graph (and its models) is built
+    if args.resume and not Path(args.resume).is_dir():
+        what = "is a file" if Path(args.resume).exists() else "does not exist"
+        raise UsageError(
+            f"--resume {args.resume}: {what}; it takes a run folder or one of its "
+            "checkpoints/step_N folders"
+        )
     out = (
         Path(args.out) if args.out else (run_folder_of(Path(args.resume)) if args.resume else None)
     )
     if out is not None:
-        check_folder(out, "--out")
+        check_folder(out, "--out" if args.out else "--resume")
         if (out / "checkpoints").exists():
             check_folder(out / "checkpoints", "--out: its checkpoint folder")
     lock = RunLock(out).acquire() if out is not None else None
