@@ -103,8 +103,7 @@ def dataset_columns(path: str | Path) -> tuple[str, Path, list[str]]:
             header = next(csv.reader(f), None)
         if not header:
             raise ValueError(f"{path}: no header row; the first line must name the columns")
-        twice = sorted({c for c in header if header.count(c) > 1})
-        if twice:  # a reader keeps one of them and drops the other's values
+        if twice := _twice(header):  # a reader keeps one of them and drops the other's values
             raise ValueError(
                 f"{path}: the header names {', '.join(map(repr, twice))} twice; give each "
                 "column its own name"
@@ -191,9 +190,12 @@ def _first_bad_json_line(path: Path) -> str | None:
     return None
 
 
+def _twice(names: list[str]) -> list[str]:
+    """The names that appear more than once, sorted."""
+    return sorted({n for n in names if names.count(n) > 1})
+
+
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    keys = [k for k, _ in pairs]
-    twice = sorted({k for k in keys if keys.count(k) > 1})
-    if twice:
+    if twice := _twice([k for k, _ in pairs]):
         raise ValueError(f"the key(s) {', '.join(map(repr, twice))} appear twice in one object")
     return dict(pairs)

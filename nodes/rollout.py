@@ -40,9 +40,10 @@ from nodes.models.policy import (
     build_policy,
     check_policy_spec,
 )
-from nodes.models.sampling import temperature_problem
+from nodes.models.prompts import fit_prompts
+from nodes.models.sampling import sampling_problem
 from nodes.models.vllm_engine import VLLMEngine, check_vllm_options, vllm_unavailable_reason
-from nodes.seeding import seeded
+from nodes.seeding import seeded, step_seed
 from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
 from nodes.sync import WeightInput
 from yatt_graph import ANY, BatchPolicy, Node, Port, UsageError
@@ -62,10 +63,6 @@ class _Call(NamedTuple):
     images: list[Any] | None  # B or None
     batch: Any  # the policy's PromptBatch
     seed: int
-
-
-def _step_seed(seed: int, step: int) -> int:
-    return (seed * 1_000_003 + step) % (2**63 - 1)
 
 
 def _checkpoint_dir(spec: Any, model: Policy | None) -> str | None:
@@ -106,7 +103,7 @@ class Rollout(Offload, Sharing, WeightInput, Node):
         max_new_tokens: the longest response.
         max_prompt_tokens: a longer prompt keeps its last this many tokens (None: a prompt
             that leaves no room for ``max_new_tokens`` in the model's context is an error
-            naming it); see :meth:`nodes.models.policy.Policy.fit_prompts`.
+            naming it); see :func:`nodes.models.prompts.fit_prompts`.
         stop: stop strings; a response ends with the token that completes one (kept).
         stop_token_ids: token ids that end a response (kept), besides the EOS token.
         seed: base of the per-step seeds.
@@ -181,12 +178,8 @@ class Rollout(Offload, Sharing, WeightInput, Node):
                 f"{where}: n={n}, max_new_tokens={max_new_tokens}, max_prompt_tokens="
                 f"{max_prompt_tokens}; each must be >= 1"
             )
-        if why := temperature_problem(temperature):
+        if why := sampling_problem(temperature, top_p, top_k):
             raise ValueError(f"{where}: {why}")
-        if not 0 < top_p <= 1 or top_k < 0:
-            raise ValueError(
-                f"{where}: top_p={top_p}, top_k={top_k}; need 0 < top_p <= 1, top_k >= 0"
-            )
         if isinstance(stop, str):
             raise ValueError(f"{where}: stop must be a list of strings, got the string {stop!r}")
         if stream and (backend != "hf" or recompute_logprobs or stream_every < 1):
@@ -300,18 +293,18 @@ class Rollout(Offload, Sharing, WeightInput, Node):
         images_b = None if images is None else [im for im in images for _ in range(n)]
         embeds_b = None if image_embeds is None else image_embeds.repeat_interleave(n, 0)  # (B, D)
         batch = self.policy.encode_prompts(prompts_b, images=images_b, image_embeds=embeds_b)
-        batch = self.policy.fit_prompts(
-            batch, prompts_b, max_new_tokens=self.sampling["max_new_tokens"],
+        batch = fit_prompts(
+            self.policy, batch, prompts_b, max_new_tokens=self.sampling["max_new_tokens"],
             max_prompt_tokens=self.max_prompt_tokens, who=f"node {self.name!r}",
         )  # fmt: skip
-        seed = _step_seed(self.seed, self.step)
+        seed = step_seed(self.seed, self.step)
         if self._piece is not None:  # a replica's piece: its own seed, from its first row
             ctx, rows = self._piece
             if len(rows) != N:
                 raise ValueError(
                     f"node {self.name!r}: begin_piece was given {len(rows)} rows for {N} prompts"
                 )
-            seed = _step_seed(_step_seed(self.seed, ctx["step"]), 1 + rows[0])
+            seed = step_seed(step_seed(self.seed, ctx["step"]), 1 + rows[0])
         return _Call(N, prompts_b, images_b, batch.to(self.device), seed)
 
     def _outputs(

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["seeded"]
+__all__ = ["seeded", "step_seed"]
 
 
 @contextlib.contextmanager
@@ -26,3 +26,8 @@ def seeded(seed: int, device: torch.device | str = "cpu") -> Iterator[None]:
             with torch.cuda.device(d):
                 torch.cuda.manual_seed(int(seed))
         yield
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The seed of call ``step`` of a node seeded with ``seed`` (rollouts, updates)."""
+    return (seed * 1_000_003 + step) % (2**63 - 1)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from nodes.models.policy import build_policy, check_policy_spec
+from nodes.models.prompts import fit_prompts
 from nodes.sync import decode_weights
 from yatt_graph import ANY, Node, Port
 from yatt_graph.node import Built
@@ -145,8 +146,8 @@ class GreedyValidation(Node):
             elif self.image_input == "image_embeds":
                 image_kwargs["image_embeds"] = self.encoder.encode(images[part])
             batch = self.policy.encode_prompts(prompts[part], **image_kwargs)
-            batch = self.policy.fit_prompts(
-                batch, prompts[part], max_new_tokens=self.max_new_tokens,
+            batch = fit_prompts(
+                self.policy, batch, prompts[part], max_new_tokens=self.max_new_tokens,
                 max_prompt_tokens=self.max_prompt_tokens, who=f"node {self.name!r}",
             )  # fmt: skip
             out = self.policy.generate(batch, max_new_tokens=self.max_new_tokens, temperature=0.0)

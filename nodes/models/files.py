@@ -63,6 +63,14 @@ def _loading(fn: str, path: Path) -> Iterator[None]:
         ) from exc
 
 
+def config_positions(config: Any) -> int | None:
+    """Positions one sequence may take under a transformers config (its text part's
+    ``max_position_embeddings`` or ``n_positions``); None if it names none."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 0)
+    return int(n) if n else None
+
+
 def _load_pretrained(
     fn: str, path: Path, auto_class: str, dtype: str, companion: Callable[[Path], Any]
 ) -> tuple[Any, Any]:

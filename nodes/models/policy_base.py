@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from nodes.models.files import config_positions
 from nodes.rl.losses import logprobs_from_logits
-from yatt_graph import UsageError
 
 __all__ = [
     "Generation",
@@ -216,83 +216,11 @@ class Policy(nn.Module):
     def context_length(self) -> int | None:
         """Positions one sequence may take (image tokens, prompt and response), from the
         model's config (``max_position_embeddings`` or ``n_positions``); None if it names none."""
-        config = getattr(self, self._hf_attribute).config
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 0)
-        return int(n) if n else None
+        return config_positions(getattr(self, self._hf_attribute).config)
 
     def prompt_positions(self, batch: PromptBatch) -> Tensor:
         """Positions each row's prompt takes (its tokens, image placeholders included): int64[B]."""
         return batch.prompt_mask.sum(1)
-
-    def fit_prompts(
-        self,
-        batch: PromptBatch,
-        prompts: Sequence[str],
-        *,
-        max_new_tokens: int,
-        max_prompt_tokens: int | None,
-        who: str,
-    ) -> PromptBatch:
-        """``batch`` with every prompt leaving room for ``max_new_tokens`` in the context.
-
-        With ``max_prompt_tokens`` a longer prompt keeps its last ``max_prompt_tokens``
-        tokens (the question and the chat template's assistant turn are at its end), as TRL
-        truncates; a prompt whose image tokens would be cut is refused. Without it, a prompt
-        that does not fit is one error naming it, its length, the context and the fixes.
-        ``prompts`` are the texts of the rows (for the message).
-        """
-        if max_prompt_tokens is not None:
-            batch = self._cut_prompts(batch, prompts, max_prompt_tokens, who)
-        limit = self.context_length
-        if limit is None:
-            return batch
-        needed = self.prompt_positions(batch) + max_new_tokens  # (B,)
-        over = (needed > limit).nonzero().flatten().tolist()
-        if over:
-            i = over[0]
-            n = int(needed[i]) - max_new_tokens
-            other = n - int(batch.prompt_mask[i].sum())  # positions that are not the text's
-            room = limit - max_new_tokens - other
-            fix = (
-                f"or keep each prompt's last N tokens with --set max_prompt_tokens=N (N <= {room})"
-                if room >= 1
-                else "(no prompt fits beside this many new tokens)"
-            )
-            raise UsageError(
-                f"{who}: the prompt {_preview(prompts[i])} takes {n} positions and "
-                f"max_new_tokens={max_new_tokens} more, {n + max_new_tokens} in all, but the "
-                f"model takes {limit} ({len(over)} of {len(prompts)} rows are too long); "
-                f"shorten the prompts, lower max_new_tokens, {fix}"
-            )
-        return batch
-
-    def _cut_prompts(
-        self, batch: PromptBatch, prompts: Sequence[str], keep: int, who: str
-    ) -> PromptBatch:
-        """Left-padded rows cut to their last ``keep`` tokens (the prompt's end)."""
-        if batch.prompt_ids.shape[1] <= keep:
-            return batch
-        lengths = batch.prompt_mask.sum(1)  # (B,)
-        image_token = getattr(self, "image_token_id", None)
-        if image_token is not None:
-            cut = batch.prompt_ids[:, :-keep]  # (B, P - keep): the tokens that would go
-            hit = ((cut == image_token) & (batch.prompt_mask[:, :-keep] > 0)).any(1)
-            if hit.any():
-                i = int(hit.nonzero()[0])
-                raise UsageError(
-                    f"{who}: the prompt {_preview(prompts[i])} takes {int(lengths[i])} tokens, "
-                    f"over max_prompt_tokens={keep}, and cutting it would cut its "
-                    "image's tokens; raise max_prompt_tokens or shorten the prompt's text"
-                )
-        return PromptBatch(
-            batch.prompt_ids[:, -keep:],
-            batch.prompt_mask[:, -keep:],
-            {
-                k: (v[:, -keep:] if v.dim() == 2 and v.shape == batch.prompt_ids.shape else v)
-                for k, v in batch.model_inputs.items()
-            },
-        )
 
     # --- to implement ----------------------------------------------------------------------
     def encode_prompts(
@@ -437,11 +365,6 @@ class Policy(nn.Module):
         from nodes.models.sampling import generate_stream
 
         return generate_stream(self, batch, every=every, **sampling)
-
-
-def _preview(text: str, n: int = 40) -> str:
-    """The start of a prompt, for messages: ``'What colour is the sh...'``."""
-    return repr(text[:n] + ("..." if len(text) > n else ""))
 
 
 def _suppress(logits: Tensor, token_ids: Sequence[int]) -> Tensor:

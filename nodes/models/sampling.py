@@ -31,11 +31,27 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from nodes.models.policy_base import Generation, Policy, PromptBatch
 
-__all__ = ["MIN_TEMPERATURE", "generate", "generate_stream", "temperature_problem"]
+__all__ = [
+    "MIN_TEMPERATURE",
+    "generate",
+    "generate_stream",
+    "sampling_problem",
+    "temperature_problem",
+]
 
 MIN_TEMPERATURE = 0.01
 """The lowest sampling temperature above 0 (as vLLM's floor): below it ``logits / T`` leaves
 float32's useful range (the logprobs the update trains on overflow or lose their precision)."""
+
+
+def sampling_problem(temperature: float, top_p: float, top_k: int) -> str | None:
+    """Why these sampling settings cannot be used (:func:`temperature_problem`, a top-p
+    outside (0, 1], a negative top-k), or None."""
+    if why := temperature_problem(temperature):
+        return why
+    if not 0 < top_p <= 1 or top_k < 0:
+        return f"top_p={top_p}, top_k={top_k}; need 0 < top_p <= 1, top_k >= 0"
+    return None
 
 
 def temperature_problem(temperature: float, greedy: bool = True) -> str | None:
@@ -167,12 +183,8 @@ class _Setup:
 
         if max_new_tokens < 1:
             raise ValueError(f"generate: max_new_tokens is {max_new_tokens}; it must be >= 1")
-        if why := temperature_problem(temperature):
+        if why := sampling_problem(temperature, top_p, top_k):
             raise ValueError(f"generate: {why}")
-        if not 0 < top_p <= 1 or top_k < 0:
-            raise ValueError(
-                f"generate: top_p={top_p}, top_k={top_k}; need 0 < top_p <= 1, top_k >= 0"
-            )
         greedy = temperature == 0
         eos = [policy.eos_token_id]
         eos += [int(t) for t in stop_token_ids if int(t) != policy.eos_token_id]

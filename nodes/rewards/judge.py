@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from nodes.models.files import _check_checkpoint_dir, _read_json
+from nodes.models.files import _check_checkpoint_dir, _read_json, config_positions
 from nodes.models.offload import Offload
 from nodes.rewards.base import RewardNode, fill_template, template_fields
 from nodes.rewards.models import _TORCH_DTYPES, _loading_as, _set_pad_token
@@ -197,9 +197,7 @@ class JudgeReward(Offload, RewardNode):
                 )
         self.word_ids = self._score_ids(tokenizer)
         if self.max_length is None:
-            cfg = model.config.get_text_config()
-            limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 0)
-            self.max_length = int(limit) if limit else 2048
+            self.max_length = config_positions(model.config) or 2048
         model = model.to(device=self.device, dtype=_TORCH_DTYPES[self.dtype]).eval()
         self.model, self.tokenizer = model, tokenizer
 

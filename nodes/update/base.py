@@ -22,9 +22,9 @@ from nodes.rl.losses import (
     token_entropy_from_logits,
 )
 from nodes.rl.masked import _check_finite
-from nodes.rollout import _step_seed
-from nodes.seeding import seeded
+from nodes.seeding import seeded, step_seed
 from nodes.shared_models import Sharing, check_share_key, fingerprint
+from nodes.update.guard import copy_weights, restore_weights, weights_finite
 from nodes.update.ranked import NonFiniteError, _Ranked
 from nodes.update.shares import Micro, View, plan_micro_batches
 from yatt_graph import ANY, BatchPolicy, Node, Port
@@ -90,6 +90,7 @@ class _Update(Offload, _Ranked, Sharing, Node):
         bound.apply_defaults()
         o = SimpleNamespace(**bound.arguments)
         where = f"node {self.name!r}"
+        hot = temperature_problem(o.temperature, greedy=False)
         checks = [
             (0 < o.lr <= _FLOAT32_MAX, f"lr={o.lr}; it must be > 0 and fit float32"),
             (o.weight_decay >= 0, f"weight_decay={o.weight_decay}; it must be >= 0"),
@@ -109,10 +110,7 @@ class _Update(Offload, _Ranked, Sharing, Node):
                 o.max_grad_norm is None or o.max_grad_norm >= 0,
                 f"max_grad_norm={o.max_grad_norm}; it must be >= 0 (0 or None: no clipping)",
             ),
-            (
-                temperature_problem(o.temperature, greedy=False) is None,
-                f"{temperature_problem(o.temperature, greedy=False)} (the rollout's)",
-            ),
+            (hot is None, f"{hot} (the rollout's)"),
             (
                 o.on_nonfinite in ("raise", "skip"),
                 f"on_nonfinite={o.on_nonfinite!r}; choose 'raise' or 'skip' (as on_bad_sample)",
@@ -324,7 +322,7 @@ class _Update(Offload, _Ranked, Sharing, Node):
         (``on_nonfinite``). The optimizer's moments keep that step's (finite) gradient."""
         self._zero_grad()
         if undo is not None:
-            self._restore_weights(undo)
+            restore_weights(self._trained, undo)
             what += (
                 f"; the optimizer step that led to it (lr {self._lr():g}) was undone: lower lr "
                 "or set max_grad_norm"
@@ -335,37 +333,6 @@ class _Update(Offload, _Ranked, Sharing, Node):
                 "steps; lower lr or check the inputs)"
             )
         log.warning("node %r: %s; step skipped", self.name, what)
-
-    def _shards(self) -> list[list[Tensor]]:
-        """Each trained model's weights as plain tensors: this rank's shard of a DTensor."""
-        return [
-            [getattr(p, "_local_tensor", p).detach() for p in params]
-            for _, _, params, _ in self._trained
-        ]
-
-    def _weights_finite(self) -> bool:
-        """Whether every trained weight is finite (in a group: on every rank): one fused norm
-        per model, not finite when a weight is not (or so large its square overflows)."""
-        with torch.no_grad():
-            bad = any(
-                local and not bool(torch.stack(torch._foreach_norm(local)).isfinite().all())
-                for local in self._shards()
-            )
-        return not (self._ranks.any_flag(bad) if self._ranks is not None else bad)
-
-    def _copy_weights(self, into: list[list[Tensor]] | None = None) -> list[list[Tensor]]:
-        """The trained weights as they are (into the buffers of an earlier copy, if given)."""
-        with torch.no_grad():
-            if into is None:
-                return [[t.clone() for t in local] for local in self._shards()]
-            for local, saved in zip(self._shards(), into):
-                torch._foreach_copy_(saved, local)
-        return into
-
-    def _restore_weights(self, saved: list[list[Tensor]]) -> None:
-        with torch.no_grad():
-            for local, copies in zip(self._shards(), saved):
-                torch._foreach_copy_(local, copies)
 
     def _train(
         self,
@@ -379,7 +346,7 @@ class _Update(Offload, _Ranked, Sharing, Node):
         attempt: dict[str, float] = {}
         skipped = False
         before: list[list[Tensor]] | None = None  # the weights before this call's last step
-        with seeded(_step_seed(self.seed, self.updates), self.device):
+        with seeded(step_seed(self.seed, self.updates), self.device):
             for epoch in range(self.epochs):
                 self._zero_grad()
                 attempt = {}
@@ -391,9 +358,9 @@ class _Update(Offload, _Ranked, Sharing, Node):
                     self._skip(f"non-finite {bad} {where}", undo=before)
                     skipped = True
                     break
-                before = self._copy_weights(into=before)
+                before = copy_weights(self._trained, into=before)
                 self._optimizer_step(norms)
-                if not self._weights_finite():
+                if not weights_finite(self._trained, self._ranks):
                     done = []
                     self._skip(f"non-finite weights after the optimizer step {where}", before)
                     skipped = True
