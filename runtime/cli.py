@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.launch import add_launch_arguments
-from runtime.run_setup import RunSetup, graph_input, load
+from runtime.run_setup import RunSetup, check_controller_count, graph_input, load
 from runtime.train.errors import Terminated
 from runtime.train.export import export_checkpoint
 from runtime.train.run_flags import add_run_arguments
@@ -37,17 +37,11 @@ from yatt_graph.options import (
 __all__ = ["main"]
 
 
-def _planned(graph: Any, controllers: int) -> Any:
+def _planned(graph: Any, controllers: int, name: str) -> Any:
     """The graph, or its plan as ``yatt-graph run --controllers N`` (colocated) makes it."""
-    if controllers < 1:
-        raise UsageError(f"--controllers must be 1 or more, got {controllers}")
+    check_controller_count(controllers, graph, name)
     if controllers < 2:
         return graph
-    if controllers > len(graph.nodes):
-        raise UsageError(
-            f"--controllers {controllers}: {graph.name} has {len(graph.nodes)} nodes and a "
-            "controller runs at least one"
-        )
     from runtime.sched.placement import controller_assignment
 
     return graph.plan(controllers, placement=controller_assignment(graph, controllers))
@@ -63,7 +57,7 @@ def cmd_viz(args: argparse.Namespace) -> int:
         raise UsageError(f"viz: -o {args.output!r} {what}; name a file in an existing folder")
     with graph_input(args.graph):
         graph = load(args)
-    target = _planned(graph, args.controllers)
+    target = _planned(graph, args.controllers, graph.name)
     target.draw(args.output)
     print(f"wrote {args.output} ({len(graph.nodes)} nodes, {len(graph.edges)} edges)")
     return 0
@@ -75,7 +69,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 0
     with graph_input(args.graph):
         graph = load(args)
-    target = _planned(graph, args.controllers)
+    target = _planned(graph, args.controllers, graph.name)
     print(target.to_mermaid() if args.mermaid else target.to_text())
     return 0
 

@@ -95,7 +95,7 @@ def graph_options(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"{flag} was given an empty value (an unset shell variable?)")
         if key not in names and not more:
             raise TypeError(
-                f"--{key.replace('_', '-')}: {args.graph} takes no {key!r} option; valid: {format_options(known)}"
+                f"{flag}: {args.graph} takes no {key!r} option; valid: {format_options(known)}"
             )
         values[key] = value
     check_config(module, values, args.graph)  # ranges and choices, before models are built
@@ -215,14 +215,22 @@ class RunSetup:
             self.take_group().shutdown("the run stopped before its first step")
 
 
-def _check_controllers(args: argparse.Namespace, graph: Any, options: dict[str, Any]) -> None:
-    """Controllers and ranks the graph can use, checked once it is built (before any step)."""
-    n, count = len(graph.nodes), args.controllers
+def check_controller_count(count: int, graph: Any, name: str) -> None:
+    """``--controllers`` from 1 to the graph's node count (a controller runs at least one)."""
+    n = len(graph.nodes)
+    if count < 1:
+        raise UsageError(f"--controllers must be 1 or more, got {count}")
     if count > n:
         raise UsageError(
-            f"--controllers {count}: {args.graph} has {n} nodes and a controller runs at least "
+            f"--controllers {count}: {name} has {n} nodes and a controller runs at least "
             f"one; use --controllers {n} or fewer"
         )
+
+
+def _check_controllers(args: argparse.Namespace, graph: Any, options: dict[str, Any]) -> None:
+    """Controllers and ranks the graph can use, checked once it is built (before any step)."""
+    count = args.controllers
+    check_controller_count(count, graph, args.graph)
     if args.placement == "partial" and count > 1:
         from runtime.sched.placement import partial_sides
 

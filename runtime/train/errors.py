@@ -2,7 +2,8 @@
 :class:`yatt_graph.UsageError`).
 
 :class:`Terminated` is how a SIGTERM reaches the code that cleans up: it is a
-``KeyboardInterrupt``, so every path that handles Ctrl-C (closing controllers, flushing metrics and the trace) handles it too.
+``KeyboardInterrupt``, so every path that handles Ctrl-C (closing controllers, flushing
+metrics and the trace) handles it too.
 """
 
 from __future__ import annotations

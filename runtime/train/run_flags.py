@@ -17,6 +17,9 @@ from yatt_graph import UsageError
 
 __all__ = ["add_run_arguments", "check_flags", "parse_devices", "parse_pins", "same_folder"]
 
+MAX_MESSAGE_MB = 4096.0
+"""``--max-message-mb``'s default: the largest frame a runtime socket accepts (4 GiB)."""
+
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """The run command's flags (the graph and its options are the caller's)."""
@@ -179,7 +182,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     faults.add_argument(
         "--max-message-mb",
         type=float,
-        default=4096.0,
+        default=MAX_MESSAGE_MB,
         metavar="MB",
         help="largest frame a runtime socket accepts; larger ones are dropped (0: no limit)",
     )
@@ -219,8 +222,7 @@ def _check_numbers(args: Any) -> None:
     for flag in ("out", "resume", "export"):  # (an empty one: an unset shell variable)
         value = getattr(args, flag, None)
         if isinstance(value, str) and not value.strip():
-            name = "--" + flag.replace("_", "-")
-            raise UsageError(f"{name} was given an empty path; name a folder")
+            raise UsageError(f"--{flag} was given an empty path; name a folder")
     if args.no_spawn and not args.listen:
         raise UsageError(
             "--no-spawn waits for controllers started by hand, which join a driver on tcp; "
@@ -278,7 +280,7 @@ def _check_run_flags(args: Any, distributed: bool) -> None:
             "--controllers N (N > 1), e.g. --controllers 2 --no-spawn for two started by hand"
         )
     if not distributed and (
-        args.keys or args.allow_remote or args.node_timeout or args.max_message_mb != 4096.0
+        args.keys or args.allow_remote or args.node_timeout or args.max_message_mb != MAX_MESSAGE_MB
     ):
         raise UsageError(
             "--keys, --allow-remote, --node-timeout and --max-message-mb apply to controller "
