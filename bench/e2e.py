@@ -204,7 +204,7 @@ def replica_check(repeats: int = 3, sizes: tuple[int, ...] = (8, 16, 32, 64, 128
     import torch
 
     from nodes.rollout import Rollout
-    from runtime.sched.replicas import LocalReplica, ReplicaSet
+    from runtime.sched.fanout import Crew, Fanout, NodeThread
     from runtime.zmq.replicas import spawn_replica
 
     setups = (("1 copy, 1 thread", 1, 1), ("1 copy, 2 threads", 2, 1), ("2 copies", 1, 2))
@@ -212,9 +212,9 @@ def replica_check(repeats: int = 3, sizes: tuple[int, ...] = (8, 16, 32, 64, 128
     for label, threads, copies in setups:
         node = Rollout(policy="tiny-prefix-vlm", n=4, max_new_tokens=64, seed=0)
         node.setup()
-        reps: list[Any] = [LocalReplica(node, threads=threads)]
+        reps: list[Any] = [NodeThread("local", threads=threads)]
         reps += [spawn_replica(node, i, copies) for i in range(1, copies)]
-        rs = ReplicaSet(node, reps, 1)
+        rs = Fanout(node, Crew(reps), "replicas")
         try:
             for size in sizes:
                 prompts = [f"What colour is shape {i}?" for i in range(size)]
@@ -229,7 +229,7 @@ def replica_check(repeats: int = 3, sizes: tuple[int, ...] = (8, 16, 32, 64, 128
                     tokens.append(float(out["response_lengths"].sum()))
                 rate[label, size] = statistics.median(tokens) / statistics.median(times)
         finally:
-            rs.close()
+            rs.crew.close()
     rows = []
     for label, _, _ in setups:
         cells = [

@@ -1,4 +1,4 @@
-"""Benchmark: splitting node calls across CPU slots inside a real run (runtime/sched/splitting.py).
+"""Benchmark: splitting node calls across CPU slots inside a real run (runtime/sched/fanout.py).
 
     .venv/bin/python -m bench.split [--steps 12] [--batch 64]
 

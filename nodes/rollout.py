@@ -138,7 +138,7 @@ class Rollout(Offload, Sharing, WeightInput, Node):
     batch_policy = BatchPolicy(max_batch_size=64, splittable=False)
     """Not splittable by the in-process splitter: a call draws from one random stream seeded by
     the call count, so two halves of a batch would not sample what the whole batch samples.
-    Replicas (``BatchPolicy(replicas=R)``, :mod:`runtime.sched.replicas`) cut a step into
+    Replicas (``BatchPolicy(replicas=R)``, :mod:`runtime.sched.fanout`) cut a step into
     pieces another way: each piece is sampled with a seed of its own (:meth:`begin_piece`)."""
     left_padded = ("prompt_ids", "prompt_mask")
     """Outputs padded on the left, for joining pieces of different widths."""
@@ -334,7 +334,7 @@ class Rollout(Offload, Sharing, WeightInput, Node):
             self.step += 1
             self.next_group += call.N
 
-    # --- replicas (runtime.sched.replicas) ---------------------------------------------------
+    # --- replicas (runtime.sched.fanout) ---------------------------------------------------
     def piece_context(self) -> dict[str, int]:
         """What every replica needs to sample its piece of this step as the step's own: the
         call count (for the seed) and the first group label."""

@@ -292,7 +292,7 @@ def executor_factory(
     """The factory of the run's executor: in-process, or ZeroMQ controllers (``distributed``),
     each configured by the one :class:`~runtime.engine.config.RunConfig` of the flags."""
     from runtime.engine.local import LocalExecutor
-    from runtime.sched.replicas import replica_counts
+    from runtime.sched.fanout import replica_counts
     from runtime.train.faults import Accounting
 
     args = setup.args

@@ -168,17 +168,17 @@ def run_node(
     inputs: dict[str, Any],
     step: int,
     controller: int = 0,
-    splitter: Any = None,
+    fanouts: Any = None,
     check_finite: bool = False,
 ) -> dict[str, Any]:
     """Call one node; any failure becomes a NodeExecutionError naming node, step and input shapes.
 
-    With a ``splitter`` (:class:`runtime.sched.splitting.NodeSplitter`) the call may be cut
-    into micro-batches across its devices.
+    With ``fanouts`` (:class:`runtime.sched.fanout.Fanouts`) the call may be cut into pieces
+    across its workers.
     """
     try:
         node.begin_step(step)
-        out = splitter.call(node.name, inputs) if splitter is not None else node.run(inputs)
+        out = fanouts.call(node.name, inputs) if fanouts is not None else node.run(inputs)
     except NodeExecutionError:
         raise
     except Exception as exc:
@@ -232,18 +232,19 @@ def build_nodes(
 @dataclass
 class NodeWorkers:
     """What runs a process's nodes besides the process itself: the other ranks of the nodes
-    trained as a group, and the caller that fans their calls out (split across the slots of
-    ``devices``, replicas; None: ``node.run``). ``close()`` ends them all."""
+    trained as a group, and the :class:`~runtime.sched.fanout.Fanouts` of the nodes whose calls
+    fan out (over the slots of ``devices``, or replicas; None: none does). ``close()`` ends
+    them all."""
 
-    caller: Any
+    fanouts: Any
     groups: list[Any]
 
     def close(self) -> None:
-        caller, groups = self.caller, self.groups
-        self.caller, self.groups = None, []
+        fanouts, groups = self.fanouts, self.groups
+        self.fanouts, self.groups = None, []
         try:
-            if caller is not None:
-                caller.close()
+            if fanouts is not None:
+                fanouts.close()
         finally:
             for group in groups:
                 group.close()
@@ -258,17 +259,16 @@ def start_nodes(
 ) -> NodeWorkers:
     """Make ``nodes`` ready to run, in-process or on a controller: start the rank groups of
     grouped nodes (before they build: the update joins its group), build the nodes in
-    ``order`` (:func:`build_nodes`), then the caller for ``config.devices`` and
+    ``order`` (:func:`build_nodes`), then the fan-outs for ``config.devices`` and
     ``config.replicas`` (``spawn`` starts replica i of a node). A failure ends what started."""
     from runtime.ranks import start_groups
-    from runtime.sched.replicas import node_caller
-    from runtime.sched.splitting import device_pool
+    from runtime.sched.fanout import device_pool, start_fanouts
 
     workers = NodeWorkers(None, start_groups(nodes))
     try:
         build_nodes(nodes, order, track)
         mine = {n: r for n, r in config.replicas.items() if n in nodes}  # (the others' elsewhere)
-        workers.caller = node_caller(nodes, device_pool(config.devices), mine, spawn)
+        workers.fanouts = start_fanouts(nodes, device_pool(config.devices), mine, spawn)
     except BaseException:
         workers.close()
         raise

@@ -33,13 +33,13 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     the newest value at most N versions old (runtime.engine.delayed)."""
     devices: int | str | None = None
     """CPU slots per process that splittable nodes' calls are cut across
-    (runtime.sched.splitting); None/0: none; ``"auto"``: ``$YATT_CPU_SLOTS`` or the usable
+    (runtime.sched.fanout); None/0: none; ``"auto"``: ``$YATT_CPU_SLOTS`` or the usable
     cores."""
     check_finite: bool = False
     """Stop at the node whose float tensor output holds NaN or inf (runtime.engine.calls)."""
     replicas: dict[str, int] = {}
     """``{node: R}``: R copies of an inference node, over its ``BatchPolicy.replicas``
-    (runtime.sched.replicas)."""
+    (runtime.sched.fanout)."""
     offload: str = "auto"
     """``"auto"``: a controller whose GPU another shares under colocated placement on-policy
     offloads its nodes' device state when its part of a step ends and reloads it before its

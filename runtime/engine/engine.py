@@ -89,7 +89,7 @@ class StepEngine(StreamSteps):
         staleness: str = "fixed",
         window: int = 1,
         outbox: Outbox | None = None,
-        splitter: Any = None,
+        fanouts: Any = None,
         check_finite: bool = False,
         limits: Mapping[str, float] | None = None,
         switch: str | None = None,
@@ -99,7 +99,7 @@ class StepEngine(StreamSteps):
         self.here, self.lag, self.window = here, 1 + max_staleness, max(1, window)
         self.max_staleness, self.staleness_mode = max_staleness, staleness
         DelayedValues(max_staleness, staleness)  # checks the mode before anything is kept
-        self.outbox, self.splitter, self.check_finite = outbox, splitter, check_finite
+        self.outbox, self.fanouts, self.check_finite = outbox, fanouts, check_finite
         self.limits = dict.fromkeys(self.nodes, 0.0) | dict(limits or {})
         self.in_edges: dict[str, list[Any]] = {n: [] for n in self.nodes}
         self.local_out: dict[tuple[str, str], list[Any]] = defaultdict(list)
@@ -268,7 +268,7 @@ class StepEngine(StreamSteps):
             if node.streaming:
                 out = self._run_stream(best, step, inputs)
             else:
-                out = run_node(node, inputs, step, self.here, self.splitter, self.check_finite)
+                out = run_node(node, inputs, step, self.here, self.fanouts, self.check_finite)
         finally:
             self.running = None
         self.seconds[step][best] = time.perf_counter() - t0

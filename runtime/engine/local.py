@@ -32,7 +32,7 @@ class LocalExecutor:
             k-1 (on-policy results). ``offload="on"`` makes the model roles take turns on
             their device (:mod:`runtime.engine.switch`); ``"auto"`` never moves state here: in
             one process no other process waits for the memory. ``close()`` (or ``with``)
-            stops the device workers and replica processes.
+            stops the fan-outs' workers and replica processes.
         replica_factory: starts replica i of a node (``runtime.zmq.replicas.spawn_replica``,
             which the CLI passes; this layer does not start processes itself).
     """
@@ -59,7 +59,7 @@ class LocalExecutor:
             nodes[name].bind_executor(max_staleness=self.max_staleness, shared=shared)
         order = self.graph.topological_order()
         self.workers = start_nodes(nodes, order, config, replica_factory)  # models, ranks, ...
-        self.splitter = self.workers.caller
+        self.fanouts = self.workers.fanouts
         self.engine = StepEngine(
             nodes,
             self.graph.edges,
@@ -68,7 +68,7 @@ class LocalExecutor:
             self.plan.assignment,
             max_staleness=self.max_staleness,
             staleness=self.staleness,
-            splitter=self.splitter,
+            fanouts=self.fanouts,
             check_finite=config.check_finite,
             switch="roles" if self.offload else None,
         )
@@ -117,9 +117,9 @@ class LocalExecutor:
         return results
 
     def close(self) -> None:
-        """Stop the device workers of ``devices=``, the replica processes and the ranks this
+        """Stop the fan-outs' worker threads, the replica processes and the ranks this
         executor started (their nodes cannot train afterwards)."""
-        self.splitter = self.engine.splitter = None
+        self.fanouts = self.engine.fanouts = None
         self.workers.close()
 
     def __enter__(self) -> LocalExecutor:

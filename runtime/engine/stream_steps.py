@@ -63,7 +63,7 @@ class StreamSteps:
     limits: dict[str, float]
     here: int
     outbox: Any
-    splitter: Any
+    fanouts: Any
     check_finite: bool
 
     # StepEngine's, called from here
@@ -210,7 +210,7 @@ class StreamSteps:
         piece = fuse_pieces(queued[:fused], name)
 
         def call(inputs: dict[str, Any]) -> dict[str, Any]:
-            return run_node(node, inputs, step, self.here, self.splitter, self.check_finite)
+            return run_node(node, inputs, step, self.here, self.fanouts, self.check_finite)
 
         if not c.pieces:
             c.start = time.time()

@@ -7,9 +7,9 @@ ZeroMQ run equals the in-process one):
 
 * **per piece**, when the consumer may be called on any part of a batch (it declares a
   per-call budget, ``BatchPolicy.max_batch_size`` or ``max_tokens``, and is
-  ``splittable``: the rule of :mod:`runtime.sched.splitting`), it reads exactly one streaming
+  ``splittable``: the rule of :mod:`runtime.sched.fanout`), it reads exactly one streaming
   node through non-delayed edges, and each of its other inputs is shared by all samples
-  (``None``, not a tensor or list, or a port that :func:`~runtime.sched.splitting.shared_ports`
+  (``None``, not a tensor or list, or a port that :func:`~runtime.sched.fanout.shared_ports`
   names) or, when the stream says its batch size B, holds one entry per sample of that
   batch (length B: it is taken row by row with each piece, as splitting would). Each call
   takes the pieces queued for it, in the order they were produced, fused into one
@@ -37,7 +37,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from runtime.sched.batching import _is_batched, default_costs, take
-from runtime.sched.splitting import _splittable, shared_ports
+from runtime.sched.fanout import _splittable, shared_ports
 from yatt_graph import NodeExecutionError, NodeOutputError
 from yatt_graph.stream import Piece, check_piece, join_pieces
 

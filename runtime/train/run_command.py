@@ -90,21 +90,22 @@ def _run_in_folder(args: Any, out: Path | None, devices: Any, distributed: bool,
     def on_done(ex: Any) -> None:
         if export is not None:
             final.update(step=ex.next_step, state=ex.state_dict())
-        splitter = getattr(ex, "splitter", None)
-        summary = splitter.summary() if splitter is not None else {}
+        fanouts = getattr(ex, "fanouts", None)
+        summary = fanouts.summary() if fanouts is not None else {}
+        nodes = summary.get("nodes", {})
         if summary.get("devices"):
             shares = ", ".join(
                 f"{name} {100 * d['utilization']:.0f}%" for name, d in summary["devices"].items()
             )
-            device_lines.append(
-                f"devices (nodes {', '.join(splitter.split_nodes)} split across them): {shares} busy"
-            )
-        for name, rs in summary.get("replicas", {}).items():
-            parts = ", ".join(
-                f"{label} {d['pieces']} pieces / {d['busy_s']:.1f} s"
-                for label, d in rs["by_replica"].items()
-            )
-            device_lines.append(f"replicas of {name}: {parts}")
+            split = ", ".join(sorted(n for n, f in nodes.items() if f["kind"] == "slots"))
+            device_lines.append(f"devices (nodes {split} split across them): {shares} busy")
+        for name, f in nodes.items():
+            if f["kind"] == "replicas":
+                parts = ", ".join(
+                    f"{label} {d['pieces']} pieces / {d['busy_s']:.1f} s"
+                    for label, d in f["by_worker"].items()
+                )
+                device_lines.append(f"replicas of {name}: {parts}")
 
     started = time.perf_counter()
     try:

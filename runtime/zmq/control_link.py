@@ -78,7 +78,7 @@ class ControlLink:
         running: returns the call in progress (or None), from the compute thread.
         longest: node -> its longest finished call so far, in seconds (None before the first).
         describe: node -> a short description for messages (its class name).
-        stacks: node -> the stack of the compute thread (and its device workers).
+        stacks: node -> the stack of the compute thread (and its fan-out's workers).
         on_exit: called just before ``os._exit`` when the compute thread does not stop in time.
     """
 
@@ -241,15 +241,17 @@ class ControlLink:
 
 
 def thread_stacks(ident: int | None, workers: bool) -> str:
-    """The stack of thread ``ident`` and, with ``workers``, of the device worker threads."""
+    """The stack of thread ``ident`` and, with ``workers``, of the fan-out's worker threads."""
+    from runtime.sched.fanout import THREAD_PREFIX
+
     frames = sys._current_frames()
     frame = frames.get(ident or -1)
     stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
     if workers:
         for t in threading.enumerate():
             worker = frames.get(t.ident or -1)
-            if t.name.startswith(("yatt-cpu", "yatt-cuda")) and worker is not None:
-                stack += f"--- device worker {t.name} ---\n"
+            if t.name.startswith(THREAD_PREFIX) and worker is not None:
+                stack += f"--- {t.name.removeprefix('yatt-')} ---\n"
                 stack += "".join(traceback.format_stack(worker))
     return stack
 

@@ -133,7 +133,7 @@ class Controller:
         )  # fmt: skip
         self.data_address = self.peers.address
         self.index = -1
-        self.splitter: Any = None
+        self.fanouts: Any = None
         self.workers: Any = None  # what runs its nodes besides itself (engine_from_setup)
         self.link: ControlLink | None = None
         self._building = ""
@@ -200,7 +200,7 @@ class Controller:
             setup.resources or Resources(), pinned_threads=self.pinned_threads
         )
         self.engine, self.workers = engine_from_setup(setup, self.peers, self._track)
-        self.splitter = self.workers.caller
+        self.fanouts = self.workers.fanouts
         self.peers.connect(setup)
 
     # --- what arrives -----------------------------------------------------------------------
@@ -388,7 +388,7 @@ class Controller:
             # the steps allocate.
             gc.freeze()
             compute = threading.get_ident()
-            splitter = self.splitter
+            fanouts = self.fanouts
             nodes = self.engine.nodes
             self.link = ControlLink(
                 self.ctx, self.driver, self.index, setup,
@@ -396,7 +396,7 @@ class Controller:
                 reported=lambda: self.engine.reported,
                 longest=self._longest.get,
                 stacks=lambda name: thread_stacks(
-                    compute, splitter is not None and name in splitter.split_nodes
+                    compute, fanouts is not None and name in fanouts.split_nodes
                 ),
                 describe=lambda name: type(nodes[name]).__name__,
                 parent_gone=self._parent_gone,

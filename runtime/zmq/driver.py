@@ -45,8 +45,8 @@ from runtime.engine.switch import offloading, switch_metrics
 from runtime.errors import ControllerError, HandshakeError, NodeTimeoutError
 from runtime.sched.affinity import start_cores
 from runtime.sched.devices import Resources
+from runtime.sched.fanout import replica_counts
 from runtime.sched.partition import Partitioner
-from runtime.sched.replicas import replica_counts
 from runtime.zmq import STARTUP_TIMEOUT_S
 from runtime.zmq import messages as m
 from runtime.zmq.cuda_ipc import enabled_from_env, setup_gpus

@@ -160,7 +160,7 @@ def engine_from_setup(
         engine = StepEngine(
             nodes, edges, outputs, setup.order, assignment, here=setup.controller,
             max_staleness=config.max_staleness, staleness=config.staleness, window=config.window,
-            outbox=outbox, splitter=workers.caller, check_finite=config.check_finite,
+            outbox=outbox, fanouts=workers.fanouts, check_finite=config.check_finite,
             limits=limits,
             # its GPU is time-shared: its nodes' device state leaves when its turn ends
             switch="phase" if setup.controller in setup.offload_controllers else None,

@@ -1,5 +1,5 @@
 """Replica processes: copies of a node that run pieces of its calls for a
-:class:`~runtime.sched.replicas.ReplicaSet`.
+node's :class:`~runtime.sched.fanout.Fanout`.
 
 :func:`spawn_replica` starts ``python -m runtime.zmq.replica_main`` (a plain subprocess: no
 fork of a process that has torch loaded) on its own core (``os.sched_setaffinity``) with one
@@ -102,8 +102,9 @@ class ReplicaProcess:
 
     # --- calls -------------------------------------------------------------------------------
     def call(
-        self, inputs: dict[str, Any], context: Mapping[str, int] | None, rows: list[int]
+        self, node: Any, inputs: dict[str, Any], context: Mapping[str, int] | None, rows: list[int]
     ) -> dict[str, Any]:
+        """Run a piece on this process's copy of ``node``."""
         inputs = self._once_per_version(inputs)
         frames = encode_value(inputs, where=f"node {self.name!r} replica {self.index} inputs")
         header = msgspec.json.encode({"op": "call", "context": context, "rows": rows})

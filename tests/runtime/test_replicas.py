@@ -1,4 +1,4 @@
-"""Replicas: a node's calls cut across copies (runtime/sched/replicas.py), replica processes
+"""Replicas: a node's calls cut across copies (runtime/sched/fanout.py), replica processes
 (runtime/zmq/replicas.py), and the rollout's pieces (nodes/rollout.py begin_piece).
 
 What is exact and why: the cut changes only which rows a call holds, so nodes with no
@@ -21,7 +21,7 @@ import torch
 
 from nodes.rollout import Rollout
 from nodes.sync import WeightUpdate
-from runtime.sched.replicas import LocalReplica, ReplicaSet, replica_counts
+from runtime.sched.fanout import Crew, Fanout, NodeThread, replica_counts
 from runtime.zmq.replicas import ReplicaDied, spawn_replica
 from yatt_graph import BatchPolicy, Node, Tensor
 
@@ -48,14 +48,19 @@ class Taking:
     lock = threading.Lock()
 
     def __init__(self, node, label):
-        self.inner, self.label = LocalReplica(node, threads=None), label
+        self.node, self.inner, self.label = node, NodeThread(label), label
 
-    def call(self, inputs, context, rows):
+    def call(self, _node, inputs, context, rows):
         with self.lock:
-            return self.inner.call(inputs, context, rows)
+            return self.inner.call(self.node, inputs, context, rows)
 
     def close(self):
         pass
+
+
+def replica_set(node, workers, per):
+    """The fan-out a run makes for a node with replicas, over the given workers."""
+    return Fanout(node, Crew(workers), "replicas", per)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -64,16 +69,16 @@ def test_every_sample_comes_back_once_in_order(seed):
     size, copies, per = rng.randint(1, 40), rng.randint(1, 4), rng.randint(1, 3)
     node = Twice()
     x = torch.tensor([rng.random() for _ in range(size)])
-    rs = ReplicaSet(node, [Taking(node, f"r{i}") for i in range(copies)], per)
+    rs = replica_set(node, [Taking(node, f"r{i}") for i in range(copies)], per)
     try:
         out = rs.call({"x": x})
     finally:
-        rs.close()
+        rs.crew.close()
     whole = node.run({"x": x})
     assert torch.equal(out["y"], whole["y"])  # every row once, in the batch's order
-    pieces = sum(r["pieces"] for r in rs.stats.values())
+    pieces = sum(r["pieces"] for r in rs.crew.stats.values())
     assert pieces == min(size, copies * per)
-    assert sum(r["samples"] for r in rs.stats.values()) == size
+    assert sum(r["samples"] for r in rs.crew.stats.values()) == size
 
 
 def _rollout(**kw):
@@ -92,12 +97,12 @@ def test_greedy_pieces_equal_the_whole_call_and_groups_are_the_steps():
     embeds = _embeds()
     whole = _rollout(temperature=0.0).run({"prompts": PROMPTS, "image_embeds": embeds})
     node = _rollout(temperature=0.0)
-    rs = ReplicaSet(node, [Taking(node, "a"), Taking(_rollout(temperature=0.0), "b")], 2)
+    rs = replica_set(node, [Taking(node, "a"), Taking(_rollout(temperature=0.0), "b")], 2)
     try:
         out = _call(rs, embeds)
         second = _call(rs, embeds)
     finally:
-        rs.close()
+        rs.crew.close()
     m = whole["response_mask"].bool()
     assert torch.equal(out["response_mask"][:, : m.shape[1]].bool(), m)
     assert torch.equal(out["response_ids"][:, : m.shape[1]][m], whole["response_ids"][m])
@@ -114,11 +119,11 @@ def test_a_sampled_piece_gives_the_same_tokens_on_any_replica():
     for order in (0, 1):
         a, b = _rollout(), _rollout()
         copies = [Taking(a, "a"), Taking(b, "b")]
-        rs = ReplicaSet(a, copies if order == 0 else copies[::-1], 3)
+        rs = replica_set(a, copies if order == 0 else copies[::-1], 3)
         try:
             outs.append(_call(rs, embeds))
         finally:
-            rs.close()
+            rs.crew.close()
     for port in ("response_ids", "logprobs", "group_ids", "prompt_ids"):
         assert torch.equal(outs[0][port], outs[1][port]), port
 
@@ -141,17 +146,17 @@ def test_replica_counts_refuse_what_cannot_be_copied():
 def test_a_replica_process_samples_what_a_local_replica_samples():
     embeds = _embeds()
     local_node = _rollout()
-    rs_local = ReplicaSet(local_node, [LocalReplica(local_node)], 2)  # the same 2 pieces
+    rs_local = replica_set(local_node, [NodeThread("local", threads=1)], 2)  # the same 2 pieces
     node = _rollout()
     proc = spawn_replica(node, 1, 2)
-    rs = ReplicaSet(node, [LocalReplica(node), proc], 1)
+    rs = replica_set(node, [NodeThread("local", threads=1), proc], 1)
     try:
         expected = _call(rs_local, embeds)
         got = _call(rs, embeds)
-        assert rs.stats[proc.label]["pieces"] == 1  # the process ran one of the two pieces
+        assert rs.crew.stats[proc.label]["pieces"] == 1  # the process ran one of the two pieces
     finally:
-        rs.close()
-        rs_local.close()
+        rs.crew.close()
+        rs_local.crew.close()
     for port in ("response_ids", "response_mask", "logprobs", "group_ids"):
         assert torch.equal(got[port], expected[port]), port
 
@@ -177,7 +182,7 @@ def test_weights_reach_a_replica_process_once_per_version():
 def test_a_dead_replica_process_is_named():
     node = _rollout()
     proc = spawn_replica(node, 1, 2)
-    rs = ReplicaSet(node, [proc], 1)  # the process alone, so the call must wait on it
+    rs = replica_set(node, [proc], 1)  # the process alone, so the call must wait on it
     try:
         os.kill(proc.pid, signal.SIGKILL)
         with pytest.raises(
@@ -185,7 +190,7 @@ def test_a_dead_replica_process_is_named():
         ):
             _call(rs, _embeds())
     finally:
-        rs.close()
+        rs.crew.close()
 
 
 # --- through `yatt-graph run` -------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Executors cut splittable nodes' calls across devices (runtime/sched/splitting.py)."""
+"""Executors cut splittable nodes' calls across CPU slots (runtime/sched/fanout.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from sample_nodes import Rows, RowWork, row_sum
 
 from runtime.engine.local import LocalExecutor
 from runtime.sched.batching import micro_batches
-from runtime.sched.splitting import device_pool, shared_ports
+from runtime.sched.fanout import device_pool, shared_ports
 from runtime.zmq.driver import ZmqExecutor
 from yatt_graph import BatchPolicy, Graph, Node, NodeExecutionError, Tensor
 
@@ -28,7 +28,7 @@ def test_a_splittable_node_is_cut_across_the_devices_and_put_back_in_order():
         want = whole.run(3)
     with LocalExecutor(rows_graph(12).plan(2), devices=2) as split:
         got = split.run(3)
-        assert split.splitter.split_nodes == ["work"]  # the source and row_sum run whole
+        assert split.fanouts.split_nodes == ["work"]  # the source and row_sum run whole
         work = split.graph.nodes["work"]
         # The cut is a pure function of the batch (12 rows of cost 1), the device count and the
         # budget (8 per call): at least one micro-batch per device, none above 8. Which worker
@@ -36,9 +36,9 @@ def test_a_splittable_node_is_cut_across_the_devices_and_put_back_in_order():
         parts = micro_batches([1.0] * 12, devices=2, max_batch_size=8)
         assert len(parts) >= 2 and max(len(p) for p in parts) <= 8
         assert sorted(work.seen) == sorted([len(p) for p in parts] * 3)  # 3 steps
-        summary = split.splitter.summary()
-        assert len(summary["nodes"]["work"]["devices"]) == 2  # both devices serve the node
-        assert summary["nodes"]["work"]["calls"] == 3 * len(parts)
+        summary = split.fanouts.summary()
+        assert len(summary["nodes"]["work"]["workers"]) == 2  # both slots serve the node
+        assert summary["nodes"]["work"]["pieces"] == 3 * len(parts)
     for a, b in zip(want, got, strict=True):
         assert torch.allclose(a.outputs["y"], b.outputs["y"], atol=1e-6)
         assert torch.equal(a.outputs["n"], b.outputs["n"])  # row order restored exactly
@@ -82,7 +82,7 @@ def test_per_sample_values_of_different_lengths_run_whole():
         prompts, _ = Rows(2, name="prompts")()
         g.output("y", PerPrompt(name="pp")(x, prompts))
     with LocalExecutor(g.plan(1), devices=2) as ex:
-        assert ex.splitter.split_nodes == ["pp"]
+        assert ex.fanouts.split_nodes == ["pp"]
         y = ex.step().outputs["y"]
         assert ex.graph.nodes["pp"].calls == 1  # not cut: a part could lose its prompt's row
         assert y.shape == (4, 16)
@@ -102,7 +102,7 @@ def test_in_the_ppo_graph_only_the_per_sample_nodes_are_split():
     from yatt_graph.refs import load_graph
 
     with LocalExecutor(load_graph("graphs.mm_ppo", batch_size=4).plan(1), devices=2) as ex:
-        assert ex.splitter.split_nodes == ["critic", "reference", "reward", "vision"]
+        assert ex.fanouts.split_nodes == ["critic", "reference", "reward", "vision"]
         # The rollout (one random stream per call), GAE (whitening) and the update are whole.
         for name in ("rollout", "gae", "ppo"):
             assert not ex.graph.nodes[name].batch_policy.splittable, name
@@ -125,4 +125,4 @@ def test_a_hung_split_call_is_reported_with_the_device_workers_stacks():
     finally:
         ex.close()
     text = str(info.value)
-    assert "node 'work'" in text and "device worker yatt-cpu:" in text and "time.sleep" in text
+    assert "node 'work'" in text and "--- worker cpu:" in text and "time.sleep" in text
