@@ -37,9 +37,7 @@ import atexit
 import contextlib
 import datetime
 import os
-import signal
 import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -50,6 +48,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from runtime.children import exit_text, python_env, start_python, stop
 from runtime.ranks import sharding
 from runtime.ranks.values import describe, rebuild, shapes
 
@@ -69,16 +68,6 @@ class RankError(RuntimeError):
     process_fault = True
     """A process failed, not the node's logic: ``--restart on-failure`` restarts the run from
     its last checkpoint (the executors read this attribute, as for a dead replica)."""
-
-
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "is running"
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(-code).name} ({-code})"
-        return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 class _Ranks:
@@ -170,7 +159,6 @@ class RankGroup(_Ranks):
     def start(cls, node: Any) -> RankGroup:
         """Host the store and start ranks 1..K-1 (K: ``node.ranks``), each building ``node``
         from its spec; they compute on the CPU until the node sets its device."""
-        from yatt_graph.refs import import_roots
         from yatt_graph.serialize import node_spec
 
         for owner, old in list(_current):
@@ -189,21 +177,15 @@ class RankGroup(_Ranks):
             "127.0.0.1", 0, world, is_master=True, timeout=self.timeout, wait_for_workers=False
         )
         self.store.set(_NODE, msgspec.json.encode(node_spec(node)))
-        paths = [p or os.getcwd() for p in sys.path] + import_roots()
         threads = torch.get_num_threads()
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
-            "OMP_NUM_THREADS": str(threads),
-        }
+        env = python_env(threads)
         for rank in range(1, world):
-            cmd = [
-                sys.executable, "-m", "runtime.ranks.worker",
+            args = [
                 "--port", str(self.store.port), "--rank", str(rank), "--world", str(world),
                 "--parent-pid", str(os.getpid()), "--timeout", str(self.timeout_s),
                 "--threads", str(threads),
             ]  # fmt: skip
-            self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env))
+            self.procs.append(start_python("runtime.ranks.worker", args, env))
         _current.append((weakref.ref(node), self))
         return self
 
@@ -280,7 +262,7 @@ class RankGroup(_Ranks):
         while True:
             for rank, proc in enumerate(self.procs, start=1):
                 if proc.poll() is not None:
-                    text = f"rank {rank} (pid {proc.pid}) {_exit_text(proc.returncode)}"
+                    text = f"rank {rank} (pid {proc.pid}) {exit_text(proc.returncode)}"
                     with contextlib.suppress(Exception):
                         if self.store.check([f"{_ERROR}{rank}"]):
                             text += f": {self.store.get(f'{_ERROR}{rank}').decode()}"
@@ -290,20 +272,14 @@ class RankGroup(_Ranks):
             time.sleep(0.05)
 
     def close(self) -> None:
-        """End the ranks (a close command, a join, a kill after a grace period) and the group."""
+        """End the ranks (a close command, a join, then :func:`runtime.children.stop`) and the group."""
         if self.closed:
             return
         self.closed = True
         with contextlib.suppress(Exception):
             if self._joined and not self.broken and not self._dead():
                 self.command("close")
-        deadline = time.monotonic() + (0.0 if self.broken else _CLOSE_GRACE_S)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(self.procs, 0.0 if self.broken else _CLOSE_GRACE_S)
         if self._joined:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()

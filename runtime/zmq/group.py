@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from runtime.children import exit_text
 from runtime.errors import ControllerError, HandshakeError, NodeTimeoutError
 from runtime.interrupts import interrupts_held
 from runtime.sched.devices import Resources
@@ -203,9 +204,8 @@ class ControllerGroup:
             if rc is not None and c.state is not m.State.STOPPED:
                 c.state = m.State.FAILED
                 cls = ControllerError if self.running() else HandshakeError
-                how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
                 raise cls(
-                    f"controller {c.index} (pid {c.pid}) {how} {self.when()}; it owned "
+                    f"controller {c.index} (pid {c.pid}) {exit_text(rc)} {self.when()}; it owned "
                     f"nodes {c.nodes}{c.doing()}" + c.log_tail(),
                     c.index,
                     c.nodes,

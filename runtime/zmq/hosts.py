@@ -13,7 +13,6 @@ checks it, says it in one line, and starts this host's share.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ipaddress
 import os
 import signal
@@ -21,11 +20,11 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.children import exit_text, python_env, start_python, stop
 from runtime.launch import Launch, LaunchError, controller_shares, resolve_launch
 from runtime.zmq import STARTUP_TIMEOUT_S
 
@@ -66,12 +65,6 @@ def check_listen(ip: str, port: int, who: str) -> None:
             ) from None
 
 
-def _signal_name(code: int) -> str:
-    with contextlib.suppress(ValueError):
-        return signal.Signals(-code).name
-    return f"signal {-code}"
-
-
 class HostShare:
     """The controllers of one host (``indices``), started at once; they join the driver at
     ``connect`` and wait for it (``startup_timeout_s``).
@@ -95,23 +88,20 @@ class HostShare:
         label: str = "",
         forward_sigterm: bool = False,
     ):
-        from yatt_graph.refs import import_roots
-
         self.indices, self.connect, self.label = list(indices), connect, label
         self._old_sigterm: Any = None
         self._stopping = False
         if forward_sigterm and threading.current_thread() is threading.main_thread():
             # srun and torchrun stop a job with SIGTERM: pass it on, and wait() reports them
             self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: self.terminate())
-        paths = [p or os.getcwd() for p in sys.path] + import_roots()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+        env = python_env()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         try:
             for index in self.indices:
                 if self._stopping:  # SIGTERM while starting them: start no more
                     break
-                cmd = [
-                    sys.executable, "-m", "runtime.zmq.controller_main", "--connect", connect,
+                args = [
+                    "--connect", connect,
                     "--index", str(index), "--parent-pid", str(os.getpid()), "--spawned",
                     "--startup-timeout", str(startup_timeout_s),
                     *(["--keys", keys_dir] if keys_dir else []),
@@ -120,7 +110,7 @@ class HostShare:
                     *(["--max-message-bytes", str(max_message_bytes)] if max_message_bytes else []),
                     *(arg for ref in preload for arg in ("--preload", ref)),
                 ]  # fmt: skip
-                self.procs[index] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
+                self.procs[index] = start_python("runtime.zmq.controller_main", args, env)
         except BaseException:
             self.stop(grace_s=0)
             self._restore_sigterm()
@@ -132,8 +122,7 @@ class HostShare:
         return {i: p.pid for i, p in self.procs.items()}
 
     def _failure(self, index: int, code: int) -> str:
-        how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
-        return f"controller {index} (pid {self.procs[index].pid}{self.label}) {how}"
+        return f"controller {index} (pid {self.procs[index].pid}{self.label}) {exit_text(code)}"
 
     def terminate(self) -> None:
         """SIGTERM to every controller still running (and start no more)."""
@@ -166,19 +155,7 @@ class HostShare:
     def stop(self, grace_s: float = 10.0) -> None:
         """Give the controllers ``grace_s`` to exit (after the driver's SHUTDOWN they do), then
         terminate, then kill what is left."""
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5.0)
+        stop(self.procs.values(), grace_s)
 
 
 # --- yatt-graph run -------------------------------------------------------------------------- -----------------------------------------------------------------------

@@ -13,15 +13,14 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import zmq
 
+from runtime.children import log_tail, python_env, start_python, stop
 from runtime.pids import pid_alive
 from runtime.sched.affinity import child_env
 from runtime.sched.devices import Resources
@@ -66,17 +65,8 @@ class ControllerProc:
             f"{beat.running_step} (for {beat.running_s:.1f}s)"
         )
 
-    def log_tail(self, chars: int = 3000) -> str:
-        if not self.log_path:
-            return ""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - chars))
-                text = f.read().decode(errors="replace").strip()
-        except OSError:
-            return ""
-        return f"\n--- last lines of controller {self.index}'s output ---\n{text}" if text else ""
+    def log_tail(self) -> str:
+        return log_tail(self.log_path, f"controller {self.index}")
 
 
 class RunCleanup:
@@ -98,19 +88,7 @@ class RunCleanup:
         if self.done:
             return
         self.done = True
-        deadline = time.monotonic() + grace_s
-        for p in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5.0)
+        stop(self.procs, grace_s)
         self.io_stop.set()
         if self.io_thread is not None and self.io_thread is not threading.current_thread():
             self.io_thread.join(timeout=2.0)
@@ -169,23 +147,18 @@ def spawn_controllers(
     (when given) sets controller c's ``CUDA_VISIBLE_DEVICES`` and ``OMP_NUM_THREADS``, so its
     first CUDA call and first thread pool already see its own share.
     """
-    from yatt_graph.refs import import_roots
-
-    # The driver's sys.path, then the folders of graph files it loaded by path: a controller
-    # imports the user's graph module and node classes whatever the working folder.
-    paths = [p or os.getcwd() for p in sys.path] + import_roots()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
-    if num_threads > 0:
-        env["OMP_NUM_THREADS"] = str(num_threads)
-    env = openmp_env(env, spin=None)  # the run's choice (runtime.sched.threads), else sleep
+    # A controller imports the user's graph module and node classes whatever the working folder.
+    env = openmp_env(
+        python_env(num_threads), spin=None
+    )  # the run's choice (runtime.sched.threads), else sleep
     main = threading.current_thread() is threading.main_thread()
     old = (
         signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     )  # children inherit 'ignore'
     try:
         for c in controllers:
-            cmd = [
-                sys.executable, "-m", "runtime.zmq.controller_main", "--connect", address,
+            args = [
+                "--connect", address,
                 "--index", str(c.index), "--bind", f"ipc://{run_dir}/c{c.index}",
                 "--parent-pid", str(os.getpid()), "--spawned",
                 "--startup-timeout", str(startup_timeout_s),
@@ -193,23 +166,14 @@ def spawn_controllers(
                 *(["--keys", keys_dir] if keys_dir else []),
                 *(arg for ref in preload for arg in ("--preload", ref)),
             ]  # fmt: skip
-            out: Any = None
             if output == "capture":
                 c.log_path = os.path.join(run_dir, f"controller-{c.index}.log")
-                out = open(c.log_path, "wb")  # noqa: SIM115 - the child holds it
-            try:
-                share = resources[c.index] if c.index < len(resources) else None
-                own = dict(child_env(env, share))
-                threads = share.threads or len(share.cores) if share is not None else 0
-                if threads and num_threads <= 0:
-                    own["OMP_NUM_THREADS"] = str(threads)
-                c.popen = subprocess.Popen(
-                    cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT if out else None,
-                    env=own, cwd=os.getcwd(),
-                )  # fmt: skip
-            finally:
-                if out is not None:
-                    out.close()
+            share = resources[c.index] if c.index < len(resources) else None
+            own = dict(child_env(env, share))
+            threads = share.threads or len(share.cores) if share is not None else 0
+            if threads and num_threads <= 0:
+                own["OMP_NUM_THREADS"] = str(threads)
+            c.popen = start_python("runtime.zmq.controller_main", args, own, c.log_path)
             c.pid = c.popen.pid
             res.procs.append(c.popen)
     finally:

@@ -17,10 +17,9 @@ parent does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -29,6 +28,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from runtime.children import exit_text, log_tail, python_env, start_python, stop
 from runtime.errors import ControllerError
 from runtime.sched.threads import passive_env
 from runtime.zmq.serial import decode_value, encode_value
@@ -70,24 +70,14 @@ class ReplicaProcess:
         self.sock = zmq.Context.instance().socket(zmq.PAIR)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(address)
-        from yatt_graph.refs import import_roots
-
-        paths = [p or os.getcwd() for p in sys.path] + import_roots()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
-        env["OMP_NUM_THREADS"] = str(threads)
-        env = passive_env(env)  # it computes while the node's own copy does
+        env = passive_env(python_env(threads))  # it computes while the node's own copy does
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
-        cmd = [
-            sys.executable, "-m", "runtime.zmq.replica_main", "--connect", address,
-            "--parent-pid", str(os.getpid()), "--threads", str(threads),
+        args = [
+            "--connect", address, "--parent-pid", str(os.getpid()), "--threads", str(threads),
             *(["--cores", ",".join(map(str, cores))] if cores else []),
         ]  # fmt: skip
-        with open(self.log_path, "wb") as log:
-            self.popen = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                cwd=os.getcwd(),
-            )  # fmt: skip
+        self.popen = start_python("runtime.zmq.replica_main", args, env, self.log_path)
         self.pid = self.popen.pid
         self.label = f"process {index} (pid {self.pid})"
         self._sent: Any = {}  # shared port -> the last value sent (a weight update is sent once)
@@ -136,34 +126,22 @@ class ReplicaProcess:
         while not self.sock.poll(_POLL_MS):
             code = self.popen.poll()
             if code is not None:
-                raise ReplicaDied(self._why(f"exited with code {code} while {doing}"))
+                raise ReplicaDied(self._why(f"{exit_text(code)} while {doing}"))
             if deadline is not None and time.monotonic() > deadline:
                 raise ReplicaDied(self._why(f"gave no answer in {timeout_s:.0f} s while {doing}"))
         frames = self.sock.recv_multipart(copy=False)
         return msgspec.json.decode(frames[0].bytes), list(frames[1:])
 
     def _why(self, what: str, message: str = "") -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                tail = f.read()[-2000:]
-        except OSError:
-            tail = ""
-        text = f"replica {self.index} of node {self.name!r} (pid {self.pid}) {what}"
-        return (
-            text
-            + (f": {message}" if message else "")
-            + (f"\n--- its log ---\n{tail}" if tail else "")
-        )
+        who = f"replica {self.index} of node {self.name!r} (pid {self.pid})"
+        return f"{who} {what}" + (f": {message}" if message else "") + log_tail(self.log_path, who)
 
     def close(self) -> None:
         popen = getattr(self, "popen", None)
         if popen is not None and popen.poll() is None:
-            try:
+            with contextlib.suppress(zmq.ZMQError):
                 self.sock.send(msgspec.json.encode({"op": "stop"}), zmq.NOBLOCK)
-                popen.wait(timeout=10)
-            except (zmq.ZMQError, subprocess.TimeoutExpired):
-                popen.kill()
-                popen.wait(timeout=10)
+            stop([popen], grace_s=10)
         self.sock.close(linger=0)
         shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -80,7 +80,7 @@ def test_a_controller_killed_mid_step_is_named_with_its_nodes_within_5s():
     assert noticed < 5, f"the dead controller was noticed after {noticed:.1f}s"
     err = info.value
     assert err.controller == 1 and err.nodes == ["double"]
-    assert "controller 1" in str(err) and "killed by signal 9" in str(err)
+    assert "controller 1" in str(err) and "killed by SIGKILL (9)" in str(err)
     assert "while running step" in str(err) and "['double']" in str(err)
     assert_gone(pids, run_dir)
 
@@ -108,7 +108,7 @@ def test_restart_on_failure_resumes_from_the_checkpoint_and_loses_or_repeats_no_
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
     assert len(events) == 1 and events[0]["event"] == "restart"
     assert events[0]["controller"] == 1 and "chaos" in events[0]["nodes"]
-    assert "killed by signal 9" in events[0]["error"]
+    assert "killed by SIGKILL (9)" in events[0]["error"]
     assert [p.name for p in checkpoints(out)][-1] == f"step_{STEPS:06d}"
     assert controller_processes() == []
 
@@ -125,7 +125,7 @@ def test_without_restart_a_killed_controller_stops_the_run_cleanly(tmp_path, cap
     )  # fmt: skip
     err = capsys.readouterr().err
     assert code == 1
-    assert "the run stopped: controller 1" in err and "killed by signal 9" in err
+    assert "the run stopped: controller 1" in err and "killed by SIGKILL (9)" in err
     assert "chaos" in err and "Traceback" not in err
     assert controller_processes() == []
     # Each finished step once, in order, none from after the kill; whether step 1's report got
