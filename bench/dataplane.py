@@ -38,6 +38,7 @@ import zmq
 
 from bench._util import load_average, machine, ray_available, ray_session, table
 from bench.graphs import ImageBatch, build_graph
+from runtime.children import stop
 from runtime.zmq.serial import decode_value, encode_value
 
 
@@ -140,11 +141,7 @@ def run_routed(batch: int, steps: int) -> dict[str, float]:
             for role in out:
                 out[role].send(b"q")
         finally:
-            for p in procs:
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop(procs, grace_s=10)
             ctx.destroy(linger=0)
     return result
 

@@ -10,8 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from nodes.models.files import _load_pretrained, _load_tokenizer
 from nodes.models.policy_base import (
@@ -19,7 +18,6 @@ from nodes.models.policy_base import (
     PromptBatch,
     _check_response,
     _local_dir,
-    _positions,
     char_tokenizer,
     word_tokenizer,
 )
@@ -95,30 +93,8 @@ class HFCausalPolicy(Policy):
     # --- model -------------------------------------------------------------------------------
     def forward_response(self, batch, response_ids, response_mask, *, logits=True, hidden=False):
         _check_response("HFCausalPolicy.forward_response", batch, response_ids, response_mask)
-        dev = self.device
-        real = response_mask.to(dev) > 0  # (B, R)
-        resp_ids = torch.where(real, response_ids.to(dev), self.pad_token_id)  # (B, R)
-        ids = torch.cat([batch.prompt_ids.to(dev), resp_ids], 1)  # (B, P+R)
-        mask = torch.cat([batch.prompt_mask.to(dev), real.long()], 1)  # (B, P+R)
-        return self._response_pass(
-            self.model,
-            response_ids.shape[1],
-            logits,
-            hidden,
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=_positions(mask),
-        )
-
-    def _generate_raw(self, batch, gen_config, **kwargs) -> Tensor:
-        P = batch.prompt_ids.shape[1]
-        out = self.model.generate(
-            input_ids=batch.prompt_ids.to(self.device),
-            attention_mask=batch.prompt_mask.to(self.device),
-            generation_config=gen_config,
-            **kwargs,
-        )
-        return out.sequences[:, P:]  # (B, R)
+        real = response_mask.to(self.device) > 0  # (B, R)
+        return self._token_pass(batch, response_ids, real, logits, hidden)
 
     # --- files -------------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:

@@ -150,29 +150,12 @@ class HFVisionLanguagePolicy(Policy):
                 f"placeholder token {self.suppressed_token_ids}; a response may not contain one "
                 "(the model would look for image features that do not exist)"
             )
-        resp_ids = torch.where(real, response_ids.to(dev), self.pad_token_id)  # (B, R)
-        ids = torch.cat([batch.prompt_ids.to(dev), resp_ids], 1)  # (B, P+R)
-        mask = torch.cat([batch.prompt_mask.to(dev), real.long()], 1)  # (B, P+R)
-        return self._response_pass(
-            self.model,
-            response_ids.shape[1],
-            logits,
-            hidden,
-            input_ids=ids,
-            attention_mask=mask,
-            **self._model_inputs(batch, ids.shape[1]),
-        )
+        extra = self._model_inputs(batch, batch.prompt_ids.shape[1] + response_ids.shape[1])
+        return self._token_pass(batch, response_ids, real, logits, hidden, False, **extra)
 
     def _generate_raw(self, batch, gen_config, **kwargs) -> Tensor:
-        P = batch.prompt_ids.shape[1]
-        out = self.model.generate(
-            input_ids=batch.prompt_ids.to(self.device),
-            attention_mask=batch.prompt_mask.to(self.device),
-            **self._model_inputs(batch, P),
-            generation_config=gen_config,
-            **kwargs,
-        )
-        return out.sequences[:, P:]  # (B, R)
+        extra = self._model_inputs(batch, batch.prompt_ids.shape[1])
+        return super()._generate_raw(batch, gen_config, **extra, **kwargs)
 
     # --- files -------------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:

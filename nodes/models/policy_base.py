@@ -278,9 +278,41 @@ class Policy(nn.Module):
             out.hidden_states[-1][:, -(R + 1) : -1] if hidden else None,  # (B, R, H)
         )
 
+    def _token_pass(
+        self,
+        batch: PromptBatch,
+        response_ids: Tensor,
+        real: Tensor,
+        logits: bool,
+        hidden: bool,
+        positions: bool = True,
+        **inputs: Any,
+    ) -> ResponseForward:
+        """:meth:`_response_pass` of ``self.model`` over prompt and response token ids (the HF
+        families), padding where ``real`` (bool[B, R]) is False; ``inputs`` go to the model,
+        with ``positions`` position ids that skip padding (a VLM computes its own)."""
+        dev = self.device
+        resp_ids = torch.where(real, response_ids.to(dev), self.pad_token_id)  # (B, R)
+        ids = torch.cat([batch.prompt_ids.to(dev), resp_ids], 1)  # (B, P+R)
+        mask = torch.cat([batch.prompt_mask.to(dev), real.long()], 1)  # (B, P+R)
+        if positions:
+            inputs["position_ids"] = _positions(mask)
+        R = response_ids.shape[1]
+        return self._response_pass(
+            self.model, R, logits, hidden, input_ids=ids, attention_mask=mask, **inputs
+        )
+
     def _generate_raw(self, batch: PromptBatch, gen_config: Any, **kwargs: Any) -> Tensor:
-        """Run ``generate``; return only the new tokens, int64[B, R]."""
-        raise NotImplementedError
+        """Run ``generate``; return only the new tokens, int64[B, R]. The HF families'
+        ``generate`` over the prompt ids; ``kwargs`` go to it."""
+        P = batch.prompt_ids.shape[1]
+        out = self.model.generate(
+            input_ids=batch.prompt_ids.to(self.device),
+            attention_mask=batch.prompt_mask.to(self.device),
+            generation_config=gen_config,
+            **kwargs,
+        )
+        return out.sequences[:, P:]  # (B, R)
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write a directory that :func:`load_policy` reads back (local files only)."""

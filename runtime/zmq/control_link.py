@@ -22,6 +22,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 import zmq.utils.monitor
@@ -283,13 +284,9 @@ def wait_for_setup(
                 file=sys.stderr,
             )
             return None
-        if not driver.poll(200):
+        if (got := _next(driver, drops)) is None:
             continue
-        try:
-            _, kind, msg, _ = recv(driver)
-        except m.ProtocolError as exc:
-            drops.drop("the driver link", exc)
-            continue
+        kind, msg = got
         if kind is m.Kind.REFUSED:
             print(
                 f"yatt-graph controller: the driver refused this controller: {msg.reason}",
@@ -317,15 +314,21 @@ def wait_for_setup(
     return None
 
 
+def _next(driver: zmq.Socket, drops: Drops) -> tuple[m.Kind, Any] | None:
+    """The next message on the driver link: None when none came in 200 ms or it was dropped."""
+    if not driver.poll(200):
+        return None
+    try:
+        _, kind, msg, _ = recv(driver)
+    except m.ProtocolError as exc:
+        drops.drop("the driver link", exc)
+        return None
+    return kind, msg
+
+
 def wait_for_shutdown(driver: zmq.Socket, parent_gone: Callable[[], bool], drops: Drops) -> None:
     """After a failed start-up: wait (60 s at most) for the driver's SHUTDOWN."""
     deadline = time.monotonic() + 60.0
     while time.monotonic() < deadline and not parent_gone():
-        if driver.poll(200):
-            try:
-                _, kind, _, _ = recv(driver)
-            except m.ProtocolError as exc:
-                drops.drop("the driver link", exc)
-                continue
-            if kind is m.Kind.SHUTDOWN:
-                return
+        if (got := _next(driver, drops)) is not None and got[0] is m.Kind.SHUTDOWN:
+            return

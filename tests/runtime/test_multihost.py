@@ -29,6 +29,7 @@ import pytest
 import torch
 from zmq_graphs import assert_same
 
+from runtime.children import stop
 from runtime.cli import main
 from runtime.engine.local import LocalExecutor
 from runtime.errors import ControllerError
@@ -101,7 +102,7 @@ def _netns_hosts() -> Iterator[Hosts | None]:
         try:
             yield hosts if made else None
         finally:
-            _stop(hosts.procs)
+            stop(hosts.procs)
     finally:
         _ip("netns", "del", ns)  # removes the veth pair with it
         if _ip("link", "show", here).returncode == 0:
@@ -110,18 +111,6 @@ def _netns_hosts() -> Iterator[Hosts | None]:
 
 def _loopback_hosts() -> Hosts:
     return Hosts("loopback", "127.0.0.1", "127.0.0.2", [], ["--data-host", "127.0.0.2"])
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +127,7 @@ def hosts() -> Iterator[Hosts]:
     try:
         yield found
     finally:
-        _stop(found.procs)
+        stop(found.procs)
 
 
 @pytest.fixture
@@ -147,7 +136,7 @@ def loopback() -> Iterator[Hosts]:
     try:
         yield found
     finally:
-        _stop(found.procs)
+        stop(found.procs)
 
 
 @pytest.fixture(scope="module")
@@ -410,7 +399,7 @@ def test_sigterm_to_a_controller_host_stops_its_controllers_and_names_them(tmp_p
         agent.send_signal(signal.SIGTERM)
         code, text = _finish(agent, log, timeout_s=60)
     finally:
-        _stop([agent])
+        stop([agent])
     assert code == 1, text
     assert f"controller 2 (pid {child.pid} on node 1) was killed by SIGTERM" in text
     assert not psutil.pid_exists(child.pid) or child.status() == psutil.STATUS_ZOMBIE

@@ -186,7 +186,8 @@ def test_a_dead_replica_process_is_named():
     try:
         os.kill(proc.pid, signal.SIGKILL)
         with pytest.raises(
-            ReplicaDied, match=rf"replica 1 of node 'rollout' \(pid {proc.pid}\) was killed by SIGKILL"
+            ReplicaDied,
+            match=rf"replica 1 of node 'rollout' \(pid {proc.pid}\) was killed by SIGKILL",
         ):
             _call(rs, _embeds())
     finally:
