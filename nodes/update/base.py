@@ -26,7 +26,7 @@ from nodes.seeding import seeded, step_seed
 from nodes.shared_models import Sharing, check_share_key, fingerprint
 from nodes.update.guard import copy_weights, restore_weights, weights_finite
 from nodes.update.ranked import NonFiniteError, _Ranked
-from nodes.update.shares import Micro, View, plan_micro_batches
+from nodes.update.micro import Micro, View, plan_micro_batches
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built

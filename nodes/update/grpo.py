@@ -10,7 +10,7 @@ from torch import Tensor
 from nodes.rl.aggregate import AGGREGATIONS, _aggregate
 from nodes.rl.losses import _grpo_loss
 from nodes.update.base import _INPUTS, _item, _Update
-from nodes.update.shares import View
+from nodes.update.micro import View
 from yatt_graph import ANY, BatchPolicy, Port
 
 __all__ = ["GRPOUpdate"]

@@ -22,7 +22,7 @@ from nodes.update.base import (
     _require_finite,
     _Update,
 )
-from nodes.update.shares import View
+from nodes.update.micro import View
 from yatt_graph import ANY, BatchPolicy, Port
 from yatt_graph.node import Built
 

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from nodes.models.policy import build_policy
 from nodes.shared_models import live_weights
 from nodes.sync import WeightUpdate
-from nodes.update.shares import View
+from nodes.update.micro import View
 from yatt_graph import UsageError
 
 __all__ = ["NonFiniteError"]

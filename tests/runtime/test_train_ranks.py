@@ -1,4 +1,4 @@
-"""Update nodes as SPMD groups of K ranks (runtime/ranks/, nodes/update/shares.py):
+"""Update nodes as SPMD groups of K ranks (runtime/ranks/, nodes/update/micro.py):
 a 2-rank group trains as the 1-rank node does, its checkpoints resume with K=2 or K=1, a
 dead rank is named, and the ranks end with their parent.
 
@@ -27,7 +27,7 @@ from nodes.reference import Critic
 from nodes.rl.advantages import broadcast_to_tokens
 from nodes.rollout import Rollout
 from nodes.update import GRPOUpdate, PPOUpdate
-from nodes.update.shares import View, plan_micro_batches
+from nodes.update.micro import View, plan_micro_batches
 from runtime.ranks import start_groups
 from runtime.ranks.group import RankError
 from runtime.ranks.values import describe, rebuild
