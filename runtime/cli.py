@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.launch import add_launch_arguments
-from runtime.run_setup import RunSetup, check_controller_count, graph_input, load
+from runtime.run_setup import RunSetup, check_controller_count, graph_input, load, resolve_graph
 from runtime.train.errors import Terminated
 from runtime.train.export import export_checkpoint
 from runtime.train.run_flags import add_run_arguments
@@ -160,7 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     def graph_command(name: str, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
-        p.add_argument("graph", help="a graph module (graphs.toy) or file (graphs/toy.py)")
+        p.add_argument(
+            "graph",
+            help="a ready graph by name (toy, mm_ppo, mm_grpo, text_ppo, text_grpo), or a graph "
+            "module (graphs.toy, my_graphs.rl) or file (my_graph.py)",
+        )
         p.add_argument(
             "--set",
             action="extend",
@@ -287,6 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from runtime.errors import ControllerError
 
     try:
+        if getattr(args, "graph", None):
+            args.graph = resolve_graph(args.graph)
         return args.func(args)
     except (NodeBuildError, NodeUsageError) as exc:  # what the user gave: the user's to fix
         print(f"yatt-graph {args.command}: error: {exc}", file=sys.stderr)

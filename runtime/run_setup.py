@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from yatt_graph import GraphError, UsageError
@@ -102,16 +104,55 @@ def graph_options(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
+def _graphs_folder() -> Path | None:
+    """The folder of the ready graphs (the installed ``graphs`` package), found, not imported:
+    it is a layer up."""
+    spec = importlib.util.find_spec("graphs")
+    return Path(spec.origin).resolve().parent if spec is not None and spec.origin else None
+
+
+def ready_graphs() -> list[str]:
+    """The names of the ready graphs: ``toy``, ``mm_ppo``, ...; ``yatt-graph run NAME`` runs one."""
+    folder = _graphs_folder()
+    if folder is None:
+        return []
+    return sorted(
+        p.stem
+        for p in folder.glob("*.py")
+        if "\ndef build_graph(" in p.read_text(errors="replace")
+    )
+
+
+def resolve_graph(target: str) -> str:
+    """The graph ``target`` names: a file or module as given, else the ready graph it names
+    (``text_grpo``, or ``graphs/text_grpo.py`` from outside the repository) as its module
+    (``graphs.text_grpo``), so that it runs from any folder."""
+    path = Path(target)
+    if path.exists():
+        return target
+    if target.isidentifier():
+        try:
+            if importlib.util.find_spec(target) is not None:
+                return target  # a module of the user's by that name comes first
+        except (ImportError, ValueError):
+            pass
+    elif not target.endswith(".py"):
+        return target  # a dotted module: importing it says what is wrong
+    ready = ready_graphs()
+    name = path.stem if target.endswith(".py") else target
+    if name in ready and (target == name or path.parent.name == "graphs"):
+        return f"graphs.{name}"
+    what = "the file does not exist" if target.endswith(".py") else "no module or ready graph"
+    raise UsageError(
+        f"no graph {target!r}: {what}; the ready graphs run by name from any folder "
+        f"({', '.join(ready)}), and a graph of your own is a file (my_graph.py) or a module"
+    )
+
+
 def _ready_graph(target: str) -> bool:
     """Whether ``target`` is one of the ready graphs (``graphs/``), not a user's file."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("graphs")  # (found, not imported: it is a layer up)
-    path = graph_file(target)
-    if path is None or spec is None or not spec.origin:
-        return False
-    return path.parent == Path(spec.origin).resolve().parent
+    path, folder = graph_file(target), _graphs_folder()
+    return path is not None and folder is not None and path.parent == folder
 
 
 def load(args: argparse.Namespace, options: dict[str, Any] | None = None) -> Any:

@@ -52,6 +52,16 @@ def test_bad_output_suffix_and_missing_file(capsys):
 
 
 @pytest.mark.timeout(120)
+def test_a_ready_graph_runs_by_name_from_any_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # outside the repository: graphs/toy.py is no file here
+    for target in ("toy", "graphs/toy.py"):
+        assert main(["run", target, "--steps", "1", "--quiet"]) == 0, target
+    assert main(["show", "no_such_graph"]) == 2
+    err = capsys.readouterr().err
+    assert "no graph 'no_such_graph'" in err and "mm_grpo, mm_ppo, text_grpo, text_ppo, toy" in err
+
+
+@pytest.mark.timeout(120)
 def test_console_script_is_installed():
     exe = Path(sys.executable).with_name("yatt-graph")
     out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60)
