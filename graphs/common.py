@@ -121,6 +121,17 @@ def policy_spec(config: RLConfig, image_dim: int | None) -> dict[str, Any]:
     return spec
 
 
+def update_options(config: RLConfig) -> dict[str, Any]:
+    """The update node's options the config sets, PPO's and GRPO's alike: the optimizer, its
+    schedule, the loss's clip range and entropy bonus, the passes, and how a step is cut."""
+    names = (
+        "lr", "weight_decay", "max_grad_norm", "clip_eps", "clip_eps_high", "entropy_coef",
+        "epochs", "mini_batches", "micro_batch_tokens", "mixed_precision", "lr_schedule",
+        "lr_warmup_steps", "lr_decay_steps", "temperature", "seed",
+    )  # fmt: skip
+    return {name: getattr(config, name) for name in names}
+
+
 def train_group(config: RLConfig, share: str, **more_shares: str) -> dict[str, Any]:
     """The update node's rank-group options (``ranks``, ``train_backend``) and share keys.
 
@@ -279,6 +290,9 @@ def sample_and_score(
         max_new_tokens=config.max_new_tokens,
         max_prompt_tokens=config.max_prompt_tokens,
         temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        stop=config.stop,
         seed=config.seed,
         stream=config.stream,
         device=device,

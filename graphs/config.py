@@ -12,7 +12,11 @@ allowed. ``yatt-graph ... --set key=value`` parses text by these fields' types, 
 ``yatt-graph show GRAPH --options`` lists them with their defaults and the first line of the
 docstring under each.
 
-The defaults are the ones the learning tests and the README's figures were measured with.
+Options whose right value depends on the model default to None, resolved when the config is
+made (:data:`AUTO`): the shapes task's measured values with a tiny policy (built in code, or
+one saved from it), values a real model can live with when ``policy`` names a model of the
+user's (``yatt-graph show GRAPH --options`` says both; a run prints what it chose). The tiny policy's are the ones the learning tests and
+the README's figures were measured with.
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ from typing import Any, Literal, Self
 import msgspec
 
 from nodes.data import TASKS
+from nodes.models.families import has_chat_template, is_tiny_dir
 from nodes.models.sampling import MIN_TEMPERATURE, temperature_problem
 from nodes.rl.advantages import GROUP_ESTIMATORS
+from nodes.rl.aggregate import Aggregation
+from nodes.update.schedule import LR_SCHEDULES, PRECISIONS
 from yatt_graph.options import check_options, config_options
 
 __all__ = ["GRPOConfig", "MultimodalPPOConfig", "PPOConfig", "RLConfig", "TextGRPOConfig"]
@@ -33,6 +40,26 @@ __all__ = ["GRPOConfig", "MultimodalPPOConfig", "PPOConfig", "RLConfig", "TextGR
 
 Estimator = GROUP_ESTIMATORS.literal()
 """The names of :data:`nodes.rl.advantages.GROUP_ESTIMATORS` (an ``estimator`` option)."""
+Schedule = Literal[LR_SCHEDULES]  # type: ignore[valid-type]
+Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
+
+
+AUTO: dict[str, tuple[float, float]] = {
+    "lr": (1e-3, 1e-6),
+    "max_new_tokens": (2, 256),
+    "epochs": (2, 1),
+    "entropy_coef": (0.01, 0.0),
+    "kl_coef": (0.05, 0.001),
+    "critic_lr": (1e-3, 1e-5),
+}
+"""Option -> (its default with a tiny policy, with a model of the user's), for options left None."""
+
+
+def users_model(policy: str | dict[str, Any]) -> bool:
+    """Whether ``policy`` names a model of the user's: a directory that is not one of this
+    project's tiny models (built in code, or saved and exported from a run of one)."""
+    path = policy.get("path") if isinstance(policy, dict) else None if policy == "tiny" else policy
+    return path is not None and not is_tiny_dir(path)
 
 
 class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -56,24 +83,59 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     With skip the graph also outputs ``bad_samples`` and the metrics count them; raise is
     the default because a reward that breaks should be seen, not averaged away."""
-    lr: float = 1e-3
-    """The policy's Adam learning rate (> 0); the figures were measured at 1e-3."""
-    max_new_tokens: int = 2
-    """Longest response in tokens (>= 1); the shapes answers are one word and an end token."""
+    lr: float | None = None
+    """The policy's AdamW learning rate (> 0); none: 1e-3 with the tiny policy, 1e-6 with a model.
+
+    1e-3 is what the tiny policy's figures were measured at; a pretrained model takes the
+    small rates TRL and verl use (1e-6)."""
+    max_new_tokens: int | None = None
+    """Longest response in tokens (>= 1); none: 2 with the tiny policy, 256 with a model.
+
+    The shapes answers are one word and an end token; a response also ends at the tokenizer's
+    end token and at ``stop``."""
     max_prompt_tokens: int | None = None
     """A longer prompt keeps its last this many tokens (>= 1); none: a prompt that leaves no
     room for max_new_tokens in the model's context stops the run, naming it."""
     temperature: float = 1.0
     """Sampling temperature (> 0), also used for the logprobs of the update and the reference."""
-    kl_coef: float = 0.05
-    """Weight (>= 0) of the KL penalty to the reference policy; 0 turns it off.
+    kl_coef: float | None = None
+    """Weight (>= 0) of the KL penalty to the reference policy; none: 0.05 tiny, 0.001 a model.
 
     With 0.05 the ready graphs ended higher and closer together across seeds than without
-    the penalty (README)."""
-    entropy_coef: float = 0.01
-    """Weight (>= 0) of the entropy bonus in the policy loss; the figures were measured at 0.01."""
-    epochs: int = 2
-    """Optimizer passes over each step's batch (>= 1); the figures were measured at 2."""
+    the penalty (README); 0 turns it off."""
+    entropy_coef: float | None = None
+    """Weight (>= 0) of the entropy bonus in the policy loss; none: 0.01 tiny, 0 with a model."""
+    epochs: int | None = None
+    """Optimizer passes over each step's batch (>= 1); none: 2 with the tiny policy, 1 a model."""
+    mini_batches: int = 1
+    """Optimizer steps per pass (>= 1), each on that share of the batch (whole prompts)."""
+    micro_batch_tokens: int = 0
+    """Budget (padded prompt + response tokens) of one forward/backward of the update; 0: none.
+
+    Rows are sorted by length and gradients accumulated, so the step is the unsplit one up to
+    float rounding and the update's memory stays bounded whatever the batch size."""
+    mixed_precision: Precision = "no"
+    """bf16: the update's forward passes in bfloat16 autocast, float32 weights and AdamW state."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (>= 0) of the trained models."""
+    max_grad_norm: float = 1.0
+    """Clip the gradient norm to this (> 0); 0: no clipping."""
+    clip_eps: float = 0.2
+    """PPO ratio clip range below (and, without clip_eps_high, above) 1, in (0, 1)."""
+    clip_eps_high: float | None = None
+    """Clip range above 1 when it differs (DAPO's clip-higher, e.g. 0.28); none: clip_eps."""
+    lr_schedule: Schedule = "constant"
+    """After the warmup: constant, or linear / cosine decay to 0 over lr_decay_steps steps."""
+    lr_warmup_steps: int = 0
+    """Steps of linear warmup from lr / lr_warmup_steps to lr (>= 0)."""
+    lr_decay_steps: int = 0
+    """Steps of linear or cosine decay after the warmup (> 0 for those schedules)."""
+    top_p: float = 1.0
+    """Nucleus sampling: sample from the smallest set of tokens with this much probability."""
+    top_k: int = 0
+    """Sample from the k likeliest tokens (>= 0); 0: all."""
+    stop: list[str] = []
+    """Strings that end a response (kept in it), as a JSON list: --set 'stop=["</answer>"]'."""
     stream: bool = False
     """Hand out each response as it ends, so later nodes take them piece by piece.
 
@@ -132,6 +194,7 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """With train_ranks > 1: fsdp (FSDP2: weights, gradients, Adam state 1/K per rank) or ddp."""
 
     def __post_init__(self) -> None:
+        self._resolve(("lr", "max_new_tokens", "epochs", "entropy_coef", "kl_coef"))
         if self.task not in TASKS:
             _refuse("task", self.task, f"one of {', '.join(TASKS)}")
         _at_least("batch_size", self.batch_size, 1)
@@ -167,6 +230,29 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.train_backend not in ("fsdp", "ddp"):
             _refuse("train_backend", self.train_backend, "'fsdp' or 'ddp'")
 
+    def _resolve(self, names: tuple[str, ...]) -> None:
+        """Give each of ``names`` left None its :data:`AUTO` default for this policy."""
+        which = int(users_model(self.policy))
+        for name in names:
+            if getattr(self, name) is None:
+                value = AUTO[name][which]
+                setattr(self, name, type(value)(value))
+
+    def notes(self) -> list[str]:
+        """What a run should say about these settings before its first step: the defaults
+        chosen for a model of the user's, and whether its chat template formats the prompts."""
+        if not users_model(self.policy):
+            return []
+        chosen = ", ".join(f"{k}={getattr(self, k)}" for k in AUTO if hasattr(self, k))
+        notes = [f"defaults for a model of your own (each --set overrides): {chosen}"]
+        path = self.policy["path"] if isinstance(self.policy, dict) else self.policy
+        if has_chat_template(path):
+            notes.append(
+                "prompts are formatted with the model's chat template"
+                + ("" if self.chat_template else " (no: chat_template=false)")
+            )
+        return notes
+
     @classmethod
     def from_options(cls, graph: str, options: dict[str, Any]) -> Self:
         """The config of ``graph`` from ``build_graph``'s keyword options, checked."""
@@ -180,8 +266,8 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class PPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
     """PPO: a critic trained beside the policy, advantages by GAE."""
 
-    critic_lr: float = 1e-3
-    """The critic's Adam learning rate (> 0); as the policy's."""
+    critic_lr: float | None = None
+    """The critic's AdamW learning rate (> 0); none: 1e-3 with the tiny policy, 1e-5 a model."""
     gamma: float = 1.0
     """GAE discount per token, in [0, 1]; 1 because the only reward comes at the end."""
     lam: float = 0.95
@@ -189,6 +275,7 @@ class PPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._resolve(("critic_lr",))
         _positive("critic_lr", self.critic_lr)
         _within("gamma", self.gamma, 0.0, 1.0)
         _within("lam", self.lam, 0.0, 1.0)
@@ -210,6 +297,8 @@ class TextGRPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
     """Samples per prompt (>= 2: a group's advantages compare its samples with each other)."""
     estimator: Estimator = "grpo"
     """A registered group estimator: grpo (group mean and std), dr_grpo (group mean), rloo."""
+    aggregation: Aggregation = "seq-mean-token-mean"
+    """How token losses make the loss: token-mean, seq-mean-token-mean or seq-mean-token-sum."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphs.common import connect_weights, sample_and_score, train_group
+from graphs.common import connect_weights, sample_and_score, train_group, update_options
 from graphs.config import GRPOConfig, TextGRPOConfig
 from nodes.advantage import GroupAdvantage
 from nodes.shared_models import set_share
@@ -43,13 +43,10 @@ def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Grap
         )
         update = GRPOUpdate(
             policy=s.spec,
-            lr=config.lr,
             kl_coef=config.kl_coef,
-            entropy_coef=config.entropy_coef,
-            epochs=config.epochs,
-            temperature=config.temperature,
-            seed=config.seed,
+            aggregation=config.aggregation,
             device=s.device,
+            **update_options(config),
             name="grpo",
             **train_group(config, "policy"),
         )(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphs.common import connect_weights, sample_and_score, train_group
+from graphs.common import connect_weights, sample_and_score, train_group, update_options
 from graphs.config import MultimodalPPOConfig, PPOConfig
 from nodes.advantage import GAEAdvantage
 from nodes.reference import Critic
@@ -57,13 +57,9 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
             policy=s.spec,
             critic=critic_spec,
             head_seed=seed,
-            lr=config.lr,
             critic_lr=config.critic_lr,
-            entropy_coef=config.entropy_coef,
-            epochs=config.epochs,
-            temperature=config.temperature,
-            seed=seed,
             device=s.device,
+            **update_options(config),
             name="ppo",
             **train_group(config, "policy", critic_share="critic"),
         )(

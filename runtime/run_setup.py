@@ -242,6 +242,14 @@ class RunSetup:
             raise
         return options, graph
 
+    def notes(self, options: dict[str, Any]) -> list[str]:
+        """What the graph's typed config says about the settings it resolved (its ``notes()``:
+        defaults chosen for the model given, a chat template applied), for the run's first lines."""
+        config = getattr(load_graph_module(self.args.graph), "CONFIG", None)
+        if config is None or not hasattr(config, "notes"):
+            return []
+        return list(config.from_options(self.args.graph, options).notes())
+
     def executor_factory(self, graph: Any, options: dict, devices: Any, distributed: bool) -> Any:
         """``make_executor()`` for the run (see :func:`executor_factory`)."""
         return executor_factory(self, graph, options, devices, distributed)

@@ -23,7 +23,7 @@ from nodes.models.files import _read_json
 from nodes.models.hf_causal import HFCausalPolicy
 from nodes.models.hf_vlm import HFVisionLanguagePolicy
 from nodes.models.lora import apply_lora, check_lora_spec
-from nodes.models.policy_base import _PREFIX_MARKER, Policy, _local_dir
+from nodes.models.policy_base import _PREFIX_MARKER, TINY_MARK, Policy, _local_dir
 from nodes.models.prefix_vlm import PrefixVLM
 from nodes.seeding import seeded
 
@@ -37,6 +37,8 @@ __all__ = [
     "configure_policy",
     "describe_model_dir",
     "load_policy",
+    "has_chat_template",
+    "is_tiny_dir",
     "model_family",
 ]
 
@@ -91,6 +93,34 @@ def model_family(path: str | Path) -> Family:
         "(AutoModelForCausalLM: gpt2, llama, qwen2, ...), image-text-to-text VLMs "
         "(AutoModelForImageTextToText: qwen2_vl, qwen2_5_vl, ...) and saved prefix-VLMs"
     )
+
+
+def is_tiny_dir(path: str | Path) -> bool:
+    """Whether a directory holds one of this project's tiny models (their config carries
+    :data:`~nodes.models.policy_base.TINY_MARK`), saved or exported, rather than a user's."""
+    folder = Path(path)
+    for config in (folder / "config.json", folder / "lm" / "config.json"):  # lm/: a prefix-VLM
+        try:
+            if json.loads(config.read_text()).get(TINY_MARK):
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
+
+
+def has_chat_template(path: str | Path) -> bool:
+    """Whether a model directory's tokenizer or processor carries a chat template (read from
+    its files, without loading anything)."""
+    folder = Path(path)
+    if (folder / "chat_template.jinja").is_file():
+        return True
+    for name in ("tokenizer_config.json", "chat_template.json", "processor_config.json"):
+        try:
+            if json.loads((folder / name).read_text()).get("chat_template"):
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
 
 
 def _config(fn: str, path: Path) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from torch import nn
 
 from nodes.models.files import _load_pretrained, _load_tokenizer
 from nodes.models.policy_base import (
+    TINY_MARK,
     Policy,
     PromptBatch,
     _check_response,
@@ -125,6 +126,7 @@ def _tiny_config(arch: str, tokenizer: Any, hidden_size: int, num_layers: int) -
         "pad_token_id": tokenizer.pad_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "bos_token_id": tokenizer.eos_token_id,
+        TINY_MARK: True,
     }
     if arch == "gpt2":
         # no dropout: a PPO ratio must compare the same function in rollout and update

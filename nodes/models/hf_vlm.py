@@ -16,6 +16,7 @@ from nodes.models.files import _load_pretrained
 from nodes.models.policy_base import (
     _QWEN_VISION_TOKENS,
     _TINY_CHAT_TEMPLATE,
+    TINY_MARK,
     Policy,
     PromptBatch,
     _check_response,
@@ -217,6 +218,7 @@ def tiny_qwen2_vl(
     half = head_dim // 2
     section = [half - 2 * (half // 3), half // 3, half // 3]
     config = Qwen2VLConfig(
+        **{TINY_MARK: True},
         text_config={
             "vocab_size": len(tokenizer),
             "hidden_size": hidden_size,

@@ -100,6 +100,11 @@ class Generation(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 
 
+TINY_MARK = "yatt_tiny"
+"""A key the tiny models built in code write into their ``config.json`` (saved and exported
+with them): a directory that has it holds one of this project's toy models, not a user's."""
+
+
 def char_tokenizer(extra_special_tokens: Sequence[str] = ()) -> Any:
     """A character-level ``PreTrainedTokenizerFast`` built in code (no download).
 

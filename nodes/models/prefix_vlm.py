@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from nodes.models.files import _load_pretrained, _load_tokenizer, _loading, _read_json
 from nodes.models.policy_base import (
     _PREFIX_MARKER,
+    TINY_MARK,
     Policy,
     PromptBatch,
     _check_response,
@@ -229,6 +230,7 @@ def tiny_prefix_vlm(
         attn_pdrop=0.0,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **{TINY_MARK: True},
     )
     with seeded(seed):
         policy = PrefixVLM(GPT2LMHeadModel(config), tokenizer, image_dim, num_prefix_tokens)

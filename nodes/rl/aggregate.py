@@ -51,6 +51,12 @@ AGGREGATIONS.register("seq-mean-token-mean", "the mean per sequence, then over s
         count=lambda real: real.any(1).sum(),  # () sequences with a real token
     )
 )
+AGGREGATIONS.register("seq-mean-token-sum", "the sum per sequence, then the mean over sequences")(
+    TokenMean(
+        total=lambda loss, real: loss.sum(),  # ()
+        count=lambda real: real.any(1).sum(),  # () sequences with a real token
+    )
+)
 
 Aggregation = AGGREGATIONS.literal()
 """The names of :data:`AGGREGATIONS`, as a type."""

@@ -7,14 +7,22 @@
   their weights for those nodes' ``weights`` inputs.
 * :class:`GRPOUpdate`: ``nodes.rl.losses.grpo_loss`` (group advantages, no critic).
 
-Each call runs ``epochs`` optimizer steps over the whole batch. With ``micro_batch_size > 0``
-the batch is cut into micro-batches whose gradients are accumulated before each step; every
-micro-batch loss is weighted by its share of the batch's real tokens (token-mean terms) or of
-its non-empty samples (seq-mean-token-mean terms), so the accumulated gradient equals the
-full-batch gradient (up to float rounding). When image inputs come one row per prompt (B = N *
-n), micro-batches hold whole groups of n rows (the size is rounded up to a multiple of n).
-Gradients are freed after the last step of a call. Every call publishes new weight versions,
-also when its steps were skipped.
+Each call runs ``epochs`` passes over the batch; a pass is ``mini_batches`` optimizer steps,
+each on its share of the batch (whole prompts' rows, shuffled with the step's seed; one: the
+whole batch, as it came). Each step's mini-batch is cut into micro-batches whose gradients are
+accumulated before the step: by ``micro_batch_tokens``, a budget of padded tokens (rows times
+the longest prompt plus the longest response of the micro-batch), rows sorted longest first
+and each micro-batch trimmed of the padding it does not use (:mod:`nodes.update.micro`), so the
+forward's memory is bounded whatever the batch; else by ``micro_batch_size`` rows (0: whole).
+Every micro-batch loss is weighted by its share of the mini-batch's real tokens (token-mean
+terms) or of its non-empty samples (seq-mean terms), so the accumulated gradient equals the
+unsplit one up to float rounding. When image inputs come one row per prompt (B = N * n),
+micro-batches hold whole groups of n rows. Gradients are freed after the last step of a call.
+Every call publishes new weight versions, also when its steps were skipped.
+
+``mixed_precision="bf16"`` runs the trained models' forward passes under bfloat16 autocast
+with float32 master weights and AdamW state; ``lr_schedule`` / ``lr_warmup_steps`` /
+``lr_decay_steps`` set the learning rate per training step (:mod:`nodes.update.schedule`).
 
 A non-finite policy logprob, value, loss or gradient (norm) skips the step: gradients are
 zeroed, no optimizer steps, ``metrics["skipped_nonfinite"]`` is 1.0 and the remaining epochs

@@ -4,9 +4,7 @@ the published weights (see :mod:`nodes.update` for the behaviour they have in co
 from __future__ import annotations
 
 import inspect
-import logging
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,18 +20,18 @@ from nodes.rl.losses import (
     token_entropy_from_logits,
 )
 from nodes.rl.masked import _check_finite
-from nodes.seeding import seeded, step_seed
+from nodes.seeding import step_seed
 from nodes.shared_models import Sharing, check_share_key, fingerprint
-from nodes.update.guard import copy_weights, restore_weights, weights_finite
+from nodes.update.loop import MicroLoss, _Loop, _NonFinite
+from nodes.update.micro import Micro, View, plan_micro_batches, token_micro_batches
 from nodes.update.ranked import NonFiniteError, _Ranked
-from nodes.update.micro import Micro, View, plan_micro_batches
+from nodes.update.schedule import PRECISIONS, autocast, schedule_problem
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built
 
-__all__ = ["NonFiniteError"]  # the updates themselves are public in nodes.update
+__all__ = ["MicroLoss", "NonFiniteError"]  # the updates themselves are public in nodes.update
 
-log = logging.getLogger(__name__)
 
 _TOKENS = TensorPort("float32", "B", "R")
 TRAIN_BACKENDS = ("fsdp", "ddp")
@@ -56,10 +54,6 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 """The largest learning rate an optimizer step can apply (larger ones do not convert)."""
 
 
-class _NonFinite(Exception):
-    """Raised inside a step when a model output, the loss or a gradient is not finite."""
-
-
 def _item(x: Tensor) -> float:
     return float(x.detach())
 
@@ -69,7 +63,7 @@ def _require_finite(what: str, x: Tensor, real: Tensor) -> None:
         raise _NonFinite(what)
 
 
-class _Update(Offload, _Ranked, Sharing, Node):
+class _Update(_Loop, Offload, _Ranked, Sharing, Node):
     """What PPO and GRPO updates share: input checks, micro-batches, the guarded step, weights,
     and the rank group (``ranks > 1``: ``runtime.ranks``)."""
 
@@ -107,6 +101,23 @@ class _Update(Offload, _Ranked, Sharing, Node):
                 f"micro_batch_size={o.micro_batch_size}; 0 = whole batch",
             ),
             (
+                int(o.micro_batch_tokens) >= 0,
+                f"micro_batch_tokens={o.micro_batch_tokens}; it must be >= 0 (0: no budget)",
+            ),
+            (
+                int(o.mini_batches) >= 1,
+                f"mini_batches={o.mini_batches}; it must be >= 1 (optimizer steps per epoch)",
+            ),
+            (
+                o.mixed_precision in PRECISIONS,
+                f"mixed_precision={o.mixed_precision!r}; choose one of {', '.join(PRECISIONS)}",
+            ),
+            (
+                (why := schedule_problem(o.lr_schedule, o.lr_warmup_steps, o.lr_decay_steps))
+                is None,
+                why,
+            ),
+            (
                 o.max_grad_norm is None or o.max_grad_norm >= 0,
                 f"max_grad_norm={o.max_grad_norm}; it must be >= 0 (0 or None: no clipping)",
             ),
@@ -137,6 +148,10 @@ class _Update(Offload, _Ranked, Sharing, Node):
         self.kl_coef = float(o.kl_coef)
         self.epochs = int(o.epochs)
         self.micro_batch_size = int(o.micro_batch_size)
+        self.micro_batch_tokens = int(o.micro_batch_tokens)
+        self.mini_batches = int(o.mini_batches)
+        self.mixed_precision = o.mixed_precision
+        self._schedule = (o.lr_schedule, int(o.lr_warmup_steps), int(o.lr_decay_steps))
         self.max_grad_norm = float(o.max_grad_norm or 0.0)
         self.temperature = float(o.temperature)
         self.seed = int(o.seed)
@@ -258,10 +273,28 @@ class _Update(Offload, _Ranked, Sharing, Node):
         size = -(-size // group) * group  # round up to a multiple of the group
         return [slice(i, min(i + size, B)) for i in range(0, B, max(size, 1))]
 
+    def _cut(self, view: View) -> list[tuple[View, slice]]:
+        """Micro-batches of ``view``: by ``micro_batch_tokens`` when set, else by rows."""
+        if self.micro_batch_tokens:
+            subs = token_micro_batches(view, self.micro_batch_tokens, self.micro_batch_size)
+            return [(sub, slice(0, sub.real.shape[0])) for sub in subs]
+        return [(view, rows) for rows in self._slices(view.real.shape[0], view.group)]
+
     def _micro_batches(self, full: View) -> tuple[list[Micro], Micro | None]:
         """This rank's micro-batches (the whole batch's, alone) and the group's filler."""
         rank, world = (0, 1) if self._ranks is None else (self._ranks.rank, self._ranks.world)
-        return plan_micro_batches(full, lambda b: self._slices(b, full.group), rank, world)
+        return plan_micro_batches(full, self._cut, rank, world)
+
+    def _mini_batches(self, full: View, epoch: int) -> list[View]:
+        """The epoch's ``mini_batches`` parts of the batch, whole units shuffled with the step's
+        seed (the whole batch, in order, with one)."""
+        if self.mini_batches == 1:
+            return [full]
+        units = full.real.shape[0] // full.group
+        gen = torch.Generator().manual_seed(step_seed(self.seed, self.updates) + epoch)
+        order = torch.randperm(units, generator=gen).tolist()
+        m = min(self.mini_batches, units)
+        return [full.take(sorted(order[i::m])) for i in range(m)]
 
     def _prompt_batch(self, policy: Policy, view: View, rows: slice) -> PromptBatch:
         """The policy's batch for rows ``rows`` (image inputs repeated as reference.py does)."""
@@ -284,7 +317,10 @@ class _Update(Offload, _Ranked, Sharing, Node):
         self, batch: PromptBatch, ids: Tensor, mask: Tensor, real: Tensor
     ) -> tuple[Tensor, Tensor]:
         """Teacher-forced logprobs of ``logits / T`` and per-token entropy, both float[b, R]."""
-        logits = self._policy_logits(batch, ids, mask)  # (b, R, V)
+        with autocast(self.device, self.mixed_precision):
+            logits = self._policy_logits(batch, ids, mask)  # (b, R, V)
+        if self.mixed_precision != "no":
+            logits = logits.float()  # the log-softmax in float32
         if self.temperature != 1.0:
             logits = logits / self.temperature  # (b, R, V)
         logprobs = logprobs_from_logits(logits, ids, mask).float()  # (b, R)
@@ -295,140 +331,3 @@ class _Update(Offload, _Ranked, Sharing, Node):
             with torch.no_grad():
                 entropy = token_entropy_from_logits(logits.detach(), mask)  # (b, R)
         return logprobs, entropy.float()
-
-    # --- the guarded optimization step ---------------------------------------------------
-    def _zero_grad(self) -> None:
-        for _, _, _, opt in self._trained:
-            opt.zero_grad(set_to_none=True)
-
-    def _stat_keys(self) -> list[str]:
-        """The per-micro-batch stats, in a fixed order (what a group all-reduces)."""
-        keys = [k for k in self._metric_keys if not k.endswith("grad_norm")]
-        return keys + (["kl_ref"] if self.kl_coef > 0 else [])
-
-    def _lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def _optimizer_step(self, norms: list[Tensor]) -> None:
-        """One optimizer step per trained model, gradients clipped to ``max_grad_norm``."""
-        for (_, _, params, opt), norm in zip(self._trained, norms):
-            if self.max_grad_norm > 0:
-                torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
-            opt.step()
-
-    def _skip(self, what: str, undo: list[list[Tensor]] | None) -> None:
-        """Drop the step that found a non-finite value: put back the weights from before this
-        call's last optimizer step (``undo``: that step led to it), then warn or raise
-        (``on_nonfinite``). The optimizer's moments keep that step's (finite) gradient."""
-        self._zero_grad()
-        if undo is not None:
-            restore_weights(self._trained, undo)
-            what += (
-                f"; the optimizer step that led to it (lr {self._lr():g}) was undone: lower lr "
-                "or set max_grad_norm"
-            )
-        if self.on_nonfinite == "raise":
-            raise NonFiniteError(
-                f"node {self.name!r}: {what}; no step was kept (on_nonfinite='skip' skips such "
-                "steps; lower lr or check the inputs)"
-            )
-        log.warning("node %r: %s; step skipped", self.name, what)
-
-    def _train(
-        self,
-        full: View,
-        micro_loss: Callable[[View, slice], tuple[Tensor, dict[str, float]] | None],
-    ) -> dict[str, float]:
-        """Run ``epochs`` guarded steps; ``micro_loss(view, rows)`` returns the micro-batch's
-        weighted loss and weighted stats (None when it has no real token). Returns the metrics."""
-        micros, filler = self._micro_batches(full)
-        done: list[dict[str, float]] = []
-        attempt: dict[str, float] = {}
-        skipped = False
-        before: list[list[Tensor]] | None = None  # the weights before this call's last step
-        with seeded(step_seed(self.seed, self.updates), self.device):
-            for epoch in range(self.epochs):
-                self._zero_grad()
-                attempt = {}
-                where = f"in update {self.updates + 1}, epoch {epoch + 1}"
-                try:
-                    norms = self._accumulate(micros, filler, micro_loss, attempt)
-                except _NonFinite as bad:  # after a step of this call: that step caused it
-                    done = [] if before is not None else done
-                    self._skip(f"non-finite {bad} {where}", undo=before)
-                    skipped = True
-                    break
-                before = copy_weights(self._trained, into=before)
-                self._optimizer_step(norms)
-                if not weights_finite(self._trained, self._ranks):
-                    done = []
-                    self._skip(f"non-finite weights after the optimizer step {where}", before)
-                    skipped = True
-                    break
-                done.append(attempt)
-        self._zero_grad()  # free the gradients' memory until the next call
-        self.updates += 1
-        # the mean over the epochs that stepped; with none, what the skipped attempt reached
-        rows = done or [attempt]
-        keys = [*self._metric_keys, *(["kl_ref"] if self.kl_coef > 0 else [])]
-        metrics = {k: sum(r.get(k, math.nan) for r in rows) / len(rows) for k in keys}
-        metrics["skipped_nonfinite"] = float(skipped)
-        metrics["lr"] = self._lr()
-        return metrics
-
-    def _accumulate(
-        self,
-        micros: list[Micro],
-        filler: Micro | None,
-        micro_loss: Callable[[View, slice], tuple[Tensor, dict[str, float]] | None],
-        stats: dict[str, float],
-    ) -> list[Tensor]:
-        """Backward over every micro-batch; return the finite gradient norm of each model.
-
-        In a group every rank runs as many backward passes (fillers where it has no rows),
-        agrees on a non-finite value before any backward (one all-reduce per micro-batch),
-        and sums its stats with the others'."""
-        group = self._ranks
-        for micro in micros:
-            got, bad = None, ""
-            try:
-                got = micro_loss(micro.view, micro.rows)
-                if got is None and filler is not None:  # a backward is due all the same
-                    micro = filler
-                    got = micro_loss(micro.view, micro.rows)
-                if got is not None and not bool(torch.isfinite(got[0])):
-                    bad = "loss"
-            except _NonFinite as why:
-                bad = str(why)
-            if group is not None and group.any_flag(bool(bad)) and not bad:
-                bad = "values on another rank"
-            if bad:
-                raise _NonFinite(bad)
-            if got is None:
-                continue
-            loss, micro_stats = got
-            (loss if micro.grad_scale == 1.0 else loss * micro.grad_scale).backward()
-            for k, v in micro_stats.items():
-                stats[k] = stats.get(k, 0.0) + micro.stat_scale * v
-        if group is not None:
-            keys = self._stat_keys()
-            stats.update(zip(keys, group.all_sum([stats.get(k, 0.0) for k in keys])))
-        norms = []
-        for metric, who, params, _ in self._trained:
-            grads = [p.grad for p in params if p.grad is not None]
-            norm = (
-                torch.nn.utils.get_total_norm(grads)
-                if grads
-                else torch.zeros((), device=self.device)
-            )  # ()
-            stats[metric] = float(_full(norm))
-            if not math.isfinite(stats[metric]):
-                raise _NonFinite(f"gradient of the {who} (norm {stats[metric]})")
-            norms.append(norm)
-        return norms
-
-
-def _full(norm: Tensor) -> Tensor:
-    """A total norm as a plain tensor (FSDP's is a DTensor that still needs its reduction)."""
-    full = getattr(norm, "full_tensor", None)
-    return full() if full is not None else norm

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from nodes.rl.aggregate import AGGREGATIONS, _aggregate
 from nodes.rl.losses import _grpo_loss
-from nodes.update.base import _INPUTS, _item, _Update
+from nodes.update.base import _INPUTS, MicroLoss, _item, _Update
 from nodes.update.micro import View
 from yatt_graph import ANY, BatchPolicy, Port
 
@@ -58,6 +58,12 @@ class GRPOUpdate(_Update):
         aggregation: str = "seq-mean-token-mean",
         epochs: int = 1,
         micro_batch_size: int = 0,
+        micro_batch_tokens: int = 0,
+        mini_batches: int = 1,
+        mixed_precision: str = "no",
+        lr_schedule: str = "constant",
+        lr_warmup_steps: int = 0,
+        lr_decay_steps: int = 0,
         max_grad_norm: float | None = 1.0,
         temperature: float = 1.0,
         seed: int = 0,
@@ -77,9 +83,15 @@ class GRPOUpdate(_Update):
         self._init_common()
 
     def _step(self, full: View) -> dict[str, Any]:
-        n_tokens = int(full.real.sum())  # of the whole batch, also in a rank group
+        metrics = self._train(full, self._loss_over)
+        weights = self._publish(metrics)
+        return {"weights": weights, "metrics": metrics}
+
+    def _loss_over(self, full: View) -> MicroLoss:
+        """The loss of a micro-batch as its share of the mini-batch ``full``'s."""
+        n_tokens = int(full.real.sum())  # of the whole mini-batch, also in a rank group
         mean = AGGREGATIONS[self.aggregation]
-        count = int(mean.count(full.real))  # what the loss averages over, in the whole batch
+        count = int(mean.count(full.real))  # what the loss averages over
 
         def micro_loss(view: View, rows: slice) -> tuple[Tensor, dict[str, float]] | None:
             t = view.t
@@ -117,6 +129,4 @@ class GRPOUpdate(_Update):
                 out["kl_ref"] = w * _item(stats["ref_kl"])
             return loss * w, out
 
-        metrics = self._train(full, micro_loss)
-        weights = self._publish(metrics)
-        return {"weights": weights, "metrics": metrics}
+        return micro_loss

@@ -1,4 +1,9 @@
-"""Each rank's share of an update's batch, as micro-batches that every rank can count.
+"""An update's batch as micro-batches: by rows or by a token budget, and across its ranks.
+
+With ``micro_batch_tokens`` (:func:`token_micro_batches`), whole units are sorted longest
+first and gathered while the micro-batch's padded size (rows times its longest prompt plus
+its longest response) stays within the budget; each micro-batch drops the padding columns
+none of its rows uses, so a budget bounds the forward's activations whatever the batch size.
 
 A batch of B rows is cut into *units*: one row each, or one prompt's ``group`` consecutive
 rows when the image inputs come one row per prompt (the rows of a unit share that image row).
@@ -22,7 +27,9 @@ from torch import Tensor
 
 from yatt_graph.partition import lpt
 
-__all__ = ["Micro", "View", "plan_micro_batches"]
+__all__ = ["Micro", "View", "plan_micro_batches", "token_micro_batches"]
+
+_PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 
 
 class View(NamedTuple):
@@ -45,6 +52,30 @@ class View(NamedTuple):
         t = {k: v[rows.to(v.device)] for k, v in self.t.items()}
         return View(t, self.real[rows.to(self.real.device)], embeds, images, g)
 
+    def trimmed(self) -> View:
+        """The same rows without the padding columns none of them uses: prompt columns whose
+        mask is 0 in every row, response columns after the last real token."""
+        R = self.real.shape[1]
+        used = self.real.any(0).nonzero()
+        keep_r = int(used.max()) + 1 if len(used) else 1
+        keep_p = self.t["prompt_mask"].bool().any(0) if "prompt_mask" in self.t else None
+        t = {}
+        for k, v in self.t.items():
+            if k in _PROMPT_KEYS and keep_p is not None:
+                t[k] = v[:, keep_p.to(v.device)]
+            elif v.dim() >= 2 and v.shape[1] == R:
+                t[k] = v[:, :keep_r]
+            else:
+                t[k] = v
+        return View(t, self.real[:, :keep_r], self.image_embeds, self.images, self.group)
+
+    def unit_lengths(self) -> tuple[list[int], list[int]]:
+        """Per unit (``group`` rows), its longest prompt and longest response, in tokens."""
+        g = self.group
+        prompts = self.t["prompt_mask"].bool().sum(1).reshape(-1, g).amax(1)  # (U,)
+        responses = self.real.sum(1).reshape(-1, g).amax(1)  # (U,)
+        return prompts.tolist(), responses.tolist()
+
 
 class Micro(NamedTuple):
     """One micro-batch: its rows of a view and the scales of its loss and its metrics."""
@@ -58,22 +89,43 @@ class Micro(NamedTuple):
     """1, or 0 for a filler."""
 
 
+def token_micro_batches(view: View, budget: int, max_rows: int = 0) -> list[View]:
+    """``view`` cut into micro-batches of whole units, longest first, each within ``budget``
+    padded tokens (a unit larger than the budget alone) and ``max_rows`` rows (0: any), each
+    trimmed of the padding it does not use."""
+    g = view.group
+    prompts, responses = view.unit_lengths()
+    order = sorted(range(len(prompts)), key=lambda u: (-(prompts[u] + responses[u]), u))
+    parts: list[list[int]] = []
+    width_p = width_r = 0  # the longest prompt and response of the last part
+    for u in order:
+        p, r = max(width_p, prompts[u]), max(width_r, responses[u])
+        rows = (len(parts[-1]) + 1) * g if parts else 0
+        if not parts or rows * (p + r) > budget or (max_rows and rows > max_rows):
+            parts.append([])
+            p, r = prompts[u], responses[u]
+        parts[-1].append(u)
+        width_p, width_r = p, r
+    return [view.take(part).trimmed() for part in parts]
+
+
+Cut = Callable[[View], list[tuple[View, slice]]]
+"""A node's cut of a view into micro-batches: each its view and its rows of that view."""
+
+
 def plan_micro_batches(
-    full: View, slices: Callable[[int], list[slice]], rank: int, world: int
+    full: View, cut: Cut, rank: int, world: int
 ) -> tuple[list[Micro], Micro | None]:
     """This rank's micro-batches, padded with fillers to the largest count over the ranks,
-    and the filler itself (None with one rank). ``slices(b)`` is the node's cut of b rows."""
+    and the filler itself (None with one rank). ``cut`` is the node's cut of a view."""
     B = full.real.shape[0]
     if world == 1:
-        return [Micro(full, rows, 1.0, 1.0) for rows in slices(B)], None
+        return [Micro(view, rows, 1.0, 1.0) for view, rows in cut(full)], None
     g = full.group
     costs = full.real.reshape(B // g, -1).sum(1).tolist()  # real tokens per unit
     shares = lpt(costs, world)  # a pure function: every rank cuts alike
-    counts = [len(slices(len(s) * g)) if s else 0 for s in shares]
+    cuts = [cut(full.take(s)) if s else [] for s in shares]
     first = next(u for u, c in enumerate(costs) if c > 0)  # the batch has a real token
     filler = Micro(full, slice(first * g, (first + 1) * g), 0.0, 0.0)
-    micros: list[Micro] = []
-    if shares[rank]:
-        view = full.take(shares[rank])
-        micros = [Micro(view, rows, float(world), 1.0) for rows in slices(len(view.real))]
-    return micros + [filler] * (max(counts) - len(micros)), filler
+    micros = [Micro(view, rows, float(world), 1.0) for view, rows in cuts[rank]]
+    return micros + [filler] * (max(map(len, cuts)) - len(micros)), filler

@@ -18,11 +18,13 @@ from nodes.update.base import (
     _FLOAT32_MAX,
     _INPUTS,
     _TOKENS,
+    MicroLoss,
     _item,
     _require_finite,
     _Update,
 )
 from nodes.update.micro import View
+from nodes.update.schedule import autocast
 from yatt_graph import ANY, BatchPolicy, Port
 from yatt_graph.node import Built
 
@@ -117,6 +119,12 @@ class PPOUpdate(_Update):
         kl_coef: float = 0.0,
         epochs: int = 1,
         micro_batch_size: int = 0,
+        micro_batch_tokens: int = 0,
+        mini_batches: int = 1,
+        mixed_precision: str = "no",
+        lr_schedule: str = "constant",
+        lr_warmup_steps: int = 0,
+        lr_decay_steps: int = 0,
         max_grad_norm: float | None = 1.0,
         temperature: float = 1.0,
         seed: int = 0,
@@ -191,7 +199,17 @@ class PPOUpdate(_Update):
         return [*super()._models(), value]
 
     def _step(self, full: View) -> dict[str, Any]:
-        n_tokens = int(full.real.sum())  # of the whole batch, also in a rank group
+        metrics = self._train(full, self._loss_over)
+        metrics["critic_lr"] = float(self.critic_optimizer.param_groups[0]["lr"])
+        weights = self._publish(metrics)
+        self.critic_version += 1
+        critic = self._weights_of(self.value_model, self.critic_share, metrics)
+        critic_weights = WeightUpdate(critic, self.critic_version)
+        return {"weights": weights, "critic_weights": critic_weights, "metrics": metrics}
+
+    def _loss_over(self, full: View) -> MicroLoss:
+        """The loss of a micro-batch as its share of the mini-batch ``full``'s."""
+        n_tokens = int(full.real.sum())  # of the whole mini-batch, also in a rank group
 
         def micro_loss(view: View, rows: slice) -> tuple[Tensor, dict[str, float]] | None:
             t = view.t
@@ -209,7 +227,9 @@ class PPOUpdate(_Update):
             )
             entropy = _aggregate("entropy", token_entropy, r, "token-mean")  # ()
             critic_batch = self._prompt_batch(self.value_model.trunk, view, rows)
-            new_values = self._values(critic_batch, ids, mask)  # (b, R)
+            with autocast(self.device, self.mixed_precision):
+                new_values = self._values(critic_batch, ids, mask)  # (b, R)
+            new_values = new_values.float()
             _require_finite("values of the value model", new_values, r)
             vf_loss, vf_stats = _value_loss(
                 new_values, t["values"][rows], t["returns"][rows], r, self.value_clip_eps
@@ -230,10 +250,4 @@ class PPOUpdate(_Update):
             stats["loss"] = _item(loss)
             return loss * w, {k: w * v for k, v in stats.items()}
 
-        metrics = self._train(full, micro_loss)
-        metrics["critic_lr"] = float(self.critic_optimizer.param_groups[0]["lr"])
-        weights = self._publish(metrics)
-        self.critic_version += 1
-        critic = self._weights_of(self.value_model, self.critic_share, metrics)
-        critic_weights = WeightUpdate(critic, self.critic_version)
-        return {"weights": weights, "critic_weights": critic_weights, "metrics": metrics}
+        return micro_loss

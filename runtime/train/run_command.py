@@ -75,6 +75,8 @@ def _run_in_folder(args: Any, out: Path | None, devices: Any, distributed: bool,
     if export is not None:
         check_new_path(export, "--export")
     options, graph = setup.build()
+    for line in setup.notes(options):
+        print(f"yatt-graph run: {line}", file=sys.stderr)
     if export is not None:
         policy_node(graph)
     if args.show_graph:

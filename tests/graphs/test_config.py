@@ -28,6 +28,20 @@ PPO_DEFAULTS = {
     "gamma": 1.0,
     "lam": 0.95,
     "stream": False,
+    # how the update steps: off or as the nodes' own defaults
+    "mini_batches": 1,
+    "micro_batch_tokens": 0,
+    "mixed_precision": "no",
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "clip_eps": 0.2,
+    "clip_eps_high": None,
+    "lr_schedule": "constant",
+    "lr_warmup_steps": 0,
+    "lr_decay_steps": 0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "stop": [],
 }
 # Options that choose data, models and devices: off (the shapes task, tiny models) by default.
 SOURCE_DEFAULTS = {
@@ -69,13 +83,37 @@ def test_defaults_are_the_measured_ones():
         "vision": "tiny",
         "group_size": 4,
         "estimator": "grpo",
+        "aggregation": "seq-mean-token-mean",
     }
     assert as_dict(TextGRPOConfig()) == {
         **grpo,
         "batch_size": 16,
         "group_size": 4,
         "estimator": "grpo",
+        "aggregation": "seq-mean-token-mean",
     }
+
+
+def test_a_model_directory_gets_defaults_a_real_model_can_live_with(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    config = PPOConfig(policy=str(tmp_path))
+    got = {k: getattr(config, k) for k in ("lr", "max_new_tokens", "epochs", "critic_lr")}
+    assert got == {"lr": 1e-6, "max_new_tokens": 256, "epochs": 1, "critic_lr": 1e-5}
+    assert (config.entropy_coef, config.kl_coef) == (0.0, 0.001)
+    assert PPOConfig(policy=str(tmp_path), lr=3e-6).lr == 3e-6  # what is given stays
+    notes = config.notes()
+    assert "max_new_tokens=256" in notes[0] and "chat template" in notes[1]
+    assert "chat_template=false" in PPOConfig(policy=str(tmp_path), chat_template=False).notes()[1]
+    assert PPOConfig().notes() == []  # the tiny policy's defaults are the documented ones
+
+
+def test_a_saved_tiny_model_keeps_the_shapes_defaults(tmp_path):
+    from nodes.models.hf_causal import tiny_causal_lm
+
+    tiny_causal_lm().save_pretrained(tmp_path)  # as a run's --export writes it
+    config = TextGRPOConfig(policy=str(tmp_path))
+    assert (config.lr, config.max_new_tokens, config.epochs) == (1e-3, 2, 2)
+    assert config.notes() == []
 
 
 @pytest.mark.parametrize("config", [MultimodalPPOConfig, PPOConfig, GRPOConfig, TextGRPOConfig])

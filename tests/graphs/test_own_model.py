@@ -126,3 +126,23 @@ def test_a_prompt_longer_than_the_context_is_one_line_and_max_prompt_tokens_cuts
     out = tmp_path / "run"
     flags = ["--set", "batch_size=4", "max_prompt_tokens=32", "--out", str(out)]
     assert main([*args, *flags]) == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_model_of_ones_own_gets_real_defaults_and_the_run_says_so(tmp_path, capsys):
+    """A causal LM folder that is none of the project's tiny models: the run starts with the
+    defaults chosen for it printed (256 new tokens, lr 1e-6, one epoch), and uses them."""
+    from nodes.models.hf_causal import tiny_causal_lm
+    from nodes.models.policy_base import TINY_MARK
+
+    tiny_causal_lm().save_pretrained(tmp_path / "lm")
+    config = json.loads((tmp_path / "lm" / "config.json").read_text())
+    del config[TINY_MARK]  # as a user's checkpoint: no mark
+    (tmp_path / "lm" / "config.json").write_text(json.dumps(config))
+    argv = ["text_grpo", "--policy", str(tmp_path / "lm"), "--steps", "1", "--quiet"]
+    assert main(["run", *argv, "--out", str(tmp_path / "run"), "--set", "batch_size=2", "group_size=2"]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "defaults for a model of your own" in err and "max_new_tokens=256" in err
+    assert "lr=1e-06" in err and "epochs=1" in err
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert metrics[0]["lr"] == 1e-6

@@ -253,6 +253,8 @@ def test_aggregation_modes_hand_computed():
     mask = ragged_mask([3, 1, 0], 3)
     assert aggregate_token_loss(token_loss, mask, "token-mean").item() == 2.5
     assert aggregate_token_loss(token_loss, mask, "seq-mean-token-mean").item() == 3.0
+    #   seq-mean-token-sum  = (sum(1, 2, 3) + sum(4)) / 2 = (6 + 4) / 2 = 5 (empty row left out)
+    assert aggregate_token_loss(token_loss, mask, "seq-mean-token-sum").item() == 5.0
 
 
 # ---------------------------------------------------------------------------------------------

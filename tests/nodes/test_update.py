@@ -157,29 +157,22 @@ def _record_grads(node):
     return grads
 
 
-@pytest.mark.parametrize("micro", [3, 5])
-def test_ppo_micro_batches_equal_full_batch(batch, micro):
-    kw = {"lr": LR, "kl_coef": 0.1, "entropy_coef": 0.01, "max_grad_norm": 0}
-    full, split = PPOUpdate(**kw), PPOUpdate(micro_batch_size=micro, **kw)
-    initial = {m: _params(getattr(full, m)) for m in ("policy", "value_model")}
+def _assert_same_step(full, split, inputs, models=("policy", "value_model")):
+    """One call of ``full`` and of ``split`` on ``inputs`` takes the same step: equal
+    accumulated gradients, equal weights where the gradient is clear of Adam's eps (see the
+    note above LR), a step of ~lr, equal metrics."""
+    initial = {m: _params(getattr(full, m)) for m in models}
     g_full, g_split = _record_grads(full), _record_grads(split)
-    # per-row embeddings: micro-batches of 3 or 5 rows, the last one ragged
-    inputs = _ppo_inputs(
-        batch,
-        ref_logprobs=batch["ref_logprobs"] + 0.05,
-        image_embeds=batch["image_embeds"].repeat_interleave(4, 0),
-    )
     m_full, m_split = full.run(inputs)["metrics"], split.run(inputs)["metrics"]
-    assert g_full.keys() == g_split.keys()
-    assert any(k.startswith("value_model.trunk") for k in g_full)
+    assert g_full.keys() == g_split.keys() and len(g_full) > 20
     for name in g_full:
         assert torch.allclose(g_full[name], g_split[name], atol=GRAD_ATOL, rtol=GRAD_RTOL), name
-    for model in ("policy", "value_model"):
+    for model in models:
         p_full, p_split = _params(getattr(full, model)), _params(getattr(split, model))
         trained = [n for n, _ in getattr(full, model).named_parameters()]  # no tied aliases
         compared = 0
         for name in trained:
-            clear = g_full[f"{model}.{name}"].abs() > GRAD_ATOL  # see the note above LR
+            clear = g_full[f"{model}.{name}"].abs() > GRAD_ATOL
             compared += int(clear.sum())
             assert torch.allclose(p_full[name][clear], p_split[name][clear], atol=PARAM_ATOL), name
         assert compared > 0.5 * sum(p_full[n].numel() for n in trained)  # most weights compared
@@ -187,24 +180,133 @@ def test_ppo_micro_batches_equal_full_batch(batch, micro):
         assert moved > 0.9 * LR  # the step did move the parameters, by ~lr
     for key in m_full:
         assert m_split[key] == pytest.approx(m_full[key], rel=1e-4, abs=1e-6), key
+    return g_full
+
+
+@pytest.mark.parametrize("micro", [3, 5])
+def test_ppo_micro_batches_equal_full_batch(batch, micro):
+    kw = {"lr": LR, "kl_coef": 0.1, "entropy_coef": 0.01, "max_grad_norm": 0}
+    # per-row embeddings: micro-batches of 3 or 5 rows, the last one ragged
+    inputs = _ppo_inputs(
+        batch,
+        ref_logprobs=batch["ref_logprobs"] + 0.05,
+        image_embeds=batch["image_embeds"].repeat_interleave(4, 0),
+    )
+    grads = _assert_same_step(PPOUpdate(**kw), PPOUpdate(micro_batch_size=micro, **kw), inputs)
+    assert any(k.startswith("value_model.trunk") for k in grads)
 
 
 def test_grpo_micro_batches_equal_full_batch_seq_mean(batch):
     adv = broadcast_to_tokens(batch["scores"], batch["response_mask"])
     kw = {"lr": LR, "kl_coef": 0.04, "max_grad_norm": 0}
-    full, split = GRPOUpdate(**kw), GRPOUpdate(micro_batch_size=6, **kw)
+    split = GRPOUpdate(micro_batch_size=6, **kw)
     # per-prompt embeddings (4 responses each): micro-batches round up to whole groups (8 rows)
     assert split._slices(16, 4) == [slice(0, 8), slice(8, 16)]
-    g_full, g_split = _record_grads(full), _record_grads(split)
     inputs = _grpo_inputs(
         batch, adv, ref_logprobs=batch["ref_logprobs"], image_embeds=batch["image_embeds"]
     )
-    m_full, m_split = full.run(inputs)["metrics"], split.run(inputs)["metrics"]
-    assert g_full.keys() == g_split.keys() and len(g_full) > 20
-    for key in m_full:
-        assert m_split[key] == pytest.approx(m_full[key], rel=1e-4, abs=1e-6), key
-    for name in g_full:
-        assert torch.allclose(g_full[name], g_split[name], atol=GRAD_ATOL, rtol=GRAD_RTOL), name
+    _assert_same_step(GRPOUpdate(**kw), split, inputs, ("policy",))
+
+
+def _padded_sizes(node, inputs):
+    """Each micro-batch's rows and padded width (prompt + response columns) for ``inputs``."""
+    micros, _ = node._micro_batches(node._checked_view(inputs))
+    return [(m.view.real.shape[0], m.view.t["prompt_ids"].shape[1] + m.view.real.shape[1]) for m in micros]  # fmt: skip
+
+
+BUDGET = 60  # padded tokens per micro-batch: the 16-row batch (widths ~10 + 8) needs 5 or more
+
+
+def test_a_token_budget_cuts_by_length_and_trims_the_padding(batch):
+    inputs = _ppo_inputs(batch, image_embeds=batch["image_embeds"].repeat_interleave(4, 0))
+    sizes = _padded_sizes(PPOUpdate(micro_batch_tokens=BUDGET), inputs)
+    assert len(sizes) >= 4 and sum(rows for rows, _ in sizes) == 16
+    assert all(rows * width <= BUDGET or rows == 1 for rows, width in sizes), sizes
+    whole = batch["prompt_ids"].shape[1] + batch["response_ids"].shape[1]
+    assert min(width for _, width in sizes) < whole  # short rows went without the long padding
+    grouped = _grpo_inputs(batch, batch["response_mask"], image_embeds=batch["image_embeds"])
+    assert all(rows % 4 == 0 for rows, _ in _padded_sizes(GRPOUpdate(micro_batch_tokens=BUDGET), grouped))  # fmt: skip
+
+
+def test_ppo_token_budget_equals_full_batch(batch):
+    kw = {"lr": LR, "kl_coef": 0.1, "entropy_coef": 0.01, "max_grad_norm": 0}
+    inputs = _ppo_inputs(
+        batch,
+        ref_logprobs=batch["ref_logprobs"] + 0.05,
+        image_embeds=batch["image_embeds"].repeat_interleave(4, 0),
+    )
+    _assert_same_step(PPOUpdate(**kw), PPOUpdate(micro_batch_tokens=BUDGET, **kw), inputs)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_grpo_token_budget_equals_full_batch(batch, aggregation):
+    adv = broadcast_to_tokens(batch["scores"], batch["response_mask"])
+    kw = {"lr": LR, "kl_coef": 0.04, "max_grad_norm": 0, "aggregation": aggregation}
+    inputs = _grpo_inputs(
+        batch, adv, ref_logprobs=batch["ref_logprobs"], image_embeds=batch["image_embeds"]
+    )
+    split = GRPOUpdate(micro_batch_tokens=BUDGET, **kw)
+    _assert_same_step(GRPOUpdate(**kw), split, inputs, ("policy",))
+
+
+def test_mini_batches_are_that_many_optimizer_steps_on_parts_of_the_batch(batch):
+    adv = broadcast_to_tokens(batch["scores"], batch["response_mask"])
+    per_row = batch["image_embeds"].repeat_interleave(4, 0)  # one unit a row
+    inputs = _grpo_inputs(batch, adv, image_embeds=per_row)
+    kw = {"lr": 1e-3, "max_grad_norm": 0, "kl_coef": 0.0}
+    node = GRPOUpdate(mini_batches=2, **kw)
+    parts = node._mini_batches(node._checked_view(inputs), 0)
+    rows = [p.t["response_ids"] for p in parts]
+    assert len(parts) == 2 and sum(len(r) for r in rows) == 16
+    steps = GRPOUpdate(**kw)  # the same two steps, one call each
+    for part in parts:
+        taken = {k: v[_rows_of(v, part, inputs)] for k, v in inputs.items()}
+        steps.run(taken)
+    node.run(inputs)
+    mine, theirs = _params(node.policy), _params(steps.policy)
+    assert all(torch.allclose(mine[k], theirs[k], atol=1e-6) for k in mine)
+    assert not _same_params(mine, _params(GRPOUpdate(**kw).policy))  # it did step
+
+
+def _rows_of(value, part, inputs):
+    """The rows of ``inputs`` that mini-batch ``part`` holds (matched by response ids)."""
+    ids = inputs["response_ids"]
+    picked = [int((ids == row).all(1).nonzero()[0]) for row in part.t["response_ids"]]
+    return torch.tensor(picked)
+
+
+def test_a_bf16_mixed_precision_step_stays_near_the_float32_step(batch):
+    adv = broadcast_to_tokens(batch["scores"], batch["response_mask"])
+    inputs = _grpo_inputs(batch, adv, image_embeds=batch["image_embeds"])
+    kw = {"lr": LR, "max_grad_norm": 0, "kl_coef": 0.0}
+    fp32, mixed = GRPOUpdate(**kw), GRPOUpdate(mixed_precision="bf16", **kw)
+    start = _params(fp32.policy)
+    m_mixed, m_fp32 = mixed.run(inputs)["metrics"], fp32.run(inputs)["metrics"]
+    a, b = _params(fp32.policy), _params(mixed.policy)
+    assert all(v.dtype == torch.float32 for v in b.values())  # the master weights
+    state = mixed.optimizer.state[next(iter(mixed.policy.parameters()))]
+    assert state["exp_avg"].dtype == torch.float32  # and the AdamW state
+    step_a = torch.cat([(a[k] - start[k]).flatten() for k in a])
+    step_b = torch.cat([(b[k] - start[k]).flatten() for k in a])
+    # Adam's first step moves a weight by ~lr * sign(gradient): bf16 compute changes the
+    # gradients by ~1% relative, which flips the sign only where a gradient is near 0 (the
+    # mean difference was 0.004 lr here, the grad norms 2e-4 apart relative)
+    assert (step_a - step_b).abs().mean() < 0.05 * LR, (step_a - step_b).abs().mean()
+    assert m_mixed["grad_norm"] == pytest.approx(m_fp32["grad_norm"], rel=0.02)
+
+
+def test_the_learning_rate_warms_up_then_decays(batch):
+    from nodes.update.schedule import lr_factor
+
+    assert [lr_factor(s, "linear", 2, 4) for s in range(7)] == [0.5, 1, 1, 0.75, 0.5, 0.25, 0]
+    assert [lr_factor(s, "constant", 0, 0) for s in (0, 100)] == [1, 1]
+    assert lr_factor(3, "cosine", 1, 4) == pytest.approx(0.5)  # half-way down the cosine
+    node = GRPOUpdate(lr=1e-3, lr_warmup_steps=2)
+    inputs = _grpo_inputs(batch, batch["response_mask"], image_embeds=batch["image_embeds"])
+    lrs = [node.run(inputs)["metrics"]["lr"] for _ in range(3)]
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3])
+    with pytest.raises(ValueError, match="lr_decay_steps"):
+        GRPOUpdate(lr_schedule="cosine")
 
 
 # --- weight sync ----------------------------------------------------------------------------

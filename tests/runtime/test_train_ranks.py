@@ -119,7 +119,8 @@ def test_micro_batches_pad_with_fillers():
     real = torch.tensor([[1, 0], [1, 0], [1, 1], [1, 1], [1, 0], [0, 0]], dtype=torch.bool)
     full = View({"x": torch.arange(6)}, real, torch.arange(3.0)[:, None], None, 2)
     slices = lambda b: [slice(i, min(i + 2, b)) for i in range(0, b, 2)]  # noqa: E731
-    plans = [plan_micro_batches(full, slices, rank, 2) for rank in range(2)]
+    cut = lambda v: [(v, s) for s in slices(len(v.real))]  # noqa: E731
+    plans = [plan_micro_batches(full, cut, rank, 2) for rank in range(2)]
     assert [len(micros) for micros, _ in plans] == [2, 2]  # as many backward passes each
     (m0, filler), (m1, _) = plans
     assert m0[0].view.t["x"].tolist() == [2, 3] and m0[0].grad_scale == 2.0
@@ -128,7 +129,7 @@ def test_micro_batches_pad_with_fillers():
         [2.0],
     ]
     assert m0[1] is filler and filler.grad_scale == 0.0 and filler.stat_scale == 0.0
-    alone, none = plan_micro_batches(full, slices, 0, 1)
+    alone, none = plan_micro_batches(full, cut, 0, 1)
     assert none is None and [m.rows for m in alone] == slices(6)
 
 
