@@ -114,6 +114,11 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     Rows are sorted by length and gradients accumulated, so the step is the unsplit one up to
     float rounding and the update's memory stays bounded whatever the batch size."""
+    mask_truncated: bool = False
+    """Leave responses cut at max_new_tokens out of the loss (DAPO's overlong filtering).
+
+    Either way the update's metrics report the share cut (``truncated``) and the mean length
+    of the responses that ended (``ended_length``)."""
     mixed_precision: Precision = "no"
     """bf16: the update's forward passes in bfloat16 autocast, float32 weights and AdamW state."""
     weight_decay: float = 0.0

@@ -52,6 +52,7 @@ def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Grap
         )(
             **s.tensors,
             logprobs=s.sample.logprobs,
+            truncated=s.sample.truncated,
             advantages=adv.advantages,
             ref_logprobs=s.ref_logprobs,
             **s.image_port,

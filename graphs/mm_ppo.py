@@ -65,6 +65,7 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
         )(
             **s.tensors,
             logprobs=s.sample.logprobs,
+            truncated=s.sample.truncated,
             advantages=adv.advantages,
             returns=adv.returns,
             values=values,

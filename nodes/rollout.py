@@ -134,6 +134,9 @@ class Rollout(Offload, Sharing, WeightInput, Node):
         "response_lengths": TensorPort("int64", "B"),
         "texts": ANY,
         "group_ids": TensorPort("int64", "B"),
+        "truncated": Port(
+            TensorPort("float32", "B"), doc="1.0 where the response was cut at max_new_tokens"
+        ),
     }
     batch_policy = BatchPolicy(max_batch_size=64, splittable=False)
     """Not splittable by the in-process splitter: a call draws from one random stream seeded by
@@ -320,6 +323,7 @@ class Rollout(Offload, Sharing, WeightInput, Node):
             "response_lengths": gen.response_lengths,
             "texts": gen.texts,
             "group_ids": self._group_ids(rows),
+            "truncated": gen.truncated.float(),
         }
 
     def _group_ids(self, rows: Tensor) -> Tensor:

@@ -93,6 +93,8 @@ class Generation(NamedTuple):
     """int64[B]."""
     texts: list[str]
     """Decoded responses (special tokens skipped; a stop string is kept)."""
+    truncated: Tensor
+    """bool[B]: the response was cut at ``max_new_tokens`` (it met no end token or stop string)."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -144,11 +144,13 @@ def _finish_responses(
     each row's end is found here from its tokens, the same rule ``generate`` stopped on.
     """
     B, R = new_tokens.shape
-    lengths = []
+    lengths, cut = [], []
     rows = new_tokens.tolist()
     for row in rows:
-        end = next((t for t, tok in enumerate(row) if tok in stop_ids), R - 1)
-        by_string = _stop_string_end(tokenizer, row[: end + 1], stop_strings)
+        end = next((t for t, tok in enumerate(row) if tok in stop_ids), None)
+        by_string = _stop_string_end(tokenizer, row[: R if end is None else end + 1], stop_strings)
+        cut.append(end is None and by_string is None)
+        end = R - 1 if end is None else end
         lengths.append((end if by_string is None else by_string) + 1)
     lengths_t = torch.tensor(lengths, dtype=torch.int64)  # (B,)
     R_out = int(lengths_t.max()) if B else 0
@@ -157,7 +159,9 @@ def _finish_responses(
     ids = torch.where(real, new_tokens[:, :R_out].cpu(), pad_id)  # (B, R')
     logprobs = torch.where(real, step_logprobs[:, :R_out].cpu().float(), 0.0)  # (B, R')
     texts = [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(rows, lengths)]
-    return Generation(ids, real.float(), logprobs, lengths_t, texts)
+    return Generation(
+        ids, real.float(), logprobs, lengths_t, texts, torch.tensor(cut, dtype=torch.bool)
+    )
 
 
 class _Setup:

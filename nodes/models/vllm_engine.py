@@ -259,7 +259,8 @@ class VLLMEngine:
                     logprobs[b, t] = float(entry[tok].logprob)
         real = torch.arange(R)[None, :] < lengths[:, None]  # (B, R)
         texts = [policy.tokenizer.decode(r, skip_special_tokens=True) for r in rows]
-        return Generation(ids, real.float(), logprobs * real, lengths, texts)
+        cut = torch.tensor([out.outputs[0].finish_reason == "length" for out in outputs])  # (B,)
+        return Generation(ids, real.float(), logprobs * real, lengths, texts, cut)
 
     # --- weights and memory -------------------------------------------------------------------
     def load_weights(self, weights: Mapping[str, Tensor]) -> int:

@@ -4,6 +4,7 @@ the published weights (see :mod:`nodes.update` for the behaviour they have in co
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -32,6 +33,8 @@ from yatt_graph.node import Built
 
 __all__ = ["MicroLoss", "NonFiniteError"]  # the updates themselves are public in nodes.update
 
+log = logging.getLogger(__name__)
+
 
 _TOKENS = TensorPort("float32", "B", "R")
 TRAIN_BACKENDS = ("fsdp", "ddp")
@@ -45,6 +48,9 @@ _INPUTS = {
     "logprobs": Port(_TOKENS, doc="sampling-policy logprobs, from the rollout"),
     "advantages": _TOKENS,
     "ref_logprobs": Port(_TOKENS, required=False, doc="needed when kl_coef > 0"),
+    "truncated": Port(
+        TensorPort("float32", "B"), required=False, doc="1.0 where the rollout cut the response"
+    ),
     "image_embeds": Port(TensorPort("float32", "N", "D"), required=False, doc="PrefixVLM"),
     "images": Port(ANY, required=False, doc="list[PIL.Image] (HF VLMs)"),
 }
@@ -149,6 +155,8 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
         self.epochs = int(o.epochs)
         self.micro_batch_size = int(o.micro_batch_size)
         self.micro_batch_tokens = int(o.micro_batch_tokens)
+        self.mask_truncated = bool(o.mask_truncated)
+        self._response_stats: dict[str, float] = {}
         self.mini_batches = int(o.mini_batches)
         self.mixed_precision = o.mixed_precision
         self._schedule = (o.lr_schedule, int(o.lr_warmup_steps), int(o.lr_decay_steps))
@@ -261,10 +269,32 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
         return out, real, group
 
     def _checked_view(self, inputs: Mapping[str, Any]) -> View:
-        """The call's inputs, checked, as the whole batch's :class:`View`."""
+        """The call's inputs, checked, as the whole batch's :class:`View`; with
+        ``mask_truncated`` the responses the rollout cut leave the loss."""
         image_embeds, images = inputs.get("image_embeds"), inputs.get("images")
-        tensors = {k: v for k, v in inputs.items() if k not in ("image_embeds", "images")}
+        skip = ("image_embeds", "images", "truncated")
+        tensors = {k: v for k, v in inputs.items() if k not in skip}
         t, real, group = self._check_inputs(tensors, image_embeds, images)
+        self._response_stats = {}
+        cut = inputs.get("truncated")
+        if cut is not None:
+            cut = cut.to(real.device).reshape(-1) > 0  # (B,)
+            if cut.shape[0] != real.shape[0]:
+                raise ValueError(
+                    f"node {self.name!r}: input 'truncated' has {cut.shape[0]} rows for "
+                    f"{real.shape[0]} responses"
+                )
+            lengths = real.sum(1).float()  # (B,)
+            ended = lengths[~cut]
+            self._response_stats = {
+                "truncated": float(cut.float().mean()),
+                "ended_length": float(ended.mean()) if len(ended) else 0.0,
+            }
+            if self.mask_truncated and bool((real & ~cut[:, None]).any()):
+                real = real & ~cut[:, None]  # (B, R) (all cut: trained on as they are, and said)
+            elif self.mask_truncated:
+                log.warning("node %r: every response was cut at max_new_tokens; they are "
+                            "trained on this step (raise max_new_tokens)", self.name)  # fmt: skip
         return View(t, real, image_embeds, images, group)
 
     def _slices(self, B: int, group: int) -> list[slice]:

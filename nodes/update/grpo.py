@@ -59,6 +59,7 @@ class GRPOUpdate(_Update):
         epochs: int = 1,
         micro_batch_size: int = 0,
         micro_batch_tokens: int = 0,
+        mask_truncated: bool = False,
         mini_batches: int = 1,
         mixed_precision: str = "no",
         lr_schedule: str = "constant",

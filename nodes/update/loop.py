@@ -115,6 +115,7 @@ class _Loop:
         keys = [*self._metric_keys, *(["kl_ref"] if self.kl_coef > 0 else [])]
         metrics = {k: sum(r.get(k, math.nan) for r in rows) / len(rows) for k in keys}
         metrics["skipped_nonfinite"] = float(skipped)
+        metrics.update(self._response_stats)  # the share cut at max_new_tokens, if told
         metrics["lr"] = self._lr()
         return metrics
 

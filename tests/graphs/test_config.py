@@ -39,6 +39,7 @@ PPO_DEFAULTS = {
     "lr_schedule": "constant",
     "lr_warmup_steps": 0,
     "lr_decay_steps": 0,
+    "mask_truncated": False,
     "top_p": 1.0,
     "top_k": 0,
     "stop": [],

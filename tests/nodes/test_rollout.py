@@ -104,6 +104,7 @@ def test_stop_token_and_stop_string_end_responses(policy, embeds):
     )
     assert out["response_ids"][0].tolist() == tokens[: first + 1]
     assert int(out["response_lengths"][0]) == first + 1
+    assert free["truncated"].tolist() == [1.0] and out["truncated"].tolist() == [0.0]
 
     text = free["texts"][0]
     stop = text[4:6]
@@ -112,6 +113,7 @@ def test_stop_token_and_stop_string_end_responses(policy, embeds):
     )
     cut = text.index(stop) + len(stop)
     assert out["texts"][0] == text[:cut] and out["texts"][0].endswith(stop)
+    assert out["truncated"].tolist() == [0.0]  # a stop string ends it too
 
 
 def test_n_samples_are_grouped(policy, embeds):

@@ -309,6 +309,26 @@ def test_the_learning_rate_warms_up_then_decays(batch):
         GRPOUpdate(lr_schedule="cosine")
 
 
+def test_responses_cut_at_max_new_tokens_can_leave_the_loss(batch):
+    adv = broadcast_to_tokens(batch["scores"], batch["response_mask"])
+    cut = torch.zeros(16)
+    cut[:8] = 1.0  # the first two prompts' responses were cut
+    inputs = _grpo_inputs(batch, adv, image_embeds=batch["image_embeds"])
+    kw = {"lr": LR, "max_grad_norm": 0}
+    masked = GRPOUpdate(mask_truncated=True, **kw)
+    m = masked.run({**inputs, "truncated": cut})["metrics"]
+    lengths = batch["response_mask"].sum(1)
+    assert m["truncated"] == 0.5 and m["ended_length"] == pytest.approx(float(lengths[8:].mean()))
+    # the same step as an update that never saw those rows
+    rest = {k: v[8:] for k, v in inputs.items() if k != "image_embeds"}
+    alone = GRPOUpdate(**kw)
+    alone.run({**rest, "image_embeds": batch["image_embeds"][2:]})
+    a, b = _params(masked.policy), _params(alone.policy)
+    assert all(torch.allclose(a[k], b[k], atol=PARAM_ATOL) for k in a)
+    kept = GRPOUpdate(**kw).run({**inputs, "truncated": cut})["metrics"]  # reported, not masked
+    assert kept["truncated"] == 0.5 and kept["loss"] != m["loss"]
+
+
 # --- weight sync ----------------------------------------------------------------------------
 
 

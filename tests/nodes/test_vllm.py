@@ -207,7 +207,7 @@ class FakeLLM:
     def generate(self, requests, params, use_tqdm=True):
         self.calls.append("generate")
         self.requests, self.params = requests, params
-        out = SimpleNamespace(token_ids=[5, 6, 7], logprobs=[{t: SimpleNamespace(logprob=-t / 10)} for t in (5, 6, 7)])  # fmt: skip
+        out = SimpleNamespace(token_ids=[5, 6, 7], finish_reason="stop", logprobs=[{t: SimpleNamespace(logprob=-t / 10)} for t in (5, 6, 7)])  # fmt: skip
         return [SimpleNamespace(outputs=[out]) for _ in requests]
 
     def sleep(self, level):
@@ -239,6 +239,7 @@ def test_a_rollout_samples_with_the_engine_and_takes_its_logprobs(fake_vllm):
     assert [p.seed for p in llm.params] == sorted({p.seed for p in llm.params})
     assert out["response_ids"].tolist() == [[5, 6, 7]] * 4
     assert torch.allclose(out["logprobs"], torch.tensor([[-0.5, -0.6, -0.7]] * 4))
+    assert out["truncated"].tolist() == [0.0] * 4  # vLLM said each one stopped ("stop")
 
 
 def test_top_p_makes_the_rollout_recompute_logprobs_with_the_policy(fake_vllm):
