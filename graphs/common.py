@@ -125,7 +125,7 @@ def update_options(config: RLConfig) -> dict[str, Any]:
     """The update node's options the config sets, PPO's and GRPO's alike: the optimizer, its
     schedule, the loss's clip range and entropy bonus, the passes, and how a step is cut."""
     names = (
-        "lr", "weight_decay", "max_grad_norm", "clip_eps", "clip_eps_high", "entropy_coef",
+        "lr", "weight_decay", "max_grad_norm", "clip_eps", "clip_eps_high", "dual_clip", "entropy_coef",
         "epochs", "mini_batches", "micro_batch_tokens", "mask_truncated", "mixed_precision", "lr_schedule",
         "lr_warmup_steps", "lr_decay_steps", "temperature", "seed",
     )  # fmt: skip

@@ -31,6 +31,7 @@ from nodes.data import TASKS
 from nodes.models.families import has_chat_template, is_tiny_dir
 from nodes.models.sampling import MIN_TEMPERATURE, temperature_problem
 from nodes.rl.advantages import GROUP_ESTIMATORS
+from nodes.rl.advantages import KLKind as KLEstimator
 from nodes.rl.aggregate import Aggregation
 from nodes.update.schedule import LR_SCHEDULES, PRECISIONS
 from yatt_graph.options import check_options, config_options
@@ -129,6 +130,8 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """PPO ratio clip range below (and, without clip_eps_high, above) 1, in (0, 1)."""
     clip_eps_high: float | None = None
     """Clip range above 1 when it differs (DAPO's clip-higher, e.g. 0.28); none: clip_eps."""
+    dual_clip: float | None = None
+    """Dual-clip PPO: a token with a negative advantage loses at most -A * dual_clip (> 1, e.g. 3)."""
     lr_schedule: Schedule = "constant"
     """After the warmup: constant, or linear / cosine decay to 0 over lr_decay_steps steps."""
     lr_warmup_steps: int = 0
@@ -301,7 +304,9 @@ class TextGRPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
     group_size: int = 4
     """Samples per prompt (>= 2: a group's advantages compare its samples with each other)."""
     estimator: Estimator = "grpo"
-    """A registered group estimator: grpo (group mean and std), dr_grpo (group mean), rloo."""
+    """A registered group estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline."""
+    kl_estimator: KLEstimator = "k3"
+    """The KL-to-reference loss term's estimator: k1, k2, k3 (the GRPO paper's) or abs."""
     aggregation: Aggregation = "seq-mean-token-mean"
     """How token losses make the loss: token-mean, seq-mean-token-mean or seq-mean-token-sum."""
 

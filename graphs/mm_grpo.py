@@ -45,6 +45,7 @@ def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Grap
             policy=s.spec,
             kl_coef=config.kl_coef,
             aggregation=config.aggregation,
+            kl_estimator=config.kl_estimator,
             device=s.device,
             **update_options(config),
             name="grpo",

@@ -206,7 +206,6 @@ class _Setup:
             eos_token_id=eos,
             pad_token_id=policy.pad_token_id,
             bos_token_id=policy.tokenizer.bos_token_id,
-            stop_strings=self.stop_strings or None,
             suppress_tokens=list(policy.suppressed_token_ids) or None,
             return_dict_in_generate=True,
             use_cache=True,
@@ -227,13 +226,12 @@ class _Setup:
         was_training = policy.training
         policy.eval()
         _in_generate.on = True
+        if self.stop_strings:  # ours, not HF's: its vocabulary scan fails on some tokenizers
+            ends = _StopStrings(policy.tokenizer, self.stop_strings)
+            kwargs["stopping_criteria"] = [*kwargs.get("stopping_criteria", []), ends]
         try:
             return policy._generate_raw(
-                batch,
-                self.config,
-                logits_processor=[recorder],
-                tokenizer=policy.tokenizer if self.stop_strings else None,
-                **kwargs,
+                batch, self.config, logits_processor=[recorder], **kwargs
             )  # (B, R)
         finally:
             _in_generate.on = False
@@ -247,6 +245,24 @@ def generate(policy: Policy, batch: PromptBatch, **sampling: Any) -> Generation:
     recorder = _StepLogprobRecorder(setup.logprob_temperature)
     new_tokens = setup.run(policy, batch, recorder)  # (B, R)
     return setup.finish(policy, new_tokens, recorder.finish(new_tokens))
+
+
+class _StopStrings(StoppingCriteria):
+    """Ends each row whose new tokens' tail decodes to text holding a stop string (works with
+    any tokenizer; the exact end is found afterwards by :func:`_stop_string_end`)."""
+
+    def __init__(self, tokenizer: Any, stop_strings: Sequence[str]) -> None:
+        self.tokenizer, self.stop_strings = tokenizer, list(stop_strings)
+        self.tail = max(map(len, self.stop_strings)) + 16  # tokens: at least a character each
+        self.start = -1  # where the new tokens begin in input_ids
+
+    def __call__(self, input_ids: Tensor, scores: Any, **kwargs: Any) -> Tensor:
+        if self.start < 0:
+            self.start = input_ids.shape[1] - 1
+        first = max(self.start, input_ids.shape[1] - self.tail)
+        texts = self.tokenizer.batch_decode(input_ids[:, first:].tolist())
+        done = [any(s in text for s in self.stop_strings) for text in texts]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)  # (B,)
 
 
 class _FinishWatch(StoppingCriteria):

@@ -40,6 +40,8 @@ __all__ = [
     "compute_gae",
     "dr_grpo_advantages",
     "grpo_advantages",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
     "rloo_advantages",
     "broadcast_to_tokens",
     "kl_penalty",
@@ -246,6 +248,39 @@ def rloo_advantages(
     group_sum = _group_sum(scores, index, counts.shape[0])  # (G,)
     baseline = (group_sum[index] - scores) / (n[index] - 1)  # (B,) mean of the others
     return scores - baseline  # (B,)
+
+
+def _batch_whiten(centred: Tensor, eps: float) -> Tensor:
+    """``centred / (std over the batch + eps)``, the unbiased std (0 for a batch of one)."""
+    std = centred.std() if centred.numel() > 1 else centred.new_zeros(())  # ()
+    return centred / (std + eps)  # (B,)
+
+
+@GROUP_ESTIMATORS.register(
+    "reinforce_pp", "each score against the batch's mean and std (REINFORCE++)"
+)
+def reinforce_pp_advantages(scores: Tensor, *, group_ids: Tensor, eps: float = 1e-6) -> Tensor:
+    """REINFORCE++ outcome advantages (Hu 2025): no group baseline, the scores whitened over the
+    whole batch, ``A_i = (r_i - mean(r)) / (std(r) + eps)``; ``group_ids`` is not read (the KL
+    penalty, when wanted, is the update's ``kl_coef``)."""
+    fn = "reinforce_pp_advantages"
+    scores = _check_float(fn, "scores", scores)
+    _check_b(fn, "scores", scores)
+    _check_finite(fn, "scores", scores)
+    return _batch_whiten(scores - scores.mean(), eps)
+
+
+@GROUP_ESTIMATORS.register(
+    "reinforce_pp_baseline", "each score against its group's mean, over the batch's std"
+)
+def reinforce_pp_baseline_advantages(
+    scores: Tensor, *, group_ids: Tensor, eps: float = 1e-6
+) -> Tensor:
+    """REINFORCE++-baseline (Hu 2025, OpenRLHF's ``reinforce_baseline``): the group mean as the
+    baseline, then one std over the whole batch, ``A_i = (r_i - mean(r_group)) / (std_batch + eps)``
+    (a group's own std, as GRPO divides by, is not used: small groups make it noisy)."""
+    centred = grpo_advantages(scores, group_ids=group_ids, normalize_std=False)  # (B,)
+    return _batch_whiten(centred, eps)
 
 
 def broadcast_to_tokens(per_sample: Tensor, mask: Tensor) -> Tensor:

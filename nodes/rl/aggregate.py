@@ -6,6 +6,7 @@ re-exports :func:`aggregate_token_loss`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -111,6 +112,13 @@ def _check_token_tensors(fn: str, mask: Tensor, **tensors: Tensor) -> Tensor:
     return real
 
 
+def _check_dual_clip(fn: str, dual_clip: float | None) -> None:
+    if dual_clip is not None and not (dual_clip > 1.0 and math.isfinite(dual_clip)):
+        raise ValueError(
+            f"{fn}: dual_clip is {dual_clip}; it must be a finite number > 1 (or None)"
+        )
+
+
 def _clip_range(fn: str, clip_eps: float, clip_eps_high: float | None) -> tuple[float, float]:
     eps_low = clip_eps
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
@@ -128,14 +136,20 @@ def _clipped_surrogate(
     real: Tensor,
     eps_low: float,
     eps_high: float,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token PPO clipped surrogate loss (B, T) and its stats (inputs already checked)."""
+    """Per-token PPO clipped surrogate loss (B, T) and its stats (inputs already checked).
+    With ``dual_clip`` c (> 1), a token with a negative advantage loses at most ``-A * c``
+    (Ye et al. 2020, "dual-clip PPO"): a huge ratio on a bad token cannot dominate the batch."""
     log_ratio = torch.where(real, logprobs - old_logprobs, 0)  # (B, T) log pi/pi_old
     advantages = torch.where(real, advantages, 0)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     pg_loss_unclipped = -advantages * ratio  # (B, T)
     pg_loss_clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)  # (B, T)
     token_loss = torch.maximum(pg_loss_unclipped, pg_loss_clipped)  # (B, T) pessimistic bound
+    if dual_clip is not None:
+        capped = torch.minimum(token_loss, -advantages * dual_clip)  # (B, T)
+        token_loss = torch.where(advantages < 0, capped, token_loss)  # (B, T)
     with torch.no_grad():
         n = real.sum().to(ratio.dtype)  # ()
         # the clipped branch wins exactly where the token's gradient is cut off

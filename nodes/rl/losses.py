@@ -27,6 +27,7 @@ from nodes.rl.advantages import KL_ESTIMATORS, KLKind, _kl_estimate
 from nodes.rl.aggregate import (
     Aggregation,
     _aggregate,
+    _check_dual_clip,
     _check_token_tensors,
     _clip_range,
     _clipped_surrogate,
@@ -64,6 +65,7 @@ def ppo_policy_loss(
     clip_eps_high: float | None = None,
     *,
     aggregation: Aggregation = "token-mean",
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss.
 
@@ -77,7 +79,8 @@ def ppo_policy_loss(
         mask: (B, T) 1 on real tokens, 0 on padding.
         clip_eps: clip range below 1 (and above 1 unless ``clip_eps_high`` is given).
         clip_eps_high: clip range above 1 (DAPO's "clip-higher"); None = ``clip_eps``.
-        aggregation: ``"token-mean"`` (default) or ``"seq-mean-token-mean"``.
+        aggregation: a registered aggregation (``"token-mean"``, the default).
+        dual_clip: with a value c > 1, a negative-advantage token's loss is at most ``-A * c``.
 
     Returns:
         ``(loss, stats)``: a 0-d loss, and detached 0-d stats ``clip_fraction`` (fraction of
@@ -89,8 +92,9 @@ def ppo_policy_loss(
         fn, mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages
     )
     eps_low, eps_high = _clip_range(fn, clip_eps, clip_eps_high)
+    _check_dual_clip(fn, dual_clip)
     return _ppo_policy_loss(
-        logprobs, old_logprobs, advantages, real, eps_low, eps_high, aggregation
+        logprobs, old_logprobs, advantages, real, eps_low, eps_high, dual_clip, aggregation
     )
 
 
@@ -101,12 +105,13 @@ def _ppo_policy_loss(
     real: Tensor,
     eps_low: float,
     eps_high: float,
+    dual_clip: float | None = None,
     aggregation: str = "token-mean",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`ppo_policy_loss` of checked inputs (finite on ``real``, a bool mask): what an
     update calls on every micro-batch of the inputs it checked once."""
     token_loss, stats = _clipped_surrogate(
-        logprobs, old_logprobs, advantages, real, eps_low, eps_high
+        logprobs, old_logprobs, advantages, real, eps_low, eps_high, dual_clip
     )  # (B, T)
     return _aggregate("ppo_policy_loss", token_loss, real, aggregation), stats
 
@@ -218,6 +223,8 @@ def grpo_loss(
     beta: float = 0.04,
     *,
     aggregation: Aggregation = "seq-mean-token-mean",
+    dual_clip: float | None = None,
+    kl_estimator: KLKind = "k3",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO objective: PPO-clipped surrogate with per-sample advantages, plus ``beta`` * k3 KL.
 
@@ -236,7 +243,9 @@ def grpo_loss(
         clip_eps: clip range below 1 (and above 1 unless ``clip_eps_high`` is given).
         clip_eps_high: clip range above 1; None = ``clip_eps``.
         beta: weight of the KL-to-reference term (>= 0).
-        aggregation: ``"seq-mean-token-mean"`` (default) or ``"token-mean"``.
+        aggregation: a registered aggregation (``"seq-mean-token-mean"``, the default).
+        dual_clip: with a value c > 1, a negative-advantage token's loss is at most ``-A * c``.
+        kl_estimator: the registered KL estimator of the reference term (k3, the paper's).
 
     Returns:
         ``(loss, stats)``: a 0-d loss, and detached 0-d stats ``clip_fraction``, ``approx_kl``,
@@ -271,9 +280,12 @@ def grpo_loss(
         advantages=advantages,
     )
     eps_low, eps_high = _clip_range(fn, clip_eps, clip_eps_high)
+    _check_dual_clip(fn, dual_clip)
+    KL_ESTIMATORS.check(kl_estimator, f"{fn}: kl_estimator")
     return _grpo_loss(
-        logprobs, old_logprobs, ref_logprobs, advantages, real, eps_low, eps_high, beta, aggregation
-    )
+        logprobs, old_logprobs, ref_logprobs, advantages, real, eps_low, eps_high, dual_clip,
+        beta, aggregation, kl_estimator,
+    )  # fmt: skip
 
 
 def _grpo_loss(
@@ -284,15 +296,17 @@ def _grpo_loss(
     real: Tensor,
     eps_low: float,
     eps_high: float,
+    dual_clip: float | None,
     beta: float,
     aggregation: str,
+    kl_estimator: str = "k3",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`grpo_loss` of checked (B, T) inputs (finite on ``real``, a bool mask)."""
     fn = "grpo_loss"
     pg_token_loss, stats = _clipped_surrogate(
-        logprobs, old_logprobs, advantages, real, eps_low, eps_high
+        logprobs, old_logprobs, advantages, real, eps_low, eps_high, dual_clip
     )  # (B, T)
-    kl_token = _kl_estimate(logprobs, ref_logprobs, real, "k3")  # (B, T)
+    kl_token = _kl_estimate(logprobs, ref_logprobs, real, kl_estimator)  # (B, T)
     pg_loss = _aggregate(fn, pg_token_loss, real, aggregation)  # ()
     ref_kl = _aggregate(fn, kl_token, real, aggregation)  # ()
     stats["pg_loss"] = pg_loss.detach()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +17,7 @@ from nodes.models.offload import Offload
 from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
 from nodes.models.sampling import temperature_problem
 from nodes.reference import _prompt_batch
+from nodes.rl.advantages import KL_ESTIMATORS
 from nodes.rl.losses import (
     logprobs_from_logits,
     token_entropy_from_logits,
@@ -99,6 +101,10 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
                 o.clip_eps_high is None or o.clip_eps_high > 0,
                 f"clip_eps_high={o.clip_eps_high}; it must be > 0 (or None for clip_eps)",
             ),
+            (
+                o.dual_clip is None or (o.dual_clip > 1 and math.isfinite(o.dual_clip)),
+                f"dual_clip={o.dual_clip}; it must be a finite number > 1 (or None: off)",
+            ),
             (o.entropy_coef >= 0, f"entropy_coef={o.entropy_coef}; it must be >= 0"),
             (o.kl_coef >= 0, f"kl_coef={o.kl_coef}; it must be >= 0 (0 disables the KL term)"),
             (int(o.epochs) >= 1, f"epochs={o.epochs}; it must be >= 1"),
@@ -149,7 +155,10 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
         self.clip_eps = float(o.clip_eps)
         self.clip_eps_high = None if o.clip_eps_high is None else float(o.clip_eps_high)
         high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
-        self._clip = (self.clip_eps, high)  # the ratio's clip range below and above 1
+        self.dual_clip = None if o.dual_clip is None else float(o.dual_clip)
+        # the ratio's clip range below and above 1, and the dual clip of negative advantages
+        self._clip = (self.clip_eps, high, self.dual_clip)
+        self.kl_estimator = KL_ESTIMATORS.check(o.kl_estimator, f"{where}: kl_estimator")
         self.entropy_coef = float(o.entropy_coef)
         self.kl_coef = float(o.kl_coef)
         self.epochs = int(o.epochs)

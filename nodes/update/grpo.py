@@ -53,6 +53,8 @@ class GRPOUpdate(_Update):
         weight_decay: float = 0.0,
         clip_eps: float = 0.2,
         clip_eps_high: float | None = None,
+        dual_clip: float | None = None,
+        kl_estimator: str = "k3",
         kl_coef: float = 0.0,
         entropy_coef: float = 0.0,
         aggregation: str = "seq-mean-token-mean",
@@ -116,6 +118,7 @@ class GRPOUpdate(_Update):
                 *self._clip,
                 beta=self.kl_coef,
                 aggregation=self.aggregation,
+                kl_estimator=self.kl_estimator,
             )
             entropy = _aggregate("entropy", token_entropy, r, self.aggregation)  # ()
             loss = loss - self.entropy_coef * entropy  # ()

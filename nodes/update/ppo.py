@@ -113,6 +113,8 @@ class PPOUpdate(_Update):
         weight_decay: float = 0.0,
         clip_eps: float = 0.2,
         clip_eps_high: float | None = None,
+        dual_clip: float | None = None,
+        kl_estimator: str = "k3",
         value_clip_eps: float | None = 0.2,
         vf_coef: float = 0.5,
         entropy_coef: float = 0.0,
@@ -245,7 +247,9 @@ class PPOUpdate(_Update):
                 "value_clip_fraction": _item(vf_stats["value_clip_fraction"]),
             }
             if self.kl_coef > 0:
-                kl_ref = _kl_loss(new_logprobs, t["ref_logprobs"][rows], r, "k3", "token-mean")
+                kl_ref = _kl_loss(
+                    new_logprobs, t["ref_logprobs"][rows], r, self.kl_estimator, "token-mean"
+                )
                 loss = loss + self.kl_coef * kl_ref  # ()
                 stats["kl_ref"] = _item(kl_ref)
             stats["loss"] = _item(loss)

@@ -36,6 +36,7 @@ PPO_DEFAULTS = {
     "max_grad_norm": 1.0,
     "clip_eps": 0.2,
     "clip_eps_high": None,
+    "dual_clip": None,
     "lr_schedule": "constant",
     "lr_warmup_steps": 0,
     "lr_decay_steps": 0,
@@ -84,6 +85,7 @@ def test_defaults_are_the_measured_ones():
         "vision": "tiny",
         "group_size": 4,
         "estimator": "grpo",
+        "kl_estimator": "k3",
         "aggregation": "seq-mean-token-mean",
     }
     assert as_dict(TextGRPOConfig()) == {
@@ -91,6 +93,7 @@ def test_defaults_are_the_measured_ones():
         "batch_size": 16,
         "group_size": 4,
         "estimator": "grpo",
+        "kl_estimator": "k3",
         "aggregation": "seq-mean-token-mean",
     }
 
@@ -139,7 +142,12 @@ def test_every_field_has_a_docstring(config):
         (PPOConfig, "lam", -0.1, "in [0.0, 1.0]"),
         (PPOConfig, "critic_lr", math.inf, "> 0"),
         (GRPOConfig, "group_size", 1, ">= 2"),
-        (GRPOConfig, "estimator", "ppo", "one of grpo, dr_grpo, rloo"),
+        (
+            GRPOConfig,
+            "estimator",
+            "ppo",
+            "one of grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline",
+        ),
     ],
 )
 def test_a_bad_value_names_the_field_the_value_and_what_is_allowed(config, field, value, allowed):

@@ -266,6 +266,24 @@ def test_rloo_hand_computed():
     )
 
 
+def test_reinforce_pp_advantages_hand_computed():
+    from nodes.rl.advantages import reinforce_pp_advantages, reinforce_pp_baseline_advantages
+
+    # scores [1, 0 | 1, 1] in groups [0, 0 | 1, 1]
+    scores, groups = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    # REINFORCE++: batch mean 0.75 -> [0.25, -0.75, 0.25, 0.25]; unbiased std sqrt(0.75 / 3) = 0.5
+    torch.testing.assert_close(
+        reinforce_pp_advantages(scores, group_ids=groups), torch.tensor([0.5, -1.5, 0.5, 0.5]),
+        rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
+    # -baseline: group means [0.5, 1] -> [0.5, -0.5, 0, 0]; batch std sqrt(0.5 / 3)
+    s = math.sqrt(0.5 / 3)
+    torch.testing.assert_close(
+        reinforce_pp_baseline_advantages(scores, group_ids=groups),
+        torch.tensor([0.5 / s, -0.5 / s, 0.0, 0.0]), rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
+
+
 @settings(max_examples=50, deadline=None)
 @given(
     n_groups=st.integers(1, 4),

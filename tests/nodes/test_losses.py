@@ -466,3 +466,34 @@ def test_losses_bad_input():
         match=r"entropy_from_logits: logits has shape \(4, 7, 3\) but mask has shape \(4, 6\); they must be \(B, T, V\) and \(B, T\)",
     ):
         entropy_from_logits(torch.zeros(4, 7, 3), torch.ones(4, 6))
+
+
+def test_dual_clip_caps_a_negative_advantage_tokens_loss():
+    # token 0: A = -1, ratio e^2 = 7.39 -> max(7.39, -A * clip(r) = 1.2) = 7.39, capped at c = 3
+    # token 1: A = +1, ratio 1 -> -1 (a positive advantage is never capped)
+    logprobs = torch.tensor([[2.0, 0.0]], requires_grad=True)
+    old, adv, mask = torch.zeros(1, 2), torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2)
+    plain, _ = ppo_policy_loss(logprobs, old, adv, mask)
+    torch.testing.assert_close(plain, torch.tensor((math.exp(2.0) - 1.0) / 2))
+    capped, _ = ppo_policy_loss(logprobs, old, adv, mask, dual_clip=3.0)
+    torch.testing.assert_close(capped, torch.tensor((3.0 - 1.0) / 2))
+    capped.backward()  # the capped token's loss is a constant: no gradient through it
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -0.5]]))
+    with pytest.raises(ValueError, match="dual_clip is 0.5"):
+        ppo_policy_loss(logprobs, old, adv, mask, dual_clip=0.5)
+
+
+def test_grpo_loss_takes_any_registered_kl_estimator():
+    # one token, advantage 0: the loss is beta times the KL term; log_ratio = -1 - (-1.5) = 0.5
+    lp, ref, adv, mask = (
+        torch.tensor([[-1.0]]),
+        torch.tensor([[-1.5]]),
+        torch.zeros(1),
+        torch.ones(1, 1),
+    )
+    k3, _ = grpo_loss(lp, None, ref, adv, mask, beta=1.0)
+    torch.testing.assert_close(k3, torch.tensor(math.exp(-0.5) - 1 + 0.5))
+    k1, _ = grpo_loss(lp, None, ref, adv, mask, beta=1.0, kl_estimator="k1")
+    torch.testing.assert_close(k1, torch.tensor(0.5))
+    with pytest.raises(ValueError, match="kl_estimator"):
+        grpo_loss(lp, None, ref, adv, mask, kl_estimator="k9")

@@ -395,3 +395,17 @@ def test_max_prompt_tokens_never_cuts_an_images_tokens():
     node.run(prompts=["ab"], images=[image])  # 8 tokens: the image's 6 and the text's 2
     with pytest.raises(UsageError, match="would cut its image's tokens"):
         node.run(prompts=["abcdefgh"], images=[image])
+
+
+def test_stop_strings_work_with_a_word_level_tokenizer():
+    """HF's own stop-string criterion scans the vocabulary and fails on word-level tokenizers
+    ("substring not found"); the rollout's ends rows itself."""
+    from graphs.common import policy_spec
+    from graphs.config import TextGRPOConfig
+
+    spec = policy_spec(TextGRPOConfig(), None)
+    node = Rollout(policy=spec, n=8, max_new_tokens=8, stop=["."], temperature=2.0, seed=0)
+    out = node.run(prompts=["what color is the shape ?"])
+    for text, cut in zip(out["texts"], out["truncated"].tolist()):
+        if "." in text:  # it ended at the stop string, which it keeps
+            assert text.index(".") == len(text) - 1 and cut == 0.0, text
