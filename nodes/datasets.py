@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from nodes.chat import chat_messages
 from nodes.dataset_files import (
     _check_csv_rows,
     _first_bad_json_line,
@@ -233,8 +234,13 @@ class DatasetSource(Node):
         """``(sample, "")`` for a good row, ``(None, why)`` for a bad one."""
         row = self.dataset[index]
         prompt = row.get(self.prompt_key)
-        if not isinstance(prompt, str) or not prompt.strip():
-            empty = prompt is None or isinstance(prompt, str)
+        if isinstance(prompt, list | tuple) and prompt:  # chat messages, as TRL's datasets hold
+            try:
+                prompt = chat_messages(prompt)
+            except ValueError as exc:
+                return None, f"{self._where(index, self.prompt_key)}: {exc}"
+        elif not isinstance(prompt, str) or not prompt.strip():
+            empty = prompt is None or isinstance(prompt, str | list | tuple)
             what = "is empty" if empty else f"is not text: {prompt!r}"
             return None, f"{self._where(index, self.prompt_key)}: the prompt {what}"
         image = None

@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from nodes.chat import chat_messages
 from nodes.models.files import _load_pretrained, _load_tokenizer
 from nodes.models.policy_base import (
     TINY_MARK,
@@ -62,12 +63,20 @@ class HFCausalPolicy(Policy):
     def _templated(self) -> bool:
         return self.use_chat_template and bool(getattr(self.tokenizer, "chat_template", None))
 
-    def _format(self, prompt: str) -> str:
+    def _format(self, prompt: Any) -> str:
+        messages = chat_messages(prompt)
         if not self._templated:
+            if messages is not None:
+                raise ValueError(
+                    "HFCausalPolicy: a prompt of chat messages needs a chat template, and "
+                    f"{'this tokenizer has none' if self.use_chat_template else 'chat_template is off'}"
+                    "; give text prompts, or a model whose tokenizer has a template"
+                )
             return prompt
         return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
+            messages or [{"role": "user", "content": prompt}], tokenize=False,
+            add_generation_prompt=True,
+        )  # fmt: skip
 
     @staticmethod
     def _text_only(fn: str, images: Any, image_embeds: Any) -> None:

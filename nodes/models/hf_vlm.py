@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nodes.chat import chat_messages
 from nodes.models.files import _load_pretrained
 from nodes.models.policy_base import (
     _QWEN_VISION_TOKENS,
@@ -70,14 +71,24 @@ class HFVisionLanguagePolicy(Policy):
         )
 
     # --- inputs ------------------------------------------------------------------------------
-    def _format(self, prompt: str, with_image: bool) -> str:
+    def _format(self, prompt: Any, with_image: bool) -> str:
         template = getattr(self.processor, "chat_template", None)
+        messages = chat_messages(prompt)
         if self.use_chat_template and template:
-            content = ([{"type": "image"}] if with_image else []) + [
-                {"type": "text", "text": prompt}
-            ]
+            if messages is None:
+                messages = [{"role": "user", "content": prompt}]
+            if with_image:  # the image goes first in the first user message
+                first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+                text = messages[first]["content"]
+                parts = [{"type": "text", "text": text}] if isinstance(text, str) else list(text)
+                messages[first] = {**messages[first], "content": [{"type": "image"}, *parts]}
             return self.processor.apply_chat_template(
-                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        if messages is not None:
+            raise ValueError(
+                "HFVisionLanguagePolicy: a prompt of chat messages needs the processor's chat "
+                "template (it has none, or chat_template is off); give text prompts"
             )
         return (self.image_token or "") + prompt if with_image else prompt
 

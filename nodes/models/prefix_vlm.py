@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nodes.chat import chat_messages
 from nodes.models.files import _load_pretrained, _load_tokenizer, _loading, _read_json
 from nodes.models.policy_base import (
     _PREFIX_MARKER,
@@ -73,6 +74,11 @@ class PrefixVLM(Policy):
                 "PrefixVLM.encode_prompts: takes image_embeds (from a VisionEncoder), not images"
             )
         self._check_embeds("PrefixVLM.encode_prompts", image_embeds, len(prompts))
+        if any(chat_messages(p) is not None for p in prompts):
+            raise ValueError(
+                "PrefixVLM.encode_prompts: a prefix-VLM reads text prompts, not chat messages; "
+                "give the prompt column as text, or use an image-text-to-text model"
+            )
         enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True)
         return self.prepare(enc["input_ids"], enc["attention_mask"], image_embeds=image_embeds)
 

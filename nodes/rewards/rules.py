@@ -55,8 +55,21 @@ def regex_format(
     return float(match(pattern, text, flags=re.DOTALL) is not None)
 
 
+def batched(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is a TRL-style reward, ``fn(prompts, completions, **columns) ->
+    list[float]`` (called once per batch), told apart from ``fn(text, meta)`` by its
+    ``completions`` parameter."""
+    import inspect
+
+    try:
+        return "completions" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _check_signature(fn: Callable[..., Any], params: Mapping[str, Any], where: str) -> None:
-    """Refuse a reward that cannot be called as ``fn(text, meta, **params)``, before a step."""
+    """Refuse a reward that cannot be called as ``fn(text, meta, **params)`` (or, TRL-style,
+    ``fn(prompts=..., completions=..., **params)``), before a step."""
     import inspect
 
     try:
@@ -64,7 +77,10 @@ def _check_signature(fn: Callable[..., Any], params: Mapping[str, Any], where: s
     except (TypeError, ValueError):  # a builtin with no signature: its first call will tell
         return
     try:
-        signature.bind("text", {}, **params)
+        if batched(fn):  # the data's columns come as more keywords: only these must fit
+            signature.bind_partial(prompts=[], completions=[], **params)
+        else:
+            signature.bind("text", {}, **params)
     except TypeError as exc:
         name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
         raise TypeError(
@@ -76,6 +92,11 @@ def _check_signature(fn: Callable[..., Any], params: Mapping[str, Any], where: s
 
 class RuleReward(RewardNode):
     """Scores each sample with a user function ``fn(text, meta, **params) -> float | dict``.
+
+    A TRL-style reward, ``fn(prompts, completions, **kwargs) -> list[float | None]`` (a
+    ``completions`` parameter tells it apart), is taken as it is: called once per batch with
+    the prompts, the responses and every other column of the rows as lists (as TRL passes a
+    dataset's columns), plus ``params``; a None score is a bad sample (``on_bad_sample``).
 
     Args:
         fn: a module-level function, or its reference ``"package.module:function"`` (imported,
@@ -110,8 +131,12 @@ class RuleReward(RewardNode):
         _check_signature(fn, self.params, f"node {self.name!r}")
         self.reads_meta = frozenset(getattr(fn, "reads_meta", ()))  # a rule's declared keys
         self._fn_name = f"{getattr(fn, '__module__', '?')}:{fn.__qualname__}"
+        self.batched = batched(fn)
+        self.needs_prompts = self.batched
 
     def score_samples(self, texts, meta, prompts, images):
+        if self.batched:
+            return self._score_batch(texts, meta, prompts)
         out = []
         for i, (text, m) in enumerate(zip(texts, meta)):
             try:  # each call its own copy of the row's meta: a reward may change it freely
@@ -122,3 +147,29 @@ class RuleReward(RewardNode):
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
         return out
+
+    def _score_batch(self, texts, meta, prompts) -> list[Any]:
+        rows = [m or {} for m in meta]
+        columns = {k: [row.get(k) for row in rows] for k in dict.fromkeys(k for r in rows for k in r)}  # fmt: skip
+        clash = sorted({"prompts", "completions"} & set(columns))
+        if clash:
+            raise ValueError(
+                f"node {self.name!r}: the data has columns named {clash}, which a TRL-style reward "
+                "takes as its own arguments; rename those columns"
+            )
+        try:
+            got = self.fn(
+                prompts=list(prompts or [""] * len(texts)), completions=list(texts), **columns, **self.params
+            )  # fmt: skip
+        except (Exception, SystemExit) as exc:
+            raise ValueError(
+                f"node {self.name!r}: reward function {self._fn_name} failed on the batch: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if not isinstance(got, list | tuple) or len(got) != len(texts):
+            what = f"{len(got)} values" if isinstance(got, list | tuple) else type(got).__name__
+            raise ValueError(
+                f"node {self.name!r}: reward function {self._fn_name} returned {what} for "
+                f"{len(texts)} completions; a TRL-style reward returns one score per completion"
+            )
+        return list(got)

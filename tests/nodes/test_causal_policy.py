@@ -215,3 +215,16 @@ def test_chat_template_strings_from_builder_and_spec(tmp_path):
         build_policy({"name": "tiny-prefix-vlm", "chat_template": True})
     with pytest.raises(ValueError, match="give a Jinja template string"):
         tiny_causal_lm("gpt2", chat_template=True)
+
+
+def test_a_prompt_of_chat_messages_is_formatted_by_the_template():
+    policy = tiny_causal_lm("llama", chat_template=TEMPLATE)
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    got = policy.encode_prompts([chat, "q"])
+    ids = [row[mask.bool()].tolist() for row, mask in zip(got.prompt_ids, got.prompt_mask)]
+    want = [policy.tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("U:s;U:q;A:", "U:q;A:")]  # fmt: skip
+    assert ids == want
+    plain = tiny_causal_lm("llama")
+    plain.use_chat_template = False
+    with pytest.raises(ValueError, match="chat messages needs a chat template"):
+        plain.encode_prompts([chat])

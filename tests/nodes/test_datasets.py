@@ -450,3 +450,17 @@ def test_files_a_reader_would_misread_are_named_with_the_line(tmp_path):
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "none.parquet")
     with pytest.raises(ValueError, match=r"none\.parquet: the dataset has no rows"):
         DatasetSource(str(tmp_path / "none.parquet")).setup()
+
+
+def test_a_prompt_of_chat_messages_is_read_as_messages(tmp_path):
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    rows = [{"prompt": chat, "answer": "4"}, {"prompt": [{"text": "no role"}], "answer": "x"}]
+    source = DatasetSource(
+        str(_jsonl(tmp_path / "c.jsonl", rows)), shuffle=False, on_bad_sample="skip"
+    )
+    out = source.run()
+    assert out["prompts"] == [chat] * len(out["prompts"])  # the bad row was skipped
+    with pytest.raises(
+        Exception, match=r"row 2, column 'prompt': a prompt is text or a list of chat"
+    ):
+        DatasetSource(str(_jsonl(tmp_path / "d.jsonl", rows)), shuffle=False, batch_size=2).run()

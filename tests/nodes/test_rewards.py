@@ -609,3 +609,22 @@ def test_each_sample_gets_its_own_meta():
     out = RuleReward(_writes_meta).run(texts=["a", "b", "c"], meta=[shared, shared, shared])
     assert out["scores"].tolist() == [1.0, 1.0, 1.0] and shared == {"answer": "x"}
     assert RuleReward(_writes_meta).run(texts=["a", "b"])["scores"].tolist() == [1.0, 1.0]
+
+
+def trl_reward(prompts, completions, answer, **kwargs):
+    """A reward as TRL's GRPOTrainer takes it: the batch's prompts, completions and columns."""
+    return [None if c == "?" else float(a in c) + 0.0 * len(p) for p, c, a in zip(prompts, completions, answer)]  # fmt: skip
+
+
+def trl_reward_short(prompts, completions, **kwargs):
+    return [1.0]
+
+
+def test_a_trl_style_reward_is_taken_as_it_is():
+    node = RuleReward(trl_reward, on_bad_sample="skip", emit_bad_mask=True)
+    assert node.batched and node.needs_prompts
+    meta = [{"answer": "red", "id": 1}, {"answer": "red", "id": 2}, {"answer": "blue", "id": 3}]
+    out = node.run(texts=["red it is", "blue", "?"], meta=meta, prompts=["q1", "q2", "q3"])
+    assert out["scores"].tolist() == [1.0, 0.0, 0.0] and out["bad_samples"].tolist() == [0, 0, 1]
+    with pytest.raises(ValueError, match="returned 1 values for 3 completions"):
+        RuleReward(trl_reward_short).run(texts=["a", "b", "c"], meta=meta, prompts=["", "", ""])
