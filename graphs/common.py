@@ -320,8 +320,9 @@ def sample_and_score(
         "response_mask": sample.response_mask,
     }
     reference = ReferenceLogprobs(
-        policy=spec, temperature=config.temperature, device=device, name="reference"
-    )
+        policy=spec, temperature=config.temperature, device=device, name="reference",
+        micro_batch_tokens=config.micro_batch_tokens,
+    )  # fmt: skip
     ref = reference(**tensors, **image_port)
     g.output("response_lengths", sample.response_lengths)
     validation = None

@@ -111,10 +111,11 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     mini_batches: int = 1
     """Optimizer steps per pass (>= 1), each on that share of the batch (whole prompts)."""
     micro_batch_tokens: int = 0
-    """Budget (padded prompt + response tokens) of one forward/backward of the update; 0: none.
+    """Budget (padded prompt + response tokens) of one forward of the update, reference, critic.
 
-    Rows are sorted by length and gradients accumulated, so the step is the unsplit one up to
-    float rounding and the update's memory stays bounded whatever the batch size."""
+    0: the whole batch at once. Rows are sorted by length and the update accumulates gradients,
+    so the step is the unsplit one up to float rounding, and memory stays bounded whatever the
+    batch size."""
     mask_truncated: bool = False
     """Leave responses cut at max_new_tokens out of the loss (DAPO's overlong filtering).
 

@@ -43,8 +43,9 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
         set_share(g.nodes["reference"], "policy")  # its frozen base, for a LoRA policy
         critic_spec = {**s.spec, "seed": seed + 1} if "seed" in s.spec else s.spec
         critic = Critic(
-            critic=critic_spec, head_seed=seed, share="critic", device=s.device, name="critic"
-        )
+            critic=critic_spec, head_seed=seed, share="critic", device=s.device, name="critic",
+            micro_batch_tokens=config.micro_batch_tokens,
+        )  # fmt: skip
         values = critic(**s.tensors, **s.image_port)
         adv = GAEAdvantage(gamma=config.gamma, lam=config.lam, kl_coef=config.kl_coef, name="gae")(
             scores=s.scores,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nodes.batches import View, token_budget_parts
 from nodes.models.offload import Offload
 from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
 from nodes.models.sampling import temperature_problem
@@ -80,6 +81,47 @@ def _prompt_batch(
         raise ValueError(f"node {node.name!r}: {err}") from err
 
 
+def _budget(tokens: Any, name: str) -> int:
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise ValueError(
+            f"node {name!r}: micro_batch_tokens={tokens!r}; give a whole number >= 0 (0: the "
+            "whole batch in one forward)"
+        )
+    return tokens
+
+
+def _in_parts(
+    fn: Any,
+    budget: int,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    response_ids: Tensor,
+    response_mask: Tensor,
+    image_embeds: Tensor | None,
+    images: Sequence[Any] | None,
+) -> Tensor:
+    """``fn(prompt_ids, prompt_mask, response_ids, response_mask, image_embeds, images)``
+    -> float[b, R'] over the whole batch, or, with a ``budget`` of padded tokens, over its parts
+    (:mod:`nodes.batches`), put back in the batch's order: float32[B, R] on the CPU."""
+    B, R = response_ids.shape
+    image_rows = next((len(v) for v in (image_embeds, images) if v is not None), B)
+    if not budget or not image_rows or B % image_rows:  # (a mismatch is _prompt_batch's to name)
+        return fn(prompt_ids, prompt_mask, response_ids, response_mask, image_embeds, images).float().cpu()  # fmt: skip
+    group = B // image_rows
+    tensors = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
+    tensors |= {"response_ids": response_ids, "response_mask": response_mask}
+    view = View(tensors, response_mask > 0, image_embeds, images, group)
+    out = torch.zeros(B, R)  # (B, R)
+    for units in token_budget_parts(view, budget):
+        part = view.take(units).trimmed()
+        t = part.t
+        got = fn(t["prompt_ids"], t["prompt_mask"], t["response_ids"], t["response_mask"],
+                 part.image_embeds, part.images)  # fmt: skip
+        rows = torch.tensor([u * group + j for u in units for j in range(group)])
+        out[rows, : got.shape[1]] = got.float().cpu()  # (b, R') into (B, R)
+    return out
+
+
 class ReferenceLogprobs(Offload, Sharing, Node):
     """``ref_logprobs: float32[B, R]`` from a frozen copy of the policy (0 at padding).
 
@@ -109,12 +151,14 @@ class ReferenceLogprobs(Offload, Sharing, Node):
         model: Policy | None = None,
         name: str | None = None,
         share: str | None = None,
+        micro_batch_tokens: int = 0,
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
     ) -> None:
         super().__init__(name, placement=placement, batch_policy=batch_policy)
         self.share = check_share_key(share, f"node {self.name!r}")
+        self.micro_batch_tokens = _budget(micro_batch_tokens, self.name)
         self.base_shared = False
         self._base_lock = threading.Lock()
         if why := temperature_problem(temperature, greedy=False):
@@ -164,12 +208,18 @@ class ReferenceLogprobs(Offload, Sharing, Node):
     def forward(
         self, prompt_ids, prompt_mask, response_ids, response_mask, image_embeds, images
     ) -> dict[str, Tensor]:
-        batch = _prompt_batch(self, self.policy, prompt_ids, prompt_mask, image_embeds, images)
-        with self._frozen():
-            ref = self.policy.response_logprobs(
+        def logprobs(prompt_ids, prompt_mask, response_ids, response_mask, embeds, imgs):
+            batch = _prompt_batch(self, self.policy, prompt_ids, prompt_mask, embeds, imgs)
+            return self.policy.response_logprobs(
                 batch, response_ids, response_mask, temperature=self.temperature
-            )  # (B, R)
-        return {"ref_logprobs": ref.float().cpu()}
+            )  # (b, R')
+
+        with self._frozen():
+            ref = _in_parts(
+                logprobs, self.micro_batch_tokens, prompt_ids, prompt_mask, response_ids,
+                response_mask, image_embeds, images,
+            )  # fmt: skip
+        return {"ref_logprobs": ref}
 
 
 class ValueModel(nn.Module):
@@ -268,12 +318,14 @@ class Critic(Offload, Sharing, WeightInput, Node):
         device: str = "cpu",
         name: str | None = None,
         share: str | None = None,
+        micro_batch_tokens: int = 0,
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
     ) -> None:
         super().__init__(name, placement=placement, batch_policy=batch_policy)
         self.share = check_share_key(share, f"node {self.name!r}")
+        self.micro_batch_tokens = _budget(micro_batch_tokens, self.name)
         if model is None:
             check_policy_spec(critic)
         self.device = torch.device(device)
@@ -325,14 +377,21 @@ class Critic(Offload, Sharing, WeightInput, Node):
     ) -> dict[str, Tensor]:
         self._load(weights)
         trunk = self.value_model.trunk
-        batch = _prompt_batch(self, trunk, prompt_ids, prompt_mask, image_embeds, images)
+
+        def values(prompt_ids, prompt_mask, response_ids, response_mask, embeds, imgs):
+            batch = _prompt_batch(self, trunk, prompt_ids, prompt_mask, embeds, imgs)
+            return self.value_model(batch, response_ids, response_mask)  # (b, R')
+
         was_training = trunk.training
         trunk.eval()
         try:
-            values = self.value_model(batch, response_ids, response_mask)  # (B, R)
+            out = _in_parts(
+                values, self.micro_batch_tokens, prompt_ids, prompt_mask, response_ids,
+                response_mask, image_embeds, images,
+            )  # fmt: skip
         finally:
             trunk.train(was_training)
-        return {"values": values.cpu()}
+        return {"values": out}
 
     def state_dict(self) -> dict[str, Any]:
         """The value head, plus the trunk when it is this node's own (not shared)."""

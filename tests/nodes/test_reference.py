@@ -185,3 +185,20 @@ def test_critic_weights_input_loads_newer_versions_only(rollout_out, embeds):
         critic.run(ports, weights=wrong)
     critic.load_state_dict(source.state_dict())  # a restore accepts the next version again
     assert critic.weights_version == 0
+
+
+def test_a_token_budget_gives_the_whole_batch_values_in_its_order():
+    from nodes.rollout import Rollout
+
+    embeds = torch.randn(3, 32, generator=torch.Generator().manual_seed(0))
+    out = Rollout(n=4, max_new_tokens=8, seed=1).run(
+        prompts=["a", "what is it?", "xy"], image_embeds=embeds
+    )
+    ports = {k: out[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+    for node in (ReferenceLogprobs, Critic):
+        whole = node().run(ports, image_embeds=embeds)
+        parts = node(micro_batch_tokens=40).run(ports, image_embeds=embeds)  # several parts
+        (key,) = whole
+        torch.testing.assert_close(parts[key], whole[key], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="micro_batch_tokens=-1"):
+        Critic(micro_batch_tokens=-1)
