@@ -306,6 +306,11 @@ class TextGRPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
     """Samples per prompt (>= 2: a group's advantages compare its samples with each other)."""
     estimator: Estimator = "grpo"
     """A registered group estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: the last this many tokens before max_new_tokens cost up to
+    overlong_penalty of the score, in proportion (0: off)."""
+    overlong_penalty: float = 1.0
+    """The most a response at max_new_tokens loses with overlong_buffer (>= 0)."""
     kl_estimator: KLEstimator = "k3"
     """The KL-to-reference loss term's estimator: k1, k2, k3 (the GRPO paper's) or abs."""
     aggregation: Aggregation = "seq-mean-token-mean"

@@ -38,9 +38,13 @@ def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Grap
         s = sample_and_score(g, config, vision=vision, n=config.group_size)
         set_share(s.rollout, "policy")  # one policy module on an on-policy executor
         set_share(g.nodes["reference"], "policy")  # its frozen base, for a LoRA policy
-        adv = GroupAdvantage(config.estimator, name="group_advantage")(
-            scores=s.scores, group_ids=s.sample.group_ids, response_mask=s.sample.response_mask
-        )
+        adv = GroupAdvantage(
+            config.estimator,
+            name="group_advantage",
+            overlong_buffer=config.overlong_buffer,
+            max_new_tokens=config.max_new_tokens,
+            overlong_penalty=config.overlong_penalty,
+        )(scores=s.scores, group_ids=s.sample.group_ids, response_mask=s.sample.response_mask)
         update = GRPOUpdate(
             policy=s.spec,
             kl_coef=config.kl_coef,

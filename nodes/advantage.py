@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -105,7 +106,12 @@ def _on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 class GroupAdvantage(Node):
     """Group advantages over the response tokens: ``estimator`` names one of
     :data:`nodes.rl.advantages.GROUP_ESTIMATORS` (grpo: group mean and std; dr_grpo: group
-    mean; rloo: the mean of the others)."""
+    mean; rloo: the mean of the others; reinforce_pp, reinforce_pp_baseline).
+
+    With ``overlong_buffer`` L_b and ``max_new_tokens`` L_max, a response longer than
+    ``L_max - L_b`` tokens loses ``overlong_penalty * (length - (L_max - L_b)) / L_b`` of its
+    score before the estimator (DAPO's soft overlong punishment), up to the whole factor at
+    ``L_max``."""
 
     kind = "advantage"
     batch_policy = BatchPolicy(splittable=False)  # a group's baseline needs the whole group
@@ -116,16 +122,39 @@ class GroupAdvantage(Node):
     }
     outputs = {"advantages": _TOKENS, "stats": ANY}
 
-    def __init__(self, estimator: str = "grpo", name: str | None = None):
+    def __init__(
+        self,
+        estimator: str = "grpo",
+        name: str | None = None,
+        overlong_buffer: int = 0,
+        max_new_tokens: int = 0,
+        overlong_penalty: float = 1.0,
+    ):
         super().__init__(name=name)
-        self.estimator = GROUP_ESTIMATORS.check(estimator, f"node {self.name!r}: estimator")
+        where = f"node {self.name!r}"
+        self.estimator = GROUP_ESTIMATORS.check(estimator, f"{where}: estimator")
+        if overlong_buffer and not 0 < overlong_buffer <= max_new_tokens:
+            raise ValueError(
+                f"{where}: overlong_buffer={overlong_buffer}; it must be in (0, max_new_tokens"
+                f"={max_new_tokens}] (0: no overlong penalty)"
+            )
+        if not (overlong_penalty >= 0 and math.isfinite(overlong_penalty)):
+            raise ValueError(f"{where}: overlong_penalty={overlong_penalty}; it must be >= 0")
+        self.overlong = (int(overlong_buffer), int(max_new_tokens), float(overlong_penalty))
 
     @torch.no_grad()
     def forward(self, scores, group_ids, response_mask) -> dict[str, Any]:
+        stats: dict[str, float] = {}
+        buffer, longest, factor = self.overlong
+        if buffer:
+            lengths = response_mask.sum(1)  # (B,)
+            over = ((lengths - (longest - buffer)) / buffer).clamp(0.0, 1.0)  # (B,)
+            scores = scores - factor * over  # (B,)
+            stats["overlong_penalty_mean"] = float((factor * over).mean())
         per_sample = GROUP_ESTIMATORS[self.estimator](scores, group_ids=group_ids)  # (B,)
         advantages = broadcast_to_tokens(per_sample, response_mask)  # (B, R)
-        zero_std = _share_of_flat_groups(scores, group_ids)
-        return {"advantages": advantages, "stats": {"flat_group_share": zero_std}}
+        stats["flat_group_share"] = _share_of_flat_groups(scores, group_ids)
+        return {"advantages": advantages, "stats": stats}
 
 
 def _share_of_flat_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> float:

@@ -85,6 +85,8 @@ def test_defaults_are_the_measured_ones():
         "vision": "tiny",
         "group_size": 4,
         "estimator": "grpo",
+        "overlong_buffer": 0,
+        "overlong_penalty": 1.0,
         "kl_estimator": "k3",
         "aggregation": "seq-mean-token-mean",
     }
@@ -93,6 +95,8 @@ def test_defaults_are_the_measured_ones():
         "batch_size": 16,
         "group_size": 4,
         "estimator": "grpo",
+        "overlong_buffer": 0,
+        "overlong_penalty": 1.0,
         "kl_estimator": "k3",
         "aggregation": "seq-mean-token-mean",
     }

@@ -88,3 +88,16 @@ def test_gae_node_reports_the_kl_to_reference_even_without_a_penalty():
     )
     assert out["stats"]["kl"] == pytest.approx(0.5)
     assert out["returns"][0, 0] == pytest.approx(1.0)  # kl_coef=0: the reward is untouched
+
+
+def test_the_overlong_penalty_takes_score_from_responses_near_the_limit():
+    # max_new_tokens 10, buffer 4: lengths 6 (free), 8 (loses 2/4 * 0.5), 10 (loses 0.5)
+    mask = (torch.arange(10)[None, :] < torch.tensor([6, 8, 10])[:, None]).float()
+    node = GroupAdvantage("dr_grpo", overlong_buffer=4, max_new_tokens=10, overlong_penalty=0.5)
+    out = node.run(scores=torch.ones(3), group_ids=torch.zeros(3, dtype=torch.int64), response_mask=mask)  # fmt: skip
+    penalized = torch.tensor([1.0, 0.75, 0.5])
+    want = penalized - penalized.mean()  # dr_grpo: the group mean removed
+    torch.testing.assert_close(out["advantages"][:, 0], want)
+    assert out["stats"]["overlong_penalty_mean"] == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="overlong_buffer=12"):
+        GroupAdvantage(overlong_buffer=12, max_new_tokens=10)
