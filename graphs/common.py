@@ -126,10 +126,18 @@ def update_options(config: RLConfig) -> dict[str, Any]:
     schedule, the loss's clip range and entropy bonus, the passes, and how a step is cut."""
     names = (
         "lr", "weight_decay", "max_grad_norm", "clip_eps", "clip_eps_high", "dual_clip", "entropy_coef",
-        "epochs", "mini_batches", "micro_batch_tokens", "mask_truncated", "mixed_precision", "lr_schedule",
+        "epochs", "mini_batches", "micro_batch_tokens", "mask_truncated", "tis_cap", "mixed_precision", "lr_schedule",
         "lr_warmup_steps", "lr_decay_steps", "temperature", "seed",
     )  # fmt: skip
     return {name: getattr(config, name) for name in names}
+
+
+def sampled_logprobs(config: RLConfig, sampled: Sampled) -> dict[str, Handle]:
+    """The update's ``rollout_logprobs`` input where the rollout recomputes its logprobs (else
+    they are the ``logprobs`` it already takes)."""
+    return (
+        {"rollout_logprobs": sampled.sample.rollout_logprobs} if config.recompute_logprobs else {}
+    )
 
 
 def train_group(config: RLConfig, share: str, **more_shares: str) -> dict[str, Any]:
@@ -294,6 +302,7 @@ def sample_and_score(
         top_k=config.top_k,
         stop=config.stop,
         seed=config.seed,
+        recompute_logprobs=config.recompute_logprobs,
         stream=config.stream,
         device=device,
         vllm_options=_vllm_options(config) if config.rollout == "vllm" else None,

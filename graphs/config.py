@@ -121,6 +121,14 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     Either way the update's metrics report the share cut (``truncated``) and the mean length
     of the responses that ended (``ended_length``)."""
+    recompute_logprobs: bool | None = None
+    """Recompute the rollout's logprobs teacher-forced, as the update computes them; none: on
+    with rollout=vllm, dtype=bfloat16 or tis_cap > 0 (unless stream), off otherwise.
+
+    Then the update reports the gap to the sampler's own (``logprob_gap_mean``, ``_max``)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: weigh each token's loss by min(pi_trainer / pi_sampler,
+    tis_cap) (>= 0; 0: off); none: 2 with rollout=vllm, 0 otherwise."""
     mixed_precision: Precision = "no"
     """bf16: the update's forward passes in bfloat16 autocast, float32 weights and AdamW state."""
     weight_decay: float = 0.0
@@ -238,6 +246,27 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _at_least("train_ranks", self.train_ranks, 1)
         if self.train_backend not in ("fsdp", "ddp"):
             _refuse("train_backend", self.train_backend, "'fsdp' or 'ddp'")
+        self._resolve_logprobs()
+
+    def _resolve_logprobs(self) -> None:
+        """Choose recompute_logprobs and tis_cap where left None (see their docs)."""
+        if self.tis_cap is None:
+            self.tis_cap = 2.0 if self.rollout == "vllm" else 0.0
+        if not (self.tis_cap >= 0 and math.isfinite(self.tis_cap)):
+            _refuse("tis_cap", self.tis_cap, "a finite number >= 0 (0: off)")
+        if self.recompute_logprobs is None:
+            differ = self.rollout == "vllm" or self.dtype != "float32" or self.tis_cap > 0
+            self.recompute_logprobs = differ and not self.stream
+        if self.recompute_logprobs and self.stream:
+            raise ValueError(
+                "recompute_logprobs=true and stream=true cannot go together: a streamed "
+                "response leaves before a recompute could see it; set one of them to false"
+            )
+        if self.tis_cap > 0 and not self.recompute_logprobs:
+            raise ValueError(
+                f"tis_cap={self.tis_cap} needs recompute_logprobs=true (the trainer's logprobs "
+                "beside the sampler's), which stream=true rules out; set tis_cap=0 or stream=false"
+            )
 
     def _resolve(self, names: tuple[str, ...]) -> None:
         """Give each of ``names`` left None its :data:`AUTO` default for this policy."""

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphs.common import connect_weights, sample_and_score, train_group, update_options
+from graphs.common import (
+    connect_weights,
+    sample_and_score,
+    sampled_logprobs,
+    train_group,
+    update_options,
+)
 from graphs.config import GRPOConfig, TextGRPOConfig
 from nodes.advantage import GroupAdvantage
 from nodes.shared_models import set_share
@@ -58,6 +64,7 @@ def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Grap
             **s.tensors,
             logprobs=s.sample.logprobs,
             truncated=s.sample.truncated,
+            **sampled_logprobs(config, s),
             advantages=adv.advantages,
             ref_logprobs=s.ref_logprobs,
             **s.image_port,

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphs.common import connect_weights, sample_and_score, train_group, update_options
+from graphs.common import (
+    connect_weights,
+    sample_and_score,
+    sampled_logprobs,
+    train_group,
+    update_options,
+)
 from graphs.config import MultimodalPPOConfig, PPOConfig
 from nodes.advantage import GAEAdvantage
 from nodes.reference import Critic
@@ -67,6 +73,7 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
             **s.tensors,
             logprobs=s.sample.logprobs,
             truncated=s.sample.truncated,
+            **sampled_logprobs(config, s),
             advantages=adv.advantages,
             returns=adv.returns,
             values=values,

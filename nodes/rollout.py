@@ -19,6 +19,10 @@ the temperature-scaled policy *before* top-k/top-p truncation (T = 1 when greedy
 from the scores of the cached generation pass by default; ``recompute_logprobs=True`` recomputes
 them with a teacher-forced forward (``Policy.response_logprobs``), exactly what an update sees.
 The two agree within float error (about 1e-6 on CPU in float32; see tests/nodes/test_rollout.py).
+``rollout_logprobs`` are the sampler's own (vLLM's, or the generation pass's), whichever the
+``logprobs`` port holds: with recomputed ``logprobs`` an update measures the gap between the
+two and may correct for it (its ``tis_cap``). Where the sampler reports none (vLLM with
+top-p/top-k) they are the recomputed ones.
 """
 
 from __future__ import annotations
@@ -131,6 +135,9 @@ class Rollout(Offload, Sharing, WeightInput, Node):
         "response_ids": TensorPort("int64", "B", "R"),
         "response_mask": TensorPort("float32", "B", "R"),
         "logprobs": TensorPort("float32", "B", "R"),
+        "rollout_logprobs": Port(
+            TensorPort("float32", "B", "R"), doc="the sampler's own logprobs (see the module doc)"
+        ),
         "response_lengths": TensorPort("int64", "B"),
         "texts": ANY,
         "group_ids": TensorPort("int64", "B"),
@@ -311,15 +318,17 @@ class Rollout(Offload, Sharing, WeightInput, Node):
         return _Call(N, prompts_b, images_b, batch.to(self.device), seed)
 
     def _outputs(
-        self, batch: Any, gen: Generation, logprobs: Tensor, rows: Tensor
+        self, batch: Any, gen: Generation, logprobs: Tensor, rows: Tensor, sampled: Tensor
     ) -> dict[str, Any]:
-        """The ports for ``rows`` (int64[r]) of the batch, given their generation."""
+        """The ports for ``rows`` (int64[r]) of the batch, given their generation, the
+        logprobs the update takes and the sampler's own."""
         return {
             "prompt_ids": batch.prompt_ids[rows.to(batch.prompt_ids.device)].cpu(),
             "prompt_mask": batch.prompt_mask[rows.to(batch.prompt_mask.device)].cpu(),
             "response_ids": gen.response_ids,
             "response_mask": gen.response_mask,
             "logprobs": logprobs.float(),
+            "rollout_logprobs": sampled.float(),
             "response_lengths": gen.response_lengths,
             "texts": gen.texts,
             "group_ids": self._group_ids(rows),
@@ -373,8 +382,9 @@ class Rollout(Offload, Sharing, WeightInput, Node):
         else:
             with self._seeded(call.seed):
                 gen = self.policy.generate(batch, **self.sampling)
-        logprobs = gen.logprobs
-        if self.recompute_logprobs or (self._vllm is not None and not self._vllm.own_logprobs):
+        logprobs = sampled = gen.logprobs
+        own = self._vllm is None or self._vllm.own_logprobs  # the sampler reported its logprobs
+        if self.recompute_logprobs or not own:
             with torch.no_grad():
                 logprobs = self.policy.response_logprobs(
                     batch,
@@ -382,7 +392,8 @@ class Rollout(Offload, Sharing, WeightInput, Node):
                     gen.response_mask,
                     temperature=self.sampling["temperature"] or 1.0,
                 ).cpu()  # (B, R)
-        out = self._outputs(batch, gen, logprobs, torch.arange(len(batch)))
+            sampled = sampled if own else logprobs
+        out = self._outputs(batch, gen, logprobs, torch.arange(len(batch)), sampled)
         self._done(call)
         return out
 
@@ -392,7 +403,8 @@ class Rollout(Offload, Sharing, WeightInput, Node):
         with self._seeded(call.seed):
             every = self.stream_every
             for rows, gen in self.policy.generate_stream(call.batch, every=every, **self.sampling):
-                outputs = self._outputs(call.batch, gen, gen.logprobs, torch.tensor(rows))
+                rows_t = torch.tensor(rows)
+                outputs = self._outputs(call.batch, gen, gen.logprobs, rows_t, gen.logprobs)
                 yield rows, outputs, len(call.batch)  # B: consumers may take per-sample inputs
         self._done(call)
 

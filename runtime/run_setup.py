@@ -117,9 +117,7 @@ def ready_graphs() -> list[str]:
     if folder is None:
         return []
     return sorted(
-        p.stem
-        for p in folder.glob("*.py")
-        if "\ndef build_graph(" in p.read_text(errors="replace")
+        p.stem for p in folder.glob("*.py") if "\ndef build_graph(" in p.read_text(errors="replace")
     )
 
 

@@ -137,10 +137,12 @@ def _clipped_surrogate(
     eps_low: float,
     eps_high: float,
     dual_clip: float | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token PPO clipped surrogate loss (B, T) and its stats (inputs already checked).
     With ``dual_clip`` c (> 1), a token with a negative advantage loses at most ``-A * c``
-    (Ye et al. 2020, "dual-clip PPO"): a huge ratio on a bad token cannot dominate the batch."""
+    (Ye et al. 2020, "dual-clip PPO"): a huge ratio on a bad token cannot dominate the batch.
+    ``is_weights`` (B, T), detached, scale each token's loss (truncated importance sampling)."""
     log_ratio = torch.where(real, logprobs - old_logprobs, 0)  # (B, T) log pi/pi_old
     advantages = torch.where(real, advantages, 0)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
@@ -150,6 +152,8 @@ def _clipped_surrogate(
     if dual_clip is not None:
         capped = torch.minimum(token_loss, -advantages * dual_clip)  # (B, T)
         token_loss = torch.where(advantages < 0, capped, token_loss)  # (B, T)
+    if is_weights is not None:
+        token_loss = token_loss * torch.where(real, is_weights.detach(), 0)  # (B, T)
     with torch.no_grad():
         n = real.sum().to(ratio.dtype)  # ()
         # the clipped branch wins exactly where the token's gradient is cut off

@@ -20,6 +20,8 @@ References:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -49,6 +51,7 @@ __all__ = [
     "value_loss",
     "kl_loss",
     "grpo_loss",
+    "truncated_is_weights",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -66,6 +69,7 @@ def ppo_policy_loss(
     *,
     aggregation: Aggregation = "token-mean",
     dual_clip: float | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss.
 
@@ -81,6 +85,7 @@ def ppo_policy_loss(
         clip_eps_high: clip range above 1 (DAPO's "clip-higher"); None = ``clip_eps``.
         aggregation: a registered aggregation (``"token-mean"``, the default).
         dual_clip: with a value c > 1, a negative-advantage token's loss is at most ``-A * c``.
+        is_weights: (B, T) weights of each token's loss, e.g. :func:`truncated_is_weights`.
 
     Returns:
         ``(loss, stats)``: a 0-d loss, and detached 0-d stats ``clip_fraction`` (fraction of
@@ -88,14 +93,16 @@ def ppo_policy_loss(
         ``approx_kl`` (mean k3 estimate of KL(pi_old || pi)) and ``ratio_mean``.
     """
     fn = "ppo_policy_loss"
+    weights = {} if is_weights is None else {"is_weights": is_weights}
     real = _check_token_tensors(
-        fn, mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages
+        fn, mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, **weights
     )
     eps_low, eps_high = _clip_range(fn, clip_eps, clip_eps_high)
     _check_dual_clip(fn, dual_clip)
     return _ppo_policy_loss(
-        logprobs, old_logprobs, advantages, real, eps_low, eps_high, dual_clip, aggregation
-    )
+        logprobs, old_logprobs, advantages, real, eps_low, eps_high, dual_clip, aggregation,
+        is_weights,
+    )  # fmt: skip
 
 
 def _ppo_policy_loss(
@@ -107,11 +114,12 @@ def _ppo_policy_loss(
     eps_high: float,
     dual_clip: float | None = None,
     aggregation: str = "token-mean",
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`ppo_policy_loss` of checked inputs (finite on ``real``, a bool mask): what an
     update calls on every micro-batch of the inputs it checked once."""
     token_loss, stats = _clipped_surrogate(
-        logprobs, old_logprobs, advantages, real, eps_low, eps_high, dual_clip
+        logprobs, old_logprobs, advantages, real, eps_low, eps_high, dual_clip, is_weights
     )  # (B, T)
     return _aggregate("ppo_policy_loss", token_loss, real, aggregation), stats
 
@@ -175,6 +183,42 @@ def _value_loss(
 
 # ---------------------------------------------------------------------------------------------
 # KL to the reference, and GRPO
+
+
+def truncated_is_weights(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, cap: float = 2.0
+) -> Tensor:
+    """Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"): per token ``min(pi_old / pi_rollout, cap)``,
+    where ``old_logprobs`` are the trainer's and ``rollout_logprobs`` the sampler's (vLLM's, or
+    any other engine's) for the same tokens. Weighing each token's policy loss by it corrects
+    the gradient for the gap between what sampled and what trains; the cap bounds its variance.
+
+    Args:
+        old_logprobs: (B, T) the trainer's logprobs of the sampled tokens, before the update.
+        rollout_logprobs: (B, T) the sampler's logprobs of the same tokens.
+        mask: (B, T) 1 on real tokens, 0 on padding (the weight there is 0).
+        cap: the largest weight (> 0, finite).
+
+    Returns:
+        (B, T) detached weights, 0 at padding.
+    """
+    fn = "truncated_is_weights"
+    real = _check_token_tensors(
+        fn, mask, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs
+    )
+    if not (cap > 0 and math.isfinite(cap)):
+        raise ValueError(f"{fn}: cap is {cap}; it must be a finite number > 0")
+    return _tis_weights(old_logprobs, rollout_logprobs, real, cap)
+
+
+def _tis_weights(old: Tensor, rollout: Tensor, real: Tensor, cap: float) -> Tensor:
+    """:func:`truncated_is_weights` of checked inputs."""
+    with torch.no_grad():
+        gap = torch.where(real, old.float() - rollout.float(), 0)  # (B, T) log pi_old/pi_rollout
+        return torch.where(real, torch.exp(gap).clamp(max=cap), 0)  # (B, T)
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -225,6 +269,7 @@ def grpo_loss(
     aggregation: Aggregation = "seq-mean-token-mean",
     dual_clip: float | None = None,
     kl_estimator: KLKind = "k3",
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO objective: PPO-clipped surrogate with per-sample advantages, plus ``beta`` * k3 KL.
 
@@ -246,6 +291,8 @@ def grpo_loss(
         aggregation: a registered aggregation (``"seq-mean-token-mean"``, the default).
         dual_clip: with a value c > 1, a negative-advantage token's loss is at most ``-A * c``.
         kl_estimator: the registered KL estimator of the reference term (k3, the paper's).
+        is_weights: (B, T) weights of each token's policy-gradient loss, e.g.
+            :func:`truncated_is_weights`.
 
     Returns:
         ``(loss, stats)``: a 0-d loss, and detached 0-d stats ``clip_fraction``, ``approx_kl``,
@@ -278,13 +325,14 @@ def grpo_loss(
         old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs,
         advantages=advantages,
+        **({} if is_weights is None else {"is_weights": is_weights}),
     )
     eps_low, eps_high = _clip_range(fn, clip_eps, clip_eps_high)
     _check_dual_clip(fn, dual_clip)
     KL_ESTIMATORS.check(kl_estimator, f"{fn}: kl_estimator")
     return _grpo_loss(
         logprobs, old_logprobs, ref_logprobs, advantages, real, eps_low, eps_high, dual_clip,
-        beta, aggregation, kl_estimator,
+        beta, aggregation, kl_estimator, is_weights,
     )  # fmt: skip
 
 
@@ -300,11 +348,12 @@ def _grpo_loss(
     beta: float,
     aggregation: str,
     kl_estimator: str = "k3",
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`grpo_loss` of checked (B, T) inputs (finite on ``real``, a bool mask)."""
     fn = "grpo_loss"
     pg_token_loss, stats = _clipped_surrogate(
-        logprobs, old_logprobs, advantages, real, eps_low, eps_high, dual_clip
+        logprobs, old_logprobs, advantages, real, eps_low, eps_high, dual_clip, is_weights
     )  # (B, T)
     kl_token = _kl_estimate(logprobs, ref_logprobs, real, kl_estimator)  # (B, T)
     pg_loss = _aggregate(fn, pg_token_loss, real, aggregation)  # ()

@@ -18,10 +18,7 @@ from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_
 from nodes.models.sampling import temperature_problem
 from nodes.reference import _prompt_batch
 from nodes.rl.advantages import KL_ESTIMATORS
-from nodes.rl.losses import (
-    logprobs_from_logits,
-    token_entropy_from_logits,
-)
+from nodes.rl.losses import _tis_weights, logprobs_from_logits, token_entropy_from_logits
 from nodes.rl.masked import _check_finite
 from nodes.seeding import step_seed
 from nodes.shared_models import Sharing, check_share_key, fingerprint
@@ -50,6 +47,12 @@ _INPUTS = {
     "logprobs": Port(_TOKENS, doc="sampling-policy logprobs, from the rollout"),
     "advantages": _TOKENS,
     "ref_logprobs": Port(_TOKENS, required=False, doc="needed when kl_coef > 0"),
+    "rollout_logprobs": Port(
+        _TOKENS,
+        required=False,
+        doc="the sampler's own logprobs where 'logprobs' were recomputed by the trainer: the "
+        "gap is reported, and tis_cap weighs each token by their ratio",
+    ),
     "truncated": Port(
         TensorPort("float32", "B"), required=False, doc="1.0 where the rollout cut the response"
     ),
@@ -147,6 +150,10 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
                 f"train_backend={o.train_backend!r}; choose one of {', '.join(TRAIN_BACKENDS)}",
             ),
             (o.rank_timeout_s > 0, f"rank_timeout_s={o.rank_timeout_s}; it must be > 0"),
+            (
+                o.tis_cap >= 0 and math.isfinite(o.tis_cap),
+                f"tis_cap={o.tis_cap}; it must be a finite number >= 0 (0: no correction)",
+            ),
         ]
         for ok, why in checks:
             if not ok:
@@ -165,6 +172,7 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
         self.micro_batch_size = int(o.micro_batch_size)
         self.micro_batch_tokens = int(o.micro_batch_tokens)
         self.mask_truncated = bool(o.mask_truncated)
+        self.tis_cap = float(o.tis_cap)
         self._response_stats: dict[str, float] = {}
         self.mini_batches = int(o.mini_batches)
         self.mixed_precision = o.mixed_precision
@@ -241,6 +249,11 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
                 f"{where}: kl_coef={self.kl_coef} needs the 'ref_logprobs' input connected "
                 "(from a ReferenceLogprobs node), or set kl_coef=0"
             )
+        if self.tis_cap > 0 and tensors.get("rollout_logprobs") is None:
+            raise ValueError(
+                f"{where}: tis_cap={self.tis_cap} needs the 'rollout_logprobs' input connected "
+                "(the Rollout's, with recompute_logprobs=True), or set tis_cap=0"
+            )
         out = {k: v.to(self.device) for k, v in tensors.items() if v is not None}
         B, R = out["response_ids"].shape
         if B == 0:
@@ -304,6 +317,14 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
             elif self.mask_truncated:
                 log.warning("node %r: every response was cut at max_new_tokens; they are "
                             "trained on this step (raise max_new_tokens)", self.name)  # fmt: skip
+        sampled = t.pop("rollout_logprobs", None)
+        if sampled is not None:
+            gap = (t["logprobs"] - sampled).abs()[real]  # (n,) |log pi_old - log pi_rollout|
+            self._response_stats["logprob_gap_mean"] = float(gap.mean()) if len(gap) else 0.0
+            self._response_stats["logprob_gap_max"] = float(gap.max()) if len(gap) else 0.0
+            if self.tis_cap > 0:
+                t["tis_weights"] = _tis_weights(t["logprobs"], sampled, real, self.tis_cap)
+                self._response_stats["tis_weight_mean"] = float(t["tis_weights"][real].mean())
         return View(t, real, image_embeds, images, group)
 
     def _slices(self, B: int, group: int) -> list[slice]:

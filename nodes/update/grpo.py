@@ -62,6 +62,7 @@ class GRPOUpdate(_Update):
         micro_batch_size: int = 0,
         micro_batch_tokens: int = 0,
         mask_truncated: bool = False,
+        tis_cap: float = 0.0,
         mini_batches: int = 1,
         mixed_precision: str = "no",
         lr_schedule: str = "constant",
@@ -119,6 +120,7 @@ class GRPOUpdate(_Update):
                 beta=self.kl_coef,
                 aggregation=self.aggregation,
                 kl_estimator=self.kl_estimator,
+                is_weights=t["tis_weights"][rows] if "tis_weights" in t else None,
             )
             entropy = _aggregate("entropy", token_entropy, r, self.aggregation)  # ()
             loss = loss - self.entropy_coef * entropy  # ()

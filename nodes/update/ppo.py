@@ -60,8 +60,24 @@ class PPOUpdate(_Update):
         vf_coef, entropy_coef: weights of the value loss and the entropy bonus.
         kl_coef: weight of the k3 KL-to-reference loss term; 0 disables it (KL in the reward
             is GAEAdvantage's ``kl_coef``).
-        epochs: optimizer steps per call, each over the whole batch.
+        epochs: passes over the batch per call.
+        mini_batches: optimizer steps per pass, each on 1/M of the batch's units (a prompt's
+            responses, or a row), shuffled with the step's seed.
         micro_batch_size: samples per gradient-accumulation micro-batch; 0 = whole batch.
+        micro_batch_tokens: a budget of padded prompt + response tokens per micro-batch (rows
+            sorted longest first, each micro-batch trimmed of unused padding); 0 = none. The
+            step equals the unsplit one up to float rounding.
+        mask_truncated: leave the responses the rollout cut at max_new_tokens (the
+            ``truncated`` input) out of the loss.
+        tis_cap: truncated importance sampling: weigh each token's policy loss by
+            ``min(exp(logprobs - rollout_logprobs), tis_cap)`` (needs the ``rollout_logprobs``
+            input); 0 = off. With the input connected the metrics report the gap
+            (logprob_gap_mean, logprob_gap_max) either way.
+        mixed_precision: ``"no"`` or ``"bf16"`` (autocast; weights and AdamW state stay
+            float32).
+        lr_schedule, lr_warmup_steps, lr_decay_steps: ``"constant"``, ``"linear"`` or
+            ``"cosine"`` after a linear warmup, counted in update calls.
+        weight_decay: AdamW's decoupled weight decay.
         max_grad_norm: clip each model's gradient norm to this; 0 or None = no clipping.
         temperature: the rollout's sampling temperature (logprobs are of ``logits / T``).
         seed: seeds randomness inside a step (dropout, if a model has any); the global RNG is
@@ -123,6 +139,7 @@ class PPOUpdate(_Update):
         micro_batch_size: int = 0,
         micro_batch_tokens: int = 0,
         mask_truncated: bool = False,
+        tis_cap: float = 0.0,
         mini_batches: int = 1,
         mixed_precision: str = "no",
         lr_schedule: str = "constant",
@@ -225,9 +242,11 @@ class PPOUpdate(_Update):
             batch = self._prompt_batch(self.policy, view, rows)
             new_logprobs, token_entropy = self._policy_terms(batch, ids, mask, r)  # (b, R)
             # the inputs were checked once for the call, the model outputs just above and below
+            is_weights = t["tis_weights"][rows] if "tis_weights" in t else None
             pg_loss, pg_stats = _ppo_policy_loss(
-                new_logprobs, t["logprobs"][rows], t["advantages"][rows], r, *self._clip
-            )
+                new_logprobs, t["logprobs"][rows], t["advantages"][rows], r, *self._clip,
+                is_weights=is_weights,
+            )  # fmt: skip
             entropy = _aggregate("entropy", token_entropy, r, "token-mean")  # ()
             critic_batch = self._prompt_batch(self.value_model.trunk, view, rows)
             with autocast(self.device, self.mixed_precision):

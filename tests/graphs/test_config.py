@@ -41,6 +41,8 @@ PPO_DEFAULTS = {
     "lr_warmup_steps": 0,
     "lr_decay_steps": 0,
     "mask_truncated": False,
+    "recompute_logprobs": False,
+    "tis_cap": 0.0,
     "top_p": 1.0,
     "top_k": 0,
     "stop": [],
@@ -214,3 +216,26 @@ def test_every_option_reaches_the_node_that_uses_it():
 def test_a_python_int_is_accepted_for_a_float_option():
     graph = load_graph("graphs.mm_ppo", batch_size=2, kl_coef=0)
     assert graph.nodes["gae"].config()["kl_coef"] == 0.0
+
+
+def test_the_trainer_recomputes_logprobs_and_corrects_the_gap_where_the_sampler_differs():
+    plain = TextGRPOConfig()
+    assert (plain.recompute_logprobs, plain.tis_cap) == (False, 0.0)  # one model samples, trains
+    vllm = TextGRPOConfig(rollout="vllm")
+    assert (vllm.recompute_logprobs, vllm.tis_cap) == (True, 2.0)
+    bf16 = TextGRPOConfig(dtype="bfloat16")
+    assert (bf16.recompute_logprobs, bf16.tis_cap) == (True, 0.0)
+    assert TextGRPOConfig(dtype="bfloat16", stream=True).recompute_logprobs is False
+    with pytest.raises(ValueError, match="tis_cap=2.0 needs recompute_logprobs=true"):
+        TextGRPOConfig(tis_cap=2.0, stream=True)
+    with pytest.raises(ValueError, match="recompute_logprobs=true and stream=true"):
+        TextGRPOConfig(recompute_logprobs=True, stream=True)
+    with pytest.raises(ValueError, match="tis_cap"):
+        TextGRPOConfig(tis_cap=-1.0)
+    graph = load_graph("graphs.text_grpo", batch_size=2, tis_cap=1.5)
+    assert graph.nodes["rollout"].config()["recompute_logprobs"] is True
+    assert graph.nodes["grpo"].config()["tis_cap"] == 1.5
+    wired = {e.dst_port for e in graph.edges if e.dst == "grpo"}
+    assert "rollout_logprobs" in wired
+    plain_graph = load_graph("graphs.text_grpo", batch_size=2)
+    assert "rollout_logprobs" not in {e.dst_port for e in plain_graph.edges if e.dst == "grpo"}

@@ -19,6 +19,7 @@ from nodes.rl.losses import (
     logprobs_from_logits,
     ppo_policy_loss,
     token_entropy_from_logits,
+    truncated_is_weights,
     value_loss,
 )
 
@@ -497,3 +498,25 @@ def test_grpo_loss_takes_any_registered_kl_estimator():
     torch.testing.assert_close(k1, torch.tensor(0.5))
     with pytest.raises(ValueError, match="kl_estimator"):
         grpo_loss(lp, None, ref, adv, mask, kl_estimator="k9")
+
+
+def test_truncated_is_weights_are_the_capped_trainer_to_sampler_ratio():
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    sampled = torch.tensor([[-1.5, -1.0, -7.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    w = truncated_is_weights(old, sampled, mask, cap=1.5)
+    # exp(0.5) = 1.65 capped at 1.5; exp(-1) kept; padding 0 (whatever its logprobs)
+    torch.testing.assert_close(w, torch.tensor([[1.5, math.exp(-1.0), 0.0]]))
+    # each token's loss is scaled: at ratio 1 the token-mean loss is -mean(w * A)
+    lp = old.clone().requires_grad_(True)
+    adv = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, _ = ppo_policy_loss(lp, old, adv, mask, is_weights=w)
+    torch.testing.assert_close(loss, torch.tensor(-(1.5 + math.exp(-1.0)) / 2))
+    loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[-0.75, -math.exp(-1.0) / 2, 0.0]]))
+    g, _ = grpo_loss(old, old, None, adv, mask, beta=0.0, is_weights=w)
+    torch.testing.assert_close(g, torch.tensor(-(1.5 + math.exp(-1.0)) / 2))  # seq-mean = token
+    with pytest.raises(ValueError, match="cap is 0"):
+        truncated_is_weights(old, sampled, mask, cap=0)
+    with pytest.raises(ValueError, match="is_weights"):
+        grpo_loss(old, old, None, adv, mask, beta=0.0, is_weights=torch.ones(2, 3))

@@ -74,6 +74,10 @@ def test_logprobs_are_temperature_scaled_untruncated(policy, embeds):
     ).run(prompts=PROMPTS, image_embeds=embeds)
     assert torch.equal(exact["response_ids"], out["response_ids"])
     assert (exact["logprobs"] - out["logprobs"]).abs().max() <= ATOL
+    # the sampler's own logprobs travel beside the recomputed ones; without a recompute they
+    # are the logprobs themselves
+    assert torch.equal(exact["rollout_logprobs"], out["logprobs"])
+    assert torch.equal(out["rollout_logprobs"], out["logprobs"])
 
 
 def test_ragged_lengths(policy, embeds):

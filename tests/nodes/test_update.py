@@ -329,6 +329,39 @@ def test_responses_cut_at_max_new_tokens_can_leave_the_loss(batch):
     assert kept["truncated"] == 0.5 and kept["loss"] != m["loss"]
 
 
+def test_truncated_importance_sampling_weighs_each_token_by_the_capped_gap(batch):
+    adv = broadcast_to_tokens(batch["scores"], batch["response_mask"])
+    inputs = _grpo_inputs(batch, adv, image_embeds=batch["image_embeds"])
+    kw = {"lr": LR, "max_grad_norm": 0}
+    plain = GRPOUpdate(**kw)
+    plain.run(inputs)
+    same = GRPOUpdate(tis_cap=2.0, **kw)  # the sampler agrees with the trainer: weights 1
+    m = same.run({**inputs, "rollout_logprobs": inputs["logprobs"]})["metrics"]
+    assert (m["logprob_gap_max"], m["tis_weight_mean"]) == (0.0, 1.0)
+    a, b = _params(plain.policy), _params(same.policy)
+    assert all(torch.allclose(a[k], b[k], atol=PARAM_ATOL) for k in a)
+    # the sampler's logprobs 0.3 lower on the first prompt's rows and 1.0 on the second's: the
+    # weights are e^0.3 and e^1 capped at 2, so the step is that of advantages scaled by them
+    gap = torch.zeros(16, 1)
+    gap[:4], gap[4:8] = 0.3, 1.0
+    sampled = inputs["logprobs"] - gap * batch["response_mask"]
+    tis = GRPOUpdate(tis_cap=2.0, **kw)
+    m = tis.run({**inputs, "rollout_logprobs": sampled})["metrics"]
+    assert m["logprob_gap_max"] == pytest.approx(1.0)
+    scale = torch.ones(16, 1)
+    scale[:4], scale[4:8] = math.exp(0.3), 2.0
+    scaled = GRPOUpdate(**kw)
+    expected = scaled.run({**inputs, "advantages": adv * scale})["metrics"]
+    assert m["loss"] == pytest.approx(expected["loss"], abs=1e-6)
+    a, b = _params(tis.policy), _params(scaled.policy)
+    assert all(torch.allclose(a[k], b[k], atol=PARAM_ATOL) for k in a)
+    assert not all(torch.allclose(a[k], _params(plain.policy)[k], atol=PARAM_ATOL) for k in a)
+    with pytest.raises(ValueError, match="needs the 'rollout_logprobs' input"):
+        GRPOUpdate(tis_cap=2.0, **kw).run(inputs)
+    with pytest.raises(ValueError, match="tis_cap=-1"):
+        GRPOUpdate(tis_cap=-1)
+
+
 # --- weight sync ----------------------------------------------------------------------------
 
 
