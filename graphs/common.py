@@ -309,6 +309,8 @@ def sample_and_score(
         name="rollout",
     )
     sample = rollout(prompts=data.prompts, **image_port)
+    if not config.recompute_logprobs:  # then the sampler's logprobs are the ones the update takes
+        g.discard(sample.rollout_logprobs)
     reward = reward_node(config.reward, config.on_bad_sample)
     _check_meta(source, reward)
     extra: dict[str, Handle] = {}

@@ -1,10 +1,12 @@
 """The ready graphs' typed configs: defaults, checks, and every field reaching its node."""
 
 import math
+import warnings
 
 import pytest
 
 from graphs.config import GRPOConfig, MultimodalPPOConfig, PPOConfig, RLConfig, TextGRPOConfig
+from yatt_graph.errors import UnusedOutputWarning
 from yatt_graph.options import config_options
 from yatt_graph.refs import load_graph
 
@@ -232,10 +234,12 @@ def test_the_trainer_recomputes_logprobs_and_corrects_the_gap_where_the_sampler_
         TextGRPOConfig(recompute_logprobs=True, stream=True)
     with pytest.raises(ValueError, match="tis_cap"):
         TextGRPOConfig(tis_cap=-1.0)
-    graph = load_graph("graphs.text_grpo", batch_size=2, tis_cap=1.5)
+    with warnings.catch_warnings():  # every output is wired or discarded, either way
+        warnings.simplefilter("error", UnusedOutputWarning)
+        graph = load_graph("graphs.text_grpo", batch_size=2, tis_cap=1.5)
+        plain_graph = load_graph("graphs.text_grpo", batch_size=2)
     assert graph.nodes["rollout"].config()["recompute_logprobs"] is True
     assert graph.nodes["grpo"].config()["tis_cap"] == 1.5
     wired = {e.dst_port for e in graph.edges if e.dst == "grpo"}
     assert "rollout_logprobs" in wired
-    plain_graph = load_graph("graphs.text_grpo", batch_size=2)
     assert "rollout_logprobs" not in {e.dst_port for e in plain_graph.edges if e.dst == "grpo"}
