@@ -291,6 +291,15 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         return notes
 
+    def memory_plan(self, graph: Any, processes: dict[str, str] | None = None) -> Any:
+        """The :class:`nodes.memory.MemoryPlan` of ``graph`` (built from this config) for one
+        step: its batch, samples per prompt and response length, and its longest prompt,
+        ``max_prompt_tokens`` or, without it, the longest of the first batch of the data."""
+        from graphs.common import step_load
+        from nodes.memory import plan_memory
+
+        return plan_memory(graph, step_load(self, graph), processes)
+
     @classmethod
     def from_options(cls, graph: str, options: dict[str, Any]) -> Self:
         """The config of ``graph`` from ``build_graph``'s keyword options, checked."""

@@ -205,6 +205,18 @@ class ReferenceLogprobs(Offload, Sharing, Node):
         return stack
 
     @torch.no_grad()
+    def memory(self, load: Any) -> dict[str, int]:
+        """A frozen copy of the policy (none when it reads a shared LoRA policy's base) and
+        its largest forward within ``micro_batch_tokens``."""
+        if self._model is not None:
+            return {}
+        from nodes.memory import _lora, scoring_memory
+
+        held = scoring_memory(self.policy_spec, load, self.micro_batch_tokens)
+        weights = held.pop("weights")
+        shared_base = self.share is not None and _lora(self.policy_spec)
+        return {**held, f"weights@{self.share if shared_base else ''}": weights}
+
     def forward(
         self, prompt_ids, prompt_mask, response_ids, response_mask, image_embeds, images
     ) -> dict[str, Tensor]:
@@ -365,6 +377,14 @@ class Critic(Offload, Sharing, WeightInput, Node):
         self._loaded_weights(weights, update)
 
     @torch.no_grad()
+    def memory(self, load: Any) -> dict[str, int]:
+        """The value model's trunk and its largest forward within ``micro_batch_tokens``."""
+        if self._model is not None:
+            return {}
+        from nodes.memory import scoring_memory
+
+        return scoring_memory(self.critic_spec, load, self.micro_batch_tokens, logits=False)
+
     def forward(
         self,
         prompt_ids,

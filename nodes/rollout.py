@@ -368,6 +368,20 @@ class Rollout(Offload, Sharing, WeightInput, Node):
         self.step = int(context["step"]) + 1
         self.next_group = int(context["next_group"]) + int(prompts)
 
+    def memory(self, load: Any) -> dict[str, int]:
+        """The policy, the KV cache of every response at full length and the prefill (a
+        vLLM engine's cache is the share of the GPU it is given)."""
+        if self._model is not None:
+            return {}
+        from nodes.memory import sampling_memory
+
+        held = sampling_memory(self.policy_spec, load)
+        if self.backend == "vllm" and self.device.type == "cuda" and torch.cuda.is_available():
+            total = torch.cuda.get_device_properties(self.device.index or 0).total_memory
+            share = float(self.vllm_options.get("gpu_memory_utilization", 0.5))
+            held["kv_cache"] = max(int(total * share) - held["weights"], 0)
+        return held
+
     def pad_values(self) -> dict[str, int]:
         """Pad values of the ragged outputs, for joining pieces (ids: the tokenizer's pad id)."""
         pad = self.policy.pad_token_id

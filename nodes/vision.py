@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -203,6 +204,13 @@ class VisionEncoder(Offload, Node):
             if self.normalize:
                 embeds = torch.nn.functional.normalize(embeds, dim=-1)  # (B, D)
         return embeds.cpu()
+
+    def memory(self, load: Any) -> dict[str, int]:
+        """The tower (float32) and the step's images in flight."""
+        from nodes.memory import image_memory, vision_params
+
+        params = vision_params(self.model_name, json.dumps(self.overrides, sort_keys=True))
+        return {"weights@": params * 4, **image_memory(load, self.image_size)}
 
     def forward(self, images: Sequence[Any]) -> dict[str, Tensor]:
         return {"image_embeds": self.encode(images)}

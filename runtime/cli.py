@@ -22,7 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from runtime.launch import add_launch_arguments
-from runtime.run_setup import RunSetup, check_controller_count, graph_input, load, resolve_graph
+from runtime.run_setup import (
+    RunSetup,
+    check_controller_count,
+    graph_input,
+    graph_options,
+    load,
+    memory_plan,
+    resolve_graph,
+)
 from runtime.train.errors import Terminated
 from runtime.train.export import export_checkpoint
 from runtime.train.run_flags import add_run_arguments
@@ -68,7 +76,18 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(option_table(*module_options(load_graph_module(args.graph))))
         return 0
     with graph_input(args.graph):
-        graph = load(args)
+        options = graph_options(args)
+        graph = load(args, options)
+    if args.memory:
+        check_controller_count(args.controllers, graph, graph.name)
+        plan = memory_plan(args.graph, options, graph, args.controllers)
+        if plan is None:
+            raise UsageError(
+                f"show --memory: {args.graph} has no typed config that plans memory (a module "
+                "CONFIG with memory_plan(), as the ready graphs have)"
+            )
+        print("\n".join(plan.lines()))
+        return 0
     target = _planned(graph, args.controllers, graph.name)
     print(target.to_mermaid() if args.mermaid else target.to_text())
     return 0
@@ -234,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mermaid", action="store_true")
     p.add_argument(
         "--options", action="store_true", help="list the graph's options instead (builds nothing)"
+    )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="print the memory plan instead: what each model node holds per device, and "
+        "whether each device has room (estimates; ready graphs)",
     )
     p.set_defaults(func=cmd_show)
 

@@ -27,7 +27,15 @@ from yatt_graph.options import (
 )
 from yatt_graph.refs import load_graph
 
-__all__ = ["RunSetup", "executor_factory", "graph_input", "graph_options", "load", "run_config"]
+__all__ = [
+    "RunSetup",
+    "executor_factory",
+    "graph_input",
+    "graph_options",
+    "load",
+    "memory_plan",
+    "run_config",
+]
 
 
 def _set_options(
@@ -248,6 +256,20 @@ class RunSetup:
             return []
         return list(config.from_options(self.args.graph, options).notes())
 
+    def memory_lines(self, options: dict[str, Any], graph: Any) -> list[str]:
+        """The memory plan's line per device, for the run's first lines. Made in an
+        in-process run, which loads the models' libraries anyway; a driver of controllers
+        holds no model and stays without them, so it says how to see the plan instead."""
+        args = self.args
+        config = getattr(load_graph_module(args.graph), "CONFIG", None)
+        if not hasattr(config, "memory_plan"):
+            return []
+        if args.controllers > 1 or args.listen:
+            return [f"`yatt-graph show {args.graph} --memory --controllers {args.controllers}` "
+                    "with this run's options prints it"]  # fmt: skip
+        plan = memory_plan(args.graph, options, graph)
+        return plan.device_lines() if plan is not None else []
+
     def executor_factory(self, graph: Any, options: dict, devices: Any, distributed: bool) -> Any:
         """``make_executor()`` for the run (see :func:`executor_factory`)."""
         return executor_factory(self, graph, options, devices, distributed)
@@ -260,6 +282,22 @@ class RunSetup:
     def close(self) -> None:
         if self.early_group is not None:  # the run stopped before it needed them
             self.take_group().shutdown("the run stopped before its first step")
+
+
+def memory_plan(target: str, options: dict[str, Any], graph: Any, controllers: int = 1) -> Any:
+    """The memory plan (``nodes.memory.MemoryPlan``) of a graph whose module has a typed config
+    that plans (the ready graphs' ``CONFIG.memory_plan``), its nodes placed on ``controllers``
+    as a run places them; None for a graph without one."""
+    config = getattr(load_graph_module(target), "CONFIG", None)
+    if config is None or not hasattr(config, "memory_plan"):
+        return None
+    processes = None
+    if controllers > 1:
+        from runtime.sched.placement import controller_assignment
+
+        plan = graph.plan(controllers, placement=controller_assignment(graph, controllers))
+        processes = {name: str(plan.controller_of(name)) for name in graph.nodes}
+    return config.from_options(target, options).memory_plan(graph, processes)
 
 
 def check_controller_count(count: int, graph: Any, name: str) -> None:

@@ -351,6 +351,13 @@ class Node:
         """Called by executors before each call; nodes seed per-step randomness from ``self.step``."""
         self.step = step
 
+    def memory(self, load: Any) -> dict[str, int]:
+        """Bytes this node will hold for one step's ``load``, by part (weights, optimizer,
+        gradients, activations, ...), before it is built: what a memory plan adds up per
+        device (``nodes/memory.py`` defines the load and the parts). Nodes that hold no model
+        keep this one, which says nothing."""
+        return {}
+
     # --- the device, when roles take turns on it ---------------------------------------------
     def offload(self) -> int:
         """Move the node's device state (weights, buffers, optimizer state) off its device,

@@ -193,6 +193,24 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
         self.updates = 0
 
     # --- the device, when roles take turns on it (nodes/models/offload.py) -------------------
+    def memory(self, load: Any) -> dict[str, int]:
+        """The trained policy's weights, gradients, AdamW state and snapshots, and the
+        activations of the largest micro-batch (see :func:`nodes.memory.training_memory`)."""
+        from nodes.memory import training_memory
+
+        return training_memory(self.policy_spec, load, **self._memory_options(self.share))
+
+    def _memory_options(self, share: str | None) -> dict[str, Any]:
+        fsdp = self.ranks > 1 and self.train_backend == "fsdp"
+        return {
+            "budget": self.micro_batch_tokens,
+            "rows": self.micro_batch_size,
+            "mini_batches": self.mini_batches,
+            "mixed": self.mixed_precision != "no",
+            "live": share is not None,
+            "shards": self.ranks if fsdp else 1,
+        }
+
     def offload(self) -> int:
         """Off the device, alone; with ``ranks > 1`` the state stays: it is sharded over K
         processes (FSDP2's parameters are DTensors, which a move of ``.data`` would break)."""

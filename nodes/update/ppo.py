@@ -218,6 +218,17 @@ class PPOUpdate(_Update):
         value = ("value_model", "critic_optimizer", self.value_model, self.critic_optimizer)
         return [*super()._models(), value]
 
+    def memory(self, load: Any) -> dict[str, int]:
+        """The policy's part (as GRPO's) plus the value model's, trained beside it."""
+        from nodes.memory import training_memory
+
+        held = super().memory(load)
+        critic = training_memory(
+            self.critic_spec, load, logits=False, **self._memory_options(self.critic_share)
+        )
+        held[f"weights@{self.critic_share or ''}"] = critic.pop("weights")
+        return {k: held.get(k, 0) + critic.get(k, 0) for k in {*held, *critic}}
+
     def _step(self, full: View) -> dict[str, Any]:
         metrics = self._train(full, self._loss_over)
         metrics["critic_lr"] = float(self.critic_optimizer.param_groups[0]["lr"])

@@ -77,6 +77,8 @@ def _run_in_folder(args: Any, out: Path | None, devices: Any, distributed: bool,
     options, graph = setup.build()
     for line in setup.notes(options):
         print(f"yatt-graph run: {line}", file=sys.stderr)
+    for line in setup.memory_lines(options, graph):
+        print(f"yatt-graph run: memory plan: {line}", file=sys.stderr)
     if export is not None:
         policy_node(graph)
     if args.show_graph:

@@ -1,0 +1,499 @@
+"""A memory plan before launch: what each model node of a graph will hold, and whether each
+device has room for it.
+
+A model node says what it holds for one step's :class:`Load` through ``Node.memory(load)``:
+bytes by part (:data:`PARTS`). The parts in :data:`HELD` stay between steps (weights, AdamW
+state, snapshots of published weights); the others live only while the node runs
+(gradients, activations, the KV cache, images). Nodes of one process run one at a time, so a
+process peaks at what all its nodes hold plus the largest single call's working set; a model
+of one share key (:mod:`nodes.shared_models`) in one process is counted once.
+
+Sizes come from the model without building it where that would cost: a local checkpoint's
+parameter count from its safetensors headers and its shape from ``config.json``; a tiny model
+built in code is built (milliseconds). The working-set formulas (:func:`train_bytes`,
+:func:`forward_bytes`, :func:`kv_cache_bytes`) count per token what eager PyTorch keeps for
+the backward pass of a decoder layer, the attention scores, and the logits with their
+log-softmax and gradient; docs/PERFORMANCE.md ("The memory plan against measured peaks")
+checks them against measured peaks.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "HELD",
+    "PARTS",
+    "Load",
+    "ModelSize",
+    "MemoryPlan",
+    "forward_bytes",
+    "image_memory",
+    "sampling_memory",
+    "scoring_memory",
+    "training_memory",
+    "kv_cache_bytes",
+    "model_size",
+    "plan_memory",
+    "prompt_tokens",
+    "train_bytes",
+    "vision_params",
+]
+
+PARTS = ("weights", "optimizer", "snapshots", "gradients", "activations", "kv_cache", "images")
+"""What a node's memory is made of, in the order the plan prints it."""
+HELD = ("weights", "optimizer", "snapshots")
+"""The parts held between calls; the others are a call's working set."""
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Load:
+    """One step's work, as the model nodes see it."""
+
+    prompts: int
+    """Prompts a step (the data node's batch)."""
+    responses: int
+    """Responses a step (prompts times samples per prompt)."""
+    prompt_tokens: int
+    """The longest prompt, in tokens."""
+    response_tokens: int
+    """The longest response (max_new_tokens)."""
+    image_pixels: int = 0
+    """Pixels of the largest image (0: no images)."""
+
+    @property
+    def tokens(self) -> int:
+        """Padded prompt + response tokens of the whole step's batch."""
+        return self.responses * (self.prompt_tokens + self.response_tokens)
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What the formulas need of a model."""
+
+    params: int
+    trainable: int
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_dim: int
+    """Key (or value) width of one layer: key-value heads times head size."""
+    vocab: int
+    bytes_per_param: int = 4
+
+
+def _dims(config: Mapping[str, Any]) -> dict[str, int]:
+    """Layers, widths, heads and vocabulary of a transformers config dict (its text config
+    for a VLM), under the names of the common families."""
+    text = config.get("text_config") or config
+    if isinstance(text, Mapping) and "hidden_size" not in text and "n_embd" not in text:
+        text = config
+
+    def pick(*names: str, default: int = 0) -> int:
+        for name in names:
+            value = text.get(name)
+            if isinstance(value, int) and value > 0:
+                return value
+        return default
+
+    hidden = pick("hidden_size", "n_embd", "d_model")
+    heads = pick("num_attention_heads", "n_head", default=1)
+    head_dim = pick("head_dim", default=hidden // max(heads, 1))
+    return {
+        "layers": pick("num_hidden_layers", "n_layer", "num_layers"),
+        "hidden": hidden,
+        "intermediate": pick("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden),
+        "heads": heads,
+        "kv_dim": pick("num_key_value_heads", default=heads) * head_dim,
+        "vocab": pick("vocab_size"),
+    }
+
+
+def _lora_params(spec: Mapping[str, Any], dims: Mapping[str, int]) -> int:
+    """Trainable parameters of LoRA adapters on every linear layer of a decoder: rank times
+    (inputs + outputs) of q, k, v, o, gate, up and down."""
+    r = int(spec.get("r", 8))
+    h, kv, inter = dims["hidden"], dims["kv_dim"], dims["intermediate"]
+    return r * dims["layers"] * (9 * h + 2 * kv + 3 * inter)
+
+
+@functools.lru_cache(maxsize=32)
+def _size_of(spec_json: str) -> ModelSize:
+    from nodes.models.families import _safetensors_summary, model_family
+    from nodes.models.policy import _spec_dict
+
+    spec = _spec_dict(json.loads(spec_json))
+    width = _BYTES.get(str(spec.get("dtype", "float32")), 4)
+    lora = spec.get("lora")
+    if "path" in spec and not spec.get("image_dim"):
+        root = Path(spec["path"])
+        root = root / "lm" if model_family(root) == "prefix-vlm" else root
+        dims = _dims(json.loads((root / "config.json").read_text()))
+        summary = _safetensors_summary(sorted(root.glob("*.safetensors")))
+        params = summary[0] if summary else _estimate_params(dims)
+    else:  # a model built in code (or a prefix-VLM around a user's LM): built, then counted
+        from nodes.models.policy import build_policy
+
+        policy = build_policy(spec)
+        model = getattr(policy, "lm", None) or getattr(policy, "model", None)  # the decoder
+        config = getattr(model, "config", None)
+        dims = _dims(config.to_dict() if config is not None else {})
+        params = sum(p.numel() for p in policy.parameters())
+        del policy
+    trainable = _lora_params(lora, dims) if lora else params
+    return ModelSize(params=params, trainable=trainable, bytes_per_param=width, **dims)
+
+
+def _estimate_params(dims: Mapping[str, int]) -> int:
+    """A decoder's parameters from its shape (for a checkpoint without safetensors)."""
+    h, kv, inter = dims["hidden"], dims["kv_dim"], dims["intermediate"]
+    return dims["layers"] * (2 * h * h + 2 * h * kv + 3 * h * inter) + 2 * dims["vocab"] * h
+
+
+def model_size(spec: str | Mapping[str, Any]) -> ModelSize:
+    """The size of the model a policy spec (:func:`nodes.models.policy.build_policy`) builds."""
+    return _size_of(json.dumps(spec, sort_keys=True, default=str))
+
+
+def _layer_floats(m: ModelSize) -> int:
+    """Floats a decoder layer keeps per token for its backward pass: the norms' inputs and
+    outputs, q, k, v and their rotated copies, the attention output, the residuals (about 10
+    hidden widths), and the MLP's gate, up, activation and product (4 intermediate widths)."""
+    return 10 * m.hidden + 2 * m.kv_dim + 4 * m.intermediate
+
+
+def train_bytes(m: ModelSize, tokens: int, longest: int, width: int = 4) -> int:
+    """Activations a forward and backward pass over ``tokens`` padded tokens keeps at its
+    peak, in rows of ``longest`` tokens: every layer's saved tensors and attention scores, and
+    the logits, their float32 log-softmax and its gradient (4 vocabularies of float32)."""
+    per_token = m.layers * (_layer_floats(m) + m.heads * longest) * width + 4 * m.vocab * 4
+    return tokens * per_token
+
+
+def forward_bytes(m: ModelSize, tokens: int, longest: int, width: int = 4) -> int:
+    """The working set of a forward pass without gradients: one layer's tensors at a time
+    and the float32 logits with their log-softmax."""
+    per_token = (6 * m.hidden + 3 * m.intermediate + m.heads * longest) * width + 2 * m.vocab * 4
+    return tokens * per_token
+
+
+def kv_cache_bytes(m: ModelSize, rows: int, length: int, width: int = 4) -> int:
+    """Keys and values of every layer for ``rows`` sequences of ``length`` tokens."""
+    return rows * length * m.layers * 2 * m.kv_dim * width
+
+
+def budget_tokens(budget: int, load: Load) -> tuple[int, int]:
+    """(tokens, longest row) of the largest forward a node makes: the whole batch, or a
+    micro-batch of at most ``budget`` padded tokens (whole rows, at least one)."""
+    longest = load.prompt_tokens + load.response_tokens
+    if budget <= 0 or budget >= load.tokens:
+        return load.tokens, longest
+    return max(budget // longest, 1) * longest, longest
+
+
+def prompt_tokens(spec: Any, prompts: list[Any], images: list[Any] | None = None) -> int:
+    """The longest of ``prompts`` (with their images, one per prompt) as the policy of
+    ``spec`` encodes them, chat template included; a local checkpoint's tokenizer or processor
+    is loaded without its weights."""
+    from nodes.models.families import model_family
+    from nodes.models.policy import _spec_dict, build_policy
+
+    d = _spec_dict(spec)
+    if "path" in d and not d.get("image_dim"):
+        return _dir_prompt_tokens(Path(d["path"]), model_family(d["path"]), d, prompts, images)
+    policy = build_policy(spec)
+    k = int(getattr(policy, "num_prefix_tokens", 0) or 0)  # a prefix-VLM's image positions
+    vlm = images is not None and not k and hasattr(policy, "processor")
+    batch = policy.encode_prompts(prompts, images=images if vlm else None)
+    return int(batch.prompt_ids.shape[1]) + (k if images is not None else 0)
+
+
+def _dir_prompt_tokens(root: Path, family: str, spec: Mapping[str, Any], prompts: list[Any],
+                       images: list[Any] | None) -> int:  # fmt: skip
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from nodes.chat import chat_messages
+
+    template = spec.get("chat_template", True) is not False
+    if family == "vlm":
+        processor = AutoProcessor.from_pretrained(root, local_files_only=True)
+        lengths = []
+        for i, prompt in enumerate(prompts):
+            image = images[i] if images else None
+            content = [{"type": "image"}] if image is not None else []
+            messages = chat_messages(prompt) or [
+                {"role": "user", "content": [*content, {"type": "text", "text": str(prompt)}]}
+            ]
+            text = processor.apply_chat_template(messages, add_generation_prompt=True)
+            enc = processor(text=[text], images=[image] if image is not None else None)
+            lengths.append(len(enc["input_ids"][0]))
+        return max(lengths, default=0)
+    prefix = 0
+    if family == "prefix-vlm":
+        meta = json.loads((root / "prefix_vlm.json").read_text())
+        prefix, root = int(meta.get("num_prefix_tokens", 0)) if images else 0, root / "lm"
+    tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+    lengths = []
+    for prompt in prompts:
+        messages = chat_messages(prompt)
+        if template and getattr(tokenizer, "chat_template", None):
+            messages = messages or [{"role": "user", "content": str(prompt)}]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = ids["input_ids"] if isinstance(ids, Mapping) else ids
+        else:
+            ids = tokenizer(str(prompt))["input_ids"]
+        lengths.append(len(ids))
+    return max(lengths, default=0) + prefix
+
+
+# --- what the model nodes hold ------------------------------------------------------------
+def _lora(spec: Any) -> bool:
+    return isinstance(spec, Mapping) and bool(spec.get("lora"))
+
+
+def _checkpointed(spec: Any) -> bool:
+    return isinstance(spec, Mapping) and bool(spec.get("gradient_checkpointing"))
+
+
+def sampling_memory(spec: Any, load: Load) -> dict[str, int]:
+    """A rollout's: the policy, its KV cache for every response at full length, and the
+    prompts' prefill (logits of the last position only)."""
+    m = model_size(spec)
+    w = m.bytes_per_param
+    prefill = forward_bytes(replace(m, vocab=0), load.responses * load.prompt_tokens,
+                            load.prompt_tokens, w) + load.responses * m.vocab * 4 * 3  # fmt: skip
+    length = load.prompt_tokens + load.response_tokens
+    return {
+        "weights": m.params * w,
+        "kv_cache": kv_cache_bytes(m, load.responses, length, w),
+        "activations": prefill,
+    }
+
+
+def scoring_memory(spec: Any, load: Load, budget: int, *, logits: bool = True) -> dict[str, int]:
+    """A forward over the step's responses without gradients (reference logprobs, values):
+    the model and its largest forward within ``budget`` padded tokens."""
+    m = model_size(spec)
+    tokens, longest = budget_tokens(budget, load)
+    m = m if logits else replace(m, vocab=0)
+    return {"weights": m.params * m.bytes_per_param,
+            "activations": forward_bytes(m, tokens, longest, m.bytes_per_param)}  # fmt: skip
+
+
+def training_memory(
+    spec: Any,
+    load: Load,
+    *,
+    budget: int = 0,
+    rows: int = 0,
+    mini_batches: int = 1,
+    mixed: bool = False,
+    live: bool = False,
+    shards: int = 1,
+    logits: bool = True,
+) -> dict[str, int]:
+    """An update's, for one trained model: its weights, gradients and AdamW state (1/shards
+    each with FSDP), the copy kept to undo a non-finite step and the snapshot it publishes
+    (none when ``live``: consumers read its tensors), and the activations of its largest
+    micro-batch (``budget`` padded tokens or ``rows`` rows; else the mini-batch)."""
+    m = model_size(spec)
+    w = m.bytes_per_param
+    mini = replace(load, responses=max(load.responses // max(mini_batches, 1), 1))
+    tokens, longest = budget_tokens(budget, mini)
+    if rows and not budget:
+        tokens = min(rows, mini.responses) * longest
+    width = 2 if mixed or w == 2 else 4
+    m = m if logits else replace(m, vocab=0)
+    if _checkpointed(spec):  # each layer's input kept, one layer's tensors at a time
+        per = m.layers * m.hidden * width + (_layer_floats(m) + m.heads * longest) * width
+        activations = tokens * (per + 4 * m.vocab * 4)
+    else:
+        activations = train_bytes(m, tokens, longest, width)
+    trained = m.trainable * w
+    return {
+        "weights": m.params * w // shards,
+        "optimizer": 2 * trained // shards,
+        "snapshots": trained // shards + (0 if live else m.params * w),
+        "gradients": trained // shards,
+        "activations": activations,
+    }
+
+
+def image_memory(load: Load, side: tuple[int, int]) -> dict[str, int]:
+    """A vision tower's images in flight: the decoded RGB images and their float32 tensors at
+    the tower's input size."""
+    return {"images": load.prompts * (3 * load.image_pixels + 3 * side[0] * side[1] * 4)}
+
+
+@functools.lru_cache(maxsize=8)
+def vision_params(model_name: str, overrides_json: str) -> int:
+    """Parameters of an open_clip image tower, counted on the meta device (nothing allocated)."""
+    import logging
+
+    import open_clip
+
+    overrides = json.loads(overrides_json)
+    root = logging.getLogger()
+    level, root.level = root.level, logging.ERROR  # "no pretrained weights": none are wanted
+    try:
+        model = open_clip.create_model(model_name, device="meta", **overrides)
+    finally:
+        root.level = level
+    return sum(p.numel() for p in model.visual.parameters())
+
+
+# --- the plan ------------------------------------------------------------------------------
+@dataclass
+class MemoryPlan:
+    """Rows of (node, process, device, parts) and the devices' room."""
+
+    load: Load
+    rows: list[tuple[str, str, str, dict[str, int]]] = field(default_factory=list)
+    runtime: int = 0
+    """A process's own memory before any model: Python, torch, transformers (host memory)."""
+    room: dict[str, int] = field(default_factory=dict)
+    """Bytes each device has (the host: MemAvailable plus this process's; a GPU: its total)."""
+    processes: int = 1
+    """Processes of the run on the host (with controllers: theirs and the driver)."""
+
+    def peaks(self) -> dict[tuple[str, str], tuple[int, int, str]]:
+        """Per (process, device): (bytes held between calls, the largest call's working
+        set, the node of that call)."""
+        out: dict[tuple[str, str], tuple[int, int, str]] = {}
+        for node, process, device, parts in self.rows:
+            held, work, who = out.get((process, device), (0, 0, ""))
+            held += sum(parts.get(k, 0) for k in HELD)
+            call = sum(v for k, v in parts.items() if k not in HELD)
+            if call > work:
+                work, who = call, node
+            out[(process, device)] = (held, work, who)
+        return out
+
+    def device_totals(self) -> dict[str, int]:
+        """Bytes each device holds at its peak: its processes' peaks added up (they run at
+        once), and on the host each process's runtime."""
+        totals = {"cpu": self.runtime * self.processes}
+        for (_, device), (held, work, _) in self.peaks().items():
+            totals[device] = totals.get(device, 0) + held + work
+        return totals
+
+    def lines(self) -> list[str]:
+        """The plan as text: a table of nodes, then one line per device."""
+        ld = self.load
+        out = [
+            f"memory plan (estimates) for a step of {ld.responses} responses of up to "
+            f"{ld.response_tokens} tokens to {ld.prompts} prompts of up to {ld.prompt_tokens}"
+        ]
+        table = [["node", "process", "device", *[p.replace("_", " ") for p in PARTS]]]
+        for node, process, device, parts in self.rows:
+            table.append([node, process, device, *[_mb(parts.get(p, 0)) for p in PARTS]])
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        out += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+        return out + self.device_lines()
+
+    def device_lines(self) -> list[str]:
+        """One line per device: its peak, its largest call, and whether it fits."""
+        out = []
+        peaks = self.peaks()
+        for device, total in sorted(self.device_totals().items()):
+            calls = [
+                f"{who} {_mb(w)}" for (_, d), (_, w, who) in peaks.items() if d == device and who
+            ]
+            text = f"{device}: {_mb(total)} at the peak"
+            if device == "cpu":
+                each = (
+                    f" each of {self.processes} processes" if self.processes > 1 else " a process"
+                )
+                text += f", with {_mb(self.runtime)}{each} for Python and torch"
+            text += f"; largest call: {', '.join(calls) or 'none'}"
+            room = self.room.get(device)
+            if room is None:
+                text += "; its room is unknown here"
+            elif total > room:
+                text += (
+                    f"; WILL NOT FIT in {_mb(room)}: lower micro_batch_tokens or batch_size, "
+                    "or set lora_r or gradient_checkpointing"
+                )
+            else:
+                text += f"; fits in {_mb(room)}"
+            out.append(text)
+        return out
+
+    def fits(self) -> bool:
+        """Whether every device whose room is known has room for its peak."""
+        return all(t <= self.room.get(d, t) for d, t in self.device_totals().items())
+
+
+def _mb(n: int) -> str:
+    if n <= 0:
+        return "-"
+    if n < 2**20:
+        return "<1 MB"
+    return f"{n / 2**30:.1f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"
+
+
+def _runtime_bytes() -> int:
+    """This process's resident memory now (after importing torch and transformers): what any
+    process of the run holds before its models."""
+    import transformers  # noqa: F401  # imported by every model node's process
+
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _room(devices: Iterable[str], runtime: int) -> dict[str, int]:
+    room: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        room["cpu"] = info.get("MemAvailable", 0) + runtime
+    except (OSError, ValueError, IndexError):
+        pass
+    import torch
+
+    for device in devices:
+        if device.startswith("cuda") and torch.cuda.is_available():
+            index = int(device.partition(":")[2] or 0)
+            if index < torch.cuda.device_count():
+                room[device] = torch.cuda.get_device_properties(index).total_memory
+    return room
+
+
+def plan_memory(graph: Any, load: Load, processes: Mapping[str, str] | None = None) -> MemoryPlan:
+    """The memory plan of ``graph``'s nodes for ``load``; ``processes`` maps a node to the
+    process (controller) that runs it (all in one, "0", by default).
+
+    A node's ``weights`` part belongs to its share key (``node.share``); ``weights@KEY`` to the
+    key KEY, ``weights@`` to none: the weights of one key in one process count once."""
+    count = len(set(processes.values())) + 1 if processes else 1  # the controllers and a driver
+    plan = MemoryPlan(load, runtime=_runtime_bytes(), processes=count)
+    seen: set[tuple[str, str, str]] = set()  # (process, device, share) whose weights are counted
+    for name, node in graph.nodes.items():
+        process = (processes or {}).get(name, "0")
+        device = str(getattr(node, "device", "cpu"))
+        device = device if device == "cpu" or ":" in device else f"{device}:0"
+        parts: dict[str, int] = {}
+        for key, value in node.memory(load).items():
+            if key.startswith("weights"):
+                share = key.partition("@")[2] if "@" in key else getattr(node, "share", None)
+                if share:
+                    if (process, device, share) in seen:
+                        continue  # one module for the nodes of a share key
+                    seen.add((process, device, share))
+                key = "weights"
+            parts[key] = parts.get(key, 0) + int(value)
+        if any(parts.values()):
+            plan.rows.append((name, process, device, parts))
+    plan.room = _room({d for _, _, d, _ in plan.rows}, plan.runtime)
+    return plan

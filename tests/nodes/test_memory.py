@@ -1,0 +1,105 @@
+"""The memory plan: model sizes read without loading, what each model node says it holds, one
+count per shared module, the token budget bounding an update, and the plan through the CLI.
+How close the formulas come to measured peaks is a benchmark (bench/memory_plan.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nodes.memory import Load, MemoryPlan, model_size, plan_memory, prompt_tokens
+from nodes.models.hf_causal import tiny_causal_lm
+from nodes.models.policy import build_policy
+from nodes.update import GRPOUpdate, PPOUpdate
+from runtime.cli import main
+from yatt_graph.refs import load_graph
+
+LOAD = Load(prompts=16, responses=64, prompt_tokens=24, response_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def saved_lm(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lm")
+    tiny_causal_lm().save_pretrained(folder)
+    return folder
+
+
+def test_a_checkpoints_size_is_read_from_its_headers_and_config(saved_lm):
+    policy = build_policy({"path": str(saved_lm)})
+    config = json.loads((saved_lm / "config.json").read_text())
+    size = model_size({"path": str(saved_lm)})
+    assert size.params == sum(p.numel() for p in policy.parameters())
+    layers = config.get("num_hidden_layers", config.get("n_layer"))  # Llama's name, GPT-2's
+    assert (size.layers, size.vocab) == (layers, config["vocab_size"]) and layers > 0
+    assert size.trainable == size.params and size.bytes_per_param == 4
+    assert model_size({"path": str(saved_lm), "dtype": "bfloat16"}).bytes_per_param == 2
+    lora = model_size({"path": str(saved_lm), "lora": {"r": 4}})
+    assert 0 < lora.trainable < lora.params
+    built = model_size("tiny-qwen2")  # a tiny model is built and counted
+    assert built.params == sum(p.numel() for p in build_policy("tiny-qwen2").parameters())
+
+
+def test_a_saved_models_prompts_are_as_long_as_its_policy_encodes_them(saved_lm):
+    prompts = ["what color is the square", "how many"]
+    policy = build_policy({"path": str(saved_lm)})
+    expected = policy.encode_prompts(prompts).prompt_ids.shape[1]
+    assert prompt_tokens({"path": str(saved_lm)}, prompts) == expected
+
+
+def test_a_token_budget_bounds_the_updates_activations(saved_lm):
+    spec = {"path": str(saved_lm)}
+    big = Load(prompts=64, responses=256, prompt_tokens=24, response_tokens=32)
+    budget = [GRPOUpdate(policy=spec, micro_batch_tokens=1024).memory(x) for x in (LOAD, big)]
+    assert budget[0] == budget[1]  # the same micro-batch whatever the batch
+    whole = [GRPOUpdate(policy=spec).memory(x)["activations"] for x in (LOAD, big)]
+    assert whole[1] == 4 * whole[0] > 4 * budget[0]["activations"]
+    minis = GRPOUpdate(policy=spec, mini_batches=4).memory(big)["activations"]
+    assert minis == whole[0]  # a quarter of the batch a step
+    held = budget[0]
+    size = model_size(spec)
+    assert held["optimizer"] == 8 * size.params and held["gradients"] == 4 * size.params
+    # published as a snapshot; with a share key consumers read the live tensors
+    assert held["snapshots"] == 8 * size.params
+    assert GRPOUpdate(policy=spec, share="policy").memory(LOAD)["snapshots"] == 4 * size.params
+    ppo = PPOUpdate(policy=spec, critic=spec, critic_share="critic").memory(LOAD)
+    assert ppo["optimizer"] == 2 * held["optimizer"]  # two models trained
+    assert ppo["weights@critic"] == 4 * size.params
+
+
+def test_one_module_of_a_share_key_counts_once_and_a_plan_says_what_will_not_fit():
+    graph = load_graph("graphs.text_grpo", batch_size=4)
+    plan = plan_memory(graph, LOAD)
+    rows = {name: parts for name, _, _, parts in plan.rows}
+    size = model_size(graph.nodes["rollout"].policy_spec).params * 4
+    assert rows["rollout"]["weights"] == size  # the policy, counted at its first node
+    assert rows["reference"]["weights"] == size  # a frozen copy of its own
+    assert "weights" not in rows["grpo"]  # the rollout's module, trained in place
+    assert rows["rollout"]["kv_cache"] > 0 and rows["grpo"]["optimizer"] > 0
+    assert "reward" not in rows and plan.fits()
+    ((held, work, who),) = plan.peaks().values()
+    assert plan.device_totals()["cpu"] == plan.runtime + held + work
+    assert who == max(rows, key=lambda n: sum(v for k, v in rows[n].items() if k not in
+                                              ("weights", "optimizer", "snapshots")))  # fmt: skip
+    small = MemoryPlan(plan.load, plan.rows, runtime=plan.runtime, room={"cpu": plan.runtime})
+    assert not small.fits()
+    assert any("WILL NOT FIT" in line and "micro_batch_tokens" in line for line in small.lines())
+    # two controllers: a module per process, and each process has its runtime
+    split = plan_memory(graph, LOAD, {"rollout": "0", "reference": "1", "grpo": "1"})
+    rows = {name: parts for name, _, _, parts in split.rows}
+    assert rows["grpo"]["weights"] == size and split.processes == 3
+
+
+@pytest.mark.timeout(300)
+def test_show_memory_prints_the_plan_and_a_run_prints_its_device_lines(tmp_path, capsys):
+    assert main(["show", "mm_ppo", "--memory", "--set", "batch_size=4"]) == 0
+    out = capsys.readouterr().out
+    assert "memory plan (estimates) for a step of 4 responses" in out
+    for node in ("vision", "rollout", "reference", "critic", "ppo"):
+        assert f"\n  {node} " in out
+    assert "cpu: " in out and "fits in" in out
+    assert main(["show", "graphs.toy", "--memory"]) == 2
+    assert "has no typed config that plans memory" in capsys.readouterr().err
+    argv = ["run", "text_grpo", "--steps", "1", "--quiet", "--out", str(tmp_path / "run")]
+    assert main([*argv, "--set", "batch_size=2"]) == 0
+    assert "yatt-graph run: memory plan: cpu: " in capsys.readouterr().err
