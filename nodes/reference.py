@@ -204,7 +204,6 @@ class ReferenceLogprobs(Offload, Sharing, Node):
         stack.enter_context(self.policy.adapter_disabled())
         return stack
 
-    @torch.no_grad()
     def memory(self, load: Any) -> dict[str, int]:
         """A frozen copy of the policy (none when it reads a shared LoRA policy's base) and
         its largest forward within ``micro_batch_tokens``."""
@@ -217,6 +216,7 @@ class ReferenceLogprobs(Offload, Sharing, Node):
         shared_base = self.share is not None and _lora(self.policy_spec)
         return {**held, f"weights@{self.share if shared_base else ''}": weights}
 
+    @torch.no_grad()
     def forward(
         self, prompt_ids, prompt_mask, response_ids, response_mask, image_embeds, images
     ) -> dict[str, Tensor]:
@@ -376,7 +376,6 @@ class Critic(Offload, Sharing, WeightInput, Node):
                 raise ValueError(f"node {self.name!r}: input 'weights': {err}") from err
         self._loaded_weights(weights, update)
 
-    @torch.no_grad()
     def memory(self, load: Any) -> dict[str, int]:
         """The value model's trunk and its largest forward within ``micro_batch_tokens``."""
         if self._model is not None:
@@ -385,6 +384,7 @@ class Critic(Offload, Sharing, WeightInput, Node):
 
         return scoring_memory(self.critic_spec, load, self.micro_batch_tokens, logits=False)
 
+    @torch.no_grad()
     def forward(
         self,
         prompt_ids,

@@ -192,7 +192,7 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
         self.version = 0
         self.updates = 0
 
-    # --- the device, when roles take turns on it (nodes/models/offload.py) -------------------
+    # --- the memory plan (nodes/memory.py) -----------------------------------------------------
     def memory(self, load: Any) -> dict[str, int]:
         """The trained policy's weights, gradients, AdamW state and snapshots, and the
         activations of the largest micro-batch (see :func:`nodes.memory.training_memory`)."""
@@ -211,6 +211,7 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
             "shards": self.ranks if fsdp else 1,
         }
 
+    # --- the device, when roles take turns on it (nodes/models/offload.py) -------------------
     def offload(self) -> int:
         """Off the device, alone; with ``ranks > 1`` the state stays: it is sharded over K
         processes (FSDP2's parameters are DTensors, which a move of ``.data`` would break)."""
