@@ -257,7 +257,8 @@ def _vllm_options(config: RLConfig) -> dict[str, Any]:
     return {
         "gpu_memory_utilization": config.vllm_gpu_memory,
         "tensor_parallel_size": config.vllm_tensor_parallel,
-        "dtype": config.dtype,
+        "dtype": config.vllm_dtype,
+        "enforce_eager": config.vllm_eager,
         "enable_sleep_mode": config.vllm_sleep,
     }
 

@@ -197,8 +197,15 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """With rollout=vllm: the share of GPU memory the engine may take, in (0, 1]."""
     vllm_tensor_parallel: int = 1
     """With rollout=vllm: GPUs the engine shards the model across (>= 1)."""
-    vllm_sleep: bool = False
-    """With rollout=vllm: free the engine's memory between rollouts (colocated training)."""
+    vllm_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """With rollout=vllm: the engine's precision; auto: bfloat16 (float16 for a float16 policy),
+    which FlashAttention and CUDA graphs need (the trainer recomputes the logprobs)."""
+    vllm_eager: bool = False
+    """With rollout=vllm: run without CUDA graphs (slower; for debugging)."""
+    vllm_sleep: bool | None = None
+    """With rollout=vllm: free the engine's GPU memory between rollouts, for the trainer on
+    the same GPU (level 2: the weights are dropped, the next update sends them); none: on,
+    unless the run says --offload off."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model nodes run: auto (CUDA when present, else the CPU), cpu or cuda."""
     train_ranks: int = 1
@@ -247,6 +254,8 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.train_backend not in ("fsdp", "ddp"):
             _refuse("train_backend", self.train_backend, "'fsdp' or 'ddp'")
         self._resolve_logprobs()
+        if self.vllm_sleep is None:
+            self.vllm_sleep = self.rollout == "vllm"
 
     def _resolve_logprobs(self) -> None:
         """Choose recompute_logprobs and tis_cap where left None (see their docs)."""

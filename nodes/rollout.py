@@ -46,7 +46,12 @@ from nodes.models.policy import (
 )
 from nodes.models.prompts import fit_prompts
 from nodes.models.sampling import sampling_problem
-from nodes.models.vllm_engine import VLLMEngine, check_vllm_options, vllm_unavailable_reason
+from nodes.models.vllm_engine import (
+    VLLMEngine,
+    check_vllm_options,
+    refuse_quantized,
+    vllm_unavailable_reason,
+)
 from nodes.seeding import seeded, step_seed
 from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
 from nodes.sync import WeightInput
@@ -203,6 +208,8 @@ class Rollout(Offload, Sharing, WeightInput, Node):
             check_policy_spec(policy)
         if backend == "vllm" and (why := vllm_unavailable_reason()):
             raise ValueError(f"{where}: backend='vllm' is unavailable: {why}; use backend='hf'")
+        if backend == "vllm" and (path := _checkpoint_dir(policy, model)) is not None:
+            refuse_quantized(path, where)
         self.backend = backend
         self.n = int(n)
         self.rows_per_input = self.n  # (Node: for the executor's cost estimates)
@@ -285,7 +292,7 @@ class Rollout(Offload, Sharing, WeightInput, Node):
             # (a shared module's own tensors: nothing to copy)
             self.policy.load_weights(update.weights, strict=update.complete, who=who)
         if self._vllm is not None:
-            self._vllm.load_weights(update.weights)
+            self._vllm.load_weights(update.weights, complete=update.complete)
         self._loaded_weights(weights, update)
 
     # --- the work ----------------------------------------------------------------------------

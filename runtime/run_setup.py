@@ -108,6 +108,8 @@ def graph_options(args: argparse.Namespace) -> dict[str, Any]:
                 f"{flag}: {args.graph} takes no {key!r} option; valid: {format_options(known)}"
             )
         values[key] = value
+    if getattr(args, "offload", None) == "off" and "vllm_sleep" in names:
+        values.setdefault("vllm_sleep", False)  # a run that never offloads keeps vLLM awake
     check_config(module, values, args.graph)  # ranges and choices, before models are built
     return values
 

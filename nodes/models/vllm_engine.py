@@ -37,9 +37,18 @@ but need nothing beyond what vLLM serializes. Newer vLLM also has
 reports them) or ``recompute_logprobs=True`` the Rollout recomputes them teacher-forced with
 the HF policy.
 
+After the last bucket of an update the engine's prefix, multimodal and encoder caches are
+reset (vLLM resets them only on sleep): their entries were computed with the old weights, and
+a repeated prompt or image would otherwise decode against them. What vLLM reports loaded is
+checked (a complete update reaches every parameter), and a quantized checkpoint is refused.
+
 **Sleep** (``enable_sleep_mode``, colocated placement): :meth:`VLLMEngine.sleep` frees the
-engine's GPU memory (level 1: weights backed up on the CPU, KV cache dropped); a weight
-update wakes the weights alone, a generation wakes the rest.
+engine's GPU memory at level 2 (weights and KV cache dropped, nothing copied to the host: the
+next update overwrites the weights); a weight update wakes the weights alone, a generation
+wakes the rest, and one with no update since the sleep first sends the policy's weights.
+
+Every generation compares vLLM's prompt token ids with the policy's for each row, and stops
+on a difference (two processors expanding image placeholders differently).
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ __all__ = [
     "WeightReceiver",
     "check_vllm_options",
     "pack_weights",
+    "refuse_quantized",
     "unpack_weights",
     "vllm_unavailable_reason",
 ]
@@ -70,6 +80,7 @@ OPTIONS: dict[str, Any] = {
     "tensor_parallel_size": 1,
     "dtype": "auto",
     "enable_sleep_mode": False,
+    "enforce_eager": False,
     "bucket_mb": 256,
 }
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -147,19 +158,44 @@ class WeightReceiver:
     """Mixed into each vLLM worker (``worker_extension_cls``); its methods run there, where
     ``self.model_runner`` is the worker's."""
 
-    def load_hf_weights(self, bucket: list[list[Any]]) -> int:
+    def load_hf_weights(self, bucket: list[list[Any]]) -> list[Any]:
         """Load one :func:`pack_weights` bucket (checkpoint names) into this worker's model;
-        returns how many tensors it loaded."""
+        returns how many tensors it was given and the names of the model's parameters that
+        vLLM's ``load_weights`` says it loaded (None where it says nothing)."""
         model = self.model_runner.model  # type: ignore[attr-defined]
         device = next(model.parameters()).device
         weights = unpack_weights(bucket, device)
-        model.load_weights(weights=weights)
+        loaded = model.load_weights(weights=weights)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return len(weights)
+        return [len(weights), sorted(loaded) if loaded is not None else None]
+
+    def weight_names(self) -> list[str]:
+        """The names of this worker's model parameters (what a complete update must load)."""
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        return sorted(name for name, _ in model.named_parameters())
 
 
 # --- the engine -------------------------------------------------------------------------------
+def refuse_quantized(path: str, who: str) -> None:
+    """Refuse a quantized checkpoint: its layers take no full-precision weight update."""
+    import json
+    from pathlib import Path
+
+    config = Path(path) / "config.json"
+    try:
+        method = json.loads(config.read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return
+    if method:
+        kind = method.get("quant_method", "?") if isinstance(method, dict) else method
+        raise ValueError(
+            f"{who}: the checkpoint in {path!r} is quantized ({kind}); weight updates are "
+            "full-precision tensors, which vLLM's quantized layers do not load: serve an "
+            "unquantized checkpoint"
+        )
+
+
 class VLLMEngine:
     """A vLLM engine over the policy's HF checkpoint (a local directory, or the policy saved
     to a temporary one), with the Rollout's sampling options and :data:`OPTIONS`."""
@@ -185,7 +221,10 @@ class VLLMEngine:
             policy.save_pretrained(self._tmp.name)
             path = self._tmp.name
         self.path = str(path)
+        refuse_quantized(self.path, who)
         self.sleep_mode = bool(opts["enable_sleep_mode"])
+        self.stale = False  # the engine dropped its weights (sleep level 2) and has no new ones
+        self._names: set[str] | None = None  # the served model's parameters, asked once
         self.bucket_bytes = int(float(opts["bucket_mb"]) * 2**20)
         self.asleep: set[str] = set()  # the memory tags sleep() freed: weights, kv_cache
         s = self.sampling
@@ -193,7 +232,7 @@ class VLLMEngine:
         self.llm = LLM(
             model=self.path,
             seed=seed,
-            enforce_eager=True,
+            enforce_eager=bool(opts["enforce_eager"]),
             worker_extension_cls=f"{__name__}.{WeightReceiver.__name__}",
             logprobs_mode="processed_logprobs" if s["temperature"] > 0 else "raw_logprobs",
             enable_sleep_mode=self.sleep_mode,
@@ -203,11 +242,14 @@ class VLLMEngine:
         )
 
     def _dtype(self, dtype: str) -> str:
-        """``auto`` is the HF policy's own dtype (vLLM's ``auto`` would serve a float32
-        checkpoint in half precision, and its logprobs would drift from the update's)."""
+        """``auto``: bfloat16, or float16 for a float16 policy: half precision is what
+        FlashAttention and CUDA graphs run in. Its logprobs differ from the trainer's by about
+        1e-2 nats a token; the ready graphs recompute them with the trainer and correct the
+        gap (``recompute_logprobs``, ``tis_cap``). ``float32`` serves the policy's precision."""
         if dtype != "auto":
             return dtype
-        return str(next(self.policy.parameters()).dtype).removeprefix("torch.")
+        own = next(self.policy.parameters()).dtype
+        return "float16" if own == torch.float16 else "bfloat16"
 
     # --- sampling -----------------------------------------------------------------------------
     def _requests(self, prompts: list[str], images: list[Any] | None, batch: Any) -> list[dict]:
@@ -230,6 +272,8 @@ class VLLMEngine:
         logprobs are vLLM's when :attr:`own_logprobs`, else zeros for the caller to recompute."""
         from vllm import SamplingParams
 
+        if self.stale:  # asleep at level 2 and no update since: serve the policy's weights
+            self.load_weights(self.policy.state_dict(), complete=True)
         self.wake_up()
         s, policy = self.sampling, self.policy
         params = [
@@ -247,6 +291,7 @@ class VLLMEngine:
             for i in range(len(prompts))
         ]
         outputs = self.llm.generate(self._requests(prompts, images, batch), params, use_tqdm=False)
+        self._check_prompts(outputs, batch)
         rows = [list(out.outputs[0].token_ids) or [policy.eos_token_id] for out in outputs]
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)  # (B,)
         R = int(lengths.max())
@@ -262,25 +307,92 @@ class VLLMEngine:
         cut = torch.tensor([out.outputs[0].finish_reason == "length" for out in outputs])  # (B,)
         return Generation(ids, real.float(), logprobs * real, lengths, texts, cut)
 
+    def _check_prompts(self, outputs: Sequence[Any], batch: Any) -> None:
+        """vLLM's prompt tokens must be the ones the update trains on: with images two
+        processors expand the placeholders, and a difference would train every token of the
+        row against a context the rollout did not sample from."""
+        ids, mask = batch.prompt_ids.cpu(), batch.prompt_mask.cpu().bool()
+        for b, out in enumerate(outputs):
+            got = getattr(out, "prompt_token_ids", None)
+            if got is None:
+                continue
+            want = ids[b][mask[b]].tolist()
+            if list(got) != want:
+                first = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y),
+                             min(len(got), len(want)))  # fmt: skip
+                raise ValueError(
+                    f"{self.who}: row {b}: vLLM's prompt is {len(got)} tokens and the policy's "
+                    f"{len(want)}, first differing at token {first}; the update would train on "
+                    "a prompt the rollout did not sample from (the two processors expand the "
+                    "image placeholders differently: serve a checkpoint whose processor config "
+                    "both read alike)"
+                )
+
     # --- weights and memory -------------------------------------------------------------------
-    def load_weights(self, weights: Mapping[str, Tensor]) -> int:
-        """Send a (partial) state dict of the policy, in policy names, into every worker;
-        returns how many tensors each loaded."""
+    def load_weights(self, weights: Mapping[str, Tensor], complete: bool = False) -> int:
+        """Send a state dict of the policy (``complete``: all of it), in policy names, into
+        every worker, then reset the engine's prefix, multimodal and encoder caches (their
+        entries were computed with the old weights). Returns how many tensors were sent.
+        vLLM's report of what it loaded is checked: a complete update must reach every
+        parameter of the served model, a partial one at least one."""
+        if self.stale and not complete:  # the engine has no weights: send the whole policy
+            weights, complete = self.policy.state_dict(), True
         items = checkpoint_items(self.policy, weights, self.who)
         if "weights" in self.asleep:
             self._wake(["weights"])
-        loaded = 0
+        sent, loaded, reported = 0, set(), True
         for bucket in pack_weights(items, self.bucket_bytes):
-            counts = self.llm.collective_rpc(RECEIVE, args=(bucket,))
-            loaded += int(counts[0]) if counts else 0
-        return loaded
+            replies = self.llm.collective_rpc(RECEIVE, args=(bucket,))
+            count, names = replies[0] if replies else (0, None)
+            sent += int(count)
+            reported = reported and names is not None
+            loaded.update(names or ())
+        if reported:
+            self._check_loaded(loaded, sent, complete)
+        self.stale = False
+        self._reset_caches()
+        return sent
+
+    def _check_loaded(self, loaded: set[str], sent: int, complete: bool) -> None:
+        if sent and not loaded:
+            raise ValueError(
+                f"{self.who}: vLLM loaded none of the {sent} tensors of a weight update; the "
+                "checkpoint names do not map onto the served model"
+            )
+        if not complete:
+            return
+        if self._names is None:
+            self._names = set(self.llm.collective_rpc("weight_names")[0])
+        missing = sorted(self._names - loaded)
+        if missing:
+            raise ValueError(
+                f"{self.who}: a complete weight update left {len(missing)} of the served "
+                f"model's {len(self._names)} parameters as they were (e.g. {missing[:3]}); "
+                "the rollout would sample from weights the update did not train"
+            )
+
+    def _reset_caches(self) -> None:
+        """Drop what the engine computed with earlier weights: the prefix cache's KV blocks,
+        the multimodal processor's cache and the vision encoder's outputs (vLLM resets them
+        itself only on sleep)."""
+        engine = getattr(self.llm, "llm_engine", None)
+        for reset in (
+            getattr(self.llm, "reset_prefix_cache", None),
+            getattr(self.llm, "reset_mm_cache", None),
+            getattr(engine, "reset_encoder_cache", None),
+        ):
+            if reset is not None:
+                reset()
 
     def sleep(self) -> None:
         """Free the engine's GPU memory while another role uses the device (colocated
-        placement; a no-op without ``enable_sleep_mode``)."""
+        placement; a no-op without ``enable_sleep_mode``). Level 2: the weights are dropped,
+        not copied to the host, since the next update overwrites them; a generation before
+        one sends the policy's own (:attr:`stale`)."""
         if self.sleep_mode and not self.asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self.asleep = {"weights", "kv_cache"}
+            self.stale = True
 
     def wake_up(self) -> None:
         """Take back what :meth:`sleep` freed (generation calls it itself)."""

@@ -67,6 +67,8 @@ SOURCE_DEFAULTS = {
     "rollout": "hf",
     "vllm_gpu_memory": 0.5,
     "vllm_tensor_parallel": 1,
+    "vllm_dtype": "auto",
+    "vllm_eager": False,
     "vllm_sleep": False,
     "device": "auto",
     "train_ranks": 1,
@@ -243,3 +245,21 @@ def test_the_trainer_recomputes_logprobs_and_corrects_the_gap_where_the_sampler_
     wired = {e.dst_port for e in graph.edges if e.dst == "grpo"}
     assert "rollout_logprobs" in wired
     assert "rollout_logprobs" not in {e.dst_port for e in plain_graph.edges if e.dst == "grpo"}
+
+
+def test_vllm_sleeps_between_rollouts_unless_the_run_never_offloads():
+    from runtime.cli import build_parser
+    from runtime.run_setup import graph_options, resolve_graph
+
+    assert TextGRPOConfig(rollout="vllm").vllm_sleep is True
+    assert TextGRPOConfig().vllm_sleep is False  # nothing to free without vLLM
+    assert TextGRPOConfig(rollout="vllm", vllm_sleep=False).vllm_sleep is False
+
+    def options(*flags):
+        args = build_parser().parse_args(["run", "text_grpo", *flags])
+        args.graph = resolve_graph(args.graph)
+        return graph_options(args)
+
+    assert "vllm_sleep" not in options()
+    assert options("--offload", "off")["vllm_sleep"] is False
+    assert options("--offload", "off", "--set", "vllm_sleep=true")["vllm_sleep"] is True

@@ -6,6 +6,7 @@ bench/gpu_check.py and the gpu-marked test of tests/nodes/test_rollout.py."""
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from pathlib import Path
@@ -158,12 +159,20 @@ def test_buckets_hold_at_most_their_size_and_a_large_tensor_goes_alone():
 def test_the_receiver_loads_a_bucket_into_the_workers_model():
     seen = []
     model = torch.nn.Linear(2, 2)
-    model.load_weights = lambda weights: seen.extend(weights)  # vLLM's model API
+
+    def load_weights(weights):  # vLLM's model API: the names of the parameters it loaded
+        seen.extend(weights)
+        return {"weight"}
+
+    model.load_weights = load_weights
     worker = WeightReceiver()
     worker.model_runner = SimpleNamespace(model=model)
     bucket = _through_the_engine_core(next(pack_weights([("w", torch.ones(2, 2))], 2**20)))
-    assert getattr(worker, RECEIVE)(bucket) == 1
+    assert getattr(worker, RECEIVE)(bucket) == [1, ["weight"]]
     assert seen[0][0] == "w" and torch.equal(seen[0][1], torch.ones(2, 2))
+    assert worker.weight_names() == ["bias", "weight"]
+    model.load_weights = lambda weights: None  # a vLLM that says nothing: nothing to check
+    assert getattr(worker, RECEIVE)(bucket) == [1, None]
 
 
 def test_engine_options_are_checked_before_anything_starts():
@@ -181,6 +190,9 @@ class FakeLLM:
     """vllm.LLM as far as the engine uses it. The served weights are the checkpoint's tensors
     by name; the worker method runs by name on a WeightReceiver after a msgpack round trip."""
 
+    prompt_shift = 0
+    """Tokens the stand-in's "processor" adds to each prompt (0: the ids it was given)."""
+
     def __init__(self, model: str, **kwargs):
         self.path, self.kwargs, self.calls = Path(model), kwargs, []
         self.served = {}
@@ -189,14 +201,25 @@ class FakeLLM:
         module_name, _, cls = kwargs["worker_extension_cls"].rpartition(".")
         self.worker = getattr(sys.modules[module_name], cls)()
         self.worker.model_runner = SimpleNamespace(model=self)
+        self.llm_engine = SimpleNamespace(reset_encoder_cache=lambda: self.calls.append("reset encoder"))  # fmt: skip
 
     def parameters(self):
         yield torch.zeros(1)
+
+    def named_parameters(self):  # the served model's parameters: the checkpoint's names here
+        return ((name, tensor) for name, tensor in self.served.items())
 
     def load_weights(self, weights):
         for name, tensor in weights:
             assert name in self.served and tensor.shape == self.served[name].shape, name
             self.served[name] = tensor
+        return {name for name, _ in weights}
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset prefix")
+
+    def reset_mm_cache(self):
+        self.calls.append("reset mm")
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         assert isinstance(method, str), "only a method name crosses the process boundary"
@@ -208,7 +231,12 @@ class FakeLLM:
         self.calls.append("generate")
         self.requests, self.params = requests, params
         out = SimpleNamespace(token_ids=[5, 6, 7], finish_reason="stop", logprobs=[{t: SimpleNamespace(logprob=-t / 10)} for t in (5, 6, 7)])  # fmt: skip
-        return [SimpleNamespace(outputs=[out]) for _ in requests]
+        return [
+            SimpleNamespace(
+                outputs=[out], prompt_token_ids=[*r["prompt_token_ids"], *[9] * self.prompt_shift]
+            )  # fmt: skip
+            for r in requests
+        ]
 
     def sleep(self, level):
         self.calls.append(f"sleep {level}")
@@ -233,7 +261,9 @@ def test_a_rollout_samples_with_the_engine_and_takes_its_logprobs(fake_vllm):
     llm = node._vllm.llm
     assert (llm.path / "config.json").is_file(), "a tiny policy is served from a saved copy"
     assert llm.kwargs["worker_extension_cls"] == "nodes.models.vllm_engine.WeightReceiver"
-    assert llm.kwargs["dtype"] == "float32" and llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    # half precision for FlashAttention and CUDA graphs: the trainer recomputes the logprobs
+    assert llm.kwargs["dtype"] == "bfloat16" and llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    assert llm.kwargs["enforce_eager"] is False
     ids, mask = out["prompt_ids"], out["prompt_mask"].bool()
     assert [r["prompt_token_ids"] for r in llm.requests] == [ids[b][mask[b]].tolist() for b in range(4)]  # fmt: skip
     assert [p.seed for p in llm.params] == sorted({p.seed for p in llm.params})
@@ -278,9 +308,50 @@ def test_sleep_mode_frees_the_engine_between_calls_and_wakes_weights_first(fake_
     node.run(prompts=["ab"], weights=WeightUpdate(head, version=1, complete=False))
     llm = node._vllm.llm
     assert llm.kwargs["enable_sleep_mode"] and llm.kwargs["gpu_memory_utilization"] == 0.3
+    # level 2: the weights are dropped, not copied out, and the update sends them all (it was
+    # partial: the engine held nothing to complete), then resets the caches
+    resets = ["reset prefix", "reset mm", "reset encoder"]
     assert llm.calls == [
-        "generate", "sleep 1", "wake weights", RECEIVE, "wake kv_cache", "generate", "sleep 1",
+        "generate", "sleep 2", "wake weights", RECEIVE, "weight_names", *resets,
+        "wake kv_cache", "generate", "sleep 2",
     ]  # fmt: skip
+    assert torch.equal(llm.served["lm_head.weight"], head["model.lm_head.weight"])
+    # a generation with no update since the sleep serves the policy's own weights first
+    llm.calls.clear()
+    node.run(prompts=["ab"])
+    assert llm.calls == ["wake weights", RECEIVE, *resets, "wake kv_cache", "generate", "sleep 2"]
+
+
+def test_a_weight_update_resets_the_engines_caches_and_checks_what_loaded(fake_vllm):
+    node = Rollout(policy="tiny-qwen2", backend="vllm", max_new_tokens=4)
+    node.run(prompts=["ab"])
+    llm = node._vllm.llm
+    state = node.policy.state_dict()
+    node.run(prompts=["ab"], weights=WeightUpdate(state, version=1))
+    assert llm.calls[1:] == [RECEIVE, "weight_names", "reset prefix", "reset mm", "reset encoder", "generate"]  # fmt: skip
+    llm.load_weights = lambda weights: set()  # names that map onto nothing
+    with pytest.raises(ValueError, match="loaded none of the"):
+        node.run(prompts=["ab"], weights=WeightUpdate(state, version=2))
+    some = next(iter(llm.served))
+    llm.load_weights = lambda weights: {some}  # a complete update that reached one parameter
+    with pytest.raises(ValueError, match="left .* parameters as they were"):
+        node.run(prompts=["ab"], weights=WeightUpdate(state, version=3))
+
+
+def test_a_prompt_vllm_tokenizes_differently_stops_the_rollout(fake_vllm, monkeypatch):
+    monkeypatch.setattr(FakeLLM, "prompt_shift", 2)
+    node = Rollout(policy="tiny-qwen2", backend="vllm", max_new_tokens=4)
+    with pytest.raises(ValueError, match="row 0: vLLM's prompt is .* first differing at token"):
+        node.run(prompts=["ab"])
+
+
+def test_a_quantized_checkpoint_is_refused_before_the_engine_starts(fake_vllm, tmp_path):
+    build_policy("tiny-qwen2").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"node 'rollout': the checkpoint .* is quantized \(awq\)"):
+        Rollout(policy=str(tmp_path), backend="vllm", max_new_tokens=2)
 
 
 def test_a_checkpoint_directory_is_served_as_it_is(fake_vllm, tmp_path):
@@ -294,3 +365,14 @@ def test_a_prefix_vlm_rollout_is_refused_when_the_engine_starts(fake_vllm):
     node = Rollout(policy="tiny-prefix-vlm", backend="vllm")
     with pytest.raises(ValueError, match="not a transformers model vLLM can serve"):
         node.setup()
+
+
+def test_a_ready_graph_with_vllm_serves_half_precision_sleeps_and_corrects_the_gap(fake_vllm):
+    from yatt_graph.refs import load_graph
+
+    graph = load_graph("graphs.text_grpo", rollout="vllm", batch_size=2)
+    rollout = graph.nodes["rollout"]
+    options = rollout.vllm_options
+    assert (options["dtype"], options["enforce_eager"], options["enable_sleep_mode"]) == ("auto", False, True)  # fmt: skip
+    assert rollout.recompute_logprobs and graph.nodes["grpo"].tis_cap == 2.0
+    assert "rollout_logprobs" in {e.dst_port for e in graph.edges if e.dst == "grpo"}
