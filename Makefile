@@ -22,10 +22,16 @@ lock:
 # other package at the CPU install's version (constraints/gpu.txt, written by make lock).
 # (ruff skips it in lint and format; git should ignore it too)
 GPU_VENV := .venv-gpu
-install-gpu:
+GPU_STAMP := $(GPU_VENV)/.installed
+install-gpu: $(GPU_STAMP)
+
+# Installed once: again only when the pins change (a host with no package index can rerun the
+# check).
+$(GPU_STAMP): pyproject.toml constraints/gpu.txt
 	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
 	$(GPU_VENV)/bin/pip install --quiet --upgrade pip
 	$(GPU_VENV)/bin/pip install --quiet -c constraints/gpu.txt -e '.[vllm,test]'
+	touch $(GPU_STAMP)
 
 # Resolve the GPU install without installing it (no GPU needed). About 2 minutes, and about
 # 1.4 GB of wheels downloaded to a temporary folder (the index serves no PEP 658 metadata), so

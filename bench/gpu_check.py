@@ -26,8 +26,9 @@ text_grpo with ``--rollout vllm``, and mm_grpo on two controllers that time-shar
 (``--controllers 2 --offload auto``: the offload/reload time and bytes of a step) (wall time,
 reward first -> last; a row says skipped with the CLI's reason if it refuses the flags).
 
-It prints one table (check, result, figure). Without CUDA every row says "skipped: no CUDA"
-and it exits 0, so it runs anywhere; a failed check exits 1. ``--device cpu`` runs the same
+It prints one table (check, result, figure). Asked to check CUDA where there is none, the
+device row fails (with torch's CUDA build and the driver's version) and it exits 1: a check
+that checked nothing does not pass. A failed check exits 1. ``--device cpu`` runs the same
 script's HF and CLI rows on the CPU (the vLLM rows say why they skip): a rehearsal of the
 script itself, not of the GPU.
 """
@@ -48,9 +49,9 @@ import torch
 from bench.cuda_ipc import ipc_rows, row_name  # CUDA IPC vs host copy
 
 TOLERANCE = 2e-2
-"""max |vLLM - HF| logprob of the same tokens. Both run float32 (the engine takes the policy's
-dtype), but vLLM's kernels are not transformers'; wrong names or stale weights differ by
-whole nats."""
+"""max |vLLM - HF| logprob of the same tokens. Both run float32 (the rows ask the engine for
+it), but vLLM's kernels are not transformers'; wrong names or stale weights differ by whole
+nats."""
 AGREEMENT = 0.95
 """The share of greedy tokens vLLM and HF must agree on after the update."""
 MODELS = ("qwen2_vl", "qwen2")
@@ -132,7 +133,9 @@ def _model_checks(name: str, path: Path) -> None:
         for check in CHECKS[1:]:
             row(f"{name}: {check}", f"skipped: {why}")
         return
-    engine = {"gpu_memory_utilization": 0.15}
+    # float32: these rows check names and weights, which precision would blur (the ready
+    # graphs serve bfloat16 and correct the gap)
+    engine = {"gpu_memory_utilization": 0.15, "dtype": "float32"}
     node = Rollout(**common, backend="vllm", vllm_options=engine)
     out, rate = _timed(node, ports)
     row(f"{name}: vLLM rollout", "ok", f"{rate:.1f} samples/s")
@@ -263,6 +266,21 @@ def _offload_check(policy: Path) -> None:
     ex.step()  # and the run goes on
 
 
+def _cuda_versions() -> str:
+    """torch's CUDA build and the driver's version, for a machine where CUDA does not come up
+    (a driver older than the build needs is the usual cause)."""
+    driver = "no nvidia-smi"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        driver = out.stdout.strip() or out.stderr.strip() or f"nvidia-smi exit {out.returncode}"
+    except (OSError, subprocess.TimeoutExpired) as err:
+        driver = f"nvidia-smi: {err}"
+    return f"torch {torch.__version__} built for CUDA {torch.version.cuda}; driver: {driver}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=20)
@@ -274,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     DEVICE = args.device
     cli_rows = [f"{_cli_name(g, r, f)}, {args.steps} steps" for g, r, f in CLI_RUNS]
     if DEVICE == "cuda" and not torch.cuda.is_available():
+        # asked to check the GPU and none is usable: that is a failure, not a pass
+        row("device", f"FAILED (no CUDA: {_cuda_versions()})")
         for check in (
             [f"{m}: {c}" for m in MODELS for c in CHECKS] + [OFFLOAD_ROW]
             + [row_name(64, DEVICE, ipc) for ipc in (True, False)] + cli_rows
