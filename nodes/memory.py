@@ -32,6 +32,9 @@ __all__ = [
     "Load",
     "ModelSize",
     "MemoryPlan",
+    "checkpoint_size",
+    "module_size",
+    "reading_memory",
     "forward_bytes",
     "image_memory",
     "sampling_memory",
@@ -127,29 +130,56 @@ def _lora_params(spec: Mapping[str, Any], dims: Mapping[str, int]) -> int:
 
 @functools.lru_cache(maxsize=32)
 def _size_of(spec_json: str) -> ModelSize:
-    from nodes.models.families import _safetensors_summary, model_family
+    from nodes.models.families import model_family
     from nodes.models.policy import _spec_dict
 
     spec = _spec_dict(json.loads(spec_json))
-    width = _BYTES.get(str(spec.get("dtype", "float32")), 4)
-    lora = spec.get("lora")
+    dtype = str(spec.get("dtype", "float32"))
     if "path" in spec and not spec.get("image_dim"):
         root = Path(spec["path"])
-        root = root / "lm" if model_family(root) == "prefix-vlm" else root
-        dims = _dims(json.loads((root / "config.json").read_text()))
-        summary = _safetensors_summary(sorted(root.glob("*.safetensors")))
-        params = summary[0] if summary else _estimate_params(dims)
+        size = checkpoint_size(root / "lm" if model_family(root) == "prefix-vlm" else root, dtype)
     else:  # a model built in code (or a prefix-VLM around a user's LM): built, then counted
         from nodes.models.policy import build_policy
 
         policy = build_policy(spec)
-        model = getattr(policy, "lm", None) or getattr(policy, "model", None)  # the decoder
-        config = getattr(model, "config", None)
-        dims = _dims(config.to_dict() if config is not None else {})
-        params = sum(p.numel() for p in policy.parameters())
+        decoder = getattr(policy, "lm", None) or getattr(policy, "model", None)
+        size = module_size(policy, dtype, config=getattr(decoder, "config", None))
         del policy
-    trainable = _lora_params(lora, dims) if lora else params
-    return ModelSize(params=params, trainable=trainable, bytes_per_param=width, **dims)
+    lora = spec.get("lora")
+    dims = {"layers": size.layers, "hidden": size.hidden, "kv_dim": size.kv_dim,
+            "intermediate": size.intermediate}  # fmt: skip
+    return replace(size, trainable=_lora_params(lora, dims) if lora else size.params)
+
+
+def checkpoint_size(path: str | Path, dtype: str = "float32") -> ModelSize:
+    """The size of the transformers checkpoint in ``path``, from its safetensors headers and
+    ``config.json`` (nothing is loaded)."""
+    from nodes.models.families import _safetensors_summary
+
+    root = Path(path)
+    dims = _dims(json.loads((root / "config.json").read_text()))
+    summary = _safetensors_summary(sorted(root.glob("*.safetensors")))
+    params = summary[0] if summary else _estimate_params(dims)
+    return ModelSize(params=params, trainable=params, bytes_per_param=_BYTES.get(dtype, 4), **dims)
+
+
+def module_size(module: Any, dtype: str = "float32", config: Any = None) -> ModelSize:
+    """The size of a live module; its shape from ``config`` (default: the module's own)."""
+    config = config if config is not None else getattr(module, "config", None)
+    dims = _dims(config.to_dict() if config is not None else {})
+    params = sum(p.numel() for p in module.parameters())
+    return ModelSize(params=params, trainable=params, bytes_per_param=_BYTES.get(dtype, 4), **dims)
+
+
+def reading_memory(size: ModelSize, load: Load, rows: int, max_length: int,
+                   *, extra: int = 0, logits: bool = True) -> dict[str, int]:  # fmt: skip
+    """A model that reads each response (a reward model, a judge), ``rows`` at a time, each
+    the prompt and the response (plus ``extra`` tokens of a template) up to ``max_length``."""
+    length = min(load.prompt_tokens + load.response_tokens + extra, max_length)
+    m = size if logits else replace(size, vocab=0)
+    w = m.bytes_per_param
+    tokens = min(rows, load.responses) * length
+    return {"weights@": m.params * w, "activations": forward_bytes(m, tokens, length, w)}
 
 
 def _estimate_params(dims: Mapping[str, int]) -> int:

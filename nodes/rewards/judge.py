@@ -245,6 +245,20 @@ class JudgeReward(Offload, RewardNode):
             ids.append(tokens[0])
         return ids
 
+    def memory(self, load: Any) -> dict[str, int]:
+        """The judge and its largest forward (``max_batch`` rows)."""
+        from nodes.memory import checkpoint_size, module_size, reading_memory
+
+        if self.model_source == "tiny":
+            literal = [
+                w for text, *_ in string.Formatter().parse(self.template) for w in text.split()
+            ]
+            size = module_size(tiny_judge([*self.score_words, *literal], self.seed)[0], self.dtype)
+        else:
+            size = checkpoint_size(self.model_source, self.dtype)
+        extra = len(self.template)  # at most a token a character of the template's own text
+        return reading_memory(size, load, self.max_batch, self.max_length or 2048, extra=extra)
+
     # --- scoring ------------------------------------------------------------------------------
     def judge_inputs(
         self, texts: list[str], meta: list[dict[str, Any]], prompts: list[str] | None

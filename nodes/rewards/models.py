@@ -202,6 +202,20 @@ class RewardModel(Offload, RewardNode):
             model = AutoModelForSequenceClassification.from_config(cfg)
         return model, tokenizer
 
+    def memory(self, load: Any) -> dict[str, int]:
+        """The classifier and its largest forward (``micro_batch_size`` rows)."""
+        from nodes.memory import checkpoint_size, module_size, reading_memory
+
+        if self._given is not None:
+            return {}
+        if self.path is not None:
+            size = checkpoint_size(self.path, self.dtype)
+        else:
+            size = module_size(self._build(dict(self.model_config), self.seed)[0], self.dtype)
+        extra = len(self.template)  # at most a token a character of the template's own text
+        return reading_memory(size, load, self.micro_batch_size, self.max_length, extra=extra,
+                              logits=False)  # fmt: skip
+
     def score_samples(self, texts, meta, prompts, images):
         prompts = prompts if prompts is not None else [""] * len(texts)
         inputs = fill_template(self.name, self.template, self.fields, texts, meta, prompts)

@@ -103,3 +103,18 @@ def test_show_memory_prints_the_plan_and_a_run_prints_its_device_lines(tmp_path,
     argv = ["run", "text_grpo", "--steps", "1", "--quiet", "--out", str(tmp_path / "run")]
     assert main([*argv, "--set", "batch_size=2"]) == 0
     assert "yatt-graph run: memory plan: cpu: " in capsys.readouterr().err
+
+
+def test_a_reward_model_and_a_judge_say_what_they_hold():
+    from nodes.rewards.judge import JudgeReward
+    from nodes.rewards.models import RewardModel
+
+    config = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32}
+    small, large = (RewardModel(config=config, micro_batch_size=n) for n in (4, 16))
+    held = small.memory(LOAD)
+    assert held["weights@"] == 4 * sum(p.numel() for p in small.model.parameters())
+    assert 0 < held["activations"] < large.memory(LOAD)["activations"]  # rows at a time
+    judge = JudgeReward("tiny", max_batch=8)
+    assert judge.memory(LOAD)["weights@"] == 4 * sum(p.numel() for p in judge.model.parameters())
+    graph = load_graph("graphs.text_grpo", batch_size=2, reward="judge:tiny")
+    assert "reward" in {name for name, _, _, _ in plan_memory(graph, LOAD).rows}
