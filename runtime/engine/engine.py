@@ -133,6 +133,8 @@ class StepEngine(StreamSteps):
             self.delayed_keys.setdefault((e.src, e.src_port), []).append(e)
         self.running: Running | None = None
         self.switch = Switch(self.nodes, switch, here) if switch else None
+        self._held: list[tuple[Any, ...]] | None = None
+        """While a node runs under a switch: its outputs for other processes, sent after."""
         self.reset(0)
 
     def reset(self, step: int) -> None:
@@ -245,9 +247,16 @@ class StepEngine(StreamSteps):
             self._call(best, step)
             return True
         self.switch.before(best, step)
-        self._call(best, step)
-        if not self.consumers and self._pick() is None:  # this process's turn ends
-            self.switch.phase_done(step)
+        self._held = []  # the outputs for other processes wait until the turn is settled
+        try:
+            self._call(best, step)
+            if not self.consumers and self._pick() is None:  # this process's turn ends:
+                self.switch.phase_done(step)  # the device is free before the outputs leave,
+            held = self._held  # so a process sharing it that acts on them finds it released
+        finally:
+            self._held = None
+        for args in held:
+            self.outbox.value(*args)
         return True
 
     def _call(self, best: str, step: int) -> None:
@@ -286,7 +295,10 @@ class StepEngine(StreamSteps):
                     self.pending.setdefault((step, e.dst), {})[e.dst_port] = value
             dests = self.remote_out.get((name, port))
             if dests and not streamed and self.outbox is not None:
-                self.outbox.value(step, name, port, value, dests)
+                if self._held is not None:
+                    self._held.append((step, name, port, value, dests))
+                else:
+                    self.outbox.value(step, name, port, value, dests)
         for key, (node, port) in self.graph_outputs.items():
             if node == name:
                 self.step_outputs[step][key] = out[port]

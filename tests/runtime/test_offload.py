@@ -98,6 +98,24 @@ def test_a_controller_offloads_when_its_turn_ends_and_reloads_before_its_next_ca
     ]
 
 
+def test_a_controller_releases_the_device_before_its_outputs_leave():
+    """A process sharing the GPU acts on the outputs (reloads, wakes vLLM): by then the
+    sender's weights and optimizer state are off the device."""
+    log: list = []
+
+    class Outbox:
+        def value(self, step, src, port, value, dests):
+            log.append(("send", src, step))
+
+    ex = LocalExecutor(_two_roles(log))
+    ex.engine.switch = Switch(ex.engine.nodes, "phase", here=3)
+    ex.engine.remote_out[("b", "y")] = [1]  # b's output goes to controller 1
+    ex.engine.outbox = Outbox()
+    log.clear()
+    ex.run(1)
+    assert log == [("call", "a", 0), ("call", "b", 0), ("offload", "a"), ("offload", "b"), ("send", "b", 0)]  # fmt: skip
+
+
 def test_switch_metrics_and_spans_appear_per_step():
     log: list = []
     results = LocalExecutor(_two_roles(log), offload="on").run(2)
