@@ -45,6 +45,14 @@ Schedule = Literal[LR_SCHEDULES]  # type: ignore[valid-type]
 Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
 
 
+_VLLM_OPTIONS = (
+    "vllm_gpu_memory",
+    "vllm_tensor_parallel",
+    "vllm_dtype",
+    "vllm_eager",
+    "vllm_sleep",
+)
+
 AUTO: dict[str, tuple[float, float]] = {
     "lr": (1e-3, 1e-6),
     "max_new_tokens": (2, 256),
@@ -284,6 +292,28 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if getattr(self, name) is None:
                 value = AUTO[name][which]
                 setattr(self, name, type(value)(value))
+
+    def idle_options(self) -> dict[str, str]:
+        """The options that do nothing with these settings, each with what would make it
+        matter: what ``yatt-graph show GRAPH --options`` leaves out."""
+        vllm = self.rollout == "vllm"
+        when = {
+            "task": ("no data (the shapes task)", self.data is None),
+            "prompt_key": ("data", self.data is not None or self.val_data is not None),
+            "image_key": ("data", self.data is not None or self.val_data is not None),
+            "answer_key": ("data", self.data is not None or self.val_data is not None),
+            "val_every": ("val_data", self.val_data is not None),
+            "val_rows": ("val_data", self.val_data is not None),
+            "lora_alpha": ("lora_r > 0", self.lora_r > 0),
+            "lora_targets": ("lora_r > 0", self.lora_r > 0),
+            "chat_template": ("a model of your own", users_model(self.policy)),
+            "train_backend": ("train_ranks > 1", self.train_ranks > 1),
+            "lr_decay_steps": ("lr_schedule linear or cosine", self.lr_schedule != "constant"),
+            "tis_cap": ("recompute_logprobs", bool(self.recompute_logprobs)),
+            "overlong_penalty": ("overlong_buffer > 0", getattr(self, "overlong_buffer", 1) > 0),
+            **{name: ("rollout=vllm", vllm) for name in _VLLM_OPTIONS},
+        }
+        return {name: need for name, (need, active) in when.items() if not active}
 
     def notes(self) -> list[str]:
         """What a run should say about these settings before its first step: the defaults

@@ -73,7 +73,14 @@ def cmd_viz(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     if args.options:
-        print(option_table(*module_options(load_graph_module(args.graph))))
+        module = load_graph_module(args.graph)
+        config = getattr(module, "CONFIG", None)
+        here, hidden = {}, {}
+        if hasattr(config, "idle_options"):  # a typed config: what the flags given resolve to
+            resolved = config.from_options(args.graph, graph_options(args))
+            here = {name: getattr(resolved, name) for name in resolved.__struct_fields__}
+            hidden = {} if args.all else resolved.idle_options()
+        print(option_table(*module_options(module), here=here, hidden=hidden))
         return 0
     with graph_input(args.graph):
         options = graph_options(args)
@@ -253,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mermaid", action="store_true")
     p.add_argument(
         "--options", action="store_true", help="list the graph's options instead (builds nothing)"
+    )
+    p.add_argument(
+        "--all", action="store_true", help="with --options: also those that do nothing here"
     )
     p.add_argument(
         "--memory",

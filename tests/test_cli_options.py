@@ -184,6 +184,23 @@ def test_show_options_lists_types_defaults_and_docs_without_building(user_graph,
     assert not user_graph.with_suffix(".json").exists()  # build_graph was not called
 
 
+def test_show_options_says_what_the_defaults_resolve_to_and_hides_what_does_nothing(capsys):
+    def table(*flags):
+        assert main(["show", "text_grpo", "--options", *flags]) == 0
+        out = capsys.readouterr().out
+        return {line.split()[0]: line for line in out.splitlines() if line}, out
+
+    rows, out = table()
+    assert "None -> 0.001 " in rows["lr"]  # the tiny policy's
+    assert "vllm_sleep" not in rows and "lora_alpha" not in rows and "prompt_key" not in rows
+    assert "vllm_gpu_memory, vllm_tensor_parallel" in out and "(with rollout=vllm)" in out
+    rows, _ = table("--rollout", "vllm", "--set", "lora_r=8")
+    assert "None -> True " in rows["vllm_sleep"] and "None -> 2.0 " in rows["tis_cap"]
+    assert "lora_alpha" in rows and "prompt_key" not in rows
+    rows, out = table("--all")
+    assert "prompt_key" in rows and "not shown" not in out
+
+
 def test_one_set_takes_several_pairs_and_numbers_as_python_writes_them():
     options = options_of("graphs/mm_ppo.py", "--set", "batch_size=1_6", "lr=.5e-3", "seed=+3")
     assert options == {"batch_size": 16, "lr": 0.0005, "seed": 3}

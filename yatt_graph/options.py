@@ -299,12 +299,25 @@ def load_graph_module(target: str) -> Any:
         raise ImportError(f"importing {target} failed at {where}") from exc
 
 
-def option_table(options: list[Option], more: bool) -> str:
-    """One line an option: name, type, default and the first line of its docstring."""
-    rows = [
-        (o.name, o.label, "(required)" if o.default is REQUIRED else repr(o.default), o.doc)
-        for o in options
-    ]
+def option_table(
+    options: list[Option],
+    more: bool,
+    here: Mapping[str, Any] | None = None,
+    hidden: Mapping[str, str] | None = None,
+) -> str:
+    """One line an option: name, type, default and the first line of its docstring. With
+    ``here`` (option -> its value with the flags given), a default that resolves to another
+    value reads ``None -> value``; options in ``hidden`` (option -> what would make it matter)
+    are left out and listed after."""
+    here, hidden = here or {}, hidden or {}
+
+    def default(o: Option) -> str:
+        if o.default is REQUIRED:
+            return "(required)"
+        value = here.get(o.name, o.default)
+        return repr(o.default) + ("" if value == o.default else f" -> {value!r}")
+
+    rows = [(o.name, o.label, default(o), o.doc) for o in options if o.name not in hidden]
     widths = [max([len(r[i]) for r in rows] + [1]) for i in range(3)]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(r[:3], widths)) + ("  " + r[3] if r[3] else "")
@@ -312,6 +325,12 @@ def option_table(options: list[Option], more: bool) -> str:
     ]
     if more:
         lines.append("(other keys are passed through: build_graph takes **kwargs)")
+    needs: dict[str, list[str]] = {}
+    for name, need in hidden.items():
+        needs.setdefault(need, []).append(name)
+    if needs:
+        said = "; ".join(f"{', '.join(names)} (with {need})" for need, names in needs.items())
+        lines.append(f"not shown, as they do nothing here: {said}; --all shows them")
     return "\n".join(line.rstrip() for line in lines) if lines else "(no options)"
 
 
