@@ -152,8 +152,8 @@ def step_load(config: RLConfig, graph: Graph) -> Load:
         longest = min(longest, config.max_prompt_tokens)
     pixels = max((im.width * im.height for im in images or []), default=0)
     return Load(
-        prompts=config.batch_size,
-        responses=config.batch_size * rollout.n,
+        prompts=config.prompts_drawn,  # (an upper bound for what trains, with dynamic sampling)
+        responses=config.prompts_drawn * rollout.n,
         prompt_tokens=longest,
         response_tokens=config.max_new_tokens,
         image_pixels=pixels,
@@ -214,7 +214,7 @@ def data_source(config: RLConfig, *, text_only: bool) -> Node:
     the shapes task."""
     if config.data is None:
         return ShapesSource(
-            batch_size=config.batch_size,
+            batch_size=config.prompts_drawn,
             task=config.task,
             seed=config.seed,
             text_hint=text_only,
@@ -224,7 +224,7 @@ def data_source(config: RLConfig, *, text_only: bool) -> Node:
 
     return DatasetSource(
         config.data,
-        batch_size=config.batch_size,
+        batch_size=config.prompts_drawn,
         seed=config.seed,
         images=not text_only,
         on_bad_sample=config.on_bad_sample,
@@ -289,6 +289,9 @@ class Sampled(NamedTuple):
     ref_logprobs: Handle
     validation: Node | None
     """The greedy validation node (``config.val_data``), which loads the rollout's weights."""
+    drawn_scores: Handle
+    """Every sampled response's score (``scores`` holds the kept groups' with dynamic
+    sampling): what the run reports as its reward."""
 
 
 def sample_and_score(
@@ -338,8 +341,8 @@ def sample_and_score(
         name="rollout",
     )
     sample = rollout(prompts=data.prompts, **image_port)
-    if not config.recompute_logprobs:  # then the sampler's logprobs are the ones the update takes
-        g.discard(sample.rollout_logprobs)
+    if not config.recompute_logprobs and config.prompts_drawn == config.batch_size:
+        g.discard(sample.rollout_logprobs)  # the sampler's logprobs are the ones the update takes
     reward = reward_node(config.reward, config.on_bad_sample)
     _check_meta(source, reward)
     extra: dict[str, Handle] = {}
@@ -353,6 +356,9 @@ def sample_and_score(
     if config.on_bad_sample == "skip":  # the reward has a second output: which samples it skipped
         scores, skipped = scores
         g.output("bad_samples", skipped)
+    drawn_scores = scores
+    if config.prompts_drawn > config.batch_size:  # dynamic sampling: the informative groups
+        sample, scores, image_port = _keep_groups(g, config, sample, scores, image_port)
     tensors = {
         "prompt_ids": sample.prompt_ids,
         "prompt_mask": sample.prompt_mask,
@@ -368,7 +374,34 @@ def sample_and_score(
     validation = None
     if config.val_data is not None:
         validation = _validation(g, config, spec, device, text_only, image_port, vision_kwargs)
-    return Sampled(spec, device, rollout, sample, scores, tensors, image_port, ref, validation)
+    return Sampled(
+        spec, device, rollout, sample, scores, tensors, image_port, ref, validation, drawn_scores
+    )
+
+
+def _keep_groups(
+    g: Graph, config: RLConfig, sample: Any, scores: Handle, image_port: dict[str, Handle]
+) -> tuple[Any, Handle, dict[str, Handle]]:
+    """The rollout's rows of the first ``batch_size`` groups whose scores differ
+    (:class:`nodes.filters.KeepGroups`), in place of the rollout's outputs."""
+    from types import SimpleNamespace
+
+    from nodes.filters import KeepGroups
+
+    rows = ["prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs",
+            "response_lengths", "truncated"]  # fmt: skip
+    if config.recompute_logprobs:
+        rows.append("rollout_logprobs")
+    else:
+        g.discard(sample.rollout_logprobs)  # (discarded once here, before the filter)
+    node = KeepGroups(config.batch_size, rows=rows, prompts=list(image_port), name="keep_groups")
+    kept = node(scores=scores, group_ids=sample.group_ids, **{r: getattr(sample, r) for r in rows},
+                **image_port)  # fmt: skip
+    g.output("dynamic_sampling", kept.stats)
+    carried = {r: getattr(kept, r) for r in rows} | {"group_ids": kept.group_ids}
+    if not config.recompute_logprobs:
+        carried["rollout_logprobs"] = None
+    return SimpleNamespace(**carried), kept.scores, {p: getattr(kept, p) for p in image_port}
 
 
 def _validation(

@@ -293,6 +293,11 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 value = AUTO[name][which]
                 setattr(self, name, type(value)(value))
 
+    @property
+    def prompts_drawn(self) -> int:
+        """Prompts the data node draws a step (more than batch_size with dynamic sampling)."""
+        return self.batch_size
+
     def idle_options(self) -> dict[str, str]:
         """The options that do nothing with these settings, each with what would make it
         matter: what ``yatt-graph show GRAPH --options`` leaves out."""
@@ -383,6 +388,10 @@ class TextGRPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
     """Samples per prompt (>= 2: a group's advantages compare its samples with each other)."""
     estimator: Estimator = "grpo"
     """A registered group estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline."""
+    dynamic_sampling: float = 0.0
+    """DAPO's dynamic sampling: draw this share more prompts (0.5: 1.5x batch_size, the refill
+    cap), drop the groups whose rewards are all equal and train on the first batch_size of
+    the rest (fewer when too few differ); 0: off. Its stats: dynamic_sampling/*."""
     overlong_buffer: int = 0
     """DAPO's soft overlong penalty: the last this many tokens before max_new_tokens cost up to
     overlong_penalty of the score, in proportion (0: off)."""
@@ -398,6 +407,18 @@ class TextGRPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
         _at_least("group_size", self.group_size, 2)
         if self.estimator not in GROUP_ESTIMATORS:
             _refuse("estimator", self.estimator, f"one of {', '.join(GROUP_ESTIMATORS)}")
+        if not (0 <= self.dynamic_sampling <= 10 and math.isfinite(self.dynamic_sampling)):
+            _refuse("dynamic_sampling", self.dynamic_sampling, "in [0, 10] (0: off)")
+        if self.dynamic_sampling and self.stream:
+            raise ValueError(
+                "dynamic_sampling and stream=true cannot go together: a group is kept or "
+                "dropped once all its rewards are in; set one of them off"
+            )
+
+    @property
+    def prompts_drawn(self) -> int:
+        """batch_size, and with dynamic sampling that share more (rounded up)."""
+        return math.ceil(self.batch_size * (1 + self.dynamic_sampling))
 
 
 class GRPOConfig(TextGRPOConfig, kw_only=True, forbid_unknown_fields=True):

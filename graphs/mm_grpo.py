@@ -71,7 +71,7 @@ def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Grap
         )
         # no second snapshot: the update already publishes one (or, sharing, the live tensors)
         connect_weights(g, s, WeightSync(snapshot=False, name="sync")(update.weights))
-        g.output("scores", s.scores)
+        g.output("scores", s.drawn_scores)
         g.output("metrics", update.metrics)
         g.output("advantage", adv.stats)
     return g

@@ -84,7 +84,7 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
         sync = WeightSync(snapshot=False, name="sync")
         connect_weights(g, s, sync(update.weights))
         g.connect(update.critic_weights, critic, "weights", delay=1)
-        g.output("scores", s.scores)
+        g.output("scores", s.drawn_scores)
         g.output("metrics", update.metrics)
         g.output("advantage", adv.stats)
         g.discard(s.sample.group_ids)

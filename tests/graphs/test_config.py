@@ -91,6 +91,7 @@ def test_defaults_are_the_measured_ones():
         "vision": "tiny",
         "group_size": 4,
         "estimator": "grpo",
+        "dynamic_sampling": 0.0,
         "overlong_buffer": 0,
         "overlong_penalty": 1.0,
         "kl_estimator": "k3",
@@ -101,6 +102,7 @@ def test_defaults_are_the_measured_ones():
         "batch_size": 16,
         "group_size": 4,
         "estimator": "grpo",
+        "dynamic_sampling": 0.0,
         "overlong_buffer": 0,
         "overlong_penalty": 1.0,
         "kl_estimator": "k3",
@@ -263,3 +265,20 @@ def test_vllm_sleeps_between_rollouts_unless_the_run_never_offloads():
     assert "vllm_sleep" not in options()
     assert options("--offload", "off")["vllm_sleep"] is False
     assert options("--offload", "off", "--set", "vllm_sleep=true")["vllm_sleep"] is True
+
+
+def test_dynamic_sampling_draws_more_prompts_and_trains_on_the_informative_groups():
+    config = TextGRPOConfig(batch_size=4, dynamic_sampling=0.5)
+    assert config.prompts_drawn == 6 and TextGRPOConfig(batch_size=4).prompts_drawn == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnusedOutputWarning)
+        graph = load_graph("graphs.mm_grpo", batch_size=4, dynamic_sampling=0.5)
+    assert graph.nodes["data"].config()["batch_size"] == 6
+    assert graph.nodes["keep_groups"].config()["keep"] == 4
+    feeds = {e.src for e in graph.edges if e.dst in ("grpo", "reference", "group_advantage")}
+    assert "rollout" not in feeds and "keep_groups" in feeds  # every row they read is kept
+    assert "dynamic_sampling" in graph.graph_outputs
+    with pytest.raises(ValueError, match="dynamic_sampling and stream=true"):
+        TextGRPOConfig(dynamic_sampling=0.5, stream=True)
+    with pytest.raises(ValueError, match="dynamic_sampling"):
+        TextGRPOConfig(dynamic_sampling=-1.0)
