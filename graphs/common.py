@@ -286,7 +286,8 @@ class Sampled(NamedTuple):
     """prompt_ids, prompt_mask, response_ids, response_mask: what model nodes read."""
     image_port: dict[str, Handle]
     """``image_embeds`` (prefix-VLM), ``images`` (HF VLM) or nothing (text only)."""
-    ref_logprobs: Handle
+    ref_logprobs: Handle | None
+    """The reference's logprobs; None when the graph asked for no reference."""
     validation: Node | None
     """The greedy validation node (``config.val_data``), which loads the rollout's weights."""
     drawn_scores: Handle
@@ -295,7 +296,7 @@ class Sampled(NamedTuple):
 
 
 def sample_and_score(
-    g: Graph, config: RLConfig, *, vision: str | None = None, n: int = 1
+    g: Graph, config: RLConfig, *, vision: str | None = None, n: int = 1, reference: bool = True
 ) -> Sampled:
     """Declare data -> (vision) -> rollout -> reward, and the reference logprobs, in ``g``.
 
@@ -365,11 +366,13 @@ def sample_and_score(
         "response_ids": sample.response_ids,
         "response_mask": sample.response_mask,
     }
-    reference = ReferenceLogprobs(
-        policy=spec, temperature=config.temperature, device=device, name="reference",
-        micro_batch_tokens=config.micro_batch_tokens,
-    )  # fmt: skip
-    ref = reference(**tensors, **image_port)
+    ref = None  # no reference where nothing reads it (GRPO without its KL term)
+    if reference:
+        node = ReferenceLogprobs(
+            policy=spec, temperature=config.temperature, device=device, name="reference",
+            micro_batch_tokens=config.micro_batch_tokens,
+        )  # fmt: skip
+        ref = node(**tensors, **image_port)
     g.output("response_lengths", sample.response_lengths)
     validation = None
     if config.val_data is not None:

@@ -41,9 +41,13 @@ def build_graph(**options: Any) -> Graph:
 def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Graph:
     """The GRPO graph; ``vision``: the vision tower, or None for a text-only graph."""
     with Graph(name) as g:
-        s = sample_and_score(g, config, vision=vision, n=config.group_size)
+        # the reference only for the KL term: with kl_coef=0 nothing reads it
+        s = sample_and_score(
+            g, config, vision=vision, n=config.group_size, reference=config.kl_coef > 0
+        )
         set_share(s.rollout, "policy")  # one policy module on an on-policy executor
-        set_share(g.nodes["reference"], "policy")  # its frozen base, for a LoRA policy
+        if s.ref_logprobs is not None:
+            set_share(g.nodes["reference"], "policy")  # its frozen base, for a LoRA policy
         adv = GroupAdvantage(
             config.estimator,
             name="group_advantage",
@@ -66,7 +70,7 @@ def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Grap
             truncated=s.sample.truncated,
             **sampled_logprobs(config, s),
             advantages=adv.advantages,
-            ref_logprobs=s.ref_logprobs,
+            **({"ref_logprobs": s.ref_logprobs} if s.ref_logprobs is not None else {}),
             **s.image_port,
         )
         # no second snapshot: the update already publishes one (or, sharing, the live tensors)

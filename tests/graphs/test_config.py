@@ -282,3 +282,10 @@ def test_dynamic_sampling_draws_more_prompts_and_trains_on_the_informative_group
         TextGRPOConfig(dynamic_sampling=0.5, stream=True)
     with pytest.raises(ValueError, match="dynamic_sampling"):
         TextGRPOConfig(dynamic_sampling=-1.0)
+
+
+def test_grpo_without_its_kl_term_runs_no_reference():
+    assert "reference" in load_graph("graphs.text_grpo", batch_size=2).nodes
+    graph = load_graph("graphs.mm_grpo", batch_size=2, kl_coef=0.0)
+    assert "reference" not in graph.nodes
+    assert "ref_logprobs" not in {e.dst_port for e in graph.edges if e.dst == "grpo"}
