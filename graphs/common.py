@@ -358,6 +358,8 @@ def sample_and_score(
         scores, skipped = scores
         g.output("bad_samples", skipped)
     drawn_scores = scores
+    g.output("texts", sample.texts)  # with prompts and scores: what a run shows at a glance
+    g.output("prompts", data.prompts)
     if config.prompts_drawn > config.batch_size:  # dynamic sampling: the informative groups
         sample, scores, image_port = _keep_groups(g, config, sample, scores, image_port)
     tensors = {

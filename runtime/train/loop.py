@@ -64,6 +64,29 @@ def utilization(result: Any, step_seconds: float) -> dict[str, float]:
     return {f"util/controller_{c}": min(1.0, b / step_seconds) for c, b in sorted(busy.items())}
 
 
+GLANCE_ROWS = 3
+"""Responses a glance shows."""
+
+
+def glance(step: int, outputs: dict[str, Any], rows: int = GLANCE_ROWS) -> list[str]:
+    """A few of a step's responses with their prompts and rewards, for people: the first of
+    each of the first ``rows`` prompts (none where an output is missing)."""
+    texts, prompts, scores = (outputs.get(k) for k in ("texts", "prompts", "scores"))
+    if texts is None or prompts is None or scores is None or not len(prompts) or not len(texts):
+        return []
+    n = max(len(texts) // len(prompts), 1)  # responses per prompt
+    lines = [f"step {step}: {min(rows, len(prompts))} of {len(texts)} responses"]
+    for i in range(min(rows, len(prompts))):
+        prompt, text = _short(prompts[i]), _short(texts[i * n])
+        lines.append(f"  {prompt} -> {text} (reward {float(scores[i * n]):.3g})")
+    return lines
+
+
+def _short(value: Any, width: int = 80) -> str:
+    text = repr(value if isinstance(value, str) else str(value))
+    return text if len(text) <= width else text[: width - 4] + "...'"
+
+
 def train(
     executor: Executor,
     steps: int,
@@ -73,8 +96,13 @@ def train(
     resume: str | Path | None = None,
     progress: bool = True,
     meta: dict[str, Any] | None = None,
+    glance_every: int = 0,
 ) -> list[dict[str, Any]]:
     """Run until ``steps`` steps are done in all (a resumed run counts the steps it restored).
+
+    ``glance_every``: with the progress bar, every this many steps print a few of the step's
+    responses with their prompts and rewards, where the graph outputs ``texts``, ``prompts``
+    and ``scores`` (the ready graphs do); 0: never.
 
     ``meta`` joins each checkpoint's ``meta.json`` (``yatt-graph run`` records the graph
     reference and options there, for ``yatt-graph export``). Returns the metric rows of the
@@ -132,6 +160,10 @@ def train(
             writer.write(row)
         bar.set_postfix(_progress_fields(row, row["samples_per_s"]), refresh=False)
         bar.update(1)
+        if progress and glance_every > 0 and (result.step + 1) % glance_every == 0:
+            lines = glance(result.step, result.outputs)
+            if lines:
+                bar.write("\n".join(lines), file=sys.stderr)
 
     saving = out is not None and checkpoint_every > 0
 

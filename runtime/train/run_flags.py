@@ -144,7 +144,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="save the trained policy there with save_pretrained",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (and no glances)")
+    p.add_argument(
+        "--glance-every",
+        type=int,
+        default=50,
+        metavar="N",
+        help="every N steps print a few responses with their prompts and rewards (ready "
+        "graphs; 0: never)",
+    )
     p.add_argument(
         "--no-check-finite",
         action="store_true",
@@ -202,7 +210,7 @@ def _check_numbers(args: Any) -> None:
     least = {"--steps": (args.steps, 1), "--controllers": (args.controllers, 1)}
     least |= {"--checkpoint-every": (args.checkpoint_every, 0)}
     least |= {"--max-staleness": (args.max_staleness, 0), "--max-restarts": (args.max_restarts, 0)}
-    least |= {"--window": (args.window, 1)}
+    least |= {"--window": (args.window, 1), "--glance-every": (args.glance_every, 0)}
     if args.threads is not None:
         least["--threads"] = (args.threads, 1)
     for flag, (value, low) in least.items():

@@ -162,3 +162,31 @@ def test_signals_held_in_a_block_reach_their_handlers_once_when_it_ends():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_a_glance_shows_a_few_responses_with_their_prompts_and_rewards():
+    from runtime.train.loop import glance
+
+    outputs = {
+        "prompts": ["what color?", "what shape?"],
+        "texts": ["red", "blue", "a circle " * 20, "square"],  # two responses a prompt
+        "scores": torch.tensor([1.0, 0.0, 0.5, 1.0]),
+    }
+    lines = glance(7, outputs, rows=2)
+    assert lines[0] == "step 7: 2 of 4 responses"
+    assert lines[1] == "  'what color?' -> 'red' (reward 1)"
+    assert lines[2].startswith("  'what shape?' -> 'a circle a circle") and "...'" in lines[2]
+    assert glance(7, {"scores": outputs["scores"]}) == []  # a graph without texts: nothing
+
+
+@pytest.mark.timeout(300)
+def test_a_run_glances_at_its_responses_every_n_steps_unless_quiet(tmp_path, capsys):
+    argv = ["run", "text_grpo", "--steps", "2", "--set", "batch_size=2", "--glance-every", "1"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "step 0: 2 of 8 responses" in err and "step 1: 2 of 8 responses" in err
+    assert "-> " in err and "(reward " in err
+    assert main([*argv, "--out", str(tmp_path / "b"), "--quiet"]) == 0
+    assert "responses\n" not in capsys.readouterr().err
+    assert main([*argv, "--out", str(tmp_path / "c"), "--glance-every", "-1"]) == 2
+    assert "--glance-every must be 0 or more" in capsys.readouterr().err
