@@ -124,6 +124,12 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     0: the whole batch at once. Rows are sorted by length and the update accumulates gradients,
     so the step is the unsplit one up to float rounding, and memory stays bounded whatever the
     batch size."""
+    pack_sequences: bool = False
+    """Pack each micro-batch's rows into one sequence without padding for the update's forward.
+
+    For a text causal LM policy (--policy DIR, tiny-qwen2, ...; the default tiny policy is a
+    prefix-VLM): position ids restart at each row, and the step is the padded one up to
+    float rounding."""
     mask_truncated: bool = False
     """Leave responses cut at max_new_tokens out of the loss (DAPO's overlong filtering).
 

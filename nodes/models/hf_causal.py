@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from nodes.chat import chat_messages
 from nodes.models.files import _load_pretrained, _load_tokenizer
@@ -20,6 +21,7 @@ from nodes.models.policy_base import (
     PromptBatch,
     _check_response,
     _local_dir,
+    _suppress,
     char_tokenizer,
     word_tokenizer,
 )
@@ -105,6 +107,36 @@ class HFCausalPolicy(Policy):
         _check_response("HFCausalPolicy.forward_response", batch, response_ids, response_mask)
         real = response_mask.to(self.device) > 0  # (B, R)
         return self._token_pass(batch, response_ids, real, logits, hidden)
+
+    def forward_packed_logits(self, batch, response_ids: Tensor, real: Tensor) -> Tensor:
+        """:meth:`forward_response`'s logits with the rows packed into one sequence and no
+        padding: each row's prompt and real response tokens, one after another, position ids
+        restarting at each row, no attention mask (transformers then keeps each row's
+        attention to its own tokens). Only the positions that predict response tokens reach
+        the LM head. float[B, R, V], zero where ``real`` (bool[B, R]) is False."""
+        dev = self.device
+        prompt_real = batch.prompt_mask.to(dev).bool()  # (B, P)
+        real = real.to(dev)
+        B, R = response_ids.shape
+        pieces, positions, keep = [], [], []
+        offset = 0
+        for b in range(B):
+            row = torch.cat([batch.prompt_ids[b].to(dev)[prompt_real[b]],
+                             response_ids[b].to(dev)[real[b]]])  # fmt: skip
+            p, n = int(prompt_real[b].sum()), int(real[b].sum())
+            pieces.append(row)
+            positions.append(torch.arange(len(row), device=dev))
+            # position p-1+k predicts the row's k-th real response token
+            keep.append(offset + p - 1 + torch.arange(n, device=dev))
+            offset += len(row)
+        ids = torch.cat(pieces)[None]  # (1, T)
+        kept = torch.cat(keep)  # (K,) K = real response tokens
+        out = self.model(input_ids=ids, position_ids=torch.cat(positions)[None],
+                         logits_to_keep=kept, use_cache=False)  # fmt: skip
+        logits = out.logits[0]  # (K, V)
+        full = logits.new_zeros(B, R, logits.shape[-1])  # (B, R, V)
+        full[real] = logits  # row-major order, as kept was built
+        return _suppress(full, self.suppressed_token_ids)
 
     # --- files -------------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:

@@ -173,6 +173,7 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
         self.micro_batch_tokens = int(o.micro_batch_tokens)
         self.mask_truncated = bool(o.mask_truncated)
         self.tis_cap = float(o.tis_cap)
+        self.pack_sequences = bool(o.pack_sequences)
         self._response_stats: dict[str, float] = {}
         self.mini_batches = int(o.mini_batches)
         self.mixed_precision = o.mixed_precision
@@ -224,6 +225,17 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
         if self.ranks == 1:
             super().claim()
 
+    def _packed_logits(self) -> Any:
+        """The policy's logits from one packed sequence a micro-batch (``pack_sequences``)."""
+        packed = getattr(self.policy, "forward_packed_logits", None)
+        if packed is None or self.ranks > 1:
+            why = "ranks > 1" if packed is not None else f"a {type(self.policy).__name__} policy"
+            raise ValueError(
+                f"node {self.name!r}: pack_sequences=True needs a text causal LM trained in one "
+                f"process; it is not built for {why} (set pack_sequences=false)"
+            )
+        return lambda batch, ids, mask: packed(batch, ids, mask)
+
     def build(self) -> None:
         if self.ranks > 1:
             self._join_ranks()
@@ -238,6 +250,8 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
                 lambda: build_policy(self.policy_spec).to(self.device),
             ).eval()
             self._policy_logits = lambda *args: self.policy.forward_response(*args).logits
+        if self.pack_sequences:
+            self._policy_logits = self._packed_logits()
         if any(p.dtype == torch.float16 for p in self.policy.parameters() if p.requires_grad):
             raise ValueError(
                 f"node {self.name!r}: the policy to train has float16 weights; AdamW on float16 "

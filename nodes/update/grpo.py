@@ -63,6 +63,7 @@ class GRPOUpdate(_Update):
         micro_batch_tokens: int = 0,
         mask_truncated: bool = False,
         tis_cap: float = 0.0,
+        pack_sequences: bool = False,
         mini_batches: int = 1,
         mixed_precision: str = "no",
         lr_schedule: str = "constant",

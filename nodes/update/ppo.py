@@ -73,6 +73,9 @@ class PPOUpdate(_Update):
             ``min(exp(logprobs - rollout_logprobs), tis_cap)`` (needs the ``rollout_logprobs``
             input); 0 = off. With the input connected the metrics report the gap
             (logprob_gap_mean, logprob_gap_max) either way.
+        pack_sequences: a micro-batch's rows packed into one sequence with no padding for the
+            policy's forward (a text causal LM; position ids restart at each row), the same
+            loss as padded rows up to float rounding.
         mixed_precision: ``"no"`` or ``"bf16"`` (autocast; weights and AdamW state stay
             float32).
         lr_schedule, lr_warmup_steps, lr_decay_steps: ``"constant"``, ``"linear"`` or
@@ -140,6 +143,7 @@ class PPOUpdate(_Update):
         micro_batch_tokens: int = 0,
         mask_truncated: bool = False,
         tis_cap: float = 0.0,
+        pack_sequences: bool = False,
         mini_batches: int = 1,
         mixed_precision: str = "no",
         lr_schedule: str = "constant",

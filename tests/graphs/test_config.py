@@ -42,6 +42,7 @@ PPO_DEFAULTS = {
     "lr_schedule": "constant",
     "lr_warmup_steps": 0,
     "lr_decay_steps": 0,
+    "pack_sequences": False,
     "mask_truncated": False,
     "recompute_logprobs": False,
     "tis_cap": 0.0,

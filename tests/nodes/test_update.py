@@ -249,6 +249,52 @@ def test_grpo_token_budget_equals_full_batch(batch, aggregation):
     _assert_same_step(GRPOUpdate(**kw), split, inputs, ("policy",))
 
 
+def _text_batch(n: int = 2) -> dict:
+    """A text causal LM's batch: 4 prompts of different lengths, n ragged responses each."""
+    from nodes.models.policy import build_policy
+
+    policy = build_policy("tiny-qwen2")
+    enc = policy.encode_prompts(["what color is it", "a", "the shape is round and red", "b c"])
+    g = torch.Generator().manual_seed(0)
+    B, R = 4 * n, 7
+    lengths = torch.randint(1, R + 1, (B,), generator=g)  # (B,)
+    mask = (torch.arange(R)[None, :] < lengths[:, None]).float()  # (B, R)
+    scores = torch.randn(B, generator=g)
+    return {
+        "prompt_ids": enc.prompt_ids.repeat_interleave(n, 0),
+        "prompt_mask": enc.prompt_mask.repeat_interleave(n, 0),
+        "response_ids": torch.randint(3, policy.vocab_size, (B, R), generator=g) * mask.long(),
+        "response_mask": mask,
+        "logprobs": -torch.rand(B, R, generator=g) * mask - 2 * mask,
+        "advantages": broadcast_to_tokens(scores, mask),
+    }
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_packed_rows_take_the_padded_step(aggregation):
+    """pack_sequences: each micro-batch's rows in one sequence with no padding (position ids
+    restart a row) give the padded forward's gradients and step."""
+    inputs = _text_batch()
+    kw = {"policy": "tiny-qwen2", "lr": LR, "max_grad_norm": 0, "aggregation": aggregation,
+          "entropy_coef": 0.01, "micro_batch_tokens": 48}  # fmt: skip
+    _assert_same_step(GRPOUpdate(**kw), GRPOUpdate(pack_sequences=True, **kw), inputs, ("policy",))
+
+
+def test_packed_rows_take_the_padded_step_in_ppo():
+    inputs = _text_batch(n=1)
+    inputs |= {"returns": inputs["advantages"], "values": torch.zeros_like(inputs["logprobs"])}
+    kw = {"policy": "tiny-qwen2", "critic": "tiny-qwen2", "lr": LR, "max_grad_norm": 0}
+    # (packing is the policy's forward; the critic's is the padded one either way)
+    _assert_same_step(PPOUpdate(**kw), PPOUpdate(pack_sequences=True, **kw), inputs, ("policy",))
+
+
+def test_packing_is_refused_where_it_is_not_built(batch):
+    adv = broadcast_to_tokens(batch["scores"], batch["response_mask"])
+    node = GRPOUpdate(pack_sequences=True)  # the tiny prefix-VLM
+    with pytest.raises(ValueError, match="pack_sequences=True needs a text causal LM"):
+        node.run(_grpo_inputs(batch, adv, image_embeds=batch["image_embeds"]))
+
+
 def test_mini_batches_are_that_many_optimizer_steps_on_parts_of_the_batch(batch):
     adv = broadcast_to_tokens(batch["scores"], batch["response_mask"])
     per_row = batch["image_embeds"].repeat_interleave(4, 0)  # one unit a row
