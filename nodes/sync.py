@@ -114,7 +114,10 @@ class WeightInput:
         return update
 
     def _loaded_weights(self, weights: Any, update: WeightUpdate) -> None:
-        self._last_weights = weights
+        # A versioned payload is told apart by its version: holding it would keep a copy of
+        # the weights alive (on the GPU, beside the ones loaded). Only an unversioned state
+        # dict needs its identity kept, so that it is not loaded again.
+        self._last_weights = weights if not update.version else None
         self.weights_version = max(self.weights_version, update.version)
 
     def _forget_weights(self, version: int = 0) -> None:

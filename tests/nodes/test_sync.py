@@ -197,3 +197,27 @@ def test_a_rollout_loads_a_partial_update_that_crossed_the_codec():
     node.run(prompts=["hi"], image_embeds=torch.zeros(1, 32), weights=_across_controllers(update))
     assert node.weights_version == 1
     assert torch.equal(node.policy.state_dict()[name], target.state_dict()[name])
+
+
+def test_a_loaded_update_is_not_held_after_it_is_loaded():
+    """The payload is a copy of the weights (on the update's device); a rollout that kept it
+    to recognize it again would hold that copy beside its own. The version recognizes it."""
+    import gc
+    import weakref
+
+    from nodes.models.policy import tiny_prefix_vlm
+    from nodes.rollout import Rollout
+
+    node = Rollout(model=tiny_prefix_vlm(seed=0), max_new_tokens=2, seed=0)
+    state = {k: v.clone() for k, v in tiny_prefix_vlm(seed=4).state_dict().items()}
+    update = WeightUpdate(state, version=1)
+    watched = weakref.ref(next(iter(state.values())))
+    node.run(prompts=["hi"], image_embeds=torch.zeros(1, 32), weights=update)
+    again = node._newer_weights(update)
+    assert node.weights_version == 1 and again is None  # the same version: not loaded again
+    del update, state, again
+    gc.collect()
+    assert watched() is None
+    plain = {k: v.clone() for k, v in tiny_prefix_vlm(seed=5).state_dict().items()}
+    node.run(prompts=["hi"], image_embeds=torch.zeros(1, 32), weights=plain)
+    assert node._newer_weights(plain) is None  # an unversioned dict: known by identity
