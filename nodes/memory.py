@@ -525,5 +525,12 @@ def plan_memory(graph: Any, load: Load, processes: Mapping[str, str] | None = No
             parts[key] = parts.get(key, 0) + int(value)
         if any(parts.values()):
             plan.rows.append((name, process, device, parts))
+        ranks = getattr(node, "ranks", 1)
+        for rank in range(1, ranks if isinstance(ranks, int) else 1):
+            # the group's other ranks: processes of their own (on CUDA, a GPU each), holding
+            # rank 0's parts (an upper bound: only rank 0 gathers the published weights)
+            there = device if device == "cpu" else f"{device.partition(':')[0]}:{rank}"
+            plan.rows.append((f"{name} rank {rank}", f"{process}/{rank}", there, dict(parts)))
+            plan.processes += 1
     plan.room = _room({d for _, _, d, _ in plan.rows}, plan.runtime)
     return plan

@@ -199,7 +199,10 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
         activations of the largest micro-batch (see :func:`nodes.memory.training_memory`)."""
         from nodes.memory import training_memory
 
-        return training_memory(self.policy_spec, load, **self._memory_options(self.share))
+        held = training_memory(self.policy_spec, load, **self._memory_options(self.share))
+        if self.ranks > 1:  # the ranks' own sharded copy, not the rollout's module
+            held["weights@"] = held.pop("weights")
+        return held
 
     def _memory_options(self, share: str | None) -> dict[str, Any]:
         fsdp = self.ranks > 1 and self.train_backend == "fsdp"
@@ -208,7 +211,7 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
             "rows": self.micro_batch_size,
             "mini_batches": self.mini_batches,
             "mixed": self.mixed_precision != "no",
-            "live": share is not None,
+            "live": share is not None and self.ranks == 1,  # a group gathers a snapshot
             "shards": self.ranks if fsdp else 1,
         }
 

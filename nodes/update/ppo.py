@@ -230,7 +230,8 @@ class PPOUpdate(_Update):
         critic = training_memory(
             self.critic_spec, load, logits=False, **self._memory_options(self.critic_share)
         )
-        held[f"weights@{self.critic_share or ''}"] = critic.pop("weights")
+        key = self.critic_share if self.critic_share and self.ranks == 1 else ""
+        held[f"weights@{key}"] = critic.pop("weights")
         return {k: held.get(k, 0) + critic.get(k, 0) for k in {*held, *critic}}
 
     def _step(self, full: View) -> dict[str, Any]:

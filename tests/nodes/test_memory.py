@@ -118,3 +118,19 @@ def test_a_reward_model_and_a_judge_say_what_they_hold():
     assert judge.memory(LOAD)["weights@"] == 4 * sum(p.numel() for p in judge.model.parameters())
     graph = load_graph("graphs.text_grpo", batch_size=2, reward="judge:tiny")
     assert "reward" in {name for name, _, _, _ in plan_memory(graph, LOAD).rows}
+
+
+def test_a_rank_group_is_planned_as_its_processes_each_with_a_shard(saved_lm):
+    spec = {"path": str(saved_lm)}
+    alone = GRPOUpdate(policy=spec, share="policy").memory(LOAD)
+    group = GRPOUpdate(policy=spec, share="policy", ranks=2).memory(LOAD)
+    size = model_size(spec).params * 4
+    assert "weights" in alone and "weights@" not in alone  # the rollout's module, shared
+    assert group["weights@"] == size // 2 and group["optimizer"] == alone["optimizer"] // 2
+    assert group["snapshots"] > alone["snapshots"]  # rank 0 gathers what it publishes
+
+    class Graph:
+        nodes = {"grpo": GRPOUpdate(policy=spec, ranks=2)}  # noqa: RUF012
+
+    plan = plan_memory(Graph(), LOAD)
+    assert [row[0] for row in plan.rows] == ["grpo", "grpo rank 1"] and plan.processes == 2
