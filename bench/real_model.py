@@ -96,14 +96,15 @@ def _status_mb(key: str) -> float:
     return int(line.split()[1]) / 1024
 
 
-def one(path: str, size: int, budget: int, max_response: int) -> dict:
+def one(path: str, size: int, budget: int, max_response: int, pack: bool = False) -> dict:
     """One configuration, in this process: warm-up step, then the measured step."""
     import torch
 
     from nodes.update import GRPOUpdate
 
     torch.set_num_threads(os.cpu_count() or 1)
-    node = GRPOUpdate(policy={"path": path}, lr=1e-6, micro_batch_tokens=budget, kl_coef=0.0)
+    node = GRPOUpdate(policy={"path": path}, lr=1e-6, micro_batch_tokens=budget, kl_coef=0.0,
+                      pack_sequences=pack)  # fmt: skip
     node.setup()
     vocab = node.policy.vocab_size
     inputs = _batch(size, vocab, max_response)
@@ -119,6 +120,7 @@ def one(path: str, size: int, budget: int, max_response: int) -> dict:
     return {
         "size": size,
         "budget": budget,
+        "pack": pack,
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
@@ -134,25 +136,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=1024, help="micro_batch_tokens of the split runs")
     p.add_argument("--max-response", type=int, default=64)
     p.add_argument("--model", default="", help="a folder from an earlier run (else built anew)")
-    p.add_argument("--one", nargs=3, type=int, metavar=("SIZE", "BUDGET", "MAX_RESPONSE"),
+    p.add_argument(
+        "--pack",
+        action="store_true",
+        help="also each budgeted step with pack_sequences (rows packed, no padding)",
+    )
+    p.add_argument("--one", nargs=4, type=int, metavar=("SIZE", "BUDGET", "MAX_RESPONSE", "PACK"),
                    help=argparse.SUPPRESS)  # fmt: skip
     args = p.parse_args(argv)
     if args.one:
-        print(json.dumps(one(args.model, *args.one)))
+        size, budget, longest, pack = args.one
+        print(json.dumps(one(args.model, size, budget, longest, bool(pack))))
         return 0
     folder = Path(args.model or tempfile.mkdtemp(prefix="yatt-real-model-"))
     params = build_model(folder) if not args.model else None
     rows = []
     results = []
     for size in args.batches:
-        for budget in (0, args.budget):
+        for budget, pack in [(0, 0), (args.budget, 0), *([(args.budget, 1)] if args.pack else [])]:
             cmd = [sys.executable, "-m", "bench.real_model", "--model", str(folder),
-                   "--one", str(size), str(budget), str(args.max_response)]  # fmt: skip
+                   "--one", str(size), str(budget), str(args.max_response), str(pack)]  # fmt: skip
             out = subprocess.run(cmd, capture_output=True, text=True, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
             results.append(r)
             rows.append([
-                str(size), str(budget or "none"), str(r["tokens"]), f"{r['wall_s']:.1f}",
+                str(size), f"{budget or 'none'}{' packed' if pack else ''}", str(r["tokens"]),
+                f"{r['wall_s']:.1f}",
                 f"{r['tokens_per_s']:.0f}", f"{r['peak_mb']:.0f}", f"{r['step_peak_mb']:.0f}",
             ])  # fmt: skip
             print(rows[-1], flush=True)

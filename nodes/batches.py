@@ -68,21 +68,27 @@ class View(NamedTuple):
         return prompts.tolist(), responses.tolist()
 
 
-def token_budget_parts(view: View, budget: int, max_rows: int = 0) -> list[list[int]]:
+def token_budget_parts(
+    view: View, budget: int, max_rows: int = 0, packed: bool = False
+) -> list[list[int]]:
     """``view``'s units cut into parts, longest first, each within ``budget`` padded tokens
     (rows times the part's longest prompt plus its longest response; a unit larger than the
-    budget alone) and ``max_rows`` rows (0: any)."""
+    budget alone) and ``max_rows`` rows (0: any). ``packed``: the budget counts each row's
+    own tokens instead (its rows are packed into one sequence without padding)."""
     g = view.group
     prompts, responses = view.unit_lengths()
     order = sorted(range(len(prompts)), key=lambda u: (-(prompts[u] + responses[u]), u))
     parts: list[list[int]] = []
     width_p = width_r = 0  # the longest prompt and response of the last part
+    tokens = 0  # packed: the last part's tokens (each unit at its longest row)
     for u in order:
         p, r = max(width_p, prompts[u]), max(width_r, responses[u])
         rows = (len(parts[-1]) + 1) * g if parts else 0
-        if not parts or rows * (p + r) > budget or (max_rows and rows > max_rows):
+        size = tokens + g * (prompts[u] + responses[u]) if packed else rows * (p + r)
+        if not parts or size > budget or (max_rows and rows > max_rows):
             parts.append([])
-            p, r = prompts[u], responses[u]
+            p, r, tokens = prompts[u], responses[u], 0
         parts[-1].append(u)
         width_p, width_r = p, r
+        tokens += g * (prompts[u] + responses[u])
     return parts

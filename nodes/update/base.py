@@ -372,7 +372,9 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
     def _cut(self, view: View) -> list[tuple[View, slice]]:
         """Micro-batches of ``view``: by ``micro_batch_tokens`` when set, else by rows."""
         if self.micro_batch_tokens:
-            subs = token_micro_batches(view, self.micro_batch_tokens, self.micro_batch_size)
+            subs = token_micro_batches(
+                view, self.micro_batch_tokens, self.micro_batch_size, self.pack_sequences
+            )
             return [(sub, slice(0, sub.real.shape[0])) for sub in subs]
         return [(view, rows) for rows in self._slices(view.real.shape[0], view.group)]
 

@@ -36,9 +36,12 @@ class Micro(NamedTuple):
     """1, or 0 for a filler."""
 
 
-def token_micro_batches(view: View, budget: int, max_rows: int = 0) -> list[View]:
+def token_micro_batches(
+    view: View, budget: int, max_rows: int = 0, packed: bool = False
+) -> list[View]:
     """``view`` cut by :func:`~nodes.batches.token_budget_parts`, each part trimmed."""
-    return [view.take(part).trimmed() for part in token_budget_parts(view, budget, max_rows)]
+    parts = token_budget_parts(view, budget, max_rows, packed)
+    return [view.take(part).trimmed() for part in parts]
 
 
 Cut = Callable[[View], list[tuple[View, slice]]]
