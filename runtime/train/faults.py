@@ -144,6 +144,7 @@ def train_with_restarts(
     on_done: Callable[[Any], None] | None = None,
     meta: dict[str, Any] | None = None,
     glance_every: int = 0,
+    samples_every: int = 0,
 ) -> tuple[list[dict[str, Any]], int]:
     """``train()`` that survives dead controllers; returns (metric rows of this run, restarts).
 
@@ -154,7 +155,7 @@ def train_with_restarts(
     then makes executors with the new one; the run moves over with its state, and the
     reason is printed and appended to ``OUT/events.jsonl``), or None.
     ``on_done(executor)`` runs after the last step, before the executor is closed.
-    ``glance_every``: as :func:`runtime.train.loop.train`'s. A restart
+    ``glance_every``, ``samples_every``: as :func:`runtime.train.loop.train`'s. A restart
     resumes only from a checkpoint of this graph (see :func:`runtime.train.loop.train`).
     """
     from runtime.errors import ControllerError, HandshakeError
@@ -184,7 +185,7 @@ def train_with_restarts(
             def train_to(ex: Any, n: int) -> list[dict[str, Any]]:
                 return train(
                     ex, n, out, checkpoint_every=checkpoint_every, progress=progress, meta=meta,
-                    glance_every=glance_every,
+                    glance_every=glance_every, samples_every=samples_every,
                 )  # fmt: skip
 
             segment = steps

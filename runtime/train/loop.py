@@ -26,6 +26,7 @@ from runtime.train.checkpoint import checkpoints, load_checkpoint, save_checkpoi
 from runtime.train.errors import Terminated
 from runtime.train.identity import graph_identity
 from runtime.train.metrics import CURVES, MetricsWriter, curve_key, summarize, truncate_metrics
+from runtime.train.samples import SampleWriter
 from runtime.train.trace import Tracer
 
 __all__ = ["train", "utilization"]
@@ -97,12 +98,14 @@ def train(
     progress: bool = True,
     meta: dict[str, Any] | None = None,
     glance_every: int = 0,
+    samples_every: int = 0,
 ) -> list[dict[str, Any]]:
     """Run until ``steps`` steps are done in all (a resumed run counts the steps it restored).
 
     ``glance_every``: with the progress bar, every this many steps print a few of the step's
     responses with their prompts and rewards, where the graph outputs ``texts``, ``prompts``
-    and ``scores`` (the ready graphs do); 0: never.
+    and ``scores`` (the ready graphs do); 0: never. ``samples_every``: every this many steps
+    write those samples to ``OUT/samples/`` (:mod:`runtime.train.samples`); 0: never.
 
     ``meta`` joins each checkpoint's ``meta.json`` (``yatt-graph run`` records the graph
     reference and options there, for ``yatt-graph export``). Returns the metric rows of the
@@ -120,6 +123,7 @@ def train(
         if executor.next_step > 0:
             tracer.keep_earlier(out / "trace.json", executor.next_step)
     writer = MetricsWriter(out) if out is not None else None
+    kept = SampleWriter(out, samples_every) if out is not None else None
     record_meta = {**(meta or {}), "graph": identity}
     rows: list[dict[str, Any]] = []
     remaining = max(0, steps - executor.next_step)
@@ -158,6 +162,8 @@ def train(
             tracer.span(what, start, seconds, controller, step=result.step, bytes=moved)
         if writer is not None:
             writer.write(row)
+        if kept is not None:
+            kept.write(result.step, result.outputs)
         bar.set_postfix(_progress_fields(row, row["samples_per_s"]), refresh=False)
         bar.update(1)
         if progress and glance_every > 0 and (result.step + 1) % glance_every == 0:

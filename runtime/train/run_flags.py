@@ -154,6 +154,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "graphs; 0: never)",
     )
     p.add_argument(
+        "--samples-every",
+        type=int,
+        default=10,
+        metavar="N",
+        help="with --out: every N steps write the step's responses, prompts, rewards and "
+        "lengths to OUT/samples/ as Parquet (ready graphs; 0: never)",
+    )
+    p.add_argument(
         "--no-check-finite",
         action="store_true",
         help="do not stop the run at a node output holding NaN or inf (checked by default)",
@@ -211,6 +219,7 @@ def _check_numbers(args: Any) -> None:
     least |= {"--checkpoint-every": (args.checkpoint_every, 0)}
     least |= {"--max-staleness": (args.max_staleness, 0), "--max-restarts": (args.max_restarts, 0)}
     least |= {"--window": (args.window, 1), "--glance-every": (args.glance_every, 0)}
+    least |= {"--samples-every": (args.samples_every, 0)}
     if args.threads is not None:
         least["--threads"] = (args.threads, 1)
     for flag, (value, low) in least.items():

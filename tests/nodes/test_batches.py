@@ -6,7 +6,6 @@ from nodes.batches import View, token_budget_parts
 
 
 def _view(prompt_lengths, response_lengths, P=8, R=8):
-    B = len(prompt_lengths)
     prompt_mask = torch.tensor([[0] * (P - p) + [1] * p for p in prompt_lengths])  # left-padded
     real = torch.tensor([[1] * r + [0] * (R - r) for r in response_lengths]).bool()
     t = {"prompt_ids": prompt_mask.clone(), "prompt_mask": prompt_mask,

@@ -190,3 +190,27 @@ def test_a_run_glances_at_its_responses_every_n_steps_unless_quiet(tmp_path, cap
     assert "responses\n" not in capsys.readouterr().err
     assert main([*argv, "--out", str(tmp_path / "c"), "--glance-every", "-1"]) == 2
     assert "--glance-every must be 0 or more" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_a_run_keeps_its_samples_every_n_steps_within_a_cap(tmp_path, capsys, monkeypatch):
+    import pyarrow.parquet as pq
+
+    import runtime.train.samples as samples
+
+    argv = ["run", "text_grpo", "--steps", "4", "--set", "batch_size=2", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "a"), "--samples-every", "2"]) == 0
+    files = sorted((tmp_path / "a" / "samples").iterdir())
+    assert [f.name for f in files] == ["step-000001.parquet", "step-000003.parquet"]
+    table = pq.read_table(files[-1]).to_pydict()
+    assert table["step"] == [3] * 8 and table["sample"] == list(range(8))  # 2 prompts x 4
+    assert table["prompt_index"] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert table["prompt"][0] == table["prompt"][3] and all(0 <= r <= 1 for r in table["reward"])
+    assert all(isinstance(n, int) and n >= 1 for n in table["length"])
+    assert main([*argv, "--out", str(tmp_path / "b"), "--samples-every", "0"]) == 0
+    assert not (tmp_path / "b" / "samples").exists()
+    monkeypatch.setattr(samples, "MAX_BYTES", 1)  # full after the first file
+    capsys.readouterr()
+    assert main([*argv, "--out", str(tmp_path / "c"), "--samples-every", "1"]) == 0
+    assert len(list((tmp_path / "c" / "samples").iterdir())) == 1
+    assert "no more samples are written this run" in capsys.readouterr().err
