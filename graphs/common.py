@@ -203,11 +203,16 @@ def _vision_kwargs(vision: str, seed: int) -> dict[str, Any]:
     return {"model_name": name, "pretrained": weights or None, "seed": seed}
 
 
-def reward_node(reward: str, on_bad_sample: str = "raise") -> RewardNode:
+def reward_node(
+    reward: str, on_bad_sample: str = "raise", micro_batch_tokens: int = 0
+) -> RewardNode:
     """The reward of ``reward`` (:func:`nodes.rewards.reward_from_option`); ``on_bad_sample``:
     ``"raise"`` (a NaN/inf score stops the run, naming the sample) or ``"skip"`` (the sample
-    scores 0, and a ``bad_samples`` output counts it)."""
-    return reward_from_option(reward, on_bad_sample=on_bad_sample, name="reward")
+    scores 0, and a ``bad_samples`` output counts it); a reward model or judge reads within
+    ``micro_batch_tokens``."""
+    return reward_from_option(
+        reward, on_bad_sample=on_bad_sample, name="reward", micro_batch_tokens=micro_batch_tokens
+    )
 
 
 def data_source(config: RLConfig, *, text_only: bool) -> Node:
@@ -345,7 +350,7 @@ def sample_and_score(
     sample = rollout(prompts=data.prompts, **image_port)
     if not config.recompute_logprobs and config.prompts_drawn == config.batch_size:
         g.discard(sample.rollout_logprobs)  # the sampler's logprobs are the ones the update takes
-    reward = reward_node(config.reward, config.on_bad_sample)
+    reward = reward_node(config.reward, config.on_bad_sample, config.micro_batch_tokens)
     _check_meta(source, reward)
     extra: dict[str, Handle] = {}
     if getattr(reward, "needs_prompts", False):

@@ -119,11 +119,11 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     mini_batches: int = 1
     """Optimizer steps per pass (>= 1), each on that share of the batch (whole prompts)."""
     micro_batch_tokens: int = 0
-    """Budget (padded prompt + response tokens) of one forward of the update, reference, critic.
+    """Budget (padded tokens) of one forward of the update, reference, critic, reward model, judge.
 
-    0: the whole batch at once. Rows are sorted by length and the update accumulates gradients,
-    so the step is the unsplit one up to float rounding, and memory stays bounded whatever the
-    batch size."""
+    0: the whole batch at once (a reward model or judge: its rows). Rows are sorted by length
+    and the update accumulates gradients, so the step is the unsplit one up to float rounding,
+    and memory stays bounded whatever the batch size."""
     pack_sequences: bool = False
     """Pack each micro-batch's rows into one sequence without padding for the update's forward.
 

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["View", "token_budget_parts"]
+__all__ = ["View", "length_parts", "token_budget_parts"]
 
 _PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 
@@ -91,4 +91,24 @@ def token_budget_parts(
         parts[-1].append(u)
         width_p, width_r = p, r
         tokens += g * (prompts[u] + responses[u])
+    return parts
+
+
+def length_parts(lengths: Sequence[int], budget: int, max_rows: int = 0) -> list[list[int]]:
+    """The indices of ``lengths`` (one sequence each) cut into parts, longest first, each
+    within ``budget`` padded tokens (rows times the part's longest; a longer one alone) and
+    ``max_rows`` rows (0: any): the forward passes of a model that reads whole texts."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    parts: list[list[int]] = []
+    for i in order:
+        part = parts[-1] if parts else None
+        # longest first: the part's first row is its longest
+        if (
+            part is None
+            or (len(part) + 1) * lengths[part[0]] > budget
+            or (max_rows and len(part) >= max_rows)
+        ):
+            parts.append([i])
+        else:
+            part.append(i)
     return parts

@@ -171,14 +171,17 @@ def module_size(module: Any, dtype: str = "float32", config: Any = None) -> Mode
     return ModelSize(params=params, trainable=params, bytes_per_param=_BYTES.get(dtype, 4), **dims)
 
 
-def reading_memory(size: ModelSize, load: Load, rows: int, max_length: int,
-                   *, extra: int = 0, logits: bool = True) -> dict[str, int]:  # fmt: skip
-    """A model that reads each response (a reward model, a judge), ``rows`` at a time, each
-    the prompt and the response (plus ``extra`` tokens of a template) up to ``max_length``."""
+def reading_memory(size: ModelSize, load: Load, rows: int, max_length: int, *, extra: int = 0,
+                   logits: bool = True, budget: int = 0) -> dict[str, int]:  # fmt: skip
+    """A model that reads each response (a reward model, a judge), ``rows`` at a time (and
+    within ``budget`` padded tokens), each the prompt and the response (plus ``extra`` tokens
+    of a template) up to ``max_length``."""
     length = min(load.prompt_tokens + load.response_tokens + extra, max_length)
     m = size if logits else replace(size, vocab=0)
     w = m.bytes_per_param
     tokens = min(rows, load.responses) * length
+    if budget:
+        tokens = min(tokens, max(budget // length, 1) * length)
     return {"weights@": m.params * w, "activations": forward_bytes(m, tokens, length, w)}
 
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from nodes.batches import length_parts
 from nodes.models.files import _check_checkpoint_dir, _read_json, config_positions
 from nodes.models.offload import Offload
 from nodes.rewards.base import RewardNode, fill_template, template_fields
@@ -106,6 +107,8 @@ class JudgeReward(Offload, RewardNode):
         chat_template: wrap the filled template as one user turn of the tokenizer's (or the
             processor's) chat template, with the generation prompt after it.
         max_batch: samples per forward pass.
+        micro_batch_tokens: with a value > 0, also at most this many padded tokens of text per
+            forward pass (a text judge's tokens; a VLM judge's images add theirs); 0: rows only.
         max_length: longest text input in tokens (None: the model's position limit, else 2048).
         seed: seeds the tiny judge.
         device, dtype: where and in what precision the judge runs.
@@ -126,6 +129,7 @@ class JudgeReward(Offload, RewardNode):
         score_words: Mapping[str, float] | None = None,
         chat_template: bool = False,
         max_batch: int = 16,
+        micro_batch_tokens: int = 0,
         max_length: int | None = None,
         seed: int = 0,
         device: str = "cpu",
@@ -149,8 +153,11 @@ class JudgeReward(Offload, RewardNode):
                 raise ValueError(f"{where}: score_words[{word!r}] = {value!r} is not a number")
             if not math.isfinite(value):
                 raise ValueError(f"{where}: score_words[{word!r}] = {value!r} is not finite")
-        if max_batch < 1 or (max_length is not None and max_length < 1):
-            raise ValueError(f"{where}: max_batch and max_length must be >= 1")
+        if max_batch < 1 or (max_length is not None and max_length < 1) or micro_batch_tokens < 0:
+            raise ValueError(
+                f"{where}: max_batch and max_length must be >= 1, micro_batch_tokens >= 0"
+            )
+        self.micro_batch_tokens = int(micro_batch_tokens)
         if dtype not in _TORCH_DTYPES:
             raise ValueError(f"{where}: dtype must be one of {sorted(_TORCH_DTYPES)}")
         if model != "tiny" and not os.path.isdir(model):
@@ -257,7 +264,8 @@ class JudgeReward(Offload, RewardNode):
         else:
             size = checkpoint_size(self.model_source, self.dtype)
         extra = len(self.template)  # at most a token a character of the template's own text
-        return reading_memory(size, load, self.max_batch, self.max_length or 2048, extra=extra)
+        return reading_memory(size, load, self.max_batch, self.max_length or 2048, extra=extra,
+                              budget=self.micro_batch_tokens)  # fmt: skip
 
     # --- scoring ------------------------------------------------------------------------------
     def judge_inputs(
@@ -284,11 +292,9 @@ class JudgeReward(Offload, RewardNode):
             return torch.zeros(0)
         word_ids = torch.tensor(self.word_ids, device=self.device)  # (W,)
         values = torch.tensor(list(self.score_words.values()), dtype=torch.float32)  # (W,)
-        order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))  # longest first
         scores = torch.zeros(len(inputs), dtype=torch.float32)  # (B,)
         with torch.inference_mode():
-            for start in range(0, len(order), self.max_batch):
-                rows = order[start : start + self.max_batch]
+            for rows in self._parts(inputs):
                 chunk = [inputs[i] for i in rows]
                 if self.vlm is not None:
                     logits = self._vlm_logits(
@@ -299,6 +305,18 @@ class JudgeReward(Offload, RewardNode):
                 probs = logits.float()[:, word_ids].softmax(dim=-1).cpu()  # (b, W)
                 scores[rows] = probs @ values  # (b,)
         return scores  # (B,)
+
+    def _parts(self, inputs: list[str]) -> list[list[int]]:
+        """The forward passes: ``max_batch`` texts each, longest first (by characters), or
+        with ``micro_batch_tokens`` also within that many padded tokens."""
+        if not self.micro_batch_tokens:
+            order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))  # longest first
+            return [order[s : s + self.max_batch] for s in range(0, len(order), self.max_batch)]
+        ids = self.tokenizer(
+            inputs, truncation=True, max_length=self.max_length,
+            add_special_tokens=not self.chat_template,
+        )["input_ids"]  # fmt: skip
+        return length_parts([len(x) for x in ids], self.micro_batch_tokens, self.max_batch)
 
     def _text_logits(self, chunk: list[str]) -> torch.Tensor:
         """Next-token logits (b, V) after each text, left-padded, positions from 0 per row."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from nodes.batches import length_parts
 from nodes.models.files import _check_checkpoint_dir, _loading, _read_json
 from nodes.models.offload import Offload
 from nodes.models.policy_base import char_tokenizer
@@ -78,6 +79,8 @@ class RewardModel(Offload, RewardNode):
         max_length: longest input in tokens; longer inputs lose their beginning (left truncation,
             so that the end of the response is kept).
         micro_batch_size: samples per forward pass.
+        micro_batch_tokens: with a value > 0, also at most this many padded tokens per forward
+            pass (texts sorted by length, longest first); 0: rows only.
         device, dtype: where and in what precision the model runs (``"float32"``, ``"bfloat16"``).
         options: the RewardNode options (token_level, on_bad_sample, emit_bad_mask, name).
     """
@@ -96,6 +99,7 @@ class RewardModel(Offload, RewardNode):
         meta_keys: Sequence[str] = ("answer",),
         max_length: int = 512,
         micro_batch_size: int = 16,
+        micro_batch_tokens: int = 0,
         device: str = "cpu",
         dtype: str = "float32",
         model: Any = None,
@@ -112,8 +116,13 @@ class RewardModel(Offload, RewardNode):
         self.reads_meta = self.fields - {"prompt", "response"}
         if dtype not in _TORCH_DTYPES:
             raise ValueError(f"node {self.name!r}: dtype must be one of {sorted(_TORCH_DTYPES)}")
-        if micro_batch_size < 1 or max_length < 1:
-            raise ValueError(f"node {self.name!r}: micro_batch_size and max_length must be >= 1")
+        if micro_batch_size < 1 or max_length < 1 or micro_batch_tokens < 0:
+            raise ValueError(
+                f"node {self.name!r}: micro_batch_size and max_length must be >= 1 and "
+                f"micro_batch_tokens >= 0 (got {micro_batch_size}, {max_length}, "
+                f"{micro_batch_tokens})"
+            )
+        self.micro_batch_tokens = int(micro_batch_tokens)
         self.template, self.max_length, self.micro_batch_size = (
             template,
             max_length,
@@ -214,11 +223,13 @@ class RewardModel(Offload, RewardNode):
             size = module_size(self._build(dict(self.model_config), self.seed)[0], self.dtype)
         extra = len(self.template)  # at most a token a character of the template's own text
         return reading_memory(size, load, self.micro_batch_size, self.max_length, extra=extra,
-                              logits=False)  # fmt: skip
+                              logits=False, budget=self.micro_batch_tokens)  # fmt: skip
 
     def score_samples(self, texts, meta, prompts, images):
         prompts = prompts if prompts is not None else [""] * len(texts)
         inputs = fill_template(self.name, self.template, self.fields, texts, meta, prompts)
+        if self.micro_batch_tokens:
+            return self._score_in_parts(inputs)
         scores = []
         with torch.inference_mode():
             for start in range(0, len(inputs), self.micro_batch_size):
@@ -233,3 +244,20 @@ class RewardModel(Offload, RewardNode):
                 logits = self.model(**enc).logits  # (b, 1)
                 scores.append(logits[:, 0].float().cpu())  # (b,)
         return torch.cat(scores) if scores else torch.zeros(0)  # (B,)
+
+    def _score_in_parts(self, inputs: list[str]) -> torch.Tensor:
+        """Scores of ``inputs`` in forward passes of at most ``micro_batch_tokens`` padded
+        tokens (and ``micro_batch_size`` rows), longest first, put back in order."""
+        enc = self.tokenizer(inputs, truncation=True, max_length=self.max_length)
+        ids, masks = enc["input_ids"], enc["attention_mask"]
+        parts = length_parts([len(x) for x in ids], self.micro_batch_tokens, self.micro_batch_size)
+        scores = torch.zeros(len(inputs), dtype=torch.float32)  # (B,)
+        with torch.inference_mode():
+            for part in parts:
+                rows = {
+                    "input_ids": [ids[i] for i in part],
+                    "attention_mask": [masks[i] for i in part],
+                }
+                batch = self.tokenizer.pad(rows, return_tensors="pt").to(self.device)
+                scores[part] = self.model(**batch).logits[:, 0].float().cpu()  # (b,)
+        return scores  # (B,)

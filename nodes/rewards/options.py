@@ -88,8 +88,12 @@ def _bad(value: str, why: str) -> ValueError:
     return ValueError(f"reward {value!r}: {why}. The spellings are:\n  {listed}")
 
 
+BUDGETED = ("model", "judge")
+"""The kinds whose node reads every response with a model: they take ``micro_batch_tokens``."""
+
+
 def reward_from_option(
-    value: str, *, on_bad_sample: str = "raise", name: str = "reward"
+    value: str, *, on_bad_sample: str = "raise", name: str = "reward", micro_batch_tokens: int = 0
 ) -> RewardNode:
     """The reward node that the option string ``value`` names (see the module's table).
 
@@ -98,6 +102,8 @@ def reward_from_option(
             reference.
         on_bad_sample: ``"raise"`` or ``"skip"`` (then the node also outputs ``bad_samples``).
         name: the node's name in the graph.
+        micro_batch_tokens: for the kinds in :data:`BUDGETED`, at most this many padded tokens
+            a forward pass (0: rows only); the others read no model.
 
     Raises:
         ValueError: a spelling that is none of the above (the message lists them), or a rule
@@ -115,6 +121,8 @@ def reward_from_option(
         "name": name,
     }
     kind, colon, rest = value.partition(":")
+    if kind in BUDGETED and micro_batch_tokens:
+        options["micro_batch_tokens"] = int(micro_batch_tokens)
     if kind in REWARD_KINDS:
         return REWARD_KINDS[kind](rest if colon else None, options)
     if not rest or not kind:

@@ -233,3 +233,31 @@ def test_a_vlm_judge_reads_the_images(tmp_path):
     text_only = j.run(texts=texts)["scores"]  # a VLM judge also judges without images
     assert text_only[0] == pytest.approx(float(text_only[1]), abs=1e-6)
     assert not torch.allclose(text_only, scores)
+
+
+def test_a_token_budget_cuts_the_judges_and_the_reward_models_passes_and_keeps_the_scores():
+    from nodes.batches import length_parts
+    from nodes.rewards.models import RewardModel
+
+    assert length_parts([3, 9, 4, 9, 1], budget=20) == [[1, 3], [2, 0, 4]]  # 2 x 9, 3 x 4
+    assert length_parts([3, 9, 4], budget=20, max_rows=1) == [[1], [2], [0]]
+    assert length_parts([30, 2], budget=20) == [[0], [1]]  # a longer text alone
+    texts = ["red", "a blue square " * 6, "green", "it is a yellow circle"]
+    meta = [{"answer": "red"}] * 4
+    prompts = ["what color?"] * 4
+    judge, budgeted = JudgeReward("tiny"), JudgeReward("tiny", micro_batch_tokens=24)
+    judge.setup(), budgeted.setup()  # (score_samples is what run() calls once set up)
+    assert len(budgeted._parts(budgeted.judge_inputs(texts, meta, prompts))) > 1
+    torch.testing.assert_close(
+        budgeted.score_samples(texts, meta, prompts, None),
+        judge.score_samples(texts, meta, prompts, None), atol=1e-5, rtol=1e-5,
+    )  # fmt: skip
+    config = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32}
+    model, split = RewardModel(config=config), RewardModel(config=config, micro_batch_tokens=40)
+    model.setup(), split.setup()
+    torch.testing.assert_close(
+        split.score_samples(texts, meta, prompts, None),
+        model.score_samples(texts, meta, prompts, None), atol=1e-5, rtol=1e-5,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="micro_batch_tokens >= 0"):
+        RewardModel(config=config, micro_batch_tokens=-1)
