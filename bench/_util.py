@@ -18,6 +18,8 @@ __all__ = [
     "BENCH_RAY",
     "busy_loops",
     "import_ray",
+    "last_json",
+    "peak_run",
     "load_average",
     "machine",
     "median_time",
@@ -133,6 +135,36 @@ def machine() -> str:
         f"{platform.python_version()}, torch {torch.__version__}, pyzmq {zmq.__version__} "
         f"(libzmq {zmq.zmq_version()}), ray {ray.__version__ if ray else 'not installed'}"
     )
+
+
+PEAK_CLI = """
+import json, sys
+from runtime.cli import main
+code = main(sys.argv[1:])
+with open("/proc/self/status") as f:
+    peak = next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) * 1024
+print(json.dumps({"code": code, "peak": peak}))
+"""
+
+
+def peak_run(argv: list[str]) -> dict[str, int]:
+    """``yatt-graph ARGV`` in a fresh process: its exit code and its peak RSS (``VmHWM``,
+    bytes), ``{"code": ..., "peak": ...}``."""
+    return last_json([sys.executable, "-c", PEAK_CLI, *argv])
+
+
+def last_json(cmd: list[str], timeout: float = 3600) -> Any:
+    """Run ``cmd`` (a benchmark's child process) and return the JSON on its last stdout line;
+    a failed child stops the benchmark with the end of its stderr."""
+    import json
+    import subprocess
+
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise SystemExit(
+            f"{' '.join(cmd[:4])} ... failed ({out.returncode}):\n{out.stderr[-4000:]}"
+        )
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def table(header: list[str], rows: list[list[Any]]) -> str:

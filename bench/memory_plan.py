@@ -13,22 +13,11 @@ the measured peak in every case.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench._util import machine, table
-
-_RUN = """
-import json, sys
-from runtime.cli import main
-code = main(sys.argv[1:])
-with open("/proc/self/status") as f:
-    peak = next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) * 1024
-print(json.dumps({"code": code, "peak": peak}))
-"""
+from bench._util import last_json, machine, peak_run, table
 
 _PLAN = """
 import json, sys
@@ -41,13 +30,6 @@ plan = memory_plan(args.graph, options, load(args, options))
 print("\\n".join(plan.lines()), file=sys.stderr)
 print(json.dumps({"total": plan.device_totals()["cpu"]}))
 """
-
-
-def _last_json(cmd: list[str]) -> dict:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if out.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,10 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for label, argv_case in cases:
         with tempfile.TemporaryDirectory() as out:
-            run = [sys.executable, "-c", _RUN, "run", *argv_case, "--steps", str(args.steps),
-                   "--out", out, "--quiet"]  # fmt: skip
-            measured = _last_json(run)["peak"]
-        planned = _last_json([sys.executable, "-c", _PLAN, *argv_case])["total"]
+            run = ["run", *argv_case, "--steps", str(args.steps), "--out", out, "--quiet"]
+            measured = peak_run(run)["peak"]
+        planned = last_json([sys.executable, "-c", _PLAN, *argv_case])["total"]
         rows.append([label, f"{measured / 2**20:.0f}", f"{planned / 2**20:.0f}",
                      f"{planned / measured:.2f}"])  # fmt: skip
         print(rows[-1], flush=True)

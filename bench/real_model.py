@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench._util import machine, table
+from bench._util import last_json, machine, table
 
 WORDS = 6000
 """Distinct words of the generated corpus the tokenizer is trained on."""
@@ -156,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         for budget, pack in [(0, 0), (args.budget, 0), *([(args.budget, 1)] if args.pack else [])]:
             cmd = [sys.executable, "-m", "bench.real_model", "--model", str(folder),
                    "--one", str(size), str(budget), str(args.max_response), str(pack)]  # fmt: skip
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            r = json.loads(out.stdout.strip().splitlines()[-1])
+            r = last_json(cmd)
             results.append(r)
             rows.append([
                 str(size), f"{budget or 'none'}{' packed' if pack else ''}", str(r["tokens"]),

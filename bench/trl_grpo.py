@@ -25,12 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench._util import machine, table
+from bench._util import last_json, machine, peak_run, table
 
 REWARD = '''
 def reward(prompts, completions, **columns):
@@ -83,15 +82,6 @@ step_s = [b - a for a, b in zip(ends, ends[1:])]
 print(json.dumps({"step_s": step_s, "length": lengths[1:], "peak": peak}))
 """
 
-_OURS = r"""
-import json, sys
-from runtime.cli import main
-code = main(sys.argv[1:])
-with open("/proc/self/status") as f:
-    peak = next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) * 1024
-print(json.dumps({"code": code, "peak": peak}))
-"""
-
 
 def _write_data(path: Path, rows: int = 512, seed: int = 0) -> None:
     from bench.real_model import WORDS
@@ -104,13 +94,6 @@ def _write_data(path: Path, rows: int = 512, seed: int = 0) -> None:
         for _ in range(rows):
             prompt = " ".join(rng.choice(words) for _ in range(rng.randint(6, 16)))
             f.write(json.dumps({"prompt": prompt, "answer": ""}) + "\n")
-
-
-def _last_json(cmd: list[str]) -> dict:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if out.returncode != 0:
-        raise SystemExit(f"{cmd[:3]} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,20 +127,20 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.micro * (longest + args.max_new_tokens)
     rows = []
 
-    trl = _last_json([
+    trl = last_json([
         sys.executable, "-c", _TRL, str(trl_path), str(model), str(data), str(reward),
         str(tmp / "trl-out"), str(args.steps), str(args.prompts), str(args.group),
         str(args.max_new_tokens), str(args.micro),
     ])  # fmt: skip
     ours_cmd = [
-        sys.executable, "-c", _OURS, "run", "text_grpo", "--policy", str(model),
+        "run", "text_grpo", "--policy", str(model),
         "--data", str(data), "--reward", f"{reward}:reward", "--steps", str(args.steps),
         "--out", str(tmp / "ours"), "--quiet", "--seed", "0", "--set",
         f"batch_size={args.prompts}", f"group_size={args.group}",
         f"max_new_tokens={args.max_new_tokens}", "kl_coef=0", "aggregation=token-mean",
         f"micro_batch_tokens={budget}", "lr=1e-6", "chat_template=false",
     ]  # fmt: skip
-    ours = _last_json(ours_cmd)
+    ours = peak_run(ours_cmd)
     metrics = [json.loads(x) for x in (tmp / "ours" / "metrics.jsonl").read_text().splitlines()]
     ours_steps = [m["time/step"] for m in metrics[1:]]
     ours_lengths = [m["response_lengths/mean"] for m in metrics[1:]]
