@@ -346,7 +346,7 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         step: its batch, samples per prompt and response length, and its longest prompt,
         ``max_prompt_tokens`` or, without it, the longest of the first batch of the data."""
         from graphs.common import step_load
-        from nodes.memory import plan_memory
+        from nodes.memory_plan import plan_memory
 
         return plan_memory(graph, step_load(self, graph), processes)
 

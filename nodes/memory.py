@@ -1,5 +1,5 @@
-"""A memory plan before launch: what each model node of a graph will hold, and whether each
-device has room for it.
+"""What a model node will hold, before it is built: the sizes and formulas of the memory plan
+(:mod:`nodes.memory_plan` adds them up per process and device).
 
 A model node says what it holds for one step's :class:`Load` through ``Node.memory(load)``:
 bytes by part (:data:`PARTS`). The parts in :data:`HELD` stay between steps (weights, AdamW
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,6 @@ __all__ = [
     "PARTS",
     "Load",
     "ModelSize",
-    "MemoryPlan",
     "checkpoint_size",
     "module_size",
     "reading_memory",
@@ -42,10 +41,10 @@ __all__ = [
     "training_memory",
     "kv_cache_bytes",
     "model_size",
-    "plan_memory",
     "prompt_tokens",
     "train_bytes",
     "vision_params",
+    "within_budget",
 ]
 
 PARTS = ("weights", "optimizer", "snapshots", "gradients", "activations", "kv_cache", "images")
@@ -120,12 +119,11 @@ def _dims(config: Mapping[str, Any]) -> dict[str, int]:
     }
 
 
-def _lora_params(spec: Mapping[str, Any], dims: Mapping[str, int]) -> int:
+def _lora_params(spec: Mapping[str, Any], m: ModelSize) -> int:
     """Trainable parameters of LoRA adapters on every linear layer of a decoder: rank times
     (inputs + outputs) of q, k, v, o, gate, up and down."""
     r = int(spec.get("r", 8))
-    h, kv, inter = dims["hidden"], dims["kv_dim"], dims["intermediate"]
-    return r * dims["layers"] * (9 * h + 2 * kv + 3 * inter)
+    return r * m.layers * (9 * m.hidden + 2 * m.kv_dim + 3 * m.intermediate)
 
 
 @functools.lru_cache(maxsize=32)
@@ -146,9 +144,7 @@ def _size_of(spec_json: str) -> ModelSize:
         size = module_size(policy, dtype, config=getattr(decoder, "config", None))
         del policy
     lora = spec.get("lora")
-    dims = {"layers": size.layers, "hidden": size.hidden, "kv_dim": size.kv_dim,
-            "intermediate": size.intermediate}  # fmt: skip
-    return replace(size, trainable=_lora_params(lora, dims) if lora else size.params)
+    return replace(size, trainable=_lora_params(lora, size) if lora else size.params)
 
 
 def checkpoint_size(path: str | Path, dtype: str = "float32") -> ModelSize:
@@ -179,9 +175,7 @@ def reading_memory(size: ModelSize, load: Load, rows: int, max_length: int, *, e
     length = min(load.prompt_tokens + load.response_tokens + extra, max_length)
     m = size if logits else replace(size, vocab=0)
     w = m.bytes_per_param
-    tokens = min(rows, load.responses) * length
-    if budget:
-        tokens = min(tokens, max(budget // length, 1) * length)
+    tokens = within_budget(min(rows, load.responses) * length, length, budget)
     return {"weights@": m.params * w, "activations": forward_bytes(m, tokens, length, w)}
 
 
@@ -223,13 +217,16 @@ def kv_cache_bytes(m: ModelSize, rows: int, length: int, width: int = 4) -> int:
     return rows * length * m.layers * 2 * m.kv_dim * width
 
 
+def within_budget(tokens: int, longest: int, budget: int) -> int:
+    """Tokens of the largest forward over ``tokens`` padded tokens in rows of ``longest``: all
+    of them, or with a ``budget`` at most that many in whole rows (at least one)."""
+    return min(tokens, max(budget // longest, 1) * longest) if budget > 0 else tokens
+
+
 def budget_tokens(budget: int, load: Load) -> tuple[int, int]:
-    """(tokens, longest row) of the largest forward a node makes: the whole batch, or a
-    micro-batch of at most ``budget`` padded tokens (whole rows, at least one)."""
+    """(tokens, longest row) of the largest forward over the step's batch (:func:`within_budget`)."""
     longest = load.prompt_tokens + load.response_tokens
-    if budget <= 0 or budget >= load.tokens:
-        return load.tokens, longest
-    return max(budget // longest, 1) * longest, longest
+    return within_budget(load.tokens, longest, budget), longest
 
 
 def prompt_tokens(spec: Any, prompts: list[Any], images: list[Any] | None = None) -> int:
@@ -381,159 +378,3 @@ def vision_params(model_name: str, overrides_json: str) -> int:
     finally:
         root.level = level
     return sum(p.numel() for p in model.visual.parameters())
-
-
-# --- the plan ------------------------------------------------------------------------------
-@dataclass
-class MemoryPlan:
-    """Rows of (node, process, device, parts) and the devices' room."""
-
-    load: Load
-    rows: list[tuple[str, str, str, dict[str, int]]] = field(default_factory=list)
-    runtime: int = 0
-    """A process's own memory before any model: Python, torch, transformers (host memory)."""
-    room: dict[str, int] = field(default_factory=dict)
-    """Bytes each device has (the host: MemAvailable plus this process's; a GPU: its total)."""
-    processes: int = 1
-    """Processes of the run on the host (with controllers: theirs and the driver)."""
-
-    def peaks(self) -> dict[tuple[str, str], tuple[int, int, str]]:
-        """Per (process, device): (bytes held between calls, the largest call's working
-        set, the node of that call)."""
-        out: dict[tuple[str, str], tuple[int, int, str]] = {}
-        for node, process, device, parts in self.rows:
-            held, work, who = out.get((process, device), (0, 0, ""))
-            held += sum(parts.get(k, 0) for k in HELD)
-            call = sum(v for k, v in parts.items() if k not in HELD)
-            if call > work:
-                work, who = call, node
-            out[(process, device)] = (held, work, who)
-        return out
-
-    def device_totals(self) -> dict[str, int]:
-        """Bytes each device holds at its peak: its processes' peaks added up (they run at
-        once), and on the host each process's runtime."""
-        totals = {"cpu": self.runtime * self.processes}
-        for (_, device), (held, work, _) in self.peaks().items():
-            totals[device] = totals.get(device, 0) + held + work
-        return totals
-
-    def lines(self) -> list[str]:
-        """The plan as text: a table of nodes, then one line per device."""
-        ld = self.load
-        out = [
-            f"memory plan (estimates) for a step of {ld.responses} responses of up to "
-            f"{ld.response_tokens} tokens to {ld.prompts} prompts of up to {ld.prompt_tokens}"
-        ]
-        table = [["node", "process", "device", *[p.replace("_", " ") for p in PARTS]]]
-        for node, process, device, parts in self.rows:
-            table.append([node, process, device, *[_mb(parts.get(p, 0)) for p in PARTS]])
-        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-        out += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
-        return out + self.device_lines()
-
-    def device_lines(self) -> list[str]:
-        """One line per device: its peak, its largest call, and whether it fits."""
-        out = []
-        peaks = self.peaks()
-        for device, total in sorted(self.device_totals().items()):
-            calls = [
-                f"{who} {_mb(w)}" for (_, d), (_, w, who) in peaks.items() if d == device and who
-            ]
-            text = f"{device}: {_mb(total)} at the peak"
-            if device == "cpu":
-                each = (
-                    f" each of {self.processes} processes" if self.processes > 1 else " a process"
-                )
-                text += f", with {_mb(self.runtime)}{each} for Python and torch"
-            text += f"; largest call: {', '.join(calls) or 'none'}"
-            room = self.room.get(device)
-            if room is None:
-                text += "; its room is unknown here"
-            elif total > room:
-                text += (
-                    f"; WILL NOT FIT in {_mb(room)}: lower micro_batch_tokens or batch_size, "
-                    "or set lora_r or gradient_checkpointing"
-                )
-            else:
-                text += f"; fits in {_mb(room)}"
-            out.append(text)
-        return out
-
-    def fits(self) -> bool:
-        """Whether every device whose room is known has room for its peak."""
-        return all(t <= self.room.get(d, t) for d, t in self.device_totals().items())
-
-
-def _mb(n: int) -> str:
-    if n <= 0:
-        return "-"
-    if n < 2**20:
-        return "<1 MB"
-    return f"{n / 2**30:.1f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"
-
-
-def _runtime_bytes() -> int:
-    """This process's resident memory now (after importing torch and transformers): what any
-    process of the run holds before its models."""
-    import transformers  # noqa: F401  # imported by every model node's process
-
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _room(devices: Iterable[str], runtime: int) -> dict[str, int]:
-    room: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-        room["cpu"] = info.get("MemAvailable", 0) + runtime
-    except (OSError, ValueError, IndexError):
-        pass
-    import torch
-
-    for device in devices:
-        if device.startswith("cuda") and torch.cuda.is_available():
-            index = int(device.partition(":")[2] or 0)
-            if index < torch.cuda.device_count():
-                room[device] = torch.cuda.get_device_properties(index).total_memory
-    return room
-
-
-def plan_memory(graph: Any, load: Load, processes: Mapping[str, str] | None = None) -> MemoryPlan:
-    """The memory plan of ``graph``'s nodes for ``load``; ``processes`` maps a node to the
-    process (controller) that runs it (all in one, "0", by default).
-
-    A node's ``weights`` part belongs to its share key (``node.share``); ``weights@KEY`` to the
-    key KEY, ``weights@`` to none: the weights of one key in one process count once."""
-    count = len(set(processes.values())) + 1 if processes else 1  # the controllers and a driver
-    plan = MemoryPlan(load, runtime=_runtime_bytes(), processes=count)
-    seen: set[tuple[str, str, str]] = set()  # (process, device, share) whose weights are counted
-    for name, node in graph.nodes.items():
-        process = (processes or {}).get(name, "0")
-        device = str(getattr(node, "device", "cpu"))
-        device = device if device == "cpu" or ":" in device else f"{device}:0"
-        parts: dict[str, int] = {}
-        for key, value in node.memory(load).items():
-            if key.startswith("weights"):
-                share = key.partition("@")[2] if "@" in key else getattr(node, "share", None)
-                if share:
-                    if (process, device, share) in seen:
-                        continue  # one module for the nodes of a share key
-                    seen.add((process, device, share))
-                key = "weights"
-            parts[key] = parts.get(key, 0) + int(value)
-        if any(parts.values()):
-            plan.rows.append((name, process, device, parts))
-        ranks = getattr(node, "ranks", 1)
-        for rank in range(1, ranks if isinstance(ranks, int) else 1):
-            # the group's other ranks: processes of their own (on CUDA, a GPU each), holding
-            # rank 0's parts (an upper bound: only rank 0 gathers the published weights)
-            there = device if device == "cpu" else f"{device.partition(':')[0]}:{rank}"
-            plan.rows.append((f"{name} rank {rank}", f"{process}/{rank}", there, dict(parts)))
-            plan.processes += 1
-    plan.room = _room({d for _, _, d, _ in plan.rows}, plan.runtime)
-    return plan

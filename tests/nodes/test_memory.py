@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from nodes.memory import Load, MemoryPlan, model_size, plan_memory, prompt_tokens
+from nodes.memory import Load, model_size, prompt_tokens
+from nodes.memory_plan import MemoryPlan, plan_memory
 from nodes.models.hf_causal import tiny_causal_lm
 from nodes.models.policy import build_policy
 from nodes.update import GRPOUpdate, PPOUpdate

@@ -1,0 +1,173 @@
+"""A memory plan before launch: the parts each model node says it will hold
+(``Node.memory(load)``, :mod:`nodes.memory`) added up per process and device, and whether
+each device has room for them.
+
+A process's nodes run one at a time, so a process peaks at what its nodes hold between calls
+(:data:`~nodes.memory.HELD`) plus its largest call's working set; a model of one share key
+(:mod:`nodes.shared_models`) in one process counts once; each host process adds its runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nodes.memory import HELD, PARTS, Load
+
+__all__ = ["MemoryPlan", "plan_memory"]
+
+
+@dataclass
+class MemoryPlan:
+    """Rows of (node, process, device, parts) and the devices' room."""
+
+    load: Load
+    rows: list[tuple[str, str, str, dict[str, int]]] = field(default_factory=list)
+    runtime: int = 0
+    """A process's own memory before any model: Python, torch, transformers (host memory)."""
+    room: dict[str, int] = field(default_factory=dict)
+    """Bytes each device has (the host: MemAvailable plus this process's; a GPU: its total)."""
+    processes: int = 1
+    """Processes of the run on the host (with controllers: theirs and the driver)."""
+
+    def peaks(self) -> dict[tuple[str, str], tuple[int, int, str]]:
+        """Per (process, device): (bytes held between calls, the largest call's working
+        set, the node of that call)."""
+        out: dict[tuple[str, str], tuple[int, int, str]] = {}
+        for node, process, device, parts in self.rows:
+            held, work, who = out.get((process, device), (0, 0, ""))
+            held += sum(parts.get(k, 0) for k in HELD)
+            call = sum(v for k, v in parts.items() if k not in HELD)
+            if call > work:
+                work, who = call, node
+            out[(process, device)] = (held, work, who)
+        return out
+
+    def device_totals(self) -> dict[str, int]:
+        """Bytes each device holds at its peak: its processes' peaks added up (they run at
+        once), and on the host each process's runtime."""
+        totals = {"cpu": self.runtime * self.processes}
+        for (_, device), (held, work, _) in self.peaks().items():
+            totals[device] = totals.get(device, 0) + held + work
+        return totals
+
+    def lines(self) -> list[str]:
+        """The plan as text: a table of nodes, then one line per device."""
+        ld = self.load
+        out = [
+            f"memory plan (estimates) for a step of {ld.responses} responses of up to "
+            f"{ld.response_tokens} tokens to {ld.prompts} prompts of up to {ld.prompt_tokens}"
+        ]
+        table = [["node", "process", "device", *[p.replace("_", " ") for p in PARTS]]]
+        for node, process, device, parts in self.rows:
+            table.append([node, process, device, *[_mb(parts.get(p, 0)) for p in PARTS]])
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        out += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+        return out + self.device_lines()
+
+    def device_lines(self) -> list[str]:
+        """One line per device: its peak, its largest call, and whether it fits."""
+        out = []
+        peaks = self.peaks()
+        for device, total in sorted(self.device_totals().items()):
+            calls = [
+                f"{who} {_mb(w)}" for (_, d), (_, w, who) in peaks.items() if d == device and who
+            ]
+            text = f"{device}: {_mb(total)} at the peak"
+            if device == "cpu":
+                each = (
+                    f" each of {self.processes} processes" if self.processes > 1 else " a process"
+                )
+                text += f", with {_mb(self.runtime)}{each} for Python and torch"
+            text += f"; largest call: {', '.join(calls) or 'none'}"
+            room = self.room.get(device)
+            if room is None:
+                text += "; its room is unknown here"
+            elif total > room:
+                text += (
+                    f"; WILL NOT FIT in {_mb(room)}: lower micro_batch_tokens or batch_size, "
+                    "or set lora_r or gradient_checkpointing"
+                )
+            else:
+                text += f"; fits in {_mb(room)}"
+            out.append(text)
+        return out
+
+    def fits(self) -> bool:
+        """Whether every device whose room is known has room for its peak."""
+        return all(t <= self.room.get(d, t) for d, t in self.device_totals().items())
+
+
+def _mb(n: int) -> str:
+    if n <= 0:
+        return "-"
+    if n < 2**20:
+        return "<1 MB"
+    return f"{n / 2**30:.1f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"
+
+
+def _runtime_bytes() -> int:
+    """This process's resident memory now (after importing torch and transformers): what any
+    process of the run holds before its models."""
+    import transformers  # noqa: F401  # imported by every model node's process
+
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _room(devices: Iterable[str], runtime: int) -> dict[str, int]:
+    room: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        room["cpu"] = info.get("MemAvailable", 0) + runtime
+    except (OSError, ValueError, IndexError):
+        pass
+    import torch
+
+    for device in devices:
+        if device.startswith("cuda") and torch.cuda.is_available():
+            index = int(device.partition(":")[2] or 0)
+            if index < torch.cuda.device_count():
+                room[device] = torch.cuda.get_device_properties(index).total_memory
+    return room
+
+
+def plan_memory(graph: Any, load: Load, processes: Mapping[str, str] | None = None) -> MemoryPlan:
+    """The memory plan of ``graph``'s nodes for ``load``; ``processes`` maps a node to the
+    process (controller) that runs it (all in one, "0", by default).
+
+    A node's ``weights`` part belongs to its share key (``node.share``); ``weights@KEY`` to the
+    key KEY, ``weights@`` to none: the weights of one key in one process count once."""
+    count = len(set(processes.values())) + 1 if processes else 1  # the controllers and a driver
+    plan = MemoryPlan(load, runtime=_runtime_bytes(), processes=count)
+    seen: set[tuple[str, str, str]] = set()  # (process, device, share) whose weights are counted
+    for name, node in graph.nodes.items():
+        process = (processes or {}).get(name, "0")
+        device = str(getattr(node, "device", "cpu"))
+        device = device if device == "cpu" or ":" in device else f"{device}:0"
+        parts: dict[str, int] = {}
+        for key, value in node.memory(load).items():
+            if key.startswith("weights"):
+                share = key.partition("@")[2] if "@" in key else getattr(node, "share", None)
+                if share:
+                    if (process, device, share) in seen:
+                        continue  # one module for the nodes of a share key
+                    seen.add((process, device, share))
+                key = "weights"
+            parts[key] = parts.get(key, 0) + int(value)
+        if any(parts.values()):
+            plan.rows.append((name, process, device, parts))
+        ranks = getattr(node, "ranks", 1)
+        for rank in range(1, ranks if isinstance(ranks, int) else 1):
+            # the group's other ranks: processes of their own (on CUDA, a GPU each), holding
+            # rank 0's parts (an upper bound: only rank 0 gathers the published weights)
+            there = device if device == "cpu" else f"{device.partition(':')[0]}:{rank}"
+            plan.rows.append((f"{name} rank {rank}", f"{process}/{rank}", there, dict(parts)))
+            plan.processes += 1
+    plan.room = _room({d for _, _, d, _ in plan.rows}, plan.runtime)
+    return plan
