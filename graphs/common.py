@@ -348,7 +348,7 @@ def sample_and_score(
         name="rollout",
     )
     sample = rollout(prompts=data.prompts, **image_port)
-    if not config.recompute_logprobs and config.prompts_drawn == config.batch_size:
+    if not config.recompute_logprobs:
         g.discard(sample.rollout_logprobs)  # the sampler's logprobs are the ones the update takes
     reward = reward_node(config.reward, config.on_bad_sample, config.micro_batch_tokens)
     _check_meta(source, reward)
@@ -403,15 +403,11 @@ def _keep_groups(
             "response_lengths", "truncated"]  # fmt: skip
     if config.recompute_logprobs:
         rows.append("rollout_logprobs")
-    else:
-        g.discard(sample.rollout_logprobs)  # (discarded once here, before the filter)
     node = KeepGroups(config.batch_size, rows=rows, prompts=list(image_port), name="keep_groups")
     kept = node(scores=scores, group_ids=sample.group_ids, **{r: getattr(sample, r) for r in rows},
                 **image_port)  # fmt: skip
     g.output("dynamic_sampling", kept.stats)
     carried = {r: getattr(kept, r) for r in rows} | {"group_ids": kept.group_ids}
-    if not config.recompute_logprobs:
-        carried["rollout_logprobs"] = None
     return SimpleNamespace(**carried), kept.scores, {p: getattr(kept, p) for p in image_port}
 
 

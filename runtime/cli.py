@@ -30,6 +30,7 @@ from runtime.run_setup import (
     load,
     memory_plan,
     resolve_graph,
+    typed_config,
 )
 from runtime.train.errors import Terminated
 from runtime.train.export import export_checkpoint
@@ -74,9 +75,9 @@ def cmd_viz(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     if args.options:
         module = load_graph_module(args.graph)
-        config = getattr(module, "CONFIG", None)
+        config = typed_config(args.graph, "idle_options")
         here, hidden = {}, {}
-        if hasattr(config, "idle_options"):  # a typed config: what the flags given resolve to
+        if config is not None:  # a typed config: what the flags given resolve to
             resolved = config.from_options(args.graph, graph_options(args))
             here = {name: getattr(resolved, name) for name in resolved.__struct_fields__}
             hidden = {} if args.all else resolved.idle_options()

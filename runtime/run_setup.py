@@ -35,6 +35,7 @@ __all__ = [
     "load",
     "memory_plan",
     "run_config",
+    "typed_config",
 ]
 
 
@@ -253,18 +254,15 @@ class RunSetup:
     def notes(self, options: dict[str, Any]) -> list[str]:
         """What the graph's typed config says about the settings it resolved (its ``notes()``:
         defaults chosen for the model given, a chat template applied), for the run's first lines."""
-        config = getattr(load_graph_module(self.args.graph), "CONFIG", None)
-        if config is None or not hasattr(config, "notes"):
-            return []
-        return list(config.from_options(self.args.graph, options).notes())
+        config = typed_config(self.args.graph, "notes")
+        return [] if config is None else list(config.from_options(self.args.graph, options).notes())
 
     def memory_lines(self, options: dict[str, Any], graph: Any) -> list[str]:
         """The memory plan's line per device, for the run's first lines. Made in an
         in-process run, which loads the models' libraries anyway; a driver of controllers
         holds no model and stays without them, so it says how to see the plan instead."""
         args = self.args
-        config = getattr(load_graph_module(args.graph), "CONFIG", None)
-        if not hasattr(config, "memory_plan"):
+        if typed_config(args.graph, "memory_plan") is None:
             return []
         if args.controllers > 1 or args.listen:
             return [f"`yatt-graph show {args.graph} --memory --controllers {args.controllers}` "
@@ -286,12 +284,19 @@ class RunSetup:
             self.take_group().shutdown("the run stopped before its first step")
 
 
-def memory_plan(target: str, options: dict[str, Any], graph: Any, controllers: int = 1) -> Any:
-    """The memory plan (``nodes.memory.MemoryPlan``) of a graph whose module has a typed config
-    that plans (the ready graphs' ``CONFIG.memory_plan``), its nodes placed on ``controllers``
-    as a run places them; None for a graph without one."""
+def typed_config(target: str, method: str) -> Any:
+    """The typed config class of the graph ``target`` (its module's ``CONFIG``, as the ready
+    graphs have) where it has ``method``, else None."""
     config = getattr(load_graph_module(target), "CONFIG", None)
-    if config is None or not hasattr(config, "memory_plan"):
+    return config if hasattr(config, method) else None
+
+
+def memory_plan(target: str, options: dict[str, Any], graph: Any, controllers: int = 1) -> Any:
+    """The memory plan (``nodes.memory_plan.MemoryPlan``) of a graph whose typed config plans
+    (``CONFIG.memory_plan``), its nodes placed on ``controllers`` as a run places them; None
+    for a graph without one."""
+    config = typed_config(target, "memory_plan")
+    if config is None:
         return None
     processes = None
     if controllers > 1:

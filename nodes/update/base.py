@@ -237,7 +237,7 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
                 f"node {self.name!r}: pack_sequences=True needs a text causal LM trained in one "
                 f"process; it is not built for {why} (set pack_sequences=false)"
             )
-        return lambda batch, ids, mask: packed(batch, ids, mask)
+        return packed
 
     def build(self) -> None:
         if self.ranks > 1:

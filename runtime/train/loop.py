@@ -26,7 +26,7 @@ from runtime.train.checkpoint import checkpoints, load_checkpoint, save_checkpoi
 from runtime.train.errors import Terminated
 from runtime.train.identity import graph_identity
 from runtime.train.metrics import CURVES, MetricsWriter, curve_key, summarize, truncate_metrics
-from runtime.train.samples import SampleWriter
+from runtime.train.samples import SampleWriter, sample_rows
 from runtime.train.trace import Tracer
 
 __all__ = ["train", "utilization"]
@@ -71,20 +71,24 @@ GLANCE_ROWS = 3
 
 def glance(step: int, outputs: dict[str, Any], rows: int = GLANCE_ROWS) -> list[str]:
     """A few of a step's responses with their prompts and rewards, for people: the first of
-    each of the first ``rows`` prompts (none where an output is missing)."""
-    texts, prompts, scores = (outputs.get(k) for k in ("texts", "prompts", "scores"))
-    if texts is None or prompts is None or scores is None or not len(prompts) or not len(texts):
+    each of the first ``rows`` prompts (none where the graph does not output its samples,
+    :func:`runtime.train.samples.sample_rows`)."""
+    cols = sample_rows(step, outputs)
+    if not cols or not cols["sample"]:
         return []
-    n = max(len(texts) // len(prompts), 1)  # responses per prompt
-    lines = [f"step {step}: {min(rows, len(prompts))} of {len(texts)} responses"]
-    for i in range(min(rows, len(prompts))):
-        prompt, text = _short(prompts[i]), _short(texts[i * n])
-        lines.append(f"  {prompt} -> {text} (reward {float(scores[i * n]):.3g})")
+    first: dict[int, int] = {}  # prompt -> its first response
+    for i, prompt in enumerate(cols["prompt_index"]):
+        first.setdefault(prompt, i)
+    shown = list(first.values())[:rows]
+    lines = [f"step {step}: {len(shown)} of {len(cols['sample'])} responses"]
+    for i in shown:
+        prompt, text = _short(cols["prompt"][i]), _short(cols["response"][i])
+        lines.append(f"  {prompt} -> {text} (reward {cols['reward'][i]:.3g})")
     return lines
 
 
-def _short(value: Any, width: int = 80) -> str:
-    text = repr(value if isinstance(value, str) else str(value))
+def _short(value: str, width: int = 80) -> str:
+    text = repr(value)
     return text if len(text) <= width else text[: width - 4] + "...'"
 
 
