@@ -406,7 +406,8 @@ class TextGRPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
     kl_estimator: KLEstimator = "k3"
     """The KL-to-reference loss term's estimator: k1, k2, k3 (the GRPO paper's) or abs."""
     aggregation: Aggregation = "seq-mean-token-mean"
-    """How token losses make the loss: token-mean, seq-mean-token-mean or seq-mean-token-sum."""
+    """How token losses make the loss: token-mean, seq-mean-token-mean, seq-mean-token-sum or
+    seq-mean-token-sum-norm (Dr.GRPO's constant normaliser, over max_new_tokens)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

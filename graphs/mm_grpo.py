@@ -59,6 +59,7 @@ def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Grap
             policy=s.spec,
             kl_coef=config.kl_coef,
             aggregation=config.aggregation,
+            horizon=config.max_new_tokens,  # seq-mean-token-sum-norm's constant
             kl_estimator=config.kl_estimator,
             device=s.device,
             **update_options(config),

@@ -1,6 +1,6 @@
 """Reducing per-token losses to a scalar, and the checks the loss functions share.
 
-The conventions and the two aggregations are described in :mod:`nodes.rl.losses`, which
+The conventions and the aggregations are described in :mod:`nodes.rl.losses`, which
 re-exports :func:`aggregate_token_loss`.
 """
 
@@ -33,8 +33,9 @@ class TokenMean(NamedTuple):
 
     total: Callable[[Tensor, Tensor], Tensor]
     """(B, T) loss, zero at padding, and bool (B, T) real tokens -> () what is averaged, summed."""
-    count: Callable[[Tensor], Tensor]
-    """bool (B, T) real tokens -> () what it is averaged over."""
+    count: Callable[[Tensor, int], Tensor]
+    """bool (B, T) real tokens and the horizon (a constant token count, for
+    ``seq-mean-token-sum-norm``) -> () what it is averaged over."""
 
 
 AGGREGATIONS: Registry[TokenMean] = Registry("loss aggregation")
@@ -43,19 +44,30 @@ AGGREGATIONS: Registry[TokenMean] = Registry("loss aggregation")
 AGGREGATIONS.register("token-mean", "every real token of the batch weighs the same")(
     TokenMean(
         total=lambda loss, real: loss.sum(),  # ()
-        count=lambda real: real.sum(),  # () real tokens
+        count=lambda real, horizon: real.sum(),  # () real tokens
     )
 )
 AGGREGATIONS.register("seq-mean-token-mean", "the mean per sequence, then over sequences")(
     TokenMean(
         total=lambda loss, real: (loss.sum(1) / real.sum(1).clamp(min=1)).sum(),  # ()
-        count=lambda real: real.any(1).sum(),  # () sequences with a real token
+        count=lambda real, horizon: real.any(1).sum(),  # () sequences with a real token
     )
 )
 AGGREGATIONS.register("seq-mean-token-sum", "the sum per sequence, then the mean over sequences")(
     TokenMean(
         total=lambda loss, real: loss.sum(),  # ()
-        count=lambda real: real.any(1).sum(),  # () sequences with a real token
+        count=lambda real, horizon: real.any(1).sum(),  # () sequences with a real token
+    )
+)
+
+AGGREGATIONS.register(
+    "seq-mean-token-sum-norm",
+    "Dr.GRPO's constant normaliser: the sum per sequence over a fixed horizon of tokens "
+    "(the generation budget), then the mean over sequences",
+)(
+    TokenMean(
+        total=lambda loss, real: loss.sum(),  # ()
+        count=lambda real, horizon: real.any(1).sum() * horizon,  # () sequences x horizon
     )
 )
 
@@ -67,23 +79,49 @@ Aggregation = AGGREGATIONS.literal()
 # ---------------------------------------------------------------------------------------------
 
 
-def _aggregate(fn: str, token_loss: Tensor, real: Tensor, aggregation: str) -> Tensor:
+def _aggregate(
+    fn: str, token_loss: Tensor, real: Tensor, aggregation: str, horizon: int | None = None
+) -> Tensor:
     """``aggregate_token_loss`` without the shape checks (``real`` is a bool mask)."""
     mean = AGGREGATIONS[AGGREGATIONS.check(aggregation, f"{fn}: aggregation")]
     _check_real_count(fn, real)
     token_loss = torch.where(real, token_loss, 0)  # (B, T) padding -> 0
-    return mean.total(token_loss, real) / mean.count(real).to(token_loss.dtype)  # ()
+    count = mean.count(real, _horizon(fn, real, horizon))  # ()
+    return mean.total(token_loss, real) / count.to(token_loss.dtype)  # ()
+
+
+def _horizon(fn: str, real: Tensor, horizon: int | None) -> int:
+    """The constant token count of a normalised aggregation: ``horizon``, or the mask's width
+    T when None; it is refused below the longest real response (a sequence would weigh more
+    than 1)."""
+    width = int(real.shape[1])
+    if horizon is None:
+        return width
+    longest = int(real.sum(1).max()) if real.numel() else 0
+    if not isinstance(horizon, int) or isinstance(horizon, bool) or horizon < max(longest, 1):
+        raise ValueError(
+            f"{fn}: horizon is {horizon!r}; it must be an int >= the longest response "
+            f"({longest} tokens): the generation budget, max_new_tokens"
+        )
+    return horizon
 
 
 def aggregate_token_loss(
-    token_loss: Tensor, mask: Tensor, aggregation: Aggregation = "token-mean"
+    token_loss: Tensor,
+    mask: Tensor,
+    aggregation: Aggregation = "token-mean",
+    *,
+    horizon: int | None = None,
 ) -> Tensor:
     """Reduce a (B, T) per-token loss to a scalar, ignoring padding exactly.
 
     Args:
         token_loss: (B, T) per-token loss.
         mask: (B, T) 1 on real tokens, 0 on padding.
-        aggregation: ``"token-mean"`` or ``"seq-mean-token-mean"`` (see the module docstring).
+        aggregation: a registered aggregation (see the module docstring of
+            :mod:`nodes.rl.losses`).
+        horizon: the constant token count of ``"seq-mean-token-sum-norm"`` (Dr.GRPO: the
+            generation budget); None: the width T.
 
     Returns:
         A 0-d tensor.
@@ -92,7 +130,7 @@ def aggregate_token_loss(
     token_loss = _check_float(fn, "token_loss", token_loss)
     _check_bt(fn, "token_loss", token_loss)
     real = _check_mask(fn, mask, token_loss.shape, "token_loss")  # (B, T) bool
-    return _aggregate(fn, token_loss, real, aggregation)
+    return _aggregate(fn, token_loss, real, aggregation, horizon)
 
 
 def _check_token_tensors(fn: str, mask: Tensor, **tensors: Tensor) -> Tensor:

@@ -12,6 +12,10 @@ Aggregation of per-token losses (``aggregation=``):
 - ``"seq-mean-token-mean"``: mean over tokens within each sample, then over samples (each
   sample weighs the same; the GRPO paper's ``1/G sum_i 1/|o_i| sum_t``). Samples without a real
   token are left out.
+- ``"seq-mean-token-sum"``: the sum over tokens within each sample, then the mean over samples.
+- ``"seq-mean-token-sum-norm"``: Dr.GRPO's constant normaliser, ``1/G sum_i sum_t / L`` with
+  ``L`` a fixed ``horizon`` (the generation budget), so that neither a response's length nor
+  the batch's padded width changes a token's weight.
 
 References:
     PPO: Schulman et al. 2017, "Proximal Policy Optimization Algorithms". Asymmetric clipping
@@ -70,6 +74,7 @@ def ppo_policy_loss(
     aggregation: Aggregation = "token-mean",
     dual_clip: float | None = None,
     is_weights: Tensor | None = None,
+    horizon: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss.
 
@@ -86,6 +91,7 @@ def ppo_policy_loss(
         aggregation: a registered aggregation (``"token-mean"``, the default).
         dual_clip: with a value c > 1, a negative-advantage token's loss is at most ``-A * c``.
         is_weights: (B, T) weights of each token's loss, e.g. :func:`truncated_is_weights`.
+        horizon: the constant token count of ``"seq-mean-token-sum-norm"``; None: T.
 
     Returns:
         ``(loss, stats)``: a 0-d loss, and detached 0-d stats ``clip_fraction`` (fraction of
@@ -101,7 +107,7 @@ def ppo_policy_loss(
     _check_dual_clip(fn, dual_clip)
     return _ppo_policy_loss(
         logprobs, old_logprobs, advantages, real, eps_low, eps_high, dual_clip, aggregation,
-        is_weights,
+        is_weights, horizon,
     )  # fmt: skip
 
 
@@ -115,13 +121,14 @@ def _ppo_policy_loss(
     dual_clip: float | None = None,
     aggregation: str = "token-mean",
     is_weights: Tensor | None = None,
+    horizon: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`ppo_policy_loss` of checked inputs (finite on ``real``, a bool mask): what an
     update calls on every micro-batch of the inputs it checked once."""
     token_loss, stats = _clipped_surrogate(
         logprobs, old_logprobs, advantages, real, eps_low, eps_high, dual_clip, is_weights
     )  # (B, T)
-    return _aggregate("ppo_policy_loss", token_loss, real, aggregation), stats
+    return _aggregate("ppo_policy_loss", token_loss, real, aggregation, horizon), stats
 
 
 def value_loss(
@@ -229,6 +236,7 @@ def kl_loss(
     kind: KLKind = "k3",
     *,
     aggregation: Aggregation = "token-mean",
+    horizon: int | None = None,
 ) -> Tensor:
     """KL(pi || pi_ref) as a loss term (add ``beta * kl_loss``), from tokens sampled from pi.
 
@@ -237,7 +245,8 @@ def kl_loss(
         ref_logprobs: (B, T) log-probs under the frozen reference policy.
         mask: (B, T) 1 on real tokens, 0 on padding.
         kind: estimator, see ``nodes.rl.advantages.kl_penalty``; ``"k3"`` is unbiased and >= 0.
-        aggregation: ``"token-mean"`` (default) or ``"seq-mean-token-mean"``.
+        aggregation: a registered aggregation (``"token-mean"``, the default).
+        horizon: the constant token count of ``"seq-mean-token-sum-norm"``; None: T.
 
     Returns:
         A 0-d tensor.
@@ -245,15 +254,20 @@ def kl_loss(
     fn = "kl_loss"
     real = _check_token_tensors(fn, mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
     KL_ESTIMATORS.check(kind, f"{fn}: kind")
-    return _kl_loss(logprobs, ref_logprobs, real, kind, aggregation)
+    return _kl_loss(logprobs, ref_logprobs, real, kind, aggregation, horizon)
 
 
 def _kl_loss(
-    logprobs: Tensor, ref_logprobs: Tensor, real: Tensor, kind: str, aggregation: str
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    real: Tensor,
+    kind: str,
+    aggregation: str,
+    horizon: int | None = None,
 ) -> Tensor:
     """:func:`kl_loss` of checked inputs (finite on ``real``, a bool mask)."""
     kl = _kl_estimate(logprobs, ref_logprobs, real, kind)  # (B, T)
-    return _aggregate("kl_loss", kl, real, aggregation)
+    return _aggregate("kl_loss", kl, real, aggregation, horizon)
 
 
 def grpo_loss(
@@ -270,6 +284,7 @@ def grpo_loss(
     dual_clip: float | None = None,
     kl_estimator: KLKind = "k3",
     is_weights: Tensor | None = None,
+    horizon: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO objective: PPO-clipped surrogate with per-sample advantages, plus ``beta`` * k3 KL.
 
@@ -293,6 +308,8 @@ def grpo_loss(
         kl_estimator: the registered KL estimator of the reference term (k3, the paper's).
         is_weights: (B, T) weights of each token's policy-gradient loss, e.g.
             :func:`truncated_is_weights`.
+        horizon: the constant token count of ``"seq-mean-token-sum-norm"`` (Dr.GRPO: the
+            generation budget); None: T.
 
     Returns:
         ``(loss, stats)``: a 0-d loss, and detached 0-d stats ``clip_fraction``, ``approx_kl``,
@@ -332,7 +349,7 @@ def grpo_loss(
     KL_ESTIMATORS.check(kl_estimator, f"{fn}: kl_estimator")
     return _grpo_loss(
         logprobs, old_logprobs, ref_logprobs, advantages, real, eps_low, eps_high, dual_clip,
-        beta, aggregation, kl_estimator, is_weights,
+        beta, aggregation, kl_estimator, is_weights, horizon,
     )  # fmt: skip
 
 
@@ -349,6 +366,7 @@ def _grpo_loss(
     aggregation: str,
     kl_estimator: str = "k3",
     is_weights: Tensor | None = None,
+    horizon: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`grpo_loss` of checked (B, T) inputs (finite on ``real``, a bool mask)."""
     fn = "grpo_loss"
@@ -356,8 +374,8 @@ def _grpo_loss(
         logprobs, old_logprobs, advantages, real, eps_low, eps_high, dual_clip, is_weights
     )  # (B, T)
     kl_token = _kl_estimate(logprobs, ref_logprobs, real, kl_estimator)  # (B, T)
-    pg_loss = _aggregate(fn, pg_token_loss, real, aggregation)  # ()
-    ref_kl = _aggregate(fn, kl_token, real, aggregation)  # ()
+    pg_loss = _aggregate(fn, pg_token_loss, real, aggregation, horizon)  # ()
+    ref_kl = _aggregate(fn, kl_token, real, aggregation, horizon)  # ()
     stats["pg_loss"] = pg_loss.detach()
     stats["ref_kl"] = ref_kl.detach()
     return pg_loss + beta * ref_kl, stats

@@ -28,8 +28,12 @@ class GRPOUpdate(_Update):
     ``ranks > 1`` also time/weight_gather, the seconds spent gathering the published weights).
 
     Args:
-        aggregation: ``"seq-mean-token-mean"`` (the paper's ``1/G sum_i 1/|o_i| sum_t``) or
-            ``"token-mean"``; it also aggregates the entropy term.
+        aggregation: a registered aggregation (``nodes.rl.aggregate.AGGREGATIONS``):
+            ``"seq-mean-token-mean"`` (the paper's ``1/G sum_i 1/|o_i| sum_t``, the default),
+            ``"token-mean"``, ``"seq-mean-token-sum"`` or ``"seq-mean-token-sum-norm"``
+            (Dr.GRPO's); it also aggregates the entropy term.
+        horizon: the constant token count of ``"seq-mean-token-sum-norm"``: the generation
+            budget (``max_new_tokens``); 0: the width of each mini-batch's responses.
         kl_coef: GRPO's beta (the paper uses 0.04; 0 disables the term and the input).
         share: a share key (e.g. ``"policy"``, as on the Rollout): one policy module with the
             nodes of that key on an on-policy executor (:mod:`nodes.shared_models`).
@@ -58,6 +62,7 @@ class GRPOUpdate(_Update):
         kl_coef: float = 0.0,
         entropy_coef: float = 0.0,
         aggregation: str = "seq-mean-token-mean",
+        horizon: int = 0,
         epochs: int = 1,
         micro_batch_size: int = 0,
         micro_batch_tokens: int = 0,
@@ -85,6 +90,12 @@ class GRPOUpdate(_Update):
     ) -> None:
         super().__init__(name, placement=placement, batch_policy=batch_policy)
         self.aggregation = AGGREGATIONS.check(aggregation, f"node {self.name!r}: aggregation")
+        if not (isinstance(horizon, int) and not isinstance(horizon, bool) and horizon >= 0):
+            raise ValueError(
+                f"node {self.name!r}: horizon={horizon!r}; it must be an int >= 0 (the "
+                "generation budget, max_new_tokens; 0: the responses' padded width)"
+            )
+        self.horizon = horizon
         self._init_common()
 
     def _step(self, full: View) -> dict[str, Any]:
@@ -96,7 +107,8 @@ class GRPOUpdate(_Update):
         """The loss of a micro-batch as its share of the mini-batch ``full``'s."""
         n_tokens = int(full.real.sum())  # of the whole mini-batch, also in a rank group
         mean = AGGREGATIONS[self.aggregation]
-        count = int(mean.count(full.real))  # what the loss averages over
+        horizon = self.horizon or int(full.real.shape[1])  # of the whole mini-batch
+        count = int(mean.count(full.real, horizon))  # what the loss averages over
 
         def micro_loss(view: View, rows: slice) -> tuple[Tensor, dict[str, float]] | None:
             t = view.t
@@ -106,7 +118,7 @@ class GRPOUpdate(_Update):
             if n == 0:
                 return None
             w_tok = n / n_tokens  # share of the batch's tokens (token-mean stats)
-            w = int(mean.count(r)) / count  # share of the loss
+            w = int(mean.count(r, horizon)) / count  # share of the loss
             batch = self._prompt_batch(self.policy, view, rows)
             new_logprobs, token_entropy = self._policy_terms(batch, ids, mask, r)  # (b, R)
             # the inputs were checked once for the call, the logprobs by _policy_terms
@@ -122,8 +134,9 @@ class GRPOUpdate(_Update):
                 aggregation=self.aggregation,
                 kl_estimator=self.kl_estimator,
                 is_weights=t["tis_weights"][rows] if "tis_weights" in t else None,
+                horizon=horizon,
             )
-            entropy = _aggregate("entropy", token_entropy, r, self.aggregation)  # ()
+            entropy = _aggregate("entropy", token_entropy, r, self.aggregation, horizon)  # ()
             loss = loss - self.entropy_coef * entropy  # ()
             out = {
                 "loss": w * _item(loss),

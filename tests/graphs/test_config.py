@@ -216,6 +216,10 @@ def test_every_option_reaches_the_node_that_uses_it():
     assert grpo.nodes["rollout"].config()["n"] == 3
     assert grpo.nodes["group_advantage"].config()["estimator"] == "rloo"
     assert grpo.nodes["grpo"].config()["lr"] == 5e-4
+    drgrpo = load_graph(
+        "graphs.text_grpo", aggregation="seq-mean-token-sum-norm", max_new_tokens=6
+    ).nodes["grpo"]
+    assert (drgrpo.aggregation, drgrpo.horizon) == ("seq-mean-token-sum-norm", 6)
     text = load_graph("graphs.text_ppo", batch_size=2, on_bad_sample="skip")
     assert "vision" not in text.nodes and "bad_samples" in text.graph_outputs
 

@@ -256,6 +256,30 @@ def test_aggregation_modes_hand_computed():
     assert aggregate_token_loss(token_loss, mask, "seq-mean-token-mean").item() == 3.0
     #   seq-mean-token-sum  = (sum(1, 2, 3) + sum(4)) / 2 = (6 + 4) / 2 = 5 (empty row left out)
     assert aggregate_token_loss(token_loss, mask, "seq-mean-token-sum").item() == 5.0
+    #   seq-mean-token-sum-norm, horizon 8 = (6 + 4) / (2 * 8) = 0.625; default horizon T = 3
+    norm = "seq-mean-token-sum-norm"
+    assert aggregate_token_loss(token_loss, mask, norm, horizon=8).item() == 0.625
+    assert aggregate_token_loss(token_loss, mask, norm).item() == pytest.approx(10 / 6)
+
+
+def test_the_constant_normaliser_ignores_the_padded_width():
+    """Dr.GRPO: the same responses weigh the same whatever the batch's padding."""
+    token_loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = ragged_mask([3, 1], 3)
+    wide_loss = torch.cat([token_loss, torch.zeros(2, 5)], 1)  # (2, 8) the same, more padding
+    wide_mask = torch.cat([mask, torch.zeros(2, 5)], 1)
+    norm = "seq-mean-token-sum-norm"
+    narrow = aggregate_token_loss(token_loss, mask, norm, horizon=16)
+    assert aggregate_token_loss(wide_loss, wide_mask, norm, horizon=16) == narrow
+    assert aggregate_token_loss(wide_loss, wide_mask, "seq-mean-token-mean") == 3.0  # as narrow
+
+
+@pytest.mark.parametrize("horizon", [2, 0, 2.5, True])
+def test_a_horizon_shorter_than_a_response_is_refused(horizon):
+    token_loss = torch.ones(2, 3)
+    mask = ragged_mask([3, 1], 3)
+    with pytest.raises(ValueError, match=r"horizon is .*longest response \(3 tokens\)"):
+        aggregate_token_loss(token_loss, mask, "seq-mean-token-sum-norm", horizon=horizon)
 
 
 # ---------------------------------------------------------------------------------------------

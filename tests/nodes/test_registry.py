@@ -94,7 +94,9 @@ def test_a_registered_aggregation_reduces_the_losses(registered):
     registered(
         AGGREGATIONS,
         "seq-sum",  # each sequence's summed loss, averaged over sequences
-        TokenMean(total=lambda loss, real: loss.sum(), count=lambda real: real.any(1).sum()),
+        TokenMean(
+            total=lambda loss, real: loss.sum(), count=lambda real, horizon: real.any(1).sum()
+        ),
     )
     loss = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])

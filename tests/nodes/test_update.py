@@ -238,10 +238,14 @@ def test_ppo_token_budget_equals_full_batch(batch):
     _assert_same_step(PPOUpdate(**kw), PPOUpdate(micro_batch_tokens=BUDGET, **kw), inputs)
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize(
+    "aggregation",
+    ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"],
+)
 def test_grpo_token_budget_equals_full_batch(batch, aggregation):
     adv = broadcast_to_tokens(batch["scores"], batch["response_mask"])
     kw = {"lr": LR, "kl_coef": 0.04, "max_grad_norm": 0, "aggregation": aggregation}
+    kw["horizon"] = 16 if aggregation == "seq-mean-token-sum-norm" else 0  # > the width (8)
     inputs = _grpo_inputs(
         batch, adv, ref_logprobs=batch["ref_logprobs"], image_embeds=batch["image_embeds"]
     )
@@ -270,7 +274,7 @@ def _text_batch(n: int = 2) -> dict:
     }
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])  # fmt: skip
 def test_packed_rows_take_the_padded_step(aggregation):
     """pack_sequences: each micro-batch's rows in one sequence with no padding (position ids
     restart a row) give the padded forward's gradients and step."""
