@@ -207,8 +207,11 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Format prompts with the tokenizer's or processor's chat template when it has one."""
     rollout: Literal["hf", "vllm"] = "hf"
     """The rollout backend: hf (transformers generate, any device) or vllm (CUDA, vllm extra)."""
-    vllm_gpu_memory: float = 0.5
-    """With rollout=vllm: the share of GPU memory the engine may take, in (0, 1]."""
+    vllm_gpu_memory: float | None = None
+    """With rollout=vllm: the engine's share of GPU memory, in (0, 1]; none: derived at start.
+
+    At most 0.9 and what the GPU has free when the engine starts, less 0.1 for the trainer
+    beside it when it sleeps (nodes/models/vllm_engine.py, gpu_share)."""
     vllm_tensor_parallel: int = 1
     """With rollout=vllm: GPUs the engine shards the model across (>= 1)."""
     vllm_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
@@ -252,7 +255,8 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _at_least("val_rows", self.val_rows, 1)
         _at_least("lora_r", self.lora_r, 0)
         _at_least("vllm_tensor_parallel", self.vllm_tensor_parallel, 1)
-        _within("vllm_gpu_memory", self.vllm_gpu_memory, 1e-6, 1.0)
+        if self.vllm_gpu_memory is not None:
+            _within("vllm_gpu_memory", self.vllm_gpu_memory, 1e-6, 1.0)
         _positive("lora_alpha", self.lora_alpha)
         for name in ("data", "val_data"):
             value = getattr(self, name)

@@ -10,9 +10,11 @@ Backends:
   is missing). A weight update on the ``weights`` port goes into the HF policy and into the
   running engine (checkpoint names, through a worker method called by name; one whose version
   is not newer is skipped); its logprobs are vLLM's own unless top-p/top-k is on or
-  ``recompute_logprobs=True`` (then teacher-forced with the HF policy). ``vllm_options``:
-  gpu_memory_utilization, tensor_parallel_size, dtype, enable_sleep_mode (the engine sleeps
-  after each call, for colocated placement), bucket_mb (see ``vllm_engine.OPTIONS``).
+  ``recompute_logprobs=True`` (then teacher-forced with the HF policy). The engine runs on the
+  node's GPU (``device="cuda:1"``: that one). ``vllm_options``: gpu_memory_utilization (None:
+  derived from what the GPU has free and whether the engine sleeps, ``vllm_engine.gpu_share``),
+  tensor_parallel_size, dtype, enable_sleep_mode (the engine sleeps after each call, for
+  colocated placement), bucket_mb (see ``vllm_engine.OPTIONS``).
 
 Logprobs (``logprobs`` port) are ``log softmax(logits / temperature)`` of each sampled token:
 the temperature-scaled policy *before* top-k/top-p truncation (T = 1 when greedy). Computed
@@ -49,6 +51,7 @@ from nodes.models.sampling import sampling_problem
 from nodes.models.vllm_engine import (
     VLLMEngine,
     check_vllm_options,
+    gpu_share,
     refuse_quantized,
     vllm_unavailable_reason,
 )
@@ -250,6 +253,7 @@ class Rollout(Offload, Sharing, WeightInput, Node):
             self._vllm = VLLMEngine(
                 self.policy, _checkpoint_dir(self.policy_spec, self._model), seed=self.seed,
                 sampling=self.sampling, options=self.vllm_options, who=f"node {self.name!r}",
+                device=self.device,
             )  # fmt: skip
 
     # --- inputs ------------------------------------------------------------------------------
@@ -385,7 +389,10 @@ class Rollout(Offload, Sharing, WeightInput, Node):
         held = sampling_memory(self.policy_spec, load)
         if self.backend == "vllm" and self.device.type == "cuda" and torch.cuda.is_available():
             total = torch.cuda.get_device_properties(self.device.index or 0).total_memory
-            share = float(self.vllm_options.get("gpu_memory_utilization", 0.5))
+            share = self.vllm_options["gpu_memory_utilization"]
+            if share is None:  # as the engine will derive it, on a device free when it starts
+                sleeps = bool(self.vllm_options["enable_sleep_mode"])
+                share = gpu_share(total, total, sleeps=sleeps)
             held["kv_cache"] = max(int(total * share) - held["weights"], 0)
         return held
 

@@ -66,7 +66,7 @@ SOURCE_DEFAULTS = {
     "lora_targets": "all-linear",
     "chat_template": True,
     "rollout": "hf",
-    "vllm_gpu_memory": 0.5,
+    "vllm_gpu_memory": None,
     "vllm_tensor_parallel": 1,
     "vllm_dtype": "auto",
     "vllm_eager": False,

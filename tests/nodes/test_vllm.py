@@ -7,6 +7,7 @@ bench/gpu_check.py and the gpu-marked test of tests/nodes/test_rollout.py."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -195,6 +196,7 @@ class FakeLLM:
 
     def __init__(self, model: str, **kwargs):
         self.path, self.kwargs, self.calls = Path(model), kwargs, []
+        self.visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # what the engine core inherits
         self.served = {}
         for file in self.path.glob("*.safetensors"):
             self.served.update(load_file(str(file)))
@@ -245,13 +247,25 @@ class FakeLLM:
         self.calls.append(f"wake {','.join(tags)}")
 
 
+GiB = 2**30
+
+
 @pytest.fixture
 def fake_vllm(monkeypatch):
     vllm = types.ModuleType("vllm")
     vllm.LLM = FakeLLM
     vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    vllm.free = {}  # GPU ordinal -> free bytes (of 80 GiB; all free when not set)
+    vllm.asked = []  # the ordinals whose free memory the engine asked for
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setattr(rollout_module, "vllm_unavailable_reason", lambda: None)
+
+    def mem_get_info(device=None):
+        vllm.asked.append(device)
+        return vllm.free.get(device, 80 * GiB), 80 * GiB
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     return vllm
 
 
@@ -310,16 +324,67 @@ def test_sleep_mode_frees_the_engine_between_calls_and_wakes_weights_first(fake_
     assert llm.kwargs["enable_sleep_mode"] and llm.kwargs["gpu_memory_utilization"] == 0.3
     # level 2: the weights are dropped, not copied out, and the update sends them all (it was
     # partial: the engine held nothing to complete), then resets the caches
+    # it slept once built (a trainer built after it finds the GPU free), so the first
+    # generation sent the policy's weights first
     resets = ["reset prefix", "reset mm", "reset encoder"]
     assert llm.calls == [
-        "generate", "sleep 2", "wake weights", RECEIVE, "weight_names", *resets,
-        "wake kv_cache", "generate", "sleep 2",
+        "sleep 2", "wake weights", RECEIVE, "weight_names", *resets, "wake kv_cache",
+        "generate", "sleep 2", "wake weights", RECEIVE, *resets, "wake kv_cache", "generate",
+        "sleep 2",
     ]  # fmt: skip
     assert torch.equal(llm.served["lm_head.weight"], head["model.lm_head.weight"])
     # a generation with no update since the sleep serves the policy's own weights first
     llm.calls.clear()
     node.run(prompts=["ab"])
     assert llm.calls == ["wake weights", RECEIVE, *resets, "wake kv_cache", "generate", "sleep 2"]
+
+
+def test_the_engines_share_of_the_gpu_follows_its_placement(fake_vllm):
+    from nodes.models.vllm_engine import gpu_share
+
+    assert gpu_share(80 * GiB, 80 * GiB, sleeps=False) == 0.9  # a GPU of its own
+    assert gpu_share(80 * GiB, 80 * GiB, sleeps=True) == 0.8  # beside a trainer, asleep in turn
+    assert gpu_share(40 * GiB, 80 * GiB, sleeps=False) == 0.5  # vLLM refuses more than is free
+    assert gpu_share(40 * GiB, 80 * GiB, sleeps=True) == 0.4
+    with pytest.raises(ValueError, match=r"2.0 of the GPU's 80.0 GiB are free.*vllm_gpu_memory"):
+        gpu_share(2 * GiB, 80 * GiB, sleeps=False)
+
+    def started(**options):
+        node = Rollout(policy="tiny-qwen2", backend="vllm", max_new_tokens=4, vllm_options=options)
+        node.setup()
+        return node._vllm.llm.kwargs["gpu_memory_utilization"]
+
+    assert started() == 0.9
+    assert started(enable_sleep_mode=True) == 0.8
+    fake_vllm.free[0] = 60 * GiB  # a trainer's state already on the GPU when the engine starts
+    assert started(enable_sleep_mode=True) == 0.65
+    assert started(gpu_memory_utilization=0.3) == 0.3  # the user's value wins
+    assert check_vllm_options({}, "x")["gpu_memory_utilization"] is None
+
+
+def test_the_engine_starts_on_the_nodes_gpu(fake_vllm, monkeypatch):
+    from nodes.models.vllm_engine import VLLMEngine
+
+    policy = build_policy("tiny-qwen2")
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+
+    def engine(device, **options):
+        return VLLMEngine(policy, None, seed=0, sampling=sampling, options=options, device=device)
+
+    fake_vllm.free[1] = 40 * GiB
+    llm = engine("cuda:1").llm
+    assert llm.visible == "1" and fake_vllm.asked[-1] == 1
+    assert llm.kwargs["gpu_memory_utilization"] == 0.5  # cuda:1's free memory, not cuda:0's
+    assert engine("cuda").llm.visible == "0" and engine("cpu").llm.visible == "0"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,GPU-abc")
+    assert engine("cuda:1").llm.visible == "5"
+    assert engine("cuda:1", tensor_parallel_size=2).llm.visible == "5,GPU-abc"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,GPU-abc"  # restored once it started
+    with pytest.raises(ValueError, match="GPUs 2..3 are not all among the 3"):
+        engine("cuda:2", tensor_parallel_size=2)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with pytest.raises(ValueError, match="worker in this process, where it takes cuda:0"):
+        engine("cuda:1")
 
 
 def test_a_weight_update_resets_the_engines_caches_and_checks_what_loaded(fake_vllm):
