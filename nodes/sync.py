@@ -120,6 +120,13 @@ class WeightInput:
         self._last_weights = weights if not update.version else None
         self.weights_version = max(self.weights_version, update.version)
 
+    def offload(self) -> int:
+        """Let go of the last unversioned payload when the node's state leaves the device:
+        its tensors are its producer's, and holding them would keep their device memory
+        alive after the producer's offload. (The same payload, sent again, is loaded again.)"""
+        self._last_weights = None
+        return super().offload()  # type: ignore[misc]
+
     def _forget_weights(self, version: int = 0) -> None:
         """After a restore: ``version`` is loaded, and the next payload is read anew."""
         self.weights_version, self._last_weights = version, None
