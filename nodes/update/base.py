@@ -217,12 +217,13 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
 
     # --- the device, when roles take turns on it (nodes/models/offload.py) -------------------
     def offload(self) -> int:
-        """Off the device, alone; with ``ranks > 1`` the state stays: it is sharded over K
-        processes (FSDP2's parameters are DTensors, which a move of ``.data`` would break)."""
-        return 0 if self.ranks > 1 else super().offload()
+        """Off the device. A rank group (``ranks > 1``) moves every rank's shards
+        (:meth:`_switch_group`): its parameters are FSDP2 DTensors, which a move of ``.data``
+        would break."""
+        return self._switch_group(off=True) if self.ranks > 1 else super().offload()
 
     def reload(self) -> int:
-        return 0 if self.ranks > 1 else super().reload()
+        return self._switch_group(off=False) if self.ranks > 1 else super().reload()
 
     def claim(self) -> None:
         if self.ranks == 1:

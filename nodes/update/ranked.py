@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+import nodes.models.offload as offload_module
 from nodes.models.policy import build_policy
 from nodes.shared_models import live_weights
 from nodes.sync import WeightUpdate
@@ -109,6 +110,7 @@ class _Ranked:
     def forward(self, **inputs: Any) -> dict[str, Any]:
         if self._ranks is None:
             return self._step(self._checked_view(inputs))
+        self._switch_group(off=False)  # (the executor reloads first; a direct call may not)
         full = self._checked_view(inputs)  # bad inputs are refused before the ranks see them
         with self._ranks.guard(f"update {self.updates + 1}", keep=(NonFiniteError,)):
             self._ranks.command("step", inputs, {"step": self.step})
@@ -127,8 +129,33 @@ class _Ranked:
             self.state_dict()
         elif op == "load":
             self._load_models({}, meta)
+        elif op in ("offload", "reload"):
+            self._move_shards(op == "offload", bool(meta["copy"]))
         else:
             raise ValueError(f"node {self.name!r}: unknown rank operation {op!r}")
+
+    # --- the device, when roles take turns on it --------------------------------------------
+    _shards_off = False
+    """Whether this rank's shards are on the host (:meth:`_switch_group`)."""
+
+    def _switch_group(self, off: bool) -> int:
+        """Offload (``off``) or reload a group's state: rank 0 tells every rank, and each moves
+        its own shards (FSDP2; :meth:`_move_shards`). Idempotent. DDP keeps its state where it
+        is: its reducer holds the parameters and their gradient buckets on the device."""
+        if self._ranks is None or self.train_backend != "fsdp" or self._shards_off == off:
+            return 0
+        op = "offload" if off else "reload"
+        copy = offload_module.ALWAYS_COPY
+        with self._ranks.guard(f"{op} of the group's state"):
+            self._ranks.command(op, meta={"copy": copy})
+            return self._move_shards(off, copy)
+
+    def _move_shards(self, off: bool, copy: bool) -> int:
+        moved = 0
+        for _, _, model, optimizer in self._models():
+            moved += self._ranks.move(model, optimizer, off, copy)
+        self._shards_off = off
+        return moved
 
     def _weights_of(self, module: nn.Module, share: str | None, metrics: dict[str, float]) -> Any:
         """What the node publishes of ``module``; in a group, the full state gathered on rank 0
@@ -173,6 +200,7 @@ class _Ranked:
         counters."""
         self.setup()  # a group exists only once built; its state calls are group operations
         if self._ranks is not None and self._ranks.rank == 0:
+            self._switch_group(off=False)  # gathered from the device the group formed on
             with self._ranks.guard("gathering the state"):
                 self._ranks.command("state")
                 return self._state()
@@ -190,6 +218,8 @@ class _Ranked:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.setup()
+        if self._ranks is not None and self._ranks.rank == 0:
+            self._switch_group(off=False)
         keys = {k for m in self._models() for k in m[:2]} | set(self._counters)
         if set(state) != keys:
             raise ValueError(

@@ -121,6 +121,18 @@ class _Ranks:
         """The unsharded model and optimizer state on rank 0, in the 1-rank layout."""
         return sharding.full_state(model, optimizer)
 
+    def move(self, model: torch.nn.Module, optimizer: Any, off: bool, copy: bool = False) -> int:
+        """This rank's shards of ``model`` and ``optimizer`` to the host (``off``) or back to
+        its device (:func:`sharding.move_shards`); then synchronized, and after an offload
+        the freed blocks handed back to the driver. Returns the bytes moved."""
+        device = torch.device("cpu") if off else self.device
+        moved = sharding.move_shards(model, optimizer, device, copy)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            if off:
+                torch.cuda.empty_cache()
+        return moved
+
     def load_full_state(
         self, model: torch.nn.Module, optimizer: Any, weights: Any, optim: Any, fresh: Any
     ) -> None:

@@ -30,7 +30,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BACKENDS", "full_state", "full_weights", "load_full_state", "shard_module"]
+__all__ = [
+    "BACKENDS",
+    "full_state",
+    "full_weights",
+    "load_full_state",
+    "move_shards",
+    "shard_module",
+]
 
 BACKENDS = ("fsdp", "ddp")
 
@@ -201,3 +208,28 @@ def load_full_state(
     # two calls: set_state_dict skips the model's broadcast where its model state is empty
     set_model_state_dict(model, weights, options=options)
     set_optimizer_state_dict(model, optimizer, fqn_optim, options=options)
+
+
+def move_shards(model: nn.Module, optimizer: Any, device: torch.device, copy: bool = False) -> int:
+    """This rank's shards of an FSDP2 ``model`` (parameters, gradients, buffers) and its
+    ``optimizer``'s state moved to ``device``, as verl offloads FSDP2: ``model._apply`` (what
+    ``model.to`` runs; FSDP2 reshards first and registers the moved shards as its parameters
+    again, and each ``Parameter`` keeps its identity, so the optimizer still holds it), then
+    the optimizer's state entry by entry (Adam's CPU ``step`` stays). ``copy``: what is on
+    ``device`` already is copied too (tests on a CPU). Returns the bytes of shards moved."""
+    moved = 0
+
+    def convert(t: Tensor) -> Tensor:
+        nonlocal moved
+        if t.device == device and not copy:
+            return t
+        local = t.to_local() if hasattr(t, "to_local") else t
+        moved += local.numel() * local.element_size()
+        return t.clone() if t.device == device else t.to(device)
+
+    model._apply(convert)
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, Tensor) and not (key == "step" and value.dim() == 0):
+                state[key] = convert(value)
+    return moved

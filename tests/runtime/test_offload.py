@@ -300,13 +300,13 @@ def test_in_process_a_shared_policy_stays_while_the_roles_take_turns(monkeypatch
         assert r.sched["sched/offload_bytes"] == r.sched["sched/reload_bytes"] == adam
 
 
-def test_an_update_trained_by_a_rank_group_keeps_its_state_in_place(monkeypatch):
+def test_an_update_whose_rank_group_has_not_formed_moves_nothing(monkeypatch):
     from nodes.update.grpo import GRPOUpdate
 
     monkeypatch.setattr(off, "ALWAYS_COPY", True)
     node = GRPOUpdate(name="grpo")
     node.setup()
-    node.ranks = 2  # as if sharded over 2 processes (starting them is test_train_ranks' job)
+    node.ranks = 2  # no group joined: nothing sharded to move (test_train_ranks moves a group's)
     assert node.offload() == 0 and node.reload() == 0
     node.ranks = 1
     assert node.offload() > 0 and node.reload() > 0  # alone, its policy moves

@@ -196,6 +196,41 @@ class TestOneFSDPGroup:
         assert _max_diff(resumed.weights, uninterrupted.weights) <= WEIGHT_TOL
 
 
+def test_an_fsdp_group_offloads_every_ranks_shards_and_trains_alike_after(batch, monkeypatch):
+    import nodes.models.offload as off
+
+    monkeypatch.setattr(off, "ALWAYS_COPY", True)  # every move a copy, on every rank: ptrs tell
+    inputs = _rows(batch["grpo"], 2)
+    one = _fresh_grpo()
+    many = _fresh_grpo(ranks=2, train_backend="fsdp")
+    try:
+        many.setup()
+        params = list(many.policy.parameters())
+        for _ in range(3):
+            out1, out2 = one.run(inputs), many.run(inputs)
+            local = [p.to_local().data_ptr() for p in params]
+            moved = many.offload()
+            adam = sum(
+                v.to_local().nbytes
+                for st in many.optimizer.state.values()
+                for k, v in st.items()
+                if k != "step"
+            )
+            assert moved >= adam > 0  # the shards and their Adam state, this rank's
+            assert many.offload() == 0  # idempotent
+            assert [p.to_local().data_ptr() for p in many.policy.parameters()] != local
+            assert many.reload() == moved and many.reload() == 0
+            assert list(many.policy.parameters()) == params  # the optimizer still holds them
+        assert _max_diff(out1["weights"].weights, out2["weights"].weights) <= WEIGHT_TOL
+        _assert_same_metrics(out1["metrics"], out2["metrics"])
+        many.offload()  # a step straight after an offload brings the state back itself
+        out1, out2 = one.run(inputs), many.run(inputs)
+        assert _max_diff(out1["weights"].weights, out2["weights"].weights) <= WEIGHT_TOL
+    finally:
+        many.close()
+    assert [p.returncode for p in many._ranks.procs] == [0]  # rank 1 ran every move cleanly
+
+
 def test_grpo_ddp_with_uneven_shares_equals_one_rank(batch):
     """3 prompts over 2 ranks in micro-batches of one prompt: rank 1 runs a filler."""
     inputs = _rows(batch["grpo"], 3)
