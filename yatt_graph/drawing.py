@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from yatt_graph.graph import Edge, Graph
     from yatt_graph.plan import Plan
 
-__all__ = ["KIND_COLORS", "Picture", "draw", "edge_labels", "layout", "picture"]
+__all__ = ["KIND_COLORS", "Picture", "draw", "edge_labels", "layered_layout", "layout", "picture"]
 
 #: Fill colour of each node kind in pictures.
 KIND_COLORS = {
@@ -104,16 +104,27 @@ def _bands(graph: Graph, plan: Plan | None, column: dict[str, int]) -> dict[str,
 
 def layout(graph: Graph, plan: Plan | None = None) -> dict[str, tuple[float, float]]:
     """Node positions, left to right: x is the topological generation (delayed edges left
-    out), y the node's row. Rows are ordered by the mean row of each node's neighbours (a few
-    sweeps each way, which removes most crossings); in a plan, each controller gets a band
+    out), y the node's row (:func:`layered_layout`); in a plan, each controller gets a band
     of rows of its own unless the controllers own disjoint runs of generations."""
     step = graph.step_dag()
+    column = {n: i for i, gen in enumerate(nx.topological_generations(step)) for n in gen}
+    return layered_layout(step, list(graph.nodes), _bands(graph, plan, column))
+
+
+def layered_layout(
+    step: nx.DiGraph, order: list[str], band: dict[str, int] | None = None
+) -> dict[str, tuple[float, float]]:
+    """Positions of the nodes of an acyclic ``step`` graph (the graph of one step, without
+    delayed edges), in data units: x is the topological generation, y the row. Rows start in
+    ``order`` and are sorted by the mean row of each node's neighbours (a few sweeps each way,
+    which removes most crossings); ``band`` puts nodes in horizontal bands (all in one by
+    default). A run's report draws its recorded graph with it, having no graph object."""
     generations = list(nx.topological_generations(step))
     column = {n: i for i, gen in enumerate(generations) for n in gen}
-    band = _bands(graph, plan, column)
-    index = {n: i for i, n in enumerate(graph.nodes)}
+    band = band or dict.fromkeys(order, 0)
+    index = {n: i for i, n in enumerate(order)}
     cells: dict[tuple[int, int], list[str]] = {}
-    for n in sorted(graph.nodes, key=index.__getitem__):
+    for n in sorted(order, key=index.__getitem__):
         cells.setdefault((band[n], column[n]), []).append(n)
 
     def place() -> dict[str, tuple[float, float]]:
