@@ -64,6 +64,8 @@ class _Unpacker:
         self.frames: Sequence[Any] = ()
         self.shm: ShmReader | None = None
         self.cuda_ipc: IpcReceive | None = None
+        self.opened = 0
+        """CUDA IPC tensors opened by this decode, in the order they appear."""
         self.decoder = msgspec.msgpack.Decoder(ext_hook=self.ext)
 
     def frame(self, index: Any) -> memoryview:
@@ -116,7 +118,9 @@ class _Unpacker:
         if code == _CUDA_IPC:
             if self.cuda_ipc is None:
                 raise DecodeError("a CUDA IPC tensor arrived on a link without CUDA IPC")
-            return self.cuda_ipc.tensor(fields)
+            t = self.cuda_ipc.tensor(fields)
+            self.opened += 1
+            return t
         raise DecodeError(f"unknown extension type {code}")
 
     def small_tensor(self, payload: memoryview) -> Any:
@@ -233,19 +237,24 @@ def _imported(ref: str) -> type | None:
     return None
 
 
-def release_ipc(frames: Sequence[Any], cuda_ipc: IpcReceive) -> int:
+def release_ipc(frames: Sequence[Any], cuda_ipc: IpcReceive, skip: int = 0) -> int:
     """For a message dropped undecoded: release this controller's share of every CUDA IPC
     tensor in it (:meth:`~runtime.zmq.cuda_ipc.IpcReceive.release`) without opening any, and
-    build nothing else. Returns how many; garbage releases what came before it, never raises."""
+    build nothing else; the first ``skip`` are left alone (a decode that failed part-way
+    opened them, and their storages release their shares when freed). Returns how many it
+    released; garbage releases what came before it, never raises."""
     released = 0
+    seen = 0
 
     def ext(code: int, payload: memoryview) -> None:
-        nonlocal released
+        nonlocal released, seen
         if code != _SMALL:
             fields = decoder.decode(payload)  # nested extensions come through here too
             if code == _CUDA_IPC:
-                cuda_ipc.release(fields)
-                released += 1
+                seen += 1
+                if seen > skip:
+                    cuda_ipc.release(fields)
+                    released += 1
 
     decoder = msgspec.msgpack.Decoder(ext_hook=ext)
     # garbage, or a share that is not ours, ends the walk: nothing more to release
@@ -266,7 +275,9 @@ def decode_value(
     Tensors read from frames share the frames' memory (kept alive by the tensor). A CUDA IPC
     tensor decodes only with ``cuda_ipc`` (this controller's share and GPUs,
     :class:`runtime.zmq.cuda_ipc.IpcReceive`); one whose handle does not open is a
-    DecodeError that says how to turn IPC off.
+    DecodeError that says how to turn IPC off. A decode that fails part-way releases the
+    shares of the IPC tensors it did not open (:func:`release_ipc`), so their sender can
+    free them; those it opened release theirs as the partial value is freed.
     """
     if not frames:
         raise DecodeError(f"{where}: no frames")
@@ -274,11 +285,14 @@ def decode_value(
     if unpacker is None:
         unpacker = _local.unpacker = _Unpacker()  # one per thread: a Decoder is costly to make
     unpacker.frames, unpacker.shm, unpacker.cuda_ipc = frames[1:], shm, cuda_ipc
+    unpacker.opened = 0
     try:
         return unpacker.decoder.decode(_buffer(frames[0]))
-    except DecodeError as exc:
-        raise DecodeError(f"{where}: {exc}") from None
     except Exception as exc:  # garbage may fail anywhere: msgspec, numpy, PIL, torch
+        if cuda_ipc is not None:  # the shares of the tensors it did not open, back to the sender
+            release_ipc(frames, cuda_ipc, skip=unpacker.opened)
+        if isinstance(exc, DecodeError):
+            raise DecodeError(f"{where}: {exc}") from None
         raise DecodeError(
             f"{where}: cannot decode the value: {type(exc).__name__}: {exc}"
         ) from None

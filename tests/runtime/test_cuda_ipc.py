@@ -25,7 +25,7 @@ from runtime.zmq.cuda_ipc import IpcReceive, IpcSend, enabled_from_env, ipc_devi
 from runtime.zmq.peers import Peers
 from runtime.zmq.serial import DecodeError, decode_value, encode_value
 from runtime.zmq.serial_decode import release_ipc
-from runtime.zmq.serial_format import _CUDA_IPC
+from runtime.zmq.serial_format import _CUDA_IPC, _STRUCT
 from runtime.zmq.transport import Drops, make_socket, send
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -256,6 +256,50 @@ def test_a_dropped_message_releases_its_ipc_shares_without_opening_them(fake_sha
     releases.clear()
     assert release_ipc([b"\xc1garbage"], IpcReceive(2, [5])) == 0  # garbage: no error
     assert release_ipc(frames, IpcReceive(3, [5])) == 0  # no share for controller 3
+    assert releases == []
+
+
+def test_a_decode_that_fails_part_way_releases_the_shares_it_did_not_open(
+    monkeypatch, fake_share, releases
+):
+    # four IPC tensors around a value that cannot decode (a Struct type no one registered):
+    # the first was opened (its storage gives its share back when freed), the other three
+    # were not, and their counters would otherwise keep the sender's blocks from being freed
+    t = torch.zeros(4, 6)
+    sender = IpcSend({0: 5}, (1,))
+    nope = msgspec.msgpack.Ext(_STRUCT, msgspec.msgpack.encode(["nowhere:Nope", {}]))
+    value = {
+        "a": sender.ext(t, "float32", 5), "b": nope, "c": sender.ext(t, "float32", 5),
+        "d": [(1, sender.ext(t, "float32", 5))], "e": sender.ext(t, "float32", 5),
+    }  # fmt: skip
+    frames = [msgspec.msgpack.encode(value)]
+    opened = []
+    monkeypatch.setattr(cuda_ipc, "_rebuild", lambda args: opened.append(args) or args)
+    with pytest.raises(DecodeError, match="nowhere:Nope"):
+        decode_value(frames, cuda_ipc=IpcReceive(1, [5]))
+    assert len(opened) == 1
+    assert releases == [(SHARE[3], SHARE[4])] * 3
+
+
+def test_a_handle_that_does_not_open_releases_it_and_those_after(monkeypatch, fake_share, releases):
+    t = torch.zeros(4, 6)
+    sender = IpcSend({0: 5}, (1,))
+    frames = [msgspec.msgpack.encode([sender.ext(t, "float32", 5) for _ in range(3)])]
+    opened = []
+
+    def rebuild(args):
+        if len(opened) == 1:
+            raise RuntimeError("CUDA error: invalid resource handle")
+        opened.append(args)
+        return args
+
+    monkeypatch.setattr(cuda_ipc, "_rebuild", rebuild)
+    with pytest.raises(DecodeError, match="invalid resource handle"):
+        decode_value(frames, cuda_ipc=IpcReceive(1, [5]))
+    assert len(opened) == 1 and releases == [(SHARE[3], SHARE[4])] * 2
+    releases.clear()
+    with pytest.raises(DecodeError):  # no IPC on this link: nothing to release, nothing opened
+        decode_value(frames)
     assert releases == []
 
 
