@@ -257,6 +257,28 @@ class RunSetup:
         config = typed_config(self.args.graph, "notes")
         return [] if config is None else list(config.from_options(self.args.graph, options).notes())
 
+    def settings(self, options: dict[str, Any], devices: Any, distributed: bool) -> dict[str, Any]:
+        """The run's effective settings, as JSON values, for ``OUT/settings.json`` (what
+        ``yatt-graph report`` shows): the flags, the graph options given, what the graph's
+        typed config resolves them to, the :class:`RunConfig`, the threads and the notes."""
+        import msgspec
+
+        args = self.args
+        flags = {k: v for k, v in vars(args).items() if k != "func" and not k.startswith("_")}
+        config = typed_config(args.graph, "from_options")
+        resolved = config.from_options(args.graph, options) if config is not None else None
+        return _json_values(
+            {
+                "graph": args.graph,
+                "flags": flags,
+                "graph_options": options,
+                "config": msgspec.to_builtins(resolved) if resolved is not None else None,
+                "run_config": msgspec.to_builtins(run_config(args, options, devices, distributed)),
+                "threads": self.thread_policy.describe() if self.thread_policy else None,
+                "notes": self.notes(options),
+            }
+        )
+
     def memory_lines(self, options: dict[str, Any], graph: Any) -> list[str]:
         """The memory plan's line per device, for the run's first lines. Made in an
         in-process run, which loads the models' libraries anyway; a driver of controllers
@@ -282,6 +304,19 @@ class RunSetup:
     def close(self) -> None:
         if self.early_group is not None:  # the run stopped before it needed them
             self.take_group().shutdown("the run stopped before its first step")
+
+
+def _json_values(value: Any) -> Any:
+    """``value`` with what JSON cannot hold (paths, functions, structs) as its text."""
+    if isinstance(value, dict):
+        return {str(k): _json_values(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_values(v) for v in value]
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else str(value)
+    return str(value)
 
 
 def typed_config(target: str, method: str) -> Any:

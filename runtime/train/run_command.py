@@ -27,6 +27,7 @@ from runtime.train.run_folder import (
     check_new_path,
     move_aside,
     prepare_run_folder,
+    record_run,
     run_folder_of,
 )
 from runtime.train.signals import sigterm_as_interrupt
@@ -83,6 +84,8 @@ def _run_in_folder(args: Any, out: Path | None, devices: Any, distributed: bool,
         policy_node(graph)
     if args.show_graph:
         print(graph.to_text(), "\n", flush=True)
+    if out is not None:  # what `yatt-graph report` shows of the run, even if it stops early
+        record_run(out, setup.settings(options, devices, distributed), graph)
     resume = resume_point(args, graph, out if resuming_here else None)
     meta = {"graph_ref": args.graph, "graph_options": options}
 

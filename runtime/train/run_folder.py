@@ -1,7 +1,8 @@
 """A run folder (``yatt-graph run --out DIR``): one run at a time, never mixed with another.
 
 A folder holds ``metrics.jsonl``, ``trace.json``, ``events.jsonl``, ``summary.json``, ``checkpoints/`` (and
-``tensorboard/`` when installed). :class:`RunLock` holds ``DIR/.lock`` (``fcntl.flock``,
+``tensorboard/`` when installed), ``samples/``, and from the start ``settings.json`` and
+``graph.json`` (:func:`record_run`). :class:`RunLock` holds ``DIR/.lock`` (``fcntl.flock``,
 with the pid and host written in it) for the run's lifetime, so a second run into the folder
 is refused at once; the kernel drops the lock when its process dies, and a lock file left by a
 dead process is taken over with a warning. :func:`prepare_run_folder` refuses a folder that
@@ -32,6 +33,7 @@ __all__ = [
     "holds_run",
     "move_aside",
     "prepare_run_folder",
+    "record_run",
     "run_folder_of",
 ]
 
@@ -125,6 +127,33 @@ def prepare_run_folder(out: Path, *, resuming_here: bool, overwrite: bool) -> st
         f"start afresh with --overwrite (its files move into {out}/previous-<time>/), or choose "
         "another --out"
     )
+
+
+def graph_record(graph: Any) -> dict[str, Any]:
+    """A graph's nodes (name, kind) and edges, as JSON values: what a report draws."""
+    return {
+        "name": graph.name,
+        "nodes": [{"name": name, "kind": node.kind} for name, node in graph.nodes.items()],
+        "edges": [
+            {
+                "src": e.src,
+                "src_port": e.src_port,
+                "dst": e.dst,
+                "dst_port": e.dst_port,
+                "delay": e.delay,
+            }
+            for e in graph.edges
+        ],  # fmt: skip
+    }
+
+
+def record_run(out: Path, settings: dict[str, Any], graph: Any) -> None:
+    """Write ``out/settings.json`` (the run's effective settings) and ``out/graph.json``
+    (:func:`graph_record`) as the run starts, each whole or not at all."""
+    for name, value in (("settings.json", settings), ("graph.json", graph_record(graph))):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(json.dumps(value, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, out / name)
 
 
 class RunLock:
