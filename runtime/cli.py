@@ -7,6 +7,7 @@ yatt-graph run graphs/toy.py --controllers 3 --out runs/x --checkpoint-every 10 
 yatt-graph run graphs/toy.py --resume runs/x --steps 60      # continue it, in its folder
 yatt-graph export runs/x/checkpoints/step_000030 policy/       # a checkpoint's policy
 yatt-graph keys DIR
+yatt-graph report runs/x [-o report.html]                      # one page about a run, offline
 yatt-graph demo
 """
 
@@ -165,6 +166,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from runtime.train.report import write_report
+
+    path = write_report(args.run_dir, args.output)
+    print(f"wrote {path} (open it in a browser; it needs no network)")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     run = ["run", "graphs.mm_ppo", "--steps", str(args.steps), "--seed", "0", "--out", str(out)]
@@ -295,6 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the --out folder of a run")
     p.add_argument("-o", "--output", default=None, help="PNG path (default RUN_DIR/curves.png)")
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser(
+        "report",
+        help="write one HTML page about a run: curves, node times, the graph, samples, settings",
+    )
+    p.add_argument("run_dir", help="the --out folder of a run (finished, in progress or stopped)")
+    p.add_argument("-o", "--output", default=None, help="HTML path (default RUN_DIR/report.html)")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser(
         "export", help="save the policy of a checkpoint (rebuilds the graph it records)"
