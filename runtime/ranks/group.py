@@ -16,12 +16,18 @@ collectives carry the group's ``timeout_s``.
 
 Supervision:
 
-* The leader polls its children before each call. It also polls them after any failed
-  collective, giving a dying rank a moment to be reaped. A dead rank becomes a
-  :class:`RankError` that names the node, the rank, its pid and its exit code or signal,
-  plus the error the rank wrote to the store if it wrote one. From then on the group is
-  broken: its other ranks are killed, its process group is freed (so a restart in the same
-  process can start a new group), and every call raises the same error.
+* A supervisor thread on the leader polls its children every :data:`_WATCH_S`. When one dies
+  after the group formed, it aborts the process group (``ProcessGroup.abort()``, from that
+  thread): with NCCL a collective whose peer died neither fails nor returns until the
+  collective timeout, so the abort is what makes it return. The leader also polls before
+  each call, and after any failed collective, giving a dying rank a moment to be reaped.
+  A dead rank becomes a :class:`RankError` that names the node, the rank, its pid and its
+  exit code or signal, plus the error the rank wrote to the store if it wrote one; a group
+  operation that ends after its group was aborted raises it too, even if it returned (what
+  an aborted NCCL collective leaves in its tensors is garbage). From then on the group is
+  broken: its other ranks are killed, its process group is aborted rather than destroyed
+  (``destroy_process_group()`` can wait on a dead peer), which frees torch's state so a
+  restart in the same process can start a new group, and every call raises the same error.
 * A rank exits when its parent (rank 0) is gone: a watchdog thread compares ``os.getppid()``,
   and a lost store or a broken collective ends it too. :meth:`RankGroup.close` ends the ranks
   cleanly: the close command, then a join, then a kill after a grace period. It is also
@@ -52,13 +58,14 @@ from runtime.children import exit_text, python_env, start_python, stop
 from runtime.ranks import sharding
 from runtime.ranks.values import describe, rebuild, shapes
 
-__all__ = ["RankError", "RankGroup", "RankLink"]
+__all__ = ["RankError", "RankGroup", "RankLink", "leave_group"]
 
 _CMD = "yatt/cmd/"
 _READY = "yatt/ready/"
 _ERROR = "yatt/error/"
 _NODE = "yatt/node"
 _DEATH_GRACE_S = 5.0  # after a failed collective: how long a dying rank has to be reaped
+_WATCH_S = 0.1  # how often the supervisor looks at the ranks
 _CLOSE_GRACE_S = 10.0
 
 
@@ -91,9 +98,13 @@ class _Ranks:
 
     def _init_group(self) -> None:
         store = dist.PrefixStore("pg/", self.store)
+        # Bound to its GPU, NCCL makes its communicator now, on that GPU, instead of guessing
+        # the device at the first collective.
+        device_id = self.device if self.device.type == "cuda" else None
         dist.init_process_group(
-            self.backend, store=store, rank=self.rank, world_size=self.world, timeout=self.timeout
-        )
+            self.backend, store=store, rank=self.rank, world_size=self.world,
+            timeout=self.timeout, device_id=device_id,
+        )  # fmt: skip
 
     # --- collectives every rank calls in the same order ---------------------------------------
     def all_sum(self, numbers: Sequence[float]) -> list[float]:
@@ -140,6 +151,28 @@ class _Ranks:
         sharding.load_full_state(model, optimizer, weights, optim, self.rank, fresh)
 
 
+def leave_group(clean: bool) -> None:
+    """Leave this process's group: destroy it when every rank is alive and done (``clean``),
+    else abort it. With a dead peer ``destroy_process_group()`` can wait on it for good (NCCL
+    finalizes its communicators), while an abort returns and frees torch's state all the
+    same."""
+    if not dist.is_initialized():
+        return
+    with contextlib.suppress(Exception):
+        if clean:
+            dist.destroy_process_group()
+        else:
+            dist.distributed_c10d._abort_process_group()
+
+
+def _abort_collectives() -> None:
+    """Make the collectives of this process's group return now, from any thread
+    (``ProcessGroup.abort()``: NCCL aborts its communicators and stops its watchdog, so the
+    collective timeout does not end the process); torch's state is left for
+    :func:`leave_group`."""
+    dist.group.WORLD.abort()
+
+
 # --- rank 0 ---------------------------------------------------------------------------------------
 
 _current: list[tuple[weakref.ref, RankGroup]] = []
@@ -164,8 +197,13 @@ class RankGroup(_Ranks):
         self.procs: list[subprocess.Popen[bytes]] = []
         self.broken: str | None = None
         self.closed = False
+        self.death = ""
+        """The first rank found dead by the supervisor (as :meth:`_dead` says it), or ''."""
+        self.aborted = False
+        """Whether the supervisor aborted the process group."""
         self._next = 0
         self._joined = False
+        self._lock = threading.Lock()  # the supervisor's abort against close()
 
     @classmethod
     def start(cls, node: Any) -> RankGroup:
@@ -199,7 +237,25 @@ class RankGroup(_Ranks):
             ]  # fmt: skip
             self.procs.append(start_python("runtime.ranks.worker", args, env))
         _current.append((weakref.ref(node), self))
+        threading.Thread(target=self._supervise, daemon=True, name="rank-supervisor").start()
         return self
+
+    def _supervise(self) -> None:
+        """Until the group closes: find the first dead rank, and abort the process group so
+        that a collective waiting on it returns now, not at the collective timeout."""
+        while not self.closed:
+            dead = self._dead()
+            if dead:
+                with self._lock:
+                    if self.closed:  # a rank that close() ended is no fault
+                        return
+                    self.death = dead
+                    if self._joined:
+                        self.aborted = True
+                        with contextlib.suppress(Exception):
+                            _abort_collectives()
+                return
+            time.sleep(_WATCH_S)
 
     def join(self) -> None:
         """Wait until every rank has built its node, then form the process group."""
@@ -242,17 +298,21 @@ class RankGroup(_Ranks):
 
     @contextlib.contextmanager
     def guard(self, what: str, keep: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
-        """Run a group operation; a failed collective becomes a :class:`RankError` naming the
-        rank that died (or saying that none did), and the group is then broken. Errors of the
-        types in ``keep`` (ones every rank raises alike) pass through and leave it intact."""
+        """Run a group operation; a failed collective, or any end of the operation after the
+        supervisor aborted the group, becomes a :class:`RankError` naming the rank that died
+        (or saying that none did), and the group is then broken. Errors of the types in
+        ``keep`` (ones every rank raises alike) pass through and leave it intact, unless a
+        rank died."""
         if self.broken:
             raise RankError(self.broken)
         try:
             yield
-        except (RankError, *keep):
+        except RankError:
             raise
         except Exception as exc:
-            dead = self._dead(wait_s=_DEATH_GRACE_S)
+            if isinstance(exc, keep) and not self.death:
+                raise
+            dead = self.death or self._dead(wait_s=_DEATH_GRACE_S)
             if dead:
                 self._fail(f"{self.who}: {dead} during {what}", exc)
             self._fail(
@@ -260,6 +320,8 @@ class RankGroup(_Ranks):
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
                 exc,
             )
+        if self.death:  # it returned, but from an aborted group: its results are garbage
+            self._fail(f"{self.who}: {self.death} during {what}")
 
     def _fail(self, text: str, cause: BaseException | None = None) -> None:
         """Break the group for good: end the other ranks at once (they could only wait on a
@@ -285,16 +347,17 @@ class RankGroup(_Ranks):
 
     def close(self) -> None:
         """End the ranks (a close command, a join, then :func:`runtime.children.stop`) and the group."""
-        if self.closed:
-            return
-        self.closed = True
-        with contextlib.suppress(Exception):
-            if self._joined and not self.broken and not self._dead():
-                self.command("close")
-        stop(self.procs, 0.0 if self.broken else _CLOSE_GRACE_S)
-        if self._joined:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        clean = self._joined and not self.broken and not self.death and not self._dead()
+        if clean:
             with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+                self.command("close")
+        stop(self.procs, _CLOSE_GRACE_S if clean else 0.0)
+        if self._joined:
+            leave_group(clean)
         _current[:] = [(o, g) for o, g in _current if g is not self]
 
 

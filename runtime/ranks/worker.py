@@ -10,7 +10,6 @@ name, and exits with code 1.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import traceback
@@ -37,9 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which closes us
     import msgspec
     import torch
-    import torch.distributed as dist
 
-    from runtime.ranks.group import RankLink
+    from runtime.ranks.group import RankLink, leave_group
     from yatt_graph.serialize import NodeSpec, build_node
 
     torch.set_num_threads(max(1, args.threads))
@@ -57,9 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         code = 1
     finally:
-        if dist.is_initialized():  # the group may already be broken; we are leaving anyway
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        leave_group(clean=code == 0)  # a failed rank aborts: its peers may be gone
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown: torch's can take most of a second

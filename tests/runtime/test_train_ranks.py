@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -282,6 +283,92 @@ def test_a_killed_rank_is_named_not_a_hang(batch):
             node.state_dict()
     finally:
         node.close()
+
+
+HUNG_TIMEOUT_S = 30.0
+
+
+@pytest.mark.parametrize("after_abort", ["raises", "returns"])
+def test_a_rank_that_dies_under_a_hung_collective_is_named_within_seconds(after_abort, monkeypatch):
+    """NCCL on the CPU: a collective whose peer died neither fails nor returns until the group
+    is aborted (its kernel then ends, with an error or with garbage in the tensor) or the
+    collective timeout passes. The supervisor aborts the group when the rank dies, so the
+    call ends in seconds as a RankError naming the rank, and the group is aborted, never
+    destroyed (destroy_process_group() can wait on the dead peer too)."""
+    import torch.distributed as dist
+
+    from runtime.ranks import group as ranks
+
+    aborted = threading.Event()
+    real_abort = getattr(ranks, "_abort_collectives", lambda: None)
+
+    def abort():
+        real_abort()
+        aborted.set()
+
+    def all_reduce_like_nccl(tensor, *args, **kwargs):
+        if not aborted.wait(HUNG_TIMEOUT_S):
+            raise RuntimeError("Watchdog caught collective operation timeout")
+        if after_abort == "raises":
+            raise RuntimeError("NCCL communicator was aborted")
+
+    destroyed = []
+    node = _fresh_grpo(ranks=2, rank_timeout_s=HUNG_TIMEOUT_S)
+    node.setup()
+    group, proc = node._ranks, node._ranks.procs[0]
+    monkeypatch.setattr(ranks, "_abort_collectives", abort, raising=False)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce_like_nccl)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: destroyed.append(a))
+    try:
+        start = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)
+        pattern = rf"node 'grpo_update': rank 1 \(pid {proc.pid}\) was killed by SIGKILL \(9\)"
+        with pytest.raises(RankError, match=pattern), group.guard("update 1"):
+            group.all_sum([1.0])
+        assert time.monotonic() - start < 10, "the call waited for the collective timeout"
+        assert aborted.is_set()
+        assert destroyed == [] and not dist.is_initialized()  # aborted: a new group may form
+        assert _rank_processes() == []
+    finally:
+        node.close()
+
+
+def test_a_group_on_cuda_forms_bound_to_its_gpu(monkeypatch):
+    """init_process_group(device_id=...) on CUDA: NCCL makes its communicator on the rank's
+    GPU when the group forms; gloo on the CPU takes none."""
+    import torch.distributed as dist
+
+    from runtime.ranks.group import _Ranks
+
+    seen = []
+    monkeypatch.setattr(
+        dist, "init_process_group", lambda backend, **kw: seen.append((backend, kw))
+    )
+    for device in (torch.device("cuda", 1), torch.device("cpu")):
+        link = _Ranks("rank 1", 2, device, 5.0)
+        link.rank, link.store = 1, dist.HashStore()
+        link._init_group()
+    (nccl, on_gpu), (gloo, on_cpu) = seen
+    assert (nccl, on_gpu["device_id"]) == ("nccl", torch.device("cuda", 1))
+    assert (gloo, on_cpu["device_id"]) == ("gloo", None)
+
+
+def test_a_rank_leaving_after_a_fault_aborts_its_group(monkeypatch):
+    """A rank that failed (or whose peer did) aborts its group instead of destroying it,
+    which could wait on the peer; a clean close destroys it."""
+    import torch.distributed as dist
+
+    from runtime.ranks.group import leave_group
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
+    monkeypatch.setattr(
+        dist.distributed_c10d, "_abort_process_group", lambda: calls.append("abort")
+    )
+    leave_group(clean=False)
+    leave_group(clean=True)
+    assert calls == ["abort", "destroy"]
 
 
 def _rank_processes() -> list[int]:
