@@ -18,8 +18,10 @@ a 64 MiB CUDA tensor between two controller processes on one GPU by CUDA IPC and
 host copy (equal values, milliseconds from the source to the sink; :mod:`bench.cuda_ipc`);
 
 then text_grpo's model state (policy, optimizer, reference) offloaded to pinned host memory
-and reloaded, as colocated roles hand the GPU over: time, GB/s, the memory freed
-(``torch.cuda.memory_allocated``) and the weights equal after;
+and reloaded, as colocated roles hand the GPU over: time, GB/s, the memory freed as the
+driver counts it (``torch.cuda.mem_get_info()``: what another process could take, where
+``memory_allocated`` would count blocks torch still caches as free) and the weights equal
+after;
 
 then ``--steps`` steps through the CLI with ``--device cuda`` of mm_grpo, text_grpo,
 text_grpo with ``--rollout vllm``, and mm_grpo on two controllers that time-share the GPU
@@ -223,8 +225,9 @@ def _cli_runs(steps: int, out: Path, policies: dict[str, Path]) -> None:
 
 def _offload_check(policy: Path) -> None:
     """text_grpo's model state (policy, optimizer, reference) off the GPU and back,
-    timed, with the memory it frees (``torch.cuda.memory_allocated``) and the weights equal
-    after. On ``--device cpu`` the moves are CPU copies (``ALWAYS_COPY``): no memory figure."""
+    timed, with the memory it frees on the device (``torch.cuda.mem_get_info()``, what another
+    process could take: at least 90% of the bytes moved) and the weights equal after. On
+    ``--device cpu`` the moves are CPU copies (``ALWAYS_COPY``): no memory figure."""
     import nodes.models.offload as off
     from runtime.engine.local import LocalExecutor
     from runtime.engine.switch import has_device_state
@@ -238,13 +241,14 @@ def _offload_check(policy: Path) -> None:
     cuda = DEVICE == "cuda"
     off.ALWAYS_COPY = not cuda
     try:
-        if cuda:
+        if cuda:  # the step's cached blocks back first: the figure is the offload's alone
             torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated() if cuda else 0
+            torch.cuda.empty_cache()
+        free_before = torch.cuda.mem_get_info()[0] if cuda else 0
         t0 = time.perf_counter()
         moved = sum(n.offload() for n in models)
         away = time.perf_counter() - t0
-        after = torch.cuda.memory_allocated() if cuda else 0
+        free_after = torch.cuda.mem_get_info()[0] if cuda else 0
         t0 = time.perf_counter()
         back = sum(n.reload() for n in models)
         again = time.perf_counter() - t0
@@ -252,14 +256,14 @@ def _offload_check(policy: Path) -> None:
         off.ALWAYS_COPY = False
     policy_now = graph.nodes["grpo"].policy.state_dict()
     same = all(torch.equal(v.cpu(), policy_now[k].cpu()) for k, v in weights.items())
-    freed = before - after
+    freed = free_after - free_before
     mib = 1 << 20
     figure = (
         f"{moved / mib:.0f} MiB off in {away * 1e3:.0f} ms ({moved / max(away, 1e-9) / 1e9:.1f}"
         f" GB/s), back in {again * 1e3:.0f} ms"
     )
     if cuda:
-        figure += f"; allocated {before / mib:.0f} -> {after / mib:.0f} MiB"
+        figure += f"; GPU free {free_before / mib:.0f} -> {free_after / mib:.0f} MiB"
     ok = same and back == moved and moved > 0 and (not cuda or freed >= 0.9 * moved)
     why = "" if ok else f" (weights equal: {same}, moved {moved} back {back}, freed {freed})"
     row(OFFLOAD_ROW, "ok" if ok else f"FAILED{why}", figure)
