@@ -215,6 +215,19 @@ def test_the_page_in_headless_chromium(run_dir, tmp_path):
         shot = Path(os.environ.get("YATT_REPORT_SCREENSHOT", tmp_path / "report.png"))
         driver.save_screenshot(str(shot))
         print(f"screenshot: {shot}")
+
+        # A crashed run's page: notes at the top, the parts it has, no script error.
+        crashed = _copy(run_dir, tmp_path / "crashed")
+        for name in ("trace.json", "summary.json", "graph.json"):
+            (crashed / name).unlink()
+        with (crashed / "metrics.jsonl").open("a") as f:
+            f.write('{"step": 6, "scor')
+        driver.get(write_report(crashed).resolve().as_uri())
+        assert len(driver.find_elements(By.CSS_SELECTOR, "#notes li")) == 3
+        assert len(driver.find_elements(By.CSS_SELECTOR, "#curves svg.chart path.line")) == 4
+        assert rows() == len(samples)
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == [], errors
     finally:
         driver.quit()
     assert time.perf_counter() - started < 30
