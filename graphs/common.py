@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from graphs.config import RLConfig
+from graphs.config import TINY_TEXT_LMS, RLConfig
 from nodes.data import ShapesSource, task_vocabulary
 from nodes.reference import ReferenceLogprobs
 from nodes.rewards import RewardNode, reward_from_option
@@ -46,8 +46,6 @@ __all__ = [
     "train_group",
     "vision_encoder",
 ]
-
-_TINY_TEXT_LMS = ("tiny-gpt2", "tiny-llama", "tiny-qwen2")
 
 
 def resolve_device(device: str) -> str:
@@ -94,7 +92,7 @@ def policy_spec(config: RLConfig, image_dim: int | None) -> dict[str, Any]:
         if image_dim is not None:
             spec["image_dim"] = image_dim
         return {**spec, **_model_options(config)}
-    if policy in _TINY_TEXT_LMS:
+    if policy in TINY_TEXT_LMS:
         if image_dim is not None:
             raise ValueError(
                 f"policy {policy!r} is a text-only LM; use it with text_ppo or text_grpo, or "
@@ -105,7 +103,7 @@ def policy_spec(config: RLConfig, image_dim: int | None) -> dict[str, Any]:
     path = Path(policy)
     if not path.is_dir():
         raise ValueError(
-            f"policy {policy!r} is neither 'tiny', one of {', '.join(_TINY_TEXT_LMS)}, nor a "
+            f"policy {policy!r} is neither 'tiny', one of {', '.join(TINY_TEXT_LMS)}, nor a "
             "local model directory; models load only from local paths (nothing is downloaded)"
         )
     from nodes.models.families import model_family

@@ -64,10 +64,15 @@ AUTO: dict[str, tuple[float, float]] = {
 """Option -> (its default with a tiny policy, with a model of the user's), for options left None."""
 
 
+TINY_TEXT_LMS = ("tiny-gpt2", "tiny-llama", "tiny-qwen2")
+"""The tiny text causal LMs a ready graph builds in code by name (``--policy tiny-qwen2``)."""
+
+
 def users_model(policy: str | dict[str, Any]) -> bool:
     """Whether ``policy`` names a model of the user's: a directory that is not one of this
     project's tiny models (built in code, or saved and exported from a run of one)."""
-    path = policy.get("path") if isinstance(policy, dict) else None if policy == "tiny" else policy
+    tiny = policy == "tiny" or policy in TINY_TEXT_LMS
+    path = policy.get("path") if isinstance(policy, dict) else None if tiny else policy
     return path is not None and not is_tiny_dir(path)
 
 

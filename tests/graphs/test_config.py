@@ -133,6 +133,12 @@ def test_a_saved_tiny_model_keeps_the_shapes_defaults(tmp_path):
     assert config.notes() == []
 
 
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-qwen2"])
+def test_a_tiny_model_by_name_keeps_the_shapes_defaults(name):
+    config = TextGRPOConfig(policy=name)  # built in code: not a model of the user's
+    assert (config.lr, config.max_new_tokens, config.epochs) == (1e-3, 2, 2)
+
+
 @pytest.mark.parametrize("config", [MultimodalPPOConfig, PPOConfig, GRPOConfig, TextGRPOConfig])
 def test_every_field_has_a_docstring(config):
     missing = [o.name for o in config_options(config) if not o.doc]
