@@ -43,11 +43,19 @@ class View(NamedTuple):
         t = {k: v[rows.to(v.device)] for k, v in self.t.items()}
         return View(t, self.real[rows.to(self.real.device)], embeds, images, g)
 
+    @property
+    def reads(self) -> Tensor:
+        """bool[b, R]: the response tokens a forward reads: the real ones and, in a multi-turn
+        trajectory, the observations between its turns (``context_mask``), which the losses
+        leave out."""
+        context = self.t.get("context_mask")
+        return self.real if context is None else self.real | (context > 0)
+
     def trimmed(self) -> View:
         """The same rows without the padding columns none of them uses: prompt columns whose
-        mask is 0 in every row, response columns after the last real token."""
+        mask is 0 in every row, response columns after the last token read."""
         R = self.real.shape[1]
-        used = self.real.any(0).nonzero()
+        used = self.reads.any(0).nonzero()
         keep_r = int(used.max()) + 1 if len(used) else 1
         keep_p = self.t["prompt_mask"].bool().any(0) if "prompt_mask" in self.t else None
         t = {}
@@ -64,7 +72,7 @@ class View(NamedTuple):
         """Per unit (``group`` rows), its longest prompt and longest response, in tokens."""
         g = self.group
         prompts = self.t["prompt_mask"].bool().sum(1).reshape(-1, g).amax(1)  # (U,)
-        responses = self.real.sum(1).reshape(-1, g).amax(1)  # (U,)
+        responses = self.reads.sum(1).reshape(-1, g).amax(1)  # (U,)
         return prompts.tolist(), responses.tolist()
 
 

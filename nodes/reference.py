@@ -47,9 +47,32 @@ _INPUTS = {
     "prompt_mask": TensorPort("int64", "B", "P"),
     "response_ids": TensorPort("int64", "B", "R"),
     "response_mask": TensorPort("float32", "B", "R"),
+    "context_mask": Port(
+        TensorPort("float32", "B", "R"),
+        required=False,
+        doc="a multi-turn trajectory's tokens read: the policy's turns and the observations",
+    ),
     "image_embeds": Port(TensorPort("float32", "N", "D"), required=False, doc="PrefixVLM"),
     "images": Port(ANY, required=False, doc="list[PIL.Image] (HF VLMs)"),
 }
+
+
+def _reads(node: Node, response_mask: Tensor, context_mask: Tensor | None) -> Tensor:
+    """The response tokens a forward reads: ``response_mask``, or with a multi-turn
+    trajectory's ``context_mask`` its observations too (checked to cover the response)."""
+    if context_mask is None:
+        return response_mask
+    if context_mask.shape != response_mask.shape:
+        raise ValueError(
+            f"node {node.name!r}: input 'context_mask' is {tuple(context_mask.shape)} but "
+            f"'response_mask' is {tuple(response_mask.shape)}; they must match"
+        )
+    if bool(((response_mask > 0) & ~(context_mask > 0)).any()):
+        raise ValueError(
+            f"node {node.name!r}: input 'context_mask' is 0 where 'response_mask' is 1; it "
+            "marks every token read (the policy's and the observations'), a superset"
+        )
+    return context_mask
 
 
 def _prompt_batch(
@@ -218,8 +241,17 @@ class ReferenceLogprobs(Offload, Sharing, Node):
 
     @torch.no_grad()
     def forward(
-        self, prompt_ids, prompt_mask, response_ids, response_mask, image_embeds, images
+        self,
+        prompt_ids,
+        prompt_mask,
+        response_ids,
+        response_mask,
+        image_embeds,
+        images,
+        context_mask=None,
     ) -> dict[str, Tensor]:
+        reads = _reads(self, response_mask, context_mask)
+
         def logprobs(prompt_ids, prompt_mask, response_ids, response_mask, embeds, imgs):
             batch = _prompt_batch(self, self.policy, prompt_ids, prompt_mask, embeds, imgs)
             return self.policy.response_logprobs(
@@ -229,9 +261,9 @@ class ReferenceLogprobs(Offload, Sharing, Node):
         with self._frozen():
             ref = _in_parts(
                 logprobs, self.micro_batch_tokens, prompt_ids, prompt_mask, response_ids,
-                response_mask, image_embeds, images,
+                reads, image_embeds, images,
             )  # fmt: skip
-        return {"ref_logprobs": ref}
+        return {"ref_logprobs": torch.where(response_mask.cpu() > 0, ref, 0.0)}  # 0 off the turns
 
 
 class ValueModel(nn.Module):
@@ -394,9 +426,11 @@ class Critic(Offload, Sharing, WeightInput, Node):
         image_embeds,
         images,
         weights=None,
+        context_mask=None,
     ) -> dict[str, Tensor]:
         self._load(weights)
         trunk = self.value_model.trunk
+        reads = _reads(self, response_mask, context_mask)
 
         def values(prompt_ids, prompt_mask, response_ids, response_mask, embeds, imgs):
             batch = _prompt_batch(self, trunk, prompt_ids, prompt_mask, embeds, imgs)
@@ -407,11 +441,11 @@ class Critic(Offload, Sharing, WeightInput, Node):
         try:
             out = _in_parts(
                 values, self.micro_batch_tokens, prompt_ids, prompt_mask, response_ids,
-                response_mask, image_embeds, images,
+                reads, image_embeds, images,
             )  # fmt: skip
         finally:
             trunk.train(was_training)
-        return {"values": out}
+        return {"values": torch.where(response_mask.cpu() > 0, out, 0.0)}  # 0 off the turns
 
     def state_dict(self) -> dict[str, Any]:
         """The value head, plus the trunk when it is this node's own (not shared)."""

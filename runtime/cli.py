@@ -236,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
             "--reward-model", metavar="DIR", help="a local sequence classifier as the reward"
         )
         models.add_argument(
+            "--env",
+            metavar="FILE.py:CLASS",
+            help="an environment class (reset(row), step(action); nodes.agents.Environment) "
+            "for an agent graph (text_agent); each data row goes to its reset",
+        )
+        models.add_argument(
             "--judge", metavar="DIR", help="a local causal LM or VLM judging each response"
         )
         models.add_argument(

@@ -63,8 +63,8 @@ def _set_options(
 
 #: flags that name a graph option (``--val-data`` is the option ``val_data``)
 _NAMED_OPTIONS = (
-    "policy", "vision", "reward", "seed", "data", "val_data", "rollout", "device", "train_ranks",
-    "train_backend",
+    "policy", "vision", "reward", "env", "seed", "data", "val_data", "rollout", "device",
+    "train_ranks", "train_backend",
 )  # fmt: skip
 
 

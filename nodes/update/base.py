@@ -56,6 +56,12 @@ _INPUTS = {
     "truncated": Port(
         TensorPort("float32", "B"), required=False, doc="1.0 where the rollout cut the response"
     ),
+    "context_mask": Port(
+        _TOKENS,
+        required=False,
+        doc="a multi-turn trajectory's response tokens the model reads: the policy's turns "
+        "and the observations between them (response_mask is 1 on the policy's alone)",
+    ),
     "image_embeds": Port(TensorPort("float32", "N", "D"), required=False, doc="PrefixVLM"),
     "images": Port(ANY, required=False, doc="list[PIL.Image] (HF VLMs)"),
 }
@@ -354,6 +360,12 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
             elif self.mask_truncated:
                 log.warning("node %r: every response was cut at max_new_tokens; they are "
                             "trained on this step (raise max_new_tokens)", self.name)  # fmt: skip
+        context = t.get("context_mask")
+        if context is not None and not bool(((context > 0) | ~real).all()):
+            raise ValueError(
+                f"node {self.name!r}: input 'context_mask' is 0 where 'response_mask' is 1; "
+                "it marks every token read (the policy's and the observations'), a superset"
+            )
         sampled = t.pop("rollout_logprobs", None)
         if sampled is not None:
             gap = (t["logprobs"] - sampled).abs()[real]  # (n,) |log pi_old - log pi_rollout|
@@ -413,11 +425,12 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
 
     # --- model terms ---------------------------------------------------------------------
     def _policy_terms(
-        self, batch: PromptBatch, ids: Tensor, mask: Tensor, real: Tensor
+        self, batch: PromptBatch, ids: Tensor, mask: Tensor, real: Tensor, reads: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """Teacher-forced logprobs of ``logits / T`` and per-token entropy, both float[b, R]."""
+        """Teacher-forced logprobs of ``logits / T`` and per-token entropy, both float[b, R]
+        (0 off ``mask``); the forward reads the tokens of ``reads`` (observations too)."""
         with autocast(self.device, self.mixed_precision):
-            logits = self._policy_logits(batch, ids, mask)  # (b, R, V)
+            logits = self._policy_logits(batch, ids, reads)  # (b, R, V)
         if self.mixed_precision != "no":
             logits = logits.float()  # the log-softmax in float32
         if self.temperature != 1.0:

@@ -120,7 +120,8 @@ class GRPOUpdate(_Update):
             w_tok = n / n_tokens  # share of the batch's tokens (token-mean stats)
             w = int(mean.count(r, horizon)) / count  # share of the loss
             batch = self._prompt_batch(self.policy, view, rows)
-            new_logprobs, token_entropy = self._policy_terms(batch, ids, mask, r)  # (b, R)
+            reads = view.reads[rows]  # bool[b, R]: observations too, in a multi-turn trajectory
+            new_logprobs, token_entropy = self._policy_terms(batch, ids, mask, r, reads)
             # the inputs were checked once for the call, the logprobs by _policy_terms
             ref = t["ref_logprobs"][rows] if self.kl_coef > 0 else new_logprobs.detach()
             loss, stats = _grpo_loss(

@@ -256,7 +256,8 @@ class PPOUpdate(_Update):
                 return None
             w = n / n_tokens  # this micro-batch's share of the token-mean
             batch = self._prompt_batch(self.policy, view, rows)
-            new_logprobs, token_entropy = self._policy_terms(batch, ids, mask, r)  # (b, R)
+            reads = view.reads[rows]  # bool[b, R]: observations too, in a multi-turn trajectory
+            new_logprobs, token_entropy = self._policy_terms(batch, ids, mask, r, reads)
             # the inputs were checked once for the call, the model outputs just above and below
             is_weights = t["tis_weights"][rows] if "tis_weights" in t else None
             pg_loss, pg_stats = _ppo_policy_loss(
@@ -266,7 +267,7 @@ class PPOUpdate(_Update):
             entropy = _aggregate("entropy", token_entropy, r, "token-mean")  # ()
             critic_batch = self._prompt_batch(self.value_model.trunk, view, rows)
             with autocast(self.device, self.mixed_precision):
-                new_values = self._values(critic_batch, ids, mask)  # (b, R)
+                new_values = self._values(critic_batch, ids, reads)  # (b, R)
             new_values = new_values.float()
             _require_finite("values of the value model", new_values, r)
             vf_loss, vf_stats = _value_loss(

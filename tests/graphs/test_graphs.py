@@ -7,7 +7,14 @@ from runtime import LocalExecutor
 from yatt_graph import BatchPolicy, Graph
 from yatt_graph.refs import load_graph
 
-GRAPHS = ["graphs.mm_ppo", "graphs.mm_grpo", "graphs.text_ppo", "graphs.text_grpo", "graphs.toy"]
+GRAPHS = [
+    "graphs.mm_ppo",
+    "graphs.mm_grpo",
+    "graphs.text_ppo",
+    "graphs.text_grpo",
+    "graphs.text_agent",
+    "graphs.toy",
+]
 
 
 @pytest.mark.parametrize("name", GRAPHS)
@@ -90,3 +97,27 @@ def test_a_streaming_rollout_feeds_reward_reference_and_critic_piece_by_piece(mo
         assert torch.equal(a.outputs["response_lengths"], b.outputs["response_lengths"])
         for key, value in a.outputs["metrics"].items():
             assert b.outputs["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def test_the_agent_graph_runs_a_users_environment(tmp_path):
+    env = tmp_path / "my_env.py"
+    env.write_text(
+        "from nodes.agents import Environment, Observation\n\n"
+        "class Counter(Environment):\n"
+        "    max_turns = 3\n"
+        "    words = ('again',)\n"
+        "    def reset(self, row):\n"
+        "        self.turn = 0\n"
+        "        return Observation(row['prompt'])\n"
+        "    def step(self, action):\n"
+        "        self.turn += 1\n"
+        "        return Observation('again'), 0.25, False\n"
+    )
+    graph = load_graph("graphs.text_agent", batch_size=2, group_size=2, env=f"{env}:Counter")
+    assert "again" in graph.nodes["rollout"].config()["policy"]["words"]
+    result = LocalExecutor(graph).run(2)[-1]
+    assert torch.equal(result.outputs["scores"], torch.full((4,), 0.75))  # 3 turns of 0.25
+    assert result.outputs["agent"]["turns_mean"] == 3.0
+    assert torch.isfinite(torch.tensor(result.outputs["metrics"]["loss"]))
+    with pytest.raises(ValueError, match="reward='x.py:f': must be left at its default"):
+        load_graph("graphs.text_agent", reward="x.py:f")

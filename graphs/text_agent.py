@@ -1,0 +1,151 @@
+"""GRPO for a multi-turn, tool-using agent: the policy acts, the environment answers.
+
+data rows -> agent rollout (n trajectories per row, turns against the environment, scored by
+it) -> group advantages -> (reference logprobs) -> GRPO update -> weight sync to the rollout.
+
+    yatt-graph run text_agent --steps 300 --out runs/agent
+    yatt-graph run text_agent --set env=my_env.py:MyEnv --data rows.jsonl --policy /models/lm
+
+By default it runs the look task (:mod:`nodes.agents.lookup`): the prompt asks for a shape's
+colour, and only the ``look`` tool tells it. The update and the reference read each
+trajectory's observations as context (``context_mask``) and train on the policy's own tokens
+(``response_mask``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphs.common import data_source, policy_spec, resolve_device, train_group, update_options
+from graphs.config import TextGRPOConfig, _refuse
+from nodes.advantage import GroupAdvantage
+from nodes.agents import AgentRollout, load_env
+from nodes.data import ShapesSource
+from nodes.reference import ReferenceLogprobs
+from nodes.shared_models import set_share
+from nodes.sync import WeightSync
+from nodes.update import GRPOUpdate
+from yatt_graph import Graph
+
+__all__ = ["CONFIG", "AgentConfig", "build_graph"]
+
+
+class AgentConfig(TextGRPOConfig, kw_only=True, forbid_unknown_fields=True):
+    """GRPO with an environment: the fields of TextGRPOConfig, less the reward (the
+    environment scores each trajectory), plus the environment and its turns."""
+
+    policy: str | dict[str, Any] = "tiny-qwen2"
+    """A text causal LM: tiny-qwen2 (built in code), a local model directory, or a spec."""
+    env: str = "nodes.agents.lookup:LookEnv"
+    """The environment class, as path/to/file.py:Class or module:Class (nodes.agents)."""
+    max_turns: int | None = None
+    """The most turns of the policy in a trajectory (>= 1); none: the environment's."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_turns is not None:
+            _refuse_below("max_turns", self.max_turns, 1)
+        for name, set_ in self._unsupported().items():
+            if set_:
+                _refuse(
+                    name,
+                    getattr(self, name),
+                    "left at its default: the agent graph's environment scores each "
+                    "trajectory (write the reward in its step()), on the HF rollout, whole",
+                )
+
+    def _unsupported(self) -> dict[str, bool]:
+        """The options of GRPO's graph this one does not take, each with whether it is set."""
+        return {
+            "reward": self.reward != "nodes.data:answer_reward",
+            "rollout": self.rollout != "hf",
+            "stream": self.stream,
+            "dynamic_sampling": self.dynamic_sampling > 0,
+            "recompute_logprobs": self.recompute_logprobs,
+            "tis_cap": self.tis_cap > 0,
+            "val_data": self.val_data is not None,
+        }
+
+    def idle_options(self) -> dict[str, str]:
+        idle = super().idle_options()
+        for name in (*self._unsupported(), "val_every", "val_rows"):
+            idle[name] = "a graph without an environment (text_grpo)"
+        return idle
+
+
+def _refuse_below(name: str, value: Any, least: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        _refuse(name, value, f"an int >= {least}")
+
+
+CONFIG = AgentConfig
+
+
+def build_graph(**options: Any) -> Graph:
+    """Options: the fields of :class:`AgentConfig`."""
+    config = CONFIG.from_options("text_agent", options)
+    device = resolve_device(config.device)
+    spec = policy_spec(config, None)
+    words = getattr(load_env(config.env, "text_agent"), "words", ())
+    if "words" in spec:  # a tiny policy's vocabulary: the environment's words too
+        spec["words"] = list(dict.fromkeys([*spec["words"], *words]))
+    with Graph("text_agent") as g:
+        if config.data is None:  # the shapes task, its answer left out of the prompt
+            source = ShapesSource(
+                batch_size=config.batch_size, task=config.task, seed=config.seed, name="data"
+            )
+        else:
+            source = data_source(config, text_only=True)
+        data = source()
+        g.discard(data.images)
+        if config.data is not None:
+            g.output("data", data.stats)
+        rollout = AgentRollout(
+            policy=spec, env=config.env, n=config.group_size, temperature=config.temperature,
+            top_p=config.top_p, top_k=config.top_k, max_new_tokens=config.max_new_tokens,
+            max_turns=config.max_turns, max_prompt_tokens=config.max_prompt_tokens,
+            stop=config.stop, seed=config.seed, device=device, name="rollout",
+        )  # fmt: skip
+        set_share(rollout, "policy")
+        sample = rollout(prompts=data.prompts, meta=data.meta)
+        g.discard(sample.rollout_logprobs)
+        tensors = {
+            "prompt_ids": sample.prompt_ids,
+            "prompt_mask": sample.prompt_mask,
+            "response_ids": sample.response_ids,
+            "response_mask": sample.response_mask,
+            "context_mask": sample.context_mask,
+        }
+        adv = GroupAdvantage(
+            config.estimator,
+            name="group_advantage",
+            overlong_buffer=config.overlong_buffer,
+            max_new_tokens=config.max_new_tokens,
+            overlong_penalty=config.overlong_penalty,
+        )(scores=sample.scores, group_ids=sample.group_ids, response_mask=sample.response_mask)
+        ref = {}
+        if config.kl_coef > 0:
+            reference = ReferenceLogprobs(
+                policy=spec, temperature=config.temperature, device=device, name="reference",
+                micro_batch_tokens=config.micro_batch_tokens,
+            )  # fmt: skip
+            set_share(reference, "policy")
+            ref["ref_logprobs"] = reference(**tensors)
+        update = GRPOUpdate(
+            policy=spec, kl_coef=config.kl_coef, aggregation=config.aggregation,
+            horizon=config.max_new_tokens * rollout.max_turns, kl_estimator=config.kl_estimator,
+            device=device, **update_options(config), name="grpo", **train_group(config, "policy"),
+        )(
+            **tensors, logprobs=sample.logprobs, truncated=sample.truncated,
+            advantages=adv.advantages, **ref,
+        )  # fmt: skip
+        sync = WeightSync(snapshot=False, name="sync")(update.weights)
+        g.connect(sync, rollout, "weights", delay=1)
+        g.output("texts", sample.texts)
+        g.output("prompts", data.prompts)
+        g.output("scores", sample.scores)
+        g.output("response_lengths", sample.response_lengths)
+        g.output("agent", sample.agent)
+        g.output("metrics", update.metrics)
+        g.output("advantage", adv.stats)
+    return g

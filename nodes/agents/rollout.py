@@ -1,0 +1,294 @@
+"""The multi-turn rollout: the policy acts, the environment answers, turn after turn.
+
+Token in, token out: the tokens the policy sampled are kept exactly as sampled, and only the
+observations are tokenized (:func:`observation_ids`), so what an update trains on is what the
+policy saw and wrote. A trajectory is one row: its first observation is the prompt
+(``prompt_ids``), and ``response_ids`` holds every turn of the policy with the observations
+between them. ``response_mask`` is 1 on the policy's tokens only (the losses, the logprobs and
+the advantages read it) and ``context_mask`` on the observations too (the forward passes of
+the update, the reference and the critic read it), so a teacher-forced pass sees exactly the
+context each turn was sampled in.
+
+All live trajectories of a call generate their next turn together; finished ones leave the
+batch. Text observations only, on the HF backend (vLLM and observation images are refused
+with a reason).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nodes.agents.env import Observation, ToolEnv
+from nodes.models.policy import Policy
+from nodes.rollout import Rollout
+from nodes.seeding import step_seed
+from yatt_graph import ANY, BatchPolicy, Port, UsageError
+from yatt_graph import Tensor as TensorPort
+from yatt_graph.refs import import_ref, ref_of
+
+__all__ = ["AgentRollout", "load_env", "observation_ids"]
+
+
+def load_env(env: str | type, who: str) -> type:
+    """The environment class ``env`` names (``"module:Class"``, ``"path/file.py:Class"``) or
+    is; it must have ``reset`` and ``step`` and build with no arguments."""
+    try:
+        cls = import_ref(env) if isinstance(env, str) else env
+    except (ImportError, ValueError, FileNotFoundError) as exc:
+        raise UsageError(f"{who}: env {env!r} cannot be loaded: {exc}") from exc
+    if not isinstance(cls, type) or not all(
+        callable(getattr(cls, m, None)) for m in ("reset", "step")
+    ):
+        raise UsageError(
+            f"{who}: env {env!r} is not an environment class; give a class with reset(row) "
+            "and step(action) (nodes.agents.Environment), as 'file.py:Class'"
+        )
+    return cls
+
+
+def observation_ids(policy: Policy, text: str) -> list[int]:
+    """The token ids of an observation turn: with a chat template, the template's own
+    rendering of a ``tool`` message after the policy's turn, up to the next assistant turn;
+    without one, the text as it is, between newlines."""
+    tokenizer = policy.tokenizer
+    if getattr(policy, "_templated", False) and getattr(tokenizer, "chat_template", None):
+        head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        base = tokenizer.apply_chat_template(head, tokenize=False)
+        full = tokenizer.apply_chat_template(
+            [*head, {"role": "tool", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        if full.startswith(base):
+            return tokenizer(full[len(base) :], add_special_tokens=False)["input_ids"]
+    return tokenizer(f"\n{text}\n", add_special_tokens=False)["input_ids"]
+
+
+class _Trajectory:
+    """One trajectory being sampled: its context, its response so far and what it scored."""
+
+    def __init__(self, env: Any, prompt_ids: list[int]) -> None:
+        self.env = env
+        self.context = list(prompt_ids)
+        self.ids: list[int] = []
+        self.policy_token: list[bool] = []
+        self.logprobs: list[float] = []
+        self.reward = 0.0
+        self.turns = 0
+        self.observation_tokens = 0
+        self.done = False
+        self.cut = False
+        self.transcript: list[str] = []
+
+    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
+        self.ids += ids
+        self.context += ids
+        self.policy_token += [logprobs is not None] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+
+class AgentRollout(Rollout):
+    """Sample multi-turn trajectories against an environment (see the module docstring).
+
+    Inputs: ``prompts`` (the data's, shown to ``env.reset`` as the row's ``prompt``), ``meta``
+    (one dict per prompt: the rest of the row) and ``weights``. Outputs: the rollout's ports
+    (``texts`` is each trajectory's transcript), ``context_mask``, ``scores`` (each
+    trajectory's summed rewards) and ``agent`` (turns, observation tokens, tool calls by name,
+    tool errors and seconds, for the metrics).
+
+    Args:
+        env: the environment class (``"module:Class"``, ``"path/file.py:Class"`` or the class).
+        max_turns: the most turns of the policy (None: the environment's ``max_turns``).
+        max_new_tokens: the longest turn of the policy.
+        The others are as in :class:`nodes.rollout.Rollout` (HF backend, no streaming).
+    """
+
+    kind = "rollout"
+    inputs = {  # noqa: RUF012
+        "prompts": ANY,
+        "meta": Port(ANY, required=False, doc="list[dict], one per prompt: the data row"),
+        "weights": Port(ANY, required=False, doc="a state dict loaded before sampling"),
+    }
+    outputs = {  # noqa: RUF012
+        **Rollout.outputs,
+        "context_mask": Port(
+            TensorPort("float32", "B", "R"),
+            doc="1 on every real response token: the policy's turns and the observations",
+        ),
+        "scores": TensorPort("float32", "B"),
+        "agent": Port(ANY, doc="dict[str, float]: turns, tool calls, errors, for the metrics"),
+    }
+    batch_policy = BatchPolicy(max_batch_size=64, splittable=False)
+
+    def __init__(
+        self,
+        policy: str | Mapping[str, Any] = "tiny-qwen2",
+        env: str | type = "nodes.agents.lookup:LookEnv",
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_new_tokens: int = 8,
+        max_turns: int | None = None,
+        max_prompt_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        seed: int = 0,
+        device: str = "cpu",
+        model: Policy | None = None,
+        name: str | None = None,
+        share: str | None = None,
+        *,
+        placement: str | int | None = None,
+        batch_policy: BatchPolicy | None = None,
+    ) -> None:
+        super().__init__(
+            policy, "hf", n, temperature, top_p, top_k, max_new_tokens, max_prompt_tokens,
+            stop, (), seed, False, device, model, name, False, 1, None, share,
+            placement=placement, batch_policy=batch_policy,
+        )  # fmt: skip
+        where = f"node {self.name!r}"
+        self.env_class = load_env(env, where)
+        self.env = env if isinstance(env, str) else ref_of(env)
+        turns = getattr(self.env_class, "max_turns", None) if max_turns is None else max_turns
+        if not isinstance(turns, int) or isinstance(turns, bool) or turns < 1:
+            raise UsageError(
+                f"{where}: max_turns={turns!r}; give an int >= 1 (or set max_turns on the env)"
+            )
+        self.max_turns = turns
+
+    def forward(self, prompts, meta, weights) -> dict[str, Any]:
+        if meta is not None and len(meta) != len(prompts):
+            raise ValueError(
+                f"node {self.name!r}: input 'meta' has {len(meta)} rows for {len(prompts)} prompts"
+            )
+        rows = [
+            {**(meta[i] if meta is not None else {}), "prompt": p} for i, p in enumerate(prompts)
+        ]
+        rows_b = [row for row in rows for _ in range(self.n)]  # B = N * n, grouped
+        trajectories = [self._start(row) for row in rows_b]
+        firsts = [t.transcript[0] for t in trajectories[:: self.n]]  # one a prompt
+        call = self._prepare(firsts, None, None, weights)
+        batch = call.batch
+        for t, ids, mask in zip(
+            trajectories, batch.prompt_ids.tolist(), batch.prompt_mask.tolist()
+        ):
+            t.context = [i for i, m in zip(ids, mask) if m]
+        for turn in range(self.max_turns):
+            live = [t for t in trajectories if not t.done]
+            if not live:
+                break
+            self._turn(live, step_seed(call.seed, turn), last=turn == self.max_turns - 1)
+        out = self._pack(batch, trajectories, torch.arange(len(trajectories)))
+        self._done(call)
+        return out
+
+    # --- the turns ---------------------------------------------------------------------------
+    def _start(self, row: Mapping[str, Any]) -> _Trajectory:
+        env = self.env_class()
+        first = self._observe(env.reset(row), env, "reset")
+        t = _Trajectory(env, [])
+        t.transcript.append(first.text)
+        return t
+
+    def _observe(self, obs: Any, env: Any, what: str) -> Observation:
+        if isinstance(obs, str):
+            obs = Observation(obs)
+        if not isinstance(obs, Observation):
+            raise UsageError(
+                f"node {self.name!r}: {type(env).__name__}.{what} returned a "
+                f"{type(obs).__name__}; return an Observation(text, images)"
+            )
+        if obs.images:
+            raise UsageError(
+                f"node {self.name!r}: {type(env).__name__}.{what} returned an observation "
+                "with images; this rollout takes text observations only"
+            )
+        return obs
+
+    def _turn(self, live: list[_Trajectory], seed: int, last: bool) -> None:
+        """One turn of every live trajectory: sample it together, then step each env."""
+        pad = self.policy.pad_token_id
+        width = max(len(t.context) for t in live)
+        ids = torch.tensor([[pad] * (width - len(t.context)) + t.context for t in live])
+        mask = torch.tensor([[0] * (width - len(t.context)) + [1] * len(t.context) for t in live])
+        batch = self.policy.prepare(ids, mask).to(self.device)
+        with self._seeded(seed):
+            gen = self.policy.generate(batch, **self.sampling)
+        for i, t in enumerate(live):
+            n = int(gen.response_lengths[i])
+            t.add(gen.response_ids[i, :n].tolist(), gen.logprobs[i, :n].tolist())
+            t.turns += 1
+            t.transcript.append(gen.texts[i])
+            self._step(t, gen.texts[i], bool(gen.truncated[i]), last)
+
+    def _step(self, t: _Trajectory, action: str, cut: bool, last: bool) -> None:
+        try:
+            result = t.env.step(action)
+            obs, reward, done = result
+        except (TypeError, ValueError) as exc:
+            raise UsageError(
+                f"node {self.name!r}: {type(t.env).__name__}.step must return "
+                f"(observation or None, reward, done): {exc}"
+            ) from exc
+        t.reward += float(reward)
+        if done or obs is None:  # the trajectory ended (its last turn may have been cut)
+            t.done, t.cut = True, cut
+            return
+        if last:  # out of turns with the environment still waiting
+            t.done, t.cut = True, True
+            return
+        obs = self._observe(obs, t.env, "step")
+        observed = observation_ids(self.policy, obs.text)
+        t.add(observed, None)
+        t.observation_tokens += len(observed)
+        t.transcript.append(obs.text)
+
+    # --- the outputs -------------------------------------------------------------------------
+    def _pack(self, batch: Any, trajectories: list[_Trajectory], rows: Tensor) -> dict[str, Any]:
+        B, R = len(trajectories), max(max(len(t.ids) for t in trajectories), 1)
+        pad = self.policy.pad_token_id
+        ids = torch.full((B, R), pad, dtype=torch.int64)
+        policy_mask = torch.zeros(B, R)
+        context = torch.zeros(B, R)
+        logprobs = torch.zeros(B, R)
+        for i, t in enumerate(trajectories):
+            n = len(t.ids)
+            ids[i, :n] = torch.tensor(t.ids, dtype=torch.int64)
+            policy_mask[i, :n] = torch.tensor(t.policy_token, dtype=torch.float32)
+            context[i, :n] = 1.0
+            logprobs[i, :n] = torch.tensor(t.logprobs)
+        lengths = policy_mask.sum(1).long()  # (B,) the policy's tokens
+        return {
+            "prompt_ids": batch.prompt_ids.cpu(),
+            "prompt_mask": batch.prompt_mask.cpu(),
+            "response_ids": ids,
+            "response_mask": policy_mask,
+            "context_mask": context,
+            "logprobs": logprobs,
+            "rollout_logprobs": logprobs.clone(),
+            "response_lengths": lengths,
+            "texts": [" | ".join(t.transcript[1:]) for t in trajectories],
+            "group_ids": self._group_ids(rows),
+            "truncated": torch.tensor([float(t.cut) for t in trajectories]),
+            "scores": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+            "agent": _stats(trajectories),
+        }
+
+
+def _stats(trajectories: list[_Trajectory]) -> dict[str, float]:
+    B = len(trajectories)
+    stats = {
+        "turns_mean": sum(t.turns for t in trajectories) / B,
+        "observation_tokens_mean": sum(t.observation_tokens for t in trajectories) / B,
+    }
+    calls = [c for t in trajectories if isinstance(t.env, ToolEnv) for c in t.env.calls]
+    if any(isinstance(t.env, ToolEnv) for t in trajectories):
+        stats["tool_calls_per_trajectory"] = len(calls) / B
+        stats["tool_use_rate"] = sum(bool(t.env.calls) for t in trajectories) / B
+        stats["tool_errors"] = float(sum(c.error is not None for c in calls))
+        stats["tool_seconds"] = sum(c.seconds for c in calls)
+        for name in sorted({c.name for c in calls}):
+            stats[f"tool_calls/{name}"] = float(sum(c.name == name for c in calls))
+    return stats
