@@ -19,7 +19,7 @@ from typing import Any
 from graphs.common import data_source, policy_spec, resolve_device, train_group, update_options
 from graphs.config import TextGRPOConfig, _refuse
 from nodes.advantage import GroupAdvantage
-from nodes.agents import AgentRollout, load_env
+from nodes.agents import AgentRollout, AgentStats, load_env
 from nodes.data import ShapesSource
 from nodes.reference import ReferenceLogprobs
 from nodes.shared_models import set_share
@@ -145,7 +145,7 @@ def build_graph(**options: Any) -> Graph:
         g.output("prompts", data.prompts)
         g.output("scores", sample.scores)
         g.output("response_lengths", sample.response_lengths)
-        g.output("agent", sample.agent)
+        g.output("agent", AgentStats(name="agent_stats")(trajectories=sample.trajectories))
         g.output("metrics", update.metrics)
         g.output("advantage", adv.stats)
     return g

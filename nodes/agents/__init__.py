@@ -1,10 +1,11 @@
 """Multi-turn agents: the environment protocol, tools, and the rollout that runs them."""
 
 from nodes.agents.env import Environment, Observation, ToolCall, ToolEnv, parse_tool_call
-from nodes.agents.rollout import AgentRollout, load_env, observation_ids
+from nodes.agents.rollout import AgentRollout, AgentStats, load_env, observation_ids
 
 __all__ = [
     "AgentRollout",
+    "AgentStats",
     "Environment",
     "Observation",
     "ToolCall",

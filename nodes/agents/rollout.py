@@ -26,11 +26,11 @@ from nodes.agents.env import Observation, ToolEnv
 from nodes.models.policy import Policy
 from nodes.rollout import Rollout
 from nodes.seeding import step_seed
-from yatt_graph import ANY, BatchPolicy, Port, UsageError
+from yatt_graph import ANY, BatchPolicy, Node, Port, UsageError
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.refs import import_ref, ref_of
 
-__all__ = ["AgentRollout", "load_env", "observation_ids"]
+__all__ = ["AgentRollout", "AgentStats", "load_env", "observation_ids"]
 
 
 def load_env(env: str | type, who: str) -> type:
@@ -95,8 +95,9 @@ class AgentRollout(Rollout):
     Inputs: ``prompts`` (the data's, shown to ``env.reset`` as the row's ``prompt``), ``meta``
     (one dict per prompt: the rest of the row) and ``weights``. Outputs: the rollout's ports
     (``texts`` is each trajectory's transcript), ``context_mask``, ``scores`` (each
-    trajectory's summed rewards) and ``agent`` (turns, observation tokens, tool calls by name,
-    tool errors and seconds, for the metrics).
+    trajectory's summed rewards) and ``trajectories`` (one record a trajectory: its turns,
+    observation tokens, the tools it called, their errors and seconds; :class:`AgentStats`
+    sums them up for the metrics).
 
     Args:
         env: the environment class (``"module:Class"``, ``"path/file.py:Class"`` or the class).
@@ -118,7 +119,9 @@ class AgentRollout(Rollout):
             doc="1 on every real response token: the policy's turns and the observations",
         ),
         "scores": TensorPort("float32", "B"),
-        "agent": Port(ANY, doc="dict[str, float]: turns, tool calls, errors, for the metrics"),
+        "trajectories": Port(
+            ANY, doc="list[dict], one a trajectory: turns, observation tokens, tool calls"
+        ),
     }
     batch_policy = BatchPolicy(max_batch_size=64, splittable=False)
 
@@ -273,22 +276,46 @@ class AgentRollout(Rollout):
             "group_ids": self._group_ids(rows),
             "truncated": torch.tensor([float(t.cut) for t in trajectories]),
             "scores": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
-            "agent": _stats(trajectories),
+            "trajectories": [_record(t) for t in trajectories],
         }
 
 
-def _stats(trajectories: list[_Trajectory]) -> dict[str, float]:
-    B = len(trajectories)
-    stats = {
-        "turns_mean": sum(t.turns for t in trajectories) / B,
-        "observation_tokens_mean": sum(t.observation_tokens for t in trajectories) / B,
+def _record(t: _Trajectory) -> dict[str, Any]:
+    """What a trajectory did, as plain values (it travels between controllers and joins
+    with the other rows of a call cut across replicas)."""
+    calls = t.env.calls if isinstance(t.env, ToolEnv) else []
+    return {
+        "turns": t.turns,
+        "observation_tokens": t.observation_tokens,
+        "tool_calls": [c.name for c in calls],
+        "tool_errors": [f"{c.name}: {c.error}" for c in calls if c.error is not None],
+        "tool_seconds": sum(c.seconds for c in calls),
+        "uses_tools": isinstance(t.env, ToolEnv),
     }
-    calls = [c for t in trajectories if isinstance(t.env, ToolEnv) for c in t.env.calls]
-    if any(isinstance(t.env, ToolEnv) for t in trajectories):
-        stats["tool_calls_per_trajectory"] = len(calls) / B
-        stats["tool_use_rate"] = sum(bool(t.env.calls) for t in trajectories) / B
-        stats["tool_errors"] = float(sum(c.error is not None for c in calls))
-        stats["tool_seconds"] = sum(c.seconds for c in calls)
-        for name in sorted({c.name for c in calls}):
-            stats[f"tool_calls/{name}"] = float(sum(c.name == name for c in calls))
-    return stats
+
+
+class AgentStats(Node):
+    """A step's trajectory records (:class:`AgentRollout`'s ``trajectories``) as metrics:
+    ``turns_mean``, ``observation_tokens_mean`` and, for tool environments,
+    ``tool_use_rate`` (the share that called a tool), ``tool_calls_per_trajectory``,
+    ``tool_calls/<name>``, ``tool_errors`` and ``tool_seconds``."""
+
+    inputs = {"trajectories": ANY}  # noqa: RUF012
+    outputs = {"stats": Port(ANY, doc="dict[str, float]")}  # noqa: RUF012
+
+    def forward(self, trajectories) -> dict[str, Any]:
+        records = list(trajectories)
+        B = max(len(records), 1)
+        stats = {
+            "turns_mean": sum(r["turns"] for r in records) / B,
+            "observation_tokens_mean": sum(r["observation_tokens"] for r in records) / B,
+        }
+        if any(r["uses_tools"] for r in records):
+            names = [n for r in records for n in r["tool_calls"]]
+            stats["tool_use_rate"] = sum(bool(r["tool_calls"]) for r in records) / B
+            stats["tool_calls_per_trajectory"] = len(names) / B
+            stats["tool_errors"] = float(sum(len(r["tool_errors"]) for r in records))
+            stats["tool_seconds"] = sum(r["tool_seconds"] for r in records)
+            for name in sorted(set(names)):
+                stats[f"tool_calls/{name}"] = float(names.count(name))
+        return {"stats": stats}

@@ -117,7 +117,7 @@ def test_the_agent_graph_runs_a_users_environment(tmp_path):
     assert "again" in graph.nodes["rollout"].config()["policy"]["words"]
     result = LocalExecutor(graph).run(2)[-1]
     assert torch.equal(result.outputs["scores"], torch.full((4,), 0.75))  # 3 turns of 0.25
-    assert result.outputs["agent"]["turns_mean"] == 3.0
+    assert result.outputs["agent"]["turns_mean"] == 3.0  # (AgentStats over the records)
     assert torch.isfinite(torch.tensor(result.outputs["metrics"]["loss"]))
     with pytest.raises(ValueError, match="reward='x.py:f': must be left at its default"):
         load_graph("graphs.text_agent", reward="x.py:f")

@@ -10,6 +10,7 @@ import torch
 
 from nodes.agents import (
     AgentRollout,
+    AgentStats,
     Environment,
     Observation,
     ToolEnv,
@@ -117,8 +118,9 @@ def test_trajectories_keep_the_sampled_tokens_and_mask_the_observations():
         assert out["texts"][i].count(OBSERVATION) == 2
     assert torch.equal(out["scores"], torch.full((B,), 1.5))  # the turns' rewards add up
     assert torch.equal(out["truncated"], torch.ones(B))  # out of turns, the env still waiting
-    assert out["agent"]["turns_mean"] == 3.0
-    assert out["agent"]["observation_tokens_mean"] == 2 * len(observed)
+    assert [r["turns"] for r in out["trajectories"]] == [3] * B
+    stats = AgentStats().run(trajectories=out["trajectories"])["stats"]
+    assert stats == {"turns_mean": 3.0, "observation_tokens_mean": 2.0 * len(observed)}
 
 
 def test_the_trainer_sees_what_each_turn_was_sampled_in():
@@ -200,3 +202,22 @@ def test_an_env_that_breaks_the_protocol_is_named():
         AgentRollout(policy=SPEC, env="no_such_module:Env")
     with pytest.raises(UsageError, match=r"Wrong.step must return \(observation or None"):
         _sample(env=Wrong)
+
+
+def test_the_stats_count_every_trajectorys_tools():
+    def record(calls, errors=(), seconds=0.0):
+        return {"turns": 1 + len(calls), "observation_tokens": 4 * len(calls), "tool_calls": calls,
+                "tool_errors": list(errors), "tool_seconds": seconds, "uses_tools": True}  # fmt: skip
+
+    records = [record(["look"], seconds=0.5), record([]), record(["look", "zoom"], ["zoom: x"])]
+    stats = AgentStats().run(trajectories=records)["stats"]
+    assert stats == {
+        "turns_mean": 2.0,
+        "observation_tokens_mean": 4.0,
+        "tool_use_rate": 2 / 3,
+        "tool_calls_per_trajectory": 1.0,
+        "tool_errors": 1.0,
+        "tool_seconds": 0.5,
+        "tool_calls/look": 2.0,
+        "tool_calls/zoom": 1.0,
+    }
