@@ -42,6 +42,7 @@ IPC cannot be shared again (torch refuses), so it is first cloned on its GPU.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -56,6 +57,7 @@ __all__ = [
     "ENV",
     "setup_gpus",
     "MIN_BYTES",
+    "OPENED",
     "IpcReceive",
     "IpcSend",
     "enabled_from_env",
@@ -68,7 +70,9 @@ ENV = "YATT_CUDA_IPC"
 
 MIN_BYTES = 1 << 16
 """CUDA tensors smaller than this take the host copy: opening an IPC handle costs more than
-copying a few KiB (a guess to be measured by bench/gpu_check.py, not a measured figure)."""
+copying a few KiB (a guess to be measured by bench/gpu_check.py, not a measured figure). Read
+when a sender's :class:`IpcSend` is made, so a process may change it before it first sends
+(the GPU check's size sweep does)."""
 
 FIX = "turn CUDA IPC off: ZmqExecutor(cuda_ipc=False) or YATT_CUDA_IPC=0"
 
@@ -137,7 +141,7 @@ class IpcSend:
 
     devices: Mapping[int, int]
     dests: Sequence[int]
-    min_bytes: int = MIN_BYTES
+    min_bytes: int = field(default_factory=lambda: MIN_BYTES)
     sent: int = 0
     """Tensors sent by IPC so far (the controller calls ipc_collect once this is > 0)."""
 
@@ -167,6 +171,26 @@ def _share(storage: Any, dest: int) -> list[Any]:
 
 
 @dataclass
+class Opened:
+    """What this process has opened by CUDA IPC: tensors, and the bytes of their views (not of
+    the whole storages they share). A receiving controller's count tells IPC from the host
+    copy, which looks the same to the node (bench/gpu_check.py's IPC rows read it)."""
+
+    tensors: int = 0
+    bytes: int = 0
+
+    def add(self, args: Mapping[str, Any]) -> None:
+        from runtime.zmq.serial_format import _torch_dtype
+
+        self.tensors += 1
+        self.bytes += math.prod(args["size"]) * _torch_dtype(args["dtype"]).itemsize
+
+
+OPENED = Opened()
+"""This process's count (the decoder adds each tensor it opens)."""
+
+
+@dataclass
 class IpcReceive:
     """The decoder's side (``decode_value(..., cuda_ipc=)``): this controller's index (which
     share is its own) and its GPUs as physical indices in local-ordinal order."""
@@ -189,7 +213,9 @@ class IpcReceive:
         """The tensor of an IPC extension's (decoded) fields; DecodeError if it cannot open."""
         args = rebuild_args(fields, self.index, self.local)
         try:
-            return _rebuild(args)
+            tensor = _rebuild(args)
+            OPENED.add(args)
+            return tensor
         except DecodeError:
             raise
         except Exception as exc:

@@ -190,6 +190,20 @@ def test_format_ipc_extension_refused_where_it_cannot_be_opened(fake_share):
         decode_value(frames, cuda_ipc=IpcReceive(3, [5]))
 
 
+def test_the_receiver_counts_what_it_opened_by_ipc_and_a_sender_reads_the_threshold_when_made(
+    fake_share, monkeypatch
+):
+    monkeypatch.setattr(cuda_ipc, "OPENED", cuda_ipc.Opened())
+    frames = _ipc_frames()
+    decode_value(frames, cuda_ipc=IpcReceive(1, [7, 5]))
+    decode_value(frames, cuda_ipc=IpcReceive(2, [5]))
+    # the bytes of the bfloat16[4, 3] view each opened, not of its 4096-byte storage
+    assert (cuda_ipc.OPENED.tensors, cuda_ipc.OPENED.bytes) == (2, 2 * 4 * 3 * 2)
+    assert IpcSend({0: 0}, [1]).min_bytes == cuda_ipc.MIN_BYTES
+    monkeypatch.setattr(cuda_ipc, "MIN_BYTES", 1)
+    assert IpcSend({0: 0}, [1]).min_bytes == 1
+
+
 @pytest.mark.parametrize(
     "bad",
     [b"/../dev/shm/x", b"relative", b"", "/torch_1", b"/torch\x00x"],
