@@ -16,7 +16,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphs.common import data_source, policy_spec, resolve_device, train_group, update_options
+from graphs.common import (
+    _vllm_options,
+    data_source,
+    policy_spec,
+    resolve_device,
+    train_group,
+    update_options,
+)
 from graphs.config import TextGRPOConfig, _refuse
 from nodes.advantage import GroupAdvantage
 from nodes.agents import AgentRollout, AgentStats, load_env
@@ -51,18 +58,15 @@ class AgentConfig(TextGRPOConfig, kw_only=True, forbid_unknown_fields=True):
                     name,
                     getattr(self, name),
                     "left at its default: the agent graph's environment scores each "
-                    "trajectory (write the reward in its step()), on the HF rollout, whole",
+                    "trajectory (write the reward in its step()), whole, with no validation",
                 )
 
     def _unsupported(self) -> dict[str, bool]:
         """The options of GRPO's graph this one does not take, each with whether it is set."""
         return {
             "reward": self.reward != "nodes.data:answer_reward",
-            "rollout": self.rollout != "hf",
             "stream": self.stream,
             "dynamic_sampling": self.dynamic_sampling > 0,
-            "recompute_logprobs": self.recompute_logprobs,
-            "tis_cap": self.tis_cap > 0,
             "val_data": self.val_data is not None,
         }
 
@@ -105,10 +109,16 @@ def build_graph(**options: Any) -> Graph:
             top_p=config.top_p, top_k=config.top_k, max_new_tokens=config.max_new_tokens,
             max_turns=config.max_turns, max_prompt_tokens=config.max_prompt_tokens,
             stop=config.stop, seed=config.seed, device=device, name="rollout",
+            backend=config.rollout, recompute_logprobs=config.recompute_logprobs,
+            vllm_options=_vllm_options(config) if config.rollout == "vllm" else None,
         )  # fmt: skip
         set_share(rollout, "policy")
         sample = rollout(prompts=data.prompts, meta=data.meta)
-        g.discard(sample.rollout_logprobs)
+        sampled = {}  # the sampler's logprobs beside the recomputed ones: the gap, and TIS
+        if config.recompute_logprobs:
+            sampled["rollout_logprobs"] = sample.rollout_logprobs
+        else:
+            g.discard(sample.rollout_logprobs)
         tensors = {
             "prompt_ids": sample.prompt_ids,
             "prompt_mask": sample.prompt_mask,
@@ -137,7 +147,7 @@ def build_graph(**options: Any) -> Graph:
             device=device, **update_options(config), name="grpo", **train_group(config, "policy"),
         )(
             **tensors, logprobs=sample.logprobs, truncated=sample.truncated,
-            advantages=adv.advantages, **ref,
+            advantages=adv.advantages, **ref, **sampled,
         )  # fmt: skip
         sync = WeightSync(snapshot=False, name="sync")(update.weights)
         g.connect(sync, rollout, "weights", delay=1)

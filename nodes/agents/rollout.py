@@ -10,8 +10,11 @@ the update, the reference and the critic read it), so a teacher-forced pass sees
 context each turn was sampled in.
 
 All live trajectories of a call generate their next turn together; finished ones leave the
-batch. Text observations only, on the HF backend (vLLM and observation images are refused
-with a reason).
+batch. On the vLLM backend each turn goes to the engine as token ids (the context as it is,
+never re-tokenized), and the engine sleeps after the call's last turn; its logprobs are the
+sampler's own, and with ``recompute_logprobs`` one teacher-forced pass of the policy over each
+whole trajectory gives the ones the update takes. Text observations only (an observation with
+images is refused with a reason).
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ class AgentRollout(Rollout):
         env: the environment class (``"module:Class"``, ``"path/file.py:Class"`` or the class).
         max_turns: the most turns of the policy (None: the environment's ``max_turns``).
         max_new_tokens: the longest turn of the policy.
-        The others are as in :class:`nodes.rollout.Rollout` (HF backend, no streaming).
+        The others are as in :class:`nodes.rollout.Rollout` (no streaming).
     """
 
     kind = "rollout"
@@ -142,14 +145,17 @@ class AgentRollout(Rollout):
         model: Policy | None = None,
         name: str | None = None,
         share: str | None = None,
+        backend: str = "hf",
+        recompute_logprobs: bool = False,
+        vllm_options: Mapping[str, Any] | None = None,
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
     ) -> None:
         super().__init__(
-            policy, "hf", n, temperature, top_p, top_k, max_new_tokens, max_prompt_tokens,
-            stop, (), seed, False, device, model, name, False, 1, None, share,
-            placement=placement, batch_policy=batch_policy,
+            policy, backend, n, temperature, top_p, top_k, max_new_tokens, max_prompt_tokens,
+            stop, (), seed, recompute_logprobs, device, model, name, False, 1, vllm_options,
+            share, placement=placement, batch_policy=batch_policy,
         )  # fmt: skip
         where = f"node {self.name!r}"
         self.env_class = load_env(env, where)
@@ -183,7 +189,21 @@ class AgentRollout(Rollout):
             if not live:
                 break
             self._turn(live, step_seed(call.seed, turn), last=turn == self.max_turns - 1)
+        if self._vllm is not None:
+            self._vllm.sleep()  # with enable_sleep_mode: the device is free until the next call
         out = self._pack(batch, trajectories, torch.arange(len(trajectories)))
+        own = self._vllm is None or self._vllm.own_logprobs  # the sampler reported logprobs
+        if self.recompute_logprobs or not own:
+            with torch.no_grad():
+                logprobs = self.policy.response_logprobs(
+                    batch,
+                    out["response_ids"],
+                    out["context_mask"],
+                    temperature=self.sampling["temperature"] or 1.0,
+                ).cpu()  # (B, R) every token read, observations too
+            logprobs = torch.where(out["response_mask"] > 0, logprobs, 0.0)  # the turns'
+            out["rollout_logprobs"] = out["logprobs"] if own else logprobs
+            out["logprobs"] = logprobs
         self._done(call)
         return out
 
@@ -217,8 +237,11 @@ class AgentRollout(Rollout):
         ids = torch.tensor([[pad] * (width - len(t.context)) + t.context for t in live])
         mask = torch.tensor([[0] * (width - len(t.context)) + [1] * len(t.context) for t in live])
         batch = self.policy.prepare(ids, mask).to(self.device)
-        with self._seeded(seed):
-            gen = self.policy.generate(batch, **self.sampling)
+        if self._vllm is not None:  # text only: the engine takes the contexts' token ids
+            gen = self._vllm.generate([""] * len(live), None, seed, batch)
+        else:
+            with self._seeded(seed):
+                gen = self.policy.generate(batch, **self.sampling)
         for i, t in enumerate(live):
             n = int(gen.response_lengths[i])
             t.add(gen.response_ids[i, :n].tolist(), gen.logprobs[i, :n].tolist())

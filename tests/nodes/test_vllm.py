@@ -441,3 +441,56 @@ def test_a_ready_graph_with_vllm_serves_half_precision_sleeps_and_corrects_the_g
     assert (options["dtype"], options["enforce_eager"], options["enable_sleep_mode"]) == ("auto", False, True)  # fmt: skip
     assert rollout.recompute_logprobs and graph.nodes["grpo"].tis_cap == 2.0
     assert "rollout_logprobs" in {e.dst_port for e in graph.edges if e.dst == "grpo"}
+    agent = load_graph("graphs.text_agent", rollout="vllm", batch_size=2)
+    rollout = agent.nodes["rollout"]
+    assert rollout.backend == "vllm" and rollout.vllm_options["enable_sleep_mode"]
+    assert rollout.recompute_logprobs and agent.nodes["grpo"].tis_cap == 2.0
+    assert "rollout_logprobs" in {e.dst_port for e in agent.edges if e.dst == "grpo"}
+
+
+class _Twice:
+    """An environment that answers every turn, for two turns."""
+
+    max_turns = 2
+
+    def reset(self, row):
+        from nodes.agents import Observation
+
+        return Observation(row["prompt"])
+
+    def step(self, action):
+        from nodes.agents import Observation
+
+        return Observation("ok"), 1.0, False
+
+
+def test_an_agent_rollout_sends_each_turn_as_token_ids_and_recomputes_over_the_trajectory(
+    fake_vllm,
+):
+    from nodes.agents import AgentRollout, observation_ids
+
+    node = AgentRollout(
+        policy="tiny-qwen2", env=_Twice, backend="vllm", max_new_tokens=4, n=2,
+        recompute_logprobs=True, vllm_options={"enable_sleep_mode": True},
+    )  # fmt: skip
+    out = node.run(prompts=["ab", "c"], meta=None)
+    llm = node._vllm.llm
+    observed = observation_ids(node.policy, "ok")
+    ids, mask = out["prompt_ids"], out["prompt_mask"].bool()
+    firsts = [ids[b][mask[b]].tolist() for b in range(4)]
+    # turn 2 continues each context token for token: the sampled ids, then the observation's
+    assert [r["prompt_token_ids"] for r in llm.requests] == [
+        [*p, 5, 6, 7, *observed] for p in firsts
+    ]
+    assert out["response_ids"][0].tolist() == [5, 6, 7, *observed, 5, 6, 7]
+    turns = out["response_mask"] > 0
+    assert turns[0].tolist() == [True] * 3 + [False] * len(observed) + [True] * 3
+    # the sampler's logprobs beside the trainer's, recomputed over each whole trajectory
+    assert torch.allclose(out["rollout_logprobs"][0, :3], torch.tensor([-0.5, -0.6, -0.7]))
+    batch = node.policy.prepare(ids, out["prompt_mask"])
+    with torch.no_grad():
+        want = node.policy.response_logprobs(batch, out["response_ids"], out["context_mask"])
+    assert torch.allclose(out["logprobs"][turns], want[turns], atol=1e-6)
+    assert torch.all(out["logprobs"][~turns] == 0)
+    assert llm.calls.count("generate") == 2 and llm.calls[-1] == "sleep 2"  # once, at the end
+    assert llm.calls[llm.calls.index("generate") + 1] == "generate"  # awake between the turns
