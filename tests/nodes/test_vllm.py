@@ -8,18 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
-import msgspec
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from vllm_stand_in import FakeLLM, GiB, install, through_the_engine_core
 
-import nodes.rollout as rollout_module
 from nodes.models.hf_causal import HFCausalPolicy
 from nodes.models.policy import build_policy, char_tokenizer, tiny_prefix_vlm, tiny_qwen2_vl
 from nodes.models.vllm_engine import (
@@ -126,12 +123,6 @@ def test_vllm_model_classes_map_the_checkpoint_names_onto_their_modules():
 
 
 # --- the payload ------------------------------------------------------------------------------
-def _through_the_engine_core(value):
-    """What a collective_rpc argument becomes in vLLM's V1 engine: msgpack, decoded untyped
-    (msgspec refuses a function, as vLLM does without insecure serialization)."""
-    return msgspec.msgpack.decode(msgspec.msgpack.encode(value))
-
-
 def test_weights_survive_msgpack_in_every_dtype_and_shape():
     g = torch.Generator().manual_seed(0)
     items = [
@@ -143,7 +134,7 @@ def test_weights_survive_msgpack_in_every_dtype_and_shape():
         ("empty", torch.zeros(0, 4)),
         ("strided", torch.randn(4, 6, generator=g).t()),
     ]
-    buckets = [_through_the_engine_core(b) for b in pack_weights(items, 2**20)]
+    buckets = [through_the_engine_core(b) for b in pack_weights(items, 2**20)]
     back = [t for b in buckets for t in unpack_weights(b, "cpu")]
     assert [n for n, _ in back] == [n for n, _ in items]
     for (_, want), (_, got) in zip(items, back):
@@ -168,7 +159,7 @@ def test_the_receiver_loads_a_bucket_into_the_workers_model():
     model.load_weights = load_weights
     worker = WeightReceiver()
     worker.model_runner = SimpleNamespace(model=model)
-    bucket = _through_the_engine_core(next(pack_weights([("w", torch.ones(2, 2))], 2**20)))
+    bucket = through_the_engine_core(next(pack_weights([("w", torch.ones(2, 2))], 2**20)))
     assert getattr(worker, RECEIVE)(bucket) == [1, ["weight"]]
     assert seen[0][0] == "w" and torch.equal(seen[0][1], torch.ones(2, 2))
     assert worker.weight_names() == ["bias", "weight"]
@@ -187,86 +178,9 @@ def test_engine_options_are_checked_before_anything_starts():
 
 
 # --- the engine and the Rollout against a stand-in vllm ----------------------------------------
-class FakeLLM:
-    """vllm.LLM as far as the engine uses it. The served weights are the checkpoint's tensors
-    by name; the worker method runs by name on a WeightReceiver after a msgpack round trip."""
-
-    prompt_shift = 0
-    """Tokens the stand-in's "processor" adds to each prompt (0: the ids it was given)."""
-
-    def __init__(self, model: str, **kwargs):
-        self.path, self.kwargs, self.calls = Path(model), kwargs, []
-        self.visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # what the engine core inherits
-        self.served = {}
-        for file in self.path.glob("*.safetensors"):
-            self.served.update(load_file(str(file)))
-        module_name, _, cls = kwargs["worker_extension_cls"].rpartition(".")
-        self.worker = getattr(sys.modules[module_name], cls)()
-        self.worker.model_runner = SimpleNamespace(model=self)
-        self.llm_engine = SimpleNamespace(reset_encoder_cache=lambda: self.calls.append("reset encoder"))  # fmt: skip
-
-    def parameters(self):
-        yield torch.zeros(1)
-
-    def named_parameters(self):  # the served model's parameters: the checkpoint's names here
-        return ((name, tensor) for name, tensor in self.served.items())
-
-    def load_weights(self, weights):
-        for name, tensor in weights:
-            assert name in self.served and tensor.shape == self.served[name].shape, name
-            self.served[name] = tensor
-        return {name for name, _ in weights}
-
-    def reset_prefix_cache(self):
-        self.calls.append("reset prefix")
-
-    def reset_mm_cache(self):
-        self.calls.append("reset mm")
-
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        assert isinstance(method, str), "only a method name crosses the process boundary"
-        self.calls.append(method)
-        args = _through_the_engine_core(list(args))
-        return [getattr(self.worker, method)(*args)]
-
-    def generate(self, requests, params, use_tqdm=True):
-        self.calls.append("generate")
-        self.requests, self.params = requests, params
-        out = SimpleNamespace(token_ids=[5, 6, 7], finish_reason="stop", logprobs=[{t: SimpleNamespace(logprob=-t / 10)} for t in (5, 6, 7)])  # fmt: skip
-        return [
-            SimpleNamespace(
-                outputs=[out], prompt_token_ids=[*r["prompt_token_ids"], *[9] * self.prompt_shift]
-            )  # fmt: skip
-            for r in requests
-        ]
-
-    def sleep(self, level):
-        self.calls.append(f"sleep {level}")
-
-    def wake_up(self, tags=None):
-        self.calls.append(f"wake {','.join(tags)}")
-
-
-GiB = 2**30
-
-
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    vllm = types.ModuleType("vllm")
-    vllm.LLM = FakeLLM
-    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
-    vllm.free = {}  # GPU ordinal -> free bytes (of 80 GiB; all free when not set)
-    vllm.asked = []  # the ordinals whose free memory the engine asked for
-    monkeypatch.setitem(sys.modules, "vllm", vllm)
-    monkeypatch.setattr(rollout_module, "vllm_unavailable_reason", lambda: None)
-
-    def mem_get_info(device=None):
-        vllm.asked.append(device)
-        return vllm.free.get(device, 80 * GiB), 80 * GiB
-
-    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    return vllm
+    return install(monkeypatch)
 
 
 def test_a_rollout_samples_with_the_engine_and_takes_its_logprobs(fake_vllm):
