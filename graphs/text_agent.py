@@ -114,6 +114,7 @@ def build_graph(**options: Any) -> Graph:
         )  # fmt: skip
         set_share(rollout, "policy")
         sample = rollout(prompts=data.prompts, meta=data.meta)
+        g.discard(sample.images)  # a text policy's trajectories have none
         sampled = {}  # the sampler's logprobs beside the recomputed ones: the gap, and TIS
         if config.recompute_logprobs:
             sampled["rollout_logprobs"] = sample.rollout_logprobs

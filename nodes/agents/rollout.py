@@ -13,8 +13,9 @@ All live trajectories of a call generate their next turn together; finished ones
 batch. On the vLLM backend each turn goes to the engine as token ids (the context as it is,
 never re-tokenized), and the engine sleeps after the call's last turn; its logprobs are the
 sampler's own, and with ``recompute_logprobs`` one teacher-forced pass of the policy over each
-whole trajectory gives the ones the update takes. Text observations only (an observation with
-images is refused with a reason).
+whole trajectory gives the ones the update takes. An HF VLM's observations may carry images
+(:mod:`nodes.agents.observe`): ``images`` holds each trajectory's in context order, for the
+update and the reference; a policy that reads none, and vLLM, refuse them with a reason.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 from nodes.agents.env import Observation, ToolEnv
+from nodes.agents.observe import observation_ids, reads_images
 from nodes.models.policy import Policy
 from nodes.rollout import Rollout
 from nodes.seeding import step_seed
@@ -33,7 +35,7 @@ from yatt_graph import ANY, BatchPolicy, Node, Port, UsageError
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.refs import import_ref, ref_of
 
-__all__ = ["AgentRollout", "AgentStats", "load_env", "observation_ids"]
+__all__ = ["AgentRollout", "AgentStats", "load_env"]
 
 
 def load_env(env: str | type, who: str) -> type:
@@ -53,22 +55,6 @@ def load_env(env: str | type, who: str) -> type:
     return cls
 
 
-def observation_ids(policy: Policy, text: str) -> list[int]:
-    """The token ids of an observation turn: with a chat template, the template's own
-    rendering of a ``tool`` message after the policy's turn, up to the next assistant turn;
-    without one, the text as it is, between newlines."""
-    tokenizer = policy.tokenizer
-    if getattr(policy, "_templated", False) and getattr(tokenizer, "chat_template", None):
-        head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        base = tokenizer.apply_chat_template(head, tokenize=False)
-        full = tokenizer.apply_chat_template(
-            [*head, {"role": "tool", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-        if full.startswith(base):
-            return tokenizer(full[len(base) :], add_special_tokens=False)["input_ids"]
-    return tokenizer(f"\n{text}\n", add_special_tokens=False)["input_ids"]
-
-
 class _Trajectory:
     """One trajectory being sampled: its context, its response so far and what it scored."""
 
@@ -84,6 +70,8 @@ class _Trajectory:
         self.done = False
         self.cut = False
         self.transcript: list[str] = []
+        self.images: list[Any] = []
+        """Every image of the context, in the order of their placeholders."""
 
     def add(self, ids: list[int], logprobs: list[float] | None) -> None:
         self.ids += ids
@@ -122,6 +110,9 @@ class AgentRollout(Rollout):
             doc="1 on every real response token: the policy's turns and the observations",
         ),
         "scores": TensorPort("float32", "B"),
+        "images": Port(
+            ANY, doc="list[list[PIL.Image]], one a trajectory: its images in context order"
+        ),
         "trajectories": Port(
             ANY, doc="list[dict], one a trajectory: turns, observation tokens, tool calls"
         ),
@@ -177,8 +168,15 @@ class AgentRollout(Rollout):
         ]
         rows_b = [row for row in rows for _ in range(self.n)]  # B = N * n, grouped
         trajectories = [self._start(row) for row in rows_b]
-        firsts = [t.transcript[0] for t in trajectories[:: self.n]]  # one a prompt
-        call = self._prepare(firsts, None, None, weights)
+        firsts = trajectories[:: self.n]  # one a prompt
+        counts = {len(t.images) for t in firsts}
+        if counts == {0, 1}:
+            raise UsageError(
+                f"node {self.name!r}: some first observations have an image and some none; "
+                "a call's prompts take one image each, or none"
+            )
+        images = [t.images[0] for t in firsts] if counts == {1} else None
+        call = self._prepare([t.transcript[0] for t in firsts], images, None, weights)
         batch = call.batch
         for t, ids, mask in zip(
             trajectories, batch.prompt_ids.tolist(), batch.prompt_mask.tolist()
@@ -192,6 +190,8 @@ class AgentRollout(Rollout):
         if self._vllm is not None:
             self._vllm.sleep()  # with enable_sleep_mode: the device is free until the next call
         out = self._pack(batch, trajectories, torch.arange(len(trajectories)))
+        if any(out["images"]):  # the prompts' and the observations' images, in order
+            batch = self.policy.prepare(batch.prompt_ids, batch.prompt_mask, images=out["images"])
         own = self._vllm is None or self._vllm.own_logprobs  # the sampler reported logprobs
         if self.recompute_logprobs or not own:
             with torch.no_grad():
@@ -208,11 +208,25 @@ class AgentRollout(Rollout):
         return out
 
     # --- the turns ---------------------------------------------------------------------------
+    def _batch(self, ids: Tensor, mask: Tensor, trajectories: list[_Trajectory]) -> Any:
+        """The policy's batch of contexts (int64[b, T], left-padded), with every image each
+        trajectory has shown so far where the policy reads images."""
+        images = [t.images for t in trajectories]
+        if not reads_images(self.policy) or not any(images):
+            return self.policy.prepare(ids, mask).to(self.device)
+        return self.policy.prepare(ids, mask, images=images).to(self.device)
+
     def _start(self, row: Mapping[str, Any]) -> _Trajectory:
         env = self.env_class()
         first = self._observe(env.reset(row), env, "reset")
+        if len(first.images) > 1:
+            raise UsageError(
+                f"node {self.name!r}: {type(env).__name__}.reset returned "
+                f"{len(first.images)} images; a first observation (the prompt) takes one"
+            )
         t = _Trajectory(env, [])
         t.transcript.append(first.text)
+        t.images = list(first.images)
         return t
 
     def _observe(self, obs: Any, env: Any, what: str) -> Observation:
@@ -223,10 +237,17 @@ class AgentRollout(Rollout):
                 f"node {self.name!r}: {type(env).__name__}.{what} returned a "
                 f"{type(obs).__name__}; return an Observation(text, images)"
             )
-        if obs.images:
+        if obs.images and not reads_images(self.policy):
             raise UsageError(
                 f"node {self.name!r}: {type(env).__name__}.{what} returned an observation "
-                "with images; this rollout takes text observations only"
+                f"with images and the {type(self.policy).__name__} policy reads none; use an "
+                "image-text-to-text policy (--policy DIR of a VLM, or tiny-qwen2-vl)"
+            )
+        if obs.images and self._vllm is not None:
+            raise UsageError(
+                f"node {self.name!r}: {type(env).__name__}.{what} returned an observation "
+                "with images; on vLLM this rollout takes text observations only (use the hf "
+                "rollout)"
             )
         return obs
 
@@ -236,7 +257,7 @@ class AgentRollout(Rollout):
         width = max(len(t.context) for t in live)
         ids = torch.tensor([[pad] * (width - len(t.context)) + t.context for t in live])
         mask = torch.tensor([[0] * (width - len(t.context)) + [1] * len(t.context) for t in live])
-        batch = self.policy.prepare(ids, mask).to(self.device)
+        batch = self._batch(ids, mask, live)
         if self._vllm is not None:  # text only: the engine takes the contexts' token ids
             gen = self._vllm.generate([""] * len(live), None, seed, batch)
         else:
@@ -266,8 +287,9 @@ class AgentRollout(Rollout):
             t.done, t.cut = True, True
             return
         obs = self._observe(obs, t.env, "step")
-        observed = observation_ids(self.policy, obs.text)
+        observed = observation_ids(self.policy, obs)
         t.add(observed, None)
+        t.images += obs.images
         t.observation_tokens += len(observed)
         t.transcript.append(obs.text)
 
@@ -298,6 +320,7 @@ class AgentRollout(Rollout):
             "texts": [" | ".join(t.transcript[1:]) for t in trajectories],
             "group_ids": self._group_ids(rows),
             "truncated": torch.tensor([float(t.cut) for t in trajectories]),
+            "images": [list(t.images) for t in trajectories],
             "scores": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
             "trajectories": [_record(t) for t in trajectories],
         }

@@ -98,6 +98,19 @@ class HFVisionLanguagePolicy(Policy):
                 f"{fn}: {len(images)} images for {n} prompts; give one image per prompt"
             )
 
+    def _pixels(self, images: Sequence[Any]) -> dict[str, Tensor]:
+        """The image processor's inputs for one image a row, or a list of images a row (a
+        multi-turn trajectory's, in the order their placeholders appear): row after row."""
+        flat = [im for row in images for im in (row if isinstance(row, list | tuple) else [row])]
+        if not flat:
+            return {}
+        return dict(self.processor.image_processor(flat, return_tensors="pt"))
+
+    def image_token_count(self, image_grid_thw: Tensor) -> int:
+        """The placeholder tokens that images of these grids take in the text (int)."""
+        merge = int(getattr(self.processor.image_processor, "merge_size", 1))
+        return int(image_grid_thw.prod(-1).sum()) // (merge * merge)
+
     def encode_prompts(self, prompts, *, images=None, image_embeds=None) -> PromptBatch:
         fn = "HFVisionLanguagePolicy.encode_prompts"
         if image_embeds is not None:
@@ -117,22 +130,26 @@ class HFVisionLanguagePolicy(Policy):
             raise ValueError(f"{fn}: takes images (PIL), not image_embeds")
         self._check_images(fn, images, prompt_ids.shape[0])
         prompt_ids = prompt_ids.long()
-        extra: dict[str, Tensor] = {}
-        if images is not None:
-            pixels = self.processor.image_processor(list(images), return_tensors="pt")
-            extra.update({k: v for k, v in pixels.items()})
+        extra: dict[str, Tensor] = {} if images is None else self._pixels(images)
+        extra.update(self._token_types(prompt_ids))
+        return PromptBatch(prompt_ids, prompt_mask.long(), extra)
+
+    def _token_types(self, ids: Tensor) -> dict[str, Tensor]:
+        """The per-token type ids the processor gives ``ids`` (int64[B, T]): text 0, image 1,
+        video 2 (``mm_token_type_ids``, Qwen2-VL) or image 1 (``token_type_ids``, Gemma-3)."""
         names = set(getattr(self.processor, "model_input_names", ()))
-        is_image = prompt_ids == self.image_token_id if self.image_token_id is not None else None
-        if "mm_token_type_ids" in names:  # text 0, image 1, video 2 (Qwen2-VL family)
-            types = torch.zeros_like(prompt_ids)
+        is_image = ids == self.image_token_id if self.image_token_id is not None else None
+        out = {}
+        if "mm_token_type_ids" in names:
+            types = torch.zeros_like(ids)
             if is_image is not None:
                 types[is_image] = 1
             if self.video_token_id is not None:
-                types[prompt_ids == self.video_token_id] = 2
-            extra["mm_token_type_ids"] = types
-        if "token_type_ids" in names and is_image is not None:  # image 1 (Gemma-3 style)
-            extra["token_type_ids"] = is_image.long()
-        return PromptBatch(prompt_ids, prompt_mask.long(), extra)
+                types[ids == self.video_token_id] = 2
+            out["mm_token_type_ids"] = types
+        if "token_type_ids" in names and is_image is not None:
+            out["token_type_ids"] = is_image.long()
+        return out
 
     def _model_inputs(self, batch: PromptBatch, seq_len: int) -> dict[str, Tensor]:
         """Extras on the device; per-token ones (B, P) are extended with zeros to ``seq_len``."""
@@ -155,15 +172,36 @@ class HFVisionLanguagePolicy(Policy):
         real = response_mask.to(dev) > 0  # (B, R)
         banned = torch.tensor(self.suppressed_token_ids, dtype=torch.long, device=dev)
         placeholder = real & torch.isin(response_ids.to(dev), banned)  # (B, R)
-        if bool(placeholder.any()):
-            b, t = placeholder.nonzero()[0].tolist()
-            raise ValueError(
-                f"{fn}: response_ids[{b}, {t}] is {int(response_ids[b, t])}, a multimodal "
-                f"placeholder token {self.suppressed_token_ids}; a response may not contain one "
-                "(the model would look for image features that do not exist)"
-            )
+        images = bool(placeholder.any())  # a multi-turn trajectory's observation images
+        if images:
+            held, filled = self._placeholders(batch, response_ids, placeholder)
+            video = bool((response_ids.to(dev)[placeholder] == self.video_token_id).any())
+            if held != filled or video or self.image_token_id is None:
+                b, t = placeholder.nonzero()[0].tolist()
+                raise ValueError(
+                    f"{fn}: response_ids[{b}, {t}] is {int(response_ids[b, t])}, a multimodal "
+                    f"placeholder token {self.suppressed_token_ids}; a response may hold one "
+                    "only where an observation's image fills it, and the prompts and "
+                    f"responses hold {held} image placeholder tokens and the images given fill "
+                    f"{filled} (the model would look for image features that do not exist)"
+                )
         extra = self._model_inputs(batch, batch.prompt_ids.shape[1] + response_ids.shape[1])
+        if images:  # the types of the observations' image tokens in the response, too
+            resp = torch.where(real, response_ids.to(dev), self.pad_token_id)  # (B, R)
+            full = torch.cat([batch.prompt_ids.to(dev), resp], 1)  # (B, P+R)
+            extra.update({k: v.to(dev) for k, v in self._token_types(full).items()})
         return self._token_pass(batch, response_ids, real, logits, hidden, False, **extra)
+
+    def _placeholders(
+        self, batch: PromptBatch, response_ids: Tensor, placeholder: Tensor
+    ) -> tuple[int, int]:
+        """(image placeholder tokens in the prompts and the responses, the tokens the batch's
+        images fill)."""
+        grid = batch.model_inputs.get("image_grid_thw")
+        filled = 0 if grid is None else self.image_token_count(grid)
+        is_image = response_ids.to(placeholder.device) == self.image_token_id
+        held = int((batch.prompt_ids == self.image_token_id).sum())
+        return held + int((placeholder & is_image).sum()), filled
 
     def _generate_raw(self, batch, gen_config, **kwargs) -> Tensor:
         extra = self._model_inputs(batch, batch.prompt_ids.shape[1])

@@ -221,3 +221,72 @@ def test_the_stats_count_every_trajectorys_tools():
         "tool_calls/look": 2.0,
         "tool_calls/zoom": 1.0,
     }
+
+
+class Show(Environment):
+    """An image with the prompt, and another with each observation, for three turns."""
+
+    max_turns = 3
+
+    def reset(self, row):
+        from PIL import Image
+
+        return Observation(row["prompt"], [Image.new("RGB", (32, 32), (200, 30, 30))])
+
+    def step(self, action):
+        from PIL import Image
+
+        return Observation("now", [Image.new("RGB", (32, 32), (30, 200, 30))]), 0.5, False
+
+
+def test_observation_images_enter_the_context_and_the_trainer_sees_them_as_sampled():
+    """A VLM's trajectory with an image in each observation: the placeholders its processor
+    expands each image into sit between the turns, every image travels with the row in
+    order, and the teacher-forced passes of the policy, the reference and the update give the
+    logprobs the turns were sampled with."""
+    node = AgentRollout(policy="tiny-qwen2-vl", env=Show, n=2, max_new_tokens=3)
+    node.setup()
+    out = node.run(prompts=["what ?", "which ?"], meta=None)
+    policy = node.policy
+    assert [len(images) for images in out["images"]] == [3] * 4  # the prompt's, then 2 more
+    turns = out["response_mask"] > 0
+    observed = observation_ids(policy, Observation("now", out["images"][0][1:2]))
+    assert observed.count(policy.image_token_id) == 4  # a 32x32 image: 4 placeholders
+    gaps = (~turns[0]).nonzero().flatten().tolist()
+    assert out["response_ids"][0, gaps].tolist() == observed * 2
+    batch = policy.prepare(out["prompt_ids"], out["prompt_mask"], images=out["images"])
+    with torch.no_grad():
+        seen = policy.response_logprobs(batch, out["response_ids"], out["context_mask"])
+    torch.testing.assert_close(seen[turns], out["logprobs"][turns], atol=1e-5, rtol=0)
+
+    ports = {k: out[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+    ports |= {"images": out["images"], "context_mask": out["context_mask"]}
+    ref = ReferenceLogprobs(policy="tiny-qwen2-vl")
+    ref.setup()
+    got = ref.run(**ports)["ref_logprobs"]
+    torch.testing.assert_close(got[turns], out["logprobs"][turns], atol=1e-5, rtol=0)
+    update = GRPOUpdate(policy="tiny-qwen2-vl", lr=1e-3, max_grad_norm=0)
+    update.setup()
+    metrics = update.run(**ports, logprobs=out["logprobs"], advantages=out["response_mask"] * 0.5)[
+        "metrics"
+    ]
+    assert metrics["approx_kl"] < 1e-6
+
+
+def test_images_a_policy_cannot_read_are_refused():
+    with pytest.raises(UsageError, match="returned an observation with images and the "
+                       "HFCausalPolicy policy reads none"):  # fmt: skip
+        _sample(env=Show)
+
+
+def test_image_placeholders_no_image_fills_are_refused():
+    node = AgentRollout(policy="tiny-qwen2-vl", env=Show, n=1, max_new_tokens=3)
+    node.setup()
+    out = node.run(prompts=["what ?"], meta=None)
+    policy = node.policy
+    short = [images[:2] for images in out["images"]]  # an observation's image left out
+    batch = policy.prepare(out["prompt_ids"], out["prompt_mask"], images=short)
+    with pytest.raises(
+        ValueError, match="hold 12 image placeholder tokens and the images given fill 8"
+    ):
+        policy.response_logprobs(batch, out["response_ids"], out["context_mask"])
