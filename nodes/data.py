@@ -14,7 +14,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from yatt_graph import ANY, Node
+from yatt_graph import ANY, Node, Port
 
 __all__ = [
     "COLORS",
@@ -150,6 +150,8 @@ class ShapesSource(Node):
     """Per step, ``batch_size`` samples of the shapes task, read from a seeded stream.
 
     Its state is the position in the stream, so checkpoints resume the data exactly.
+    ``emit_rows`` adds the ``rows`` output: per prompt ``{"file": "shapes:TASK", "row": i}``,
+    ``i`` its index in the stream (``meta["index"]``).
     """
 
     kind = "data"
@@ -162,6 +164,7 @@ class ShapesSource(Node):
         seed: int = 0,
         image_size: int = 32,
         text_hint: bool = False,
+        emit_rows: bool = False,
         name: str | None = None,
     ):
         super().__init__(name=name)
@@ -170,7 +173,9 @@ class ShapesSource(Node):
         if batch_size < 1:
             raise ValueError(f"node {self.name!r}: batch_size must be >= 1, got {batch_size}")
         self.batch_size, self.task, self.seed, self.image_size = batch_size, task, seed, image_size
-        self.text_hint = text_hint
+        self.text_hint, self.emit_rows = text_hint, emit_rows
+        if emit_rows:  # where each sample came from, for the run's samples
+            self.outputs["rows"] = Port(ANY, doc="[{'file': 'shapes:TASK', 'row': index}]")
         self.position = 0
 
     def forward(self) -> dict[str, Any]:
@@ -180,7 +185,10 @@ class ShapesSource(Node):
         ]
         self.position += self.batch_size
         images, prompts, meta = (list(x) for x in zip(*samples))
-        return {"images": images, "prompts": prompts, "meta": meta}
+        out = {"images": images, "prompts": prompts, "meta": meta}
+        if self.emit_rows:
+            out["rows"] = [{"file": f"shapes:{self.task}", "row": m["index"]} for m in meta]
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position}

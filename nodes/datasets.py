@@ -84,6 +84,9 @@ class DatasetSource(Node):
         on_bad_sample: ``"raise"`` a ValueError naming file, row and column, or ``"skip"`` the
             row (filled from the next rows, counted in ``skipped``).
         emit_stats: add the ``stats`` output, ``{"epoch": int, "skipped": int}``.
+        emit_rows: add the ``rows`` output, one ``{"file": name, "row": index}`` per prompt
+            (the file's name and the row's 0-based index in it): where each sample came from,
+            for the run's samples (:mod:`runtime.train.samples`).
 
     State (``state_dict``): ``{"epoch", "position", "skipped"}``; loading it resumes the
     stream exactly. :meth:`rows` reads a range in file order without moving it (validation).
@@ -104,6 +107,7 @@ class DatasetSource(Node):
         images: bool | str = "auto",
         on_bad_sample: str = "raise",
         emit_stats: bool = False,
+        emit_rows: bool = False,
         name: str | None = None,
     ):
         super().__init__(name=name)
@@ -154,6 +158,9 @@ class DatasetSource(Node):
         self.on_bad_sample, self.emit_stats = on_bad_sample, emit_stats
         if emit_stats:
             self.outputs["stats"] = Port(ANY, doc="{'epoch': int, 'skipped': int}")
+        self.emit_rows = emit_rows
+        if emit_rows:
+            self.outputs["rows"] = Port(ANY, doc="[{'file': str, 'row': int}], one per prompt")
         self.epoch = self.position = self.skipped = 0
         self._perm: list[int] | None = None
         self._perm_epoch = -1
@@ -288,6 +295,7 @@ class DatasetSource(Node):
             )
         start = self.state_dict()
         samples: list[tuple[Any, str, dict[str, Any]]] = []
+        indices: list[int] = []
         bad: set[int] = set()
         first_problem = ""
         consumed = 0
@@ -300,6 +308,7 @@ class DatasetSource(Node):
                 sample, why = self._read(index)
                 if sample is not None:
                     samples.append(sample)
+                    indices.append(index)
                     continue
                 if self.on_bad_sample == "raise":
                     raise UsageError(f"{why}; fix the row or pass --on-bad-sample skip")
@@ -314,9 +323,11 @@ class DatasetSource(Node):
         except BaseException:
             self.load_state_dict(start)  # a failed call leaves the stream where it was
             raise
-        return self._outputs(samples, self.skipped)
+        return self._outputs(samples, self.skipped, indices)
 
-    def _outputs(self, samples: list[tuple[Any, str, dict[str, Any]]], skipped: int) -> dict:
+    def _outputs(
+        self, samples: list[tuple[Any, str, dict[str, Any]]], skipped: int, indices: list[int]
+    ) -> dict:
         out: dict[str, Any] = {
             "images": [s[0] for s in samples] if self.use_images else None,
             "prompts": [s[1] for s in samples],
@@ -324,6 +335,8 @@ class DatasetSource(Node):
         }
         if self.emit_stats:
             out["stats"] = {"epoch": self.epoch, "skipped": skipped}
+        if self.emit_rows:
+            out["rows"] = [{"file": self.file_label, "row": i} for i in indices]
         return out
 
     # --- one pass in file order (validation) --------------------------------------------
@@ -354,16 +367,18 @@ class DatasetSource(Node):
             raise ValueError(f"{self.file_label}: rows(count={count!r}) must be an int >= 0")
         stop = n if count is None else min(n, start + count)
         samples: list[tuple[Any, str, dict[str, Any]]] = []
+        indices: list[int] = []
         skipped = 0
         for index in range(start, stop):
             sample, why = self._read(index)
             if sample is not None:
                 samples.append(sample)
+                indices.append(index)
             elif self.on_bad_sample == "raise":
                 raise UsageError(f"{why}; fix the row or pass --on-bad-sample skip")
             else:
                 skipped += 1
-        return self._outputs(samples, skipped)
+        return self._outputs(samples, skipped, indices)
 
     # --- state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
