@@ -43,6 +43,7 @@ __all__ = [
     "resolve_device",
     "reward_node",
     "sample_and_score",
+    "sample_columns",
     "train_group",
     "vision_encoder",
 ]
@@ -213,15 +214,16 @@ def reward_node(
     )
 
 
-def data_source(config: RLConfig, *, text_only: bool) -> Node:
+def data_source(config: RLConfig, *, text_only: bool, rows: bool = False) -> Node:
     """The training data: ``config.data`` read by :class:`nodes.datasets.DatasetSource`, or
-    the shapes task."""
+    the shapes task; ``rows``: with the ``rows`` output (each prompt's file and row)."""
     if config.data is None:
         return ShapesSource(
             batch_size=config.prompts_drawn,
             task=config.task,
             seed=config.seed,
             text_hint=text_only,
+            emit_rows=rows,
             name="data",
         )
     from nodes.datasets import DatasetSource
@@ -233,6 +235,7 @@ def data_source(config: RLConfig, *, text_only: bool) -> Node:
         images=not text_only,
         on_bad_sample=config.on_bad_sample,
         emit_stats=True,
+        emit_rows=rows,
         name="data",
         **_keys(config),
     )
@@ -297,6 +300,9 @@ class Sampled(NamedTuple):
     drawn_scores: Handle
     """Every sampled response's score (``scores`` holds the kept groups' with dynamic
     sampling): what the run reports as its reward."""
+    drawn_group_ids: Handle | None = None
+    """Every sampled response's group label where dynamic sampling drops groups (``sample``
+    then holds the kept rows); None where ``sample`` holds every sampled response."""
 
 
 def sample_and_score(
@@ -314,10 +320,11 @@ def sample_and_score(
     """
     text_only = vision is None
     device = resolve_device(config.device)
-    source = data_source(config, text_only=text_only)
+    source = data_source(config, text_only=text_only, rows=True)
     data = source()
     if config.data is not None:
         g.output("data", data.stats)
+    g.output("data_rows", data.rows)  # each prompt's file and row, for the samples file
     vision_kwargs: dict[str, Any] = {}
     if text_only:
         g.discard(data.images)
@@ -328,6 +335,7 @@ def sample_and_score(
         spec = policy_spec(config, encoder.embed_dim)
         prefix = is_prefix_policy(spec)
         image_port = {"image_embeds": encoder(data.images)} if prefix else {"images": data.images}
+        g.output("images", data.images)  # thumbnails in the samples file
     rollout = Rollout(
         policy=spec,
         backend=config.rollout,
@@ -364,7 +372,12 @@ def sample_and_score(
     drawn_scores = scores
     g.output("texts", sample.texts)  # with prompts and scores: what a run shows at a glance
     g.output("prompts", data.prompts)
+    # per sampled response, as texts: the samples file's length and stop reason
+    g.output("response_lengths", sample.response_lengths)
+    g.output("truncated", sample.truncated)
+    drawn_group_ids = None
     if config.prompts_drawn > config.batch_size:  # dynamic sampling: the informative groups
+        drawn_group_ids = sample.group_ids
         sample, scores, image_port = _keep_groups(g, config, sample, scores, image_port)
     tensors = {
         "prompt_ids": sample.prompt_ids,
@@ -379,13 +392,36 @@ def sample_and_score(
             micro_batch_tokens=config.micro_batch_tokens,
         )  # fmt: skip
         ref = node(**tensors, **image_port)
-    g.output("response_lengths", sample.response_lengths)
     validation = None
     if config.val_data is not None:
         validation = _validation(g, config, spec, device, text_only, image_port, vision_kwargs)
     return Sampled(
-        spec, device, rollout, sample, scores, tensors, image_port, ref, validation, drawn_scores
+        spec, device, rollout, sample, scores, tensors, image_port, ref, validation, drawn_scores,
+        drawn_group_ids,
+    )  # fmt: skip
+
+
+def sample_columns(g: Graph, config: RLConfig, s: Sampled, advantages: Handle) -> None:
+    """The graph output ``sample_stats``: per trained response its advantage, reference KL
+    and rollout/trainer logprob gap, and which sampled response it is
+    (:class:`nodes.sample_stats.SampleStats`), for the samples file."""
+    from nodes.sample_stats import SampleStats
+
+    optional: dict[str, Handle] = {}
+    if s.ref_logprobs is not None:
+        optional["ref_logprobs"] = s.ref_logprobs
+    if config.recompute_logprobs:
+        optional["rollout_logprobs"] = s.sample.rollout_logprobs
+    if s.drawn_group_ids is not None:
+        optional["sampled_group_ids"] = s.drawn_group_ids
+    stats = SampleStats(name="sample_stats")(
+        response_mask=s.sample.response_mask,
+        group_ids=s.sample.group_ids,
+        advantages=advantages,
+        logprobs=s.sample.logprobs,
+        **optional,
     )
+    g.output("sample_stats", stats)
 
 
 def _keep_groups(

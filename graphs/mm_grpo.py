@@ -13,6 +13,7 @@ from typing import Any
 from graphs.common import (
     connect_weights,
     sample_and_score,
+    sample_columns,
     sampled_logprobs,
     train_group,
     update_options,
@@ -79,4 +80,5 @@ def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Grap
         g.output("scores", s.drawn_scores)
         g.output("metrics", update.metrics)
         g.output("advantage", adv.stats)
+        sample_columns(g, config, s, adv.advantages)
     return g

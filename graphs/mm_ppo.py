@@ -14,6 +14,7 @@ from typing import Any
 from graphs.common import (
     connect_weights,
     sample_and_score,
+    sample_columns,
     sampled_logprobs,
     train_group,
     update_options,
@@ -87,5 +88,5 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
         g.output("scores", s.drawn_scores)
         g.output("metrics", update.metrics)
         g.output("advantage", adv.stats)
-        g.discard(s.sample.group_ids)
+        sample_columns(g, config, s, adv.advantages)
     return g

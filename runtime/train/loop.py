@@ -167,7 +167,10 @@ def train(
         if writer is not None:
             writer.write(row)
         if kept is not None:
-            kept.write(result.step, result.outputs)
+            kept.write(
+                result.step, result.outputs,
+                staleness=result.staleness, controllers=result.node_controller,
+            )  # fmt: skip
         bar.set_postfix(_progress_fields(row, row["samples_per_s"]), refresh=False)
         bar.update(1)
         if progress and glance_every > 0 and (result.step + 1) % glance_every == 0:

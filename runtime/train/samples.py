@@ -1,68 +1,266 @@
 """The samples of a run, kept for people to read after it: every N steps, each response of the
-step with its prompt, reward and length, as one Parquet file in ``OUT/samples/``.
+step with where it came from and what became of it, as one Parquet file in ``OUT/samples/``.
 
-A graph that outputs ``texts`` (one a response), ``prompts`` (one a prompt; the responses of a
-prompt are consecutive) and ``scores`` (one a response) has its samples kept; ``response_lengths``
-joins them where the graph outputs it. The folder stops growing at :data:`MAX_BYTES`.
+A sample is identified by ``(step, sample)``: its row among the responses sampled that step.
+The responses of a prompt are consecutive, so ``prompt_index = sample // n`` is the prompt's
+row among the step's prompts, which the data node labelled with its file and row. Every
+graph output below is read by name; each must hold one entry per response (per prompt for
+the per-prompt ones), else :class:`SampleAlignmentError` names it: a column is never
+silently shifted onto other samples.
+
+Per response: ``texts`` (one a response), ``scores`` (its reward), ``response_lengths``,
+``truncated`` (1.0: cut at ``max_new_tokens``; the ``stop_reason`` column), and
+``reward_components`` (a dict of name -> one number a response: a ``reward/<name>`` column
+each). Per prompt: ``prompts``, ``data_rows`` (``{"file", "row"}``: the ``data_file`` and
+``data_row`` columns) and ``images`` (PIL images: a PNG thumbnail written once per distinct
+image to ``samples/_images/<hash>.png``, its hash in the ``image`` column; the leading
+``_`` keeps ``pandas.read_parquet("OUT/samples")`` reading the folder as one table). ``sample_stats``
+(:class:`nodes.sample_stats.SampleStats`: ``sample``, the row of each trained response, and
+its ``advantage``, ``ref_kl``, ``logprob_gap``) fills those columns for the rows it names
+(null for responses dynamic sampling dropped). From the step's result: ``weight_version``
+(the updates in the weights the rollout sampled with: ``step - age`` of its ``weights``
+input, 0 before the first update reached it), ``staleness`` (versions behind the newest,
+``step - weight_version``) and ``controller`` (the one that ran the rollout).
+
+A graph that does not output ``texts``, ``prompts`` and ``scores`` keeps no samples; each
+other column is left out where its output is absent. The folder stops growing at
+:data:`MAX_BYTES`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MAX_BYTES", "SampleWriter", "sample_rows"]
+__all__ = [
+    "IMAGES",
+    "MAX_BYTES",
+    "THUMBNAIL_PX",
+    "SampleAlignmentError",
+    "SampleWriter",
+    "image_hash",
+    "lineage_columns",
+    "sample_rows",
+]
 
 MAX_BYTES = 64 * 2**20
 """The most the samples folder holds; later steps are not written (the run says so once)."""
 
+IMAGES = "_images"
+"""The thumbnails' folder in ``OUT/samples/``."""
+
+THUMBNAIL_PX = 64
+"""The longest side of an image's thumbnail."""
+
+ROLLOUT = "rollout"
+"""The node whose weights input, controller and responses the lineage columns describe."""
+
+
+class SampleAlignmentError(ValueError):
+    """A per-sample graph output whose row count does not match the step's responses."""
+
+
+def _rows(name: str, value: Any, want: int, per: str) -> list[Any]:
+    """``value`` as a list of ``want`` entries, else a SampleAlignmentError naming it."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, Mapping) or not hasattr(value, "__len__"):
+        raise SampleAlignmentError(
+            f"samples: graph output '{name}' is a {type(value).__name__}; it must hold one "
+            f"entry per {per}"
+        )
+    value = list(value)
+    if len(value) != want:
+        raise SampleAlignmentError(
+            f"samples: graph output '{name}' has {len(value)} rows, and the step has {want} "
+            f"{per}s; each must hold one entry per {per}, in the rollout's order (fix the "
+            f"graph output '{name}', or leave it out)"
+        )
+    return value
+
 
 def sample_rows(step: int, outputs: dict[str, Any]) -> dict[str, list[Any]] | None:
-    """A step's samples as columns, or None where the graph does not output them."""
+    """A step's samples as columns (text, reward, length, stop reason), or None where the graph
+    does not output them; a misaligned output is a :class:`SampleAlignmentError`."""
     texts, prompts, scores = (outputs.get(k) for k in ("texts", "prompts", "scores"))
     if texts is None or prompts is None or scores is None or not len(prompts):
         return None
-    B = len(texts)
-    n = max(B // len(prompts), 1)
-    lengths = outputs.get("response_lengths")
-    return {
+    B, N = len(texts), len(prompts)
+    if B % N:
+        raise SampleAlignmentError(
+            f"samples: {B} texts for {N} prompts; graph output 'texts' must hold the same "
+            "number of responses for each prompt, those of a prompt consecutive"
+        )
+    n = B // N
+    cols: dict[str, list[Any]] = {
         "step": [step] * B,
         "sample": list(range(B)),
         "prompt_index": [i // n for i in range(B)],
         "prompt": [str(prompts[i // n]) for i in range(B)],
         "response": [str(t) for t in texts],
-        "reward": [float(x) for x in scores],
-        "length": [int(x) for x in lengths] if lengths is not None else [None] * B,
+        "reward": [float(x) for x in _rows("scores", scores, B, "response")],
     }
+    lengths = outputs.get("response_lengths")
+    cols["length"] = (
+        [int(x) for x in _rows("response_lengths", lengths, B, "response")]
+        if lengths is not None
+        else [None] * B
+    )
+    truncated = outputs.get("truncated")
+    if truncated is not None:
+        cut = _rows("truncated", truncated, B, "response")
+        cols["stop_reason"] = ["max_new_tokens" if x else "stop" for x in cut]
+    return cols
+
+
+def image_hash(image: Any) -> str:
+    """16 hex digits of a BLAKE2b digest of a PIL image's mode, size and pixels."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(f"{image.mode}:{image.size}".encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+def thumbnail_png(image: Any, px: int = THUMBNAIL_PX) -> bytes:
+    """A PNG of ``image`` shrunk to at most ``px`` on its longest side."""
+    small = image.convert("RGB") if image.mode not in ("RGB", "L") else image.copy()
+    small.thumbnail((px, px))
+    buffer = io.BytesIO()
+    small.save(buffer, format="PNG", optimize=True)
+    return buffer.getvalue()
+
+
+def lineage_columns(
+    step: int,
+    outputs: dict[str, Any],
+    cols: dict[str, list[Any]],
+    *,
+    staleness: Mapping[str, int | None] | None = None,
+    controllers: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
+    """Add the lineage columns (see the module) to ``cols``, the step's :func:`sample_rows`.
+
+    Returns the images of the step by hash (PIL images, for the caller to write once each)."""
+    B = len(cols["sample"])
+    N = len(outputs["prompts"])
+    prompt = cols["prompt_index"]
+    rows = outputs.get("data_rows")
+    if rows is not None:
+        rows = _rows("data_rows", rows, N, "prompt")
+        cols["data_file"] = [str(rows[p].get("file")) for p in prompt]
+        cols["data_row"] = [int(rows[p].get("row")) for p in prompt]
+    images: dict[str, Any] = {}
+    pictures = outputs.get("images")
+    if pictures is not None:
+        hashes = []
+        for image in _rows("images", pictures, N, "prompt"):
+            key = image_hash(image) if hasattr(image, "tobytes") else None
+            if key is not None:
+                images.setdefault(key, image)
+            hashes.append(key)
+        cols["image"] = [hashes[p] for p in prompt]
+    components = outputs.get("reward_components")
+    if isinstance(components, Mapping):
+        for name, values in components.items():
+            where = f"reward_components.{name}"
+            cols[f"reward/{name}"] = [float(x) for x in _rows(where, values, B, "response")]
+    stats = outputs.get("sample_stats")
+    if isinstance(stats, Mapping) and stats.get("sample") is not None:
+        at = [
+            int(i)
+            for i in _rows(
+                "sample_stats['sample']", stats["sample"], len(stats["sample"]), "trained response"
+            )
+        ]
+        if any(not 0 <= i < B for i in at) or len(set(at)) != len(at):
+            raise SampleAlignmentError(
+                f"samples: graph output 'sample_stats' names samples {sorted(at)}, and the step "
+                f"has responses 0..{B - 1}, each at most once; its 'sample' must say which "
+                "response each row is"
+            )
+        for name in ("advantage", "ref_kl", "logprob_gap"):
+            if stats.get(name) is None:
+                continue
+            values = _rows(f"sample_stats.{name}", stats[name], len(at), "trained response")
+            column: list[float | None] = [None] * B
+            for i, x in zip(at, values):
+                column[i] = float(x)
+            cols[name] = column
+    age = (staleness or {}).get(f"{ROLLOUT}.weights", "absent")
+    if age != "absent":
+        version = 0 if age is None else step - int(age)
+        cols["weight_version"] = [version] * B
+        cols["staleness"] = [step - version] * B
+    if controllers and ROLLOUT in controllers:
+        cols["controller"] = [int(controllers[ROLLOUT])] * B
+    return images
 
 
 class SampleWriter:
-    """Writes ``OUT/samples/step-NNNNNN.parquet`` every ``every`` steps (see the module)."""
+    """Writes ``OUT/samples/step-NNNNNN.parquet`` every ``every`` steps, and each distinct
+    image's thumbnail once to ``OUT/samples/_images/`` (see the module)."""
 
     def __init__(self, out: Path, every: int) -> None:
         self.folder, self.every = Path(out) / "samples", int(every)
         self.full = False
+        self._used: int | None = None  # bytes in the folder, counted once, then added to
+        self._written: set[str] = set()
+        self._checked = False
 
-    def write(self, step: int, outputs: dict[str, Any]) -> Path | None:
-        if self.every <= 0 or (step + 1) % self.every or self.full:
+    def due(self, step: int) -> bool:
+        return self.every > 0 and (step + 1) % self.every == 0 and not self.full
+
+    def write(
+        self,
+        step: int,
+        outputs: dict[str, Any],
+        *,
+        staleness: Mapping[str, int | None] | None = None,
+        controllers: Mapping[str, int] | None = None,
+    ) -> Path | None:
+        # The first step is checked whether or not it is kept: a misaligned output fails
+        # the run at once, not at the first kept step.
+        if not (self.due(step) or (self.every > 0 and not self._checked)):
             return None
-        rows = sample_rows(step, outputs)
-        if rows is None:
+        self._checked = True
+        cols = sample_rows(step, outputs)
+        if cols is None:
+            return None
+        images = lineage_columns(step, outputs, cols, staleness=staleness, controllers=controllers)
+        if not self.due(step):
             return None
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         self.folder.mkdir(parents=True, exist_ok=True)
-        used = sum(p.stat().st_size for p in self.folder.glob("*.parquet"))
-        if used >= MAX_BYTES:
+        if self._used is None:
+            self._used = sum(p.stat().st_size for p in self.folder.rglob("*") if p.is_file())
+            pictures = self.folder / IMAGES
+            self._written = {p.stem for p in pictures.glob("*.png")} if pictures.is_dir() else set()
+        if self._used >= MAX_BYTES:
             self.full = True
             print(
-                f"yatt-graph run: {self.folder} holds {used >> 20} MB; no more samples are "
+                f"yatt-graph run: {self.folder} holds {self._used >> 20} MB; no more samples are "
                 "written this run (raise --samples-every to keep fewer)",
                 file=sys.stderr,
             )
             return None
+        for key, image in images.items():
+            if key in self._written:
+                continue
+            png = self.folder / IMAGES / f"{key}.png"
+            png.parent.mkdir(exist_ok=True)
+            data = thumbnail_png(image)
+            partial = png.with_suffix(".part")  # a crash leaves no cut-short thumbnail
+            partial.write_bytes(data)
+            partial.replace(png)
+            self._used += len(data)
+            self._written.add(key)
         path = self.folder / f"step-{step:06d}.parquet"
-        pq.write_table(pa.table(rows), path, compression="zstd")
+        pq.write_table(pa.table(cols), path, compression="zstd")
+        self._used += path.stat().st_size
         return path
