@@ -1,38 +1,47 @@
 """The GPU paths, checked in one prepared run on a machine with CUDA (and the vllm extra).
 
-    make gpu-check        # = make install-gpu && .venv-gpu/bin/python -m bench.gpu_check
-    python -m bench.gpu_check [--steps 20] [--out DIR] [--skip-cli] [--device cpu]
+    make gpu-check            # = make install-gpu && .venv-gpu/bin/python -m bench.gpu_check
+    make gpu-check QUICK=1    # --quick: every kind of row, small and few (about 8 minutes, 1 H100)
+    python -m bench.gpu_check [--quick] [--steps 20] [--out DIR] [--skip-cli] [--device cpu]
 
-Builds a tiny Qwen2-VL and a tiny Qwen2 in code, saves them, then on CUDA, for each model:
+Builds a tiny Qwen2-VL and a tiny Qwen2 in code, saves them, then on CUDA:
 
-1. HF rollout (transformers ``generate``): samples/s;
-2. vLLM rollout (``Rollout(backend="vllm")``): samples/s;
-3. vLLM's own logprobs against the HF teacher-forced recompute of the same samples: the max
-   abs difference must be within ``TOLERANCE``;
-4. a weight update into the running engine through the rollout's ``weights`` port (a
-   ``WeightUpdate``: seeded noise on every weight), then greedy generations: vLLM's must
-   agree with the HF policy's holding the same weights (at least ``AGREEMENT`` of the
-   tokens: float kernels differ on near ties) and differ from before the update;
+1. for each model: HF rollout (transformers ``generate``, samples/s); vLLM rollout of the same
+   prompts (one greedy float32 engine, samples/s); vLLM's logprobs against the HF
+   teacher-forced recompute of the same samples (max abs difference within ``TOLERANCE``); a
+   weight update into the running engine through the rollout's ``weights`` port (seeded
+   noise on every weight), then greedy generations of the prompts it has already seen: vLLM's
+   must agree with the HF policy's holding the same weights (at least ``AGREEMENT`` of the
+   tokens) and differ from before, which they would not if its prefix, multimodal or encoder
+   caches outlived the update;
+2. the text model on one engine as the ready graphs build it (:mod:`bench.gpu_rows`): sleep
+   level 2 and back (memory freed, by ``torch.cuda.mem_get_info()``), the gap between vLLM's
+   bfloat16 logprobs and the trainer's float32 recompute, and a colocated hand-off: a GRPO
+   update trains a step on the GPU memory the sleeping engine gave back, offloads, and the
+   engine wakes with the update;
+3. text_grpo's model state (policy, optimizer, reference) offloaded to pinned host memory and
+   reloaded: time, GB/s, the memory freed as the driver counts it (``mem_get_info``: what
+   another process could take, where ``memory_allocated`` would count blocks torch still caches
+   as free) and the weights equal after;
+4. CUDA tensors between two controllers on one GPU by CUDA IPC and by the host copy, over a
+   sweep of sizes (:mod:`bench.cuda_ipc`): ms per size, the bytes that went by IPC (the IPC
+   row fails when none did), and where IPC starts to beat the copy (``cuda_ipc.MIN_BYTES``);
+5. ``--steps`` steps through the CLI with ``--device cuda`` of mm_grpo and text_grpo with
+   ``--rollout vllm`` (the Qwen2-VL and the Qwen2 as ``--policy``), and without ``--quick``
+   also with the HF rollout and mm_grpo on two controllers that time-share the GPU
+   (``--controllers 2 --offload auto``): wall time, reward first -> last, the logprob gap and
+   the switch time a step; a row says skipped with the CLI's reason if it refuses the flags;
+6. with two GPUs (:mod:`bench.gpu_rows`): a GRPO update as an FSDP2 group of 2 ranks on NCCL
+   against 1 rank, and a rank killed under it, which must be a RankError naming it within
+   seconds.
 
-a 64 MiB CUDA tensor between two controller processes on one GPU by CUDA IPC and by the
-host copy (equal values, milliseconds from the source to the sink; :mod:`bench.cuda_ipc`);
-
-then text_grpo's model state (policy, optimizer, reference) offloaded to pinned host memory
-and reloaded, as colocated roles hand the GPU over: time, GB/s, the memory freed as the
-driver counts it (``torch.cuda.mem_get_info()``: what another process could take, where
-``memory_allocated`` would count blocks torch still caches as free) and the weights equal
-after;
-
-then ``--steps`` steps through the CLI with ``--device cuda`` of mm_grpo, text_grpo,
-text_grpo with ``--rollout vllm``, and mm_grpo on two controllers that time-share the GPU
-(``--controllers 2 --offload auto``: the offload/reload time and bytes of a step) (wall time,
-reward first -> last; a row says skipped with the CLI's reason if it refuses the flags).
-
-It prints one table (check, result, figure). Asked to check CUDA where there is none, the
+It prints one table (check, result, figure, seconds: the time since the row before) and the
+total; ``--quick`` (3 CLI steps, 4 IPC sizes, engines without CUDA graphs) fails its last row
+when the whole took over ``QUICK_BUDGET_S``. Asked to check CUDA where there is none, the
 device row fails (with torch's CUDA build and the driver's version) and it exits 1: a check
 that checked nothing does not pass. A failed check exits 1. ``--device cpu`` runs the same
-script's HF and CLI rows on the CPU (the vLLM rows say why they skip): a rehearsal of the
-script itself, not of the GPU.
+script on the CPU (the vLLM rows say why they skip, the rank rows run on gloo): a rehearsal of
+the script itself, not of the GPU.
 """
 
 from __future__ import annotations
@@ -48,7 +57,8 @@ from typing import Any
 
 import torch
 
-from bench.cuda_ipc import ipc_rows, row_name  # CUDA IPC vs host copy
+from bench.cuda_ipc import QUICK_SIZES_KIB, SIZES_KIB, THRESHOLD_ROW, ipc_rows, row_name
+from bench.gpu_rows import RANK_ROWS, VLLM_ROWS, close_engine, rank_rows, vllm_sleep_rows
 
 TOLERANCE = 2e-2
 """max |vLLM - HF| logprob of the same tokens. Both run float32 (the rows ask the engine for
@@ -58,22 +68,32 @@ AGREEMENT = 0.95
 """The share of greedy tokens vLLM and HF must agree on after the update."""
 MODELS = ("qwen2_vl", "qwen2")
 CHECKS = ("HF rollout", "vLLM rollout", "vLLM vs HF logprobs", "weight update into vLLM")
-CLI_RUNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("graphs/mm_grpo.py", "hf", ()),
-    ("graphs/text_grpo.py", "hf", ()),
-    ("graphs/text_grpo.py", "vllm", ()),
+# (graph, rollout, flags, the saved model as --policy (None: the graph's own), in --quick)
+CLI_RUNS: tuple[tuple[str, str, tuple[str, ...], str | None, bool], ...] = (
+    ("graphs/mm_grpo.py", "vllm", (), "qwen2_vl", True),
+    ("graphs/text_grpo.py", "vllm", (), "qwen2", True),
+    ("graphs/mm_grpo.py", "hf", (), None, False),
+    ("graphs/text_grpo.py", "hf", (), "qwen2", False),
     # two controllers time-sharing the one GPU (colocated, on-policy): devices per controller,
     # tensors between them by CUDA IPC, and each role's state offloaded when its turn ends
-    ("graphs/mm_grpo.py", "hf", ("--controllers", "2", "--offload", "auto")),
+    ("graphs/mm_grpo.py", "hf", ("--controllers", "2", "--offload", "auto"), None, False),
 )
 OFFLOAD_ROW = "offload + reload of text_grpo's policy, optimizer, reference"
+TOTAL_ROW = "the whole check"
 N = 32  # prompts per rollout
+QUICK_BUDGET_S = 480.0
+"""--quick's promise: the whole check within 8 minutes on one H100."""
+QUICK_STEPS = 3
 
-ROWS: list[tuple[str, str, str]] = []
+ROWS: list[tuple[str, str, str, float]] = []
+_LAST = [time.perf_counter()]
 
 
 def row(check: str, result: str, figure: str = "") -> None:
-    ROWS.append((check, result, figure))
+    """One row of the table; its seconds are the time since the row before."""
+    now = time.perf_counter()
+    ROWS.append((check, result, figure, now - _LAST[0]))
+    _LAST[0] = now
     print(f"  {check}: {result} {figure}", flush=True)
 
 
@@ -85,11 +105,30 @@ def _cli_name(graph: str, rollout: str, flags: tuple[str, ...] = ()) -> str:
     return " ".join([f"{Path(graph).stem} --device {DEVICE}{vllm}", *flags])
 
 
-def _switch_figure(metrics: Path) -> str:
-    """The last step's offload/reload time and bytes (``sched/*``), if the run switched."""
+def _cli_runs_of(quick: bool) -> list[tuple[str, str, tuple[str, ...], str | None]]:
+    return [(g, r, f, p) for g, r, f, p, in_quick in CLI_RUNS if in_quick or not quick]
+
+
+def _cli_row_names(quick: bool, steps: int) -> list[str]:
+    return [f"{_cli_name(g, r, f)}, {steps} steps" for g, r, f, _ in _cli_runs_of(quick)]
+
+
+def _last_metrics(metrics: Path) -> dict[str, Any]:
     try:
-        last = json.loads(metrics.read_text().strip().splitlines()[-1])
+        return json.loads(metrics.read_text().strip().splitlines()[-1])
     except (OSError, ValueError, IndexError):
+        return {}
+
+
+def _gap_figure(last: dict[str, Any]) -> str:
+    """The last step's logprob gap (the update's ``*logprob_gap_mean``), if it reports one."""
+    gap = next((v for k, v in last.items() if k.endswith("logprob_gap_mean")), None)
+    return f", logprob gap {gap:.2e}" if isinstance(gap, (int, float)) else ""
+
+
+def _switch_figure(last: dict[str, Any]) -> str:
+    """The last step's offload/reload time and bytes (``sched/*``), if the run switched."""
+    if not last:
         return ""
     if "sched/switch_s" not in last:
         return ", no switches"
@@ -116,13 +155,15 @@ def _timed(node: Any, ports: dict[str, Any]) -> tuple[dict[str, Any], float]:
     return out, N / (time.perf_counter() - start)
 
 
-def _model_checks(name: str, path: Path) -> None:
+def _model_checks(name: str, path: Path, eager: bool) -> None:
     from PIL import Image
 
     from nodes.rollout import Rollout, vllm_unavailable_reason
     from nodes.sync import WeightUpdate
 
-    prompts = ["what color is the shape ?"] * N
+    # 36 tokens of text: whole blocks of vLLM's prefix cache (16 tokens), which a weight update
+    # must reset, as it must the image's entries in the multimodal and encoder caches
+    prompts = [" ".join(["what color is the shape ?"] * 6)] * N
     images = [Image.new("RGB", (32, 32), (200, 10, 10))] * N if name == "qwen2_vl" else None
     ports: dict[str, Any] = {"prompts": prompts}
     if images is not None:
@@ -136,9 +177,17 @@ def _model_checks(name: str, path: Path) -> None:
             row(f"{name}: {check}", f"skipped: {why}")
         return
     # float32: these rows check names and weights, which precision would blur (the ready
-    # graphs serve bfloat16 and correct the gap)
-    engine = {"gpu_memory_utilization": 0.15, "dtype": "float32"}
-    node = Rollout(**common, backend="vllm", vllm_options=engine)
+    # graphs serve bfloat16 and correct the gap: bench.gpu_rows measures it). Greedy, so that
+    # the generations after the update can be compared with HF's; one engine for all rows.
+    engine = {"gpu_memory_utilization": 0.15, "dtype": "float32", "enforce_eager": eager}
+    node = Rollout(**{**common, "temperature": 0.0}, backend="vllm", vllm_options=engine)
+    try:
+        _vllm_rows(name, node, ports, images, WeightUpdate)
+    finally:
+        close_engine(node)
+
+
+def _vllm_rows(name: str, node: Any, ports: dict[str, Any], images: Any, update_type: Any) -> None:
     out, rate = _timed(node, ports)
     row(f"{name}: vLLM rollout", "ok", f"{rate:.1f} samples/s")
     with torch.no_grad():
@@ -151,24 +200,23 @@ def _model_checks(name: str, path: Path) -> None:
     row(
         f"{name}: vLLM vs HF logprobs",
         "ok" if ok else "FAILED",
-        f"max |diff| {diff:.2e} (tolerance {TOLERANCE:g})",
+        f"max abs diff {diff:.2e} (tolerance {TOLERANCE:g})",
     )
-    del node
-    # the update: through the weights port of a greedy vLLM rollout, into the running engine
-    greedy = Rollout(**{**common, "temperature": 0.0}, backend="vllm", vllm_options=engine)
+    # the update: through the weights port, into the running engine, then the same prompts
+    # again (their prefix blocks, and the image's encoder output, are in the engine's caches)
     short = {k: v[:4] for k, v in ports.items()}
-    before = greedy.run(**short)["response_ids"]
+    before = node.run(**short)["response_ids"]
     gen = torch.Generator().manual_seed(0)
     update = {
         k: v + 0.5 * v.float().std().nan_to_num() * torch.randn(v.shape, generator=gen).to(v)
-        for k, v in greedy.policy.state_dict().items()
+        for k, v in node.policy.state_dict().items()
         if v.is_floating_point()
     }
     start = time.perf_counter()
-    after = greedy.run(**short, weights=WeightUpdate(update, version=1, complete=False))
+    after = node.run(**short, weights=update_type(update, version=1, complete=False))
     seconds = time.perf_counter() - start  # the update (policy and engine) and a generation
-    batch = greedy.policy.encode_prompts(short["prompts"], images=short.get("images")).to(DEVICE)
-    hf = greedy.policy.generate(batch, max_new_tokens=16, temperature=0.0)
+    batch = node.policy.encode_prompts(short["prompts"], images=short.get("images")).to(DEVICE)
+    hf = node.policy.generate(batch, max_new_tokens=16, temperature=0.0)
     agree = _agreement(after["response_ids"], after["response_mask"], hf)
     changed = before.shape != after["response_ids"].shape or not torch.equal(
         before, after["response_ids"]
@@ -180,7 +228,6 @@ def _model_checks(name: str, path: Path) -> None:
         f"{agree:.0%} of greedy tokens agree with HF (need {AGREEMENT:.0%}); "
         f"update + generation {seconds * 1e3:.0f} ms",
     )
-    del greedy
 
 
 def _agreement(ids: torch.Tensor, mask: torch.Tensor, hf: Any) -> float:
@@ -191,11 +238,11 @@ def _agreement(ids: torch.Tensor, mask: torch.Tensor, hf: Any) -> float:
     return float(same[real].float().mean()) if real.any() else 0.0
 
 
-def _cli_runs(steps: int, out: Path, policies: dict[str, Path]) -> None:
+def _cli_runs(steps: int, out: Path, policies: dict[str, Path], quick: bool) -> None:
     from nodes.rollout import vllm_unavailable_reason
 
     yatt = str(Path(sys.executable).parent / "yatt-graph")
-    for graph, rollout, flags in CLI_RUNS:
+    for graph, rollout, flags, policy in _cli_runs_of(quick):
         name = f"{_cli_name(graph, rollout, flags)}, {steps} steps"
         why = vllm_unavailable_reason() if rollout == "vllm" else None
         if why:
@@ -203,9 +250,9 @@ def _cli_runs(steps: int, out: Path, policies: dict[str, Path]) -> None:
             continue
         folder = out / "-".join([Path(graph).stem, rollout, *(f.strip("-") for f in flags)])
         cmd = [yatt, "run", graph, "--steps", str(steps), "--device", DEVICE]
-        cmd += ["--out", str(folder), "--quiet", "--rollout", rollout, *flags]
-        if "text" in graph:
-            cmd += ["--policy", str(policies["qwen2"])]
+        cmd += ["--out", str(folder), "--overwrite", "--quiet", "--rollout", rollout, *flags]
+        if policy is not None:
+            cmd += ["--policy", str(policies[policy])]
         start = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         seconds = time.perf_counter() - start
@@ -219,8 +266,9 @@ def _cli_runs(steps: int, out: Path, policies: dict[str, Path]) -> None:
         summary = json.loads(done.stdout.strip().splitlines()[-1])
         first, final = summary.get("reward_first"), summary.get("reward_last")
         reward = f"reward {first:.3f} -> {final:.3f}" if first is not None else "no reward"
-        switches = _switch_figure(folder / "metrics.jsonl") if flags else ""
-        row(name, "ok", f"{seconds:.0f} s, {reward}{switches}")
+        metrics = _last_metrics(folder / "metrics.jsonl")
+        switches = _switch_figure(metrics) if flags else ""
+        row(name, "ok", f"{seconds:.0f} s, {reward}{_gap_figure(metrics)}{switches}")
 
 
 def _offload_check(policy: Path) -> None:
@@ -285,49 +333,88 @@ def _cuda_versions() -> str:
     return f"torch {torch.__version__} built for CUDA {torch.version.cuda}; driver: {driver}"
 
 
+def all_row_names(quick: bool, steps: int) -> list[str]:
+    """Every row a run on CUDA prints after the device row, in order (the no-CUDA answer
+    lists them as skipped)."""
+    return [
+        *(f"{m}: {c}" for m in MODELS for c in CHECKS),
+        *VLLM_ROWS,
+        OFFLOAD_ROW,
+        *(row_name(DEVICE, ipc) for ipc in (True, False)),
+        THRESHOLD_ROW,
+        *_cli_row_names(quick, steps),
+        *RANK_ROWS,
+    ]
+
+
+def _checks(args: argparse.Namespace) -> None:
+    eager = args.quick  # CUDA graphs take longer to capture than these rows take to run
+    with tempfile.TemporaryDirectory() as tmp:
+        policies = _save_policies(Path(tmp))
+        for name in MODELS:
+            try:
+                _model_checks(name, policies[name], eager)
+            except Exception as err:  # one model's failure must not hide the other's rows
+                row(f"{name}: checks", f"FAILED ({type(err).__name__}: {err})")
+        vllm_sleep_rows(row, policies["qwen2"], DEVICE, eager)
+        try:
+            _offload_check(policies["qwen2"])
+        except Exception as err:
+            row(OFFLOAD_ROW, f"FAILED ({type(err).__name__}: {err})")
+        sizes = QUICK_SIZES_KIB if args.quick else SIZES_KIB
+        ipc_rows(row, sizes, reps=3 if args.quick else 5, device=DEVICE)
+        if args.skip_cli:
+            for name in _cli_row_names(args.quick, args.steps):
+                row(name, "skipped: --skip-cli")
+        else:
+            _cli_runs(args.steps, Path(args.out or tmp), policies, args.quick)
+        rank_rows(row, DEVICE)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--quick", action="store_true",
+                   help=f"every kind of row, small and few: within {QUICK_BUDGET_S / 60:.0f} "
+                   "minutes on one H100, or the last row fails")  # fmt: skip
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"CLI steps a run (default 20; {QUICK_STEPS} with --quick)")  # fmt: skip
     p.add_argument("--out", default=None, help="run folders (default: a temporary folder)")
-    p.add_argument("--skip-cli", action="store_true", help="only the rollout and engine rows")
+    p.add_argument("--skip-cli", action="store_true", help="no CLI runs")
     p.add_argument("--device", default="cuda", help="cpu: rehearse the script without a GPU")
     args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = QUICK_STEPS if args.quick else 20
     global DEVICE
     DEVICE = args.device
-    cli_rows = [f"{_cli_name(g, r, f)}, {args.steps} steps" for g, r, f in CLI_RUNS]
+    ROWS.clear()
+    start = _LAST[0] = time.perf_counter()
     if DEVICE == "cuda" and not torch.cuda.is_available():
         # asked to check the GPU and none is usable: that is a failure, not a pass
         row("device", f"FAILED (no CUDA: {_cuda_versions()})")
-        for check in (
-            [f"{m}: {c}" for m in MODELS for c in CHECKS] + [OFFLOAD_ROW]
-            + [row_name(64, DEVICE, ipc) for ipc in (True, False)] + cli_rows
-        ):  # fmt: skip
+        for check in all_row_names(args.quick, args.steps):
             row(check, "skipped: no CUDA")
     else:
         gpu = torch.cuda.get_device_name(0) if DEVICE == "cuda" else DEVICE
-        row("device", gpu, f"torch {torch.__version__}")
-        with tempfile.TemporaryDirectory() as tmp:
-            policies = _save_policies(Path(tmp))
-            for name in MODELS:
-                try:
-                    _model_checks(name, policies[name])
-                except Exception as err:  # one model's failure must not hide the other's rows
-                    row(f"{name}: checks", f"FAILED ({type(err).__name__}: {err})")
-            try:
-                _offload_check(policies["qwen2"])
-            except Exception as err:
-                row(OFFLOAD_ROW, f"FAILED ({type(err).__name__}: {err})")
-            ipc_rows(row, mib=64, steps=5, device=DEVICE)
-            if args.skip_cli:
-                for name in cli_rows:
-                    row(name, "skipped: --skip-cli")
-            else:
-                _cli_runs(args.steps, Path(args.out or tmp), policies)
-    width = max(len(c) for c, _, _ in ROWS)
-    print("\n| check | result | figure |\n|---|---|---|")
-    for check, result, figure in ROWS:
-        print(f"| {check.ljust(width)} | {result} | {figure} |")
-    return 1 if any(r.startswith("FAILED") for _, r, _ in ROWS) else 0
+        gpus = f", {torch.cuda.device_count()} GPUs" if DEVICE == "cuda" else ""
+        row("device", gpu, f"torch {torch.__version__}{gpus}")
+        _checks(args)
+    row(TOTAL_ROW, *total_verdict(time.perf_counter() - start, args.quick, DEVICE))
+    print_table()
+    return 1 if any(r.startswith("FAILED") for _, r, _, _ in ROWS) else 0
+
+
+def total_verdict(seconds: float, quick: bool, device: str) -> tuple[str, str]:
+    """(result, figure) of the last row: --quick on CUDA fails over its budget."""
+    budget = f" (--quick: within {QUICK_BUDGET_S:.0f} s)" if quick else ""
+    over = quick and device == "cuda" and seconds > QUICK_BUDGET_S
+    return (f"FAILED (over {QUICK_BUDGET_S:.0f} s)" if over else "ok"), f"{seconds:.0f} s{budget}"
+
+
+def print_table() -> None:
+    width = max(len(c) for c, _, _, _ in ROWS)
+    print("\n| check | result | figure | s |\n|---|---|---|---|")
+    for check, result, figure, seconds in ROWS:
+        print(f"| {check.ljust(width)} | {result} | {figure} | {seconds:.1f} |")
 
 
 if __name__ == "__main__":

@@ -1,19 +1,212 @@
-"""The prepared GPU check (bench/gpu_check.py) where it cannot check anything: asked for CUDA
-on a machine without it, it fails and says why, rather than passing with every row skipped."""
+"""The prepared GPU check (bench/gpu_check.py, bench/gpu_rows.py, bench/cuda_ipc.py) where no GPU
+is: asked for CUDA it fails and says why, rather than passing with every row skipped; each
+row's verdict fails on the figures that should fail it; the vLLM rows run against the stand-in
+vllm, and the IPC and rank rows in the CPU rehearsal (host tensors, gloo)."""
 
+import math
 import re
 
 import pytest
 import torch
+from vllm_stand_in import install
 
+from bench import gpu_check
+from bench.cuda_ipc import Sweep, ipc_rows, threshold_figure, transfer_verdict
+from bench.gpu_rows import (
+    GAP_ROW,
+    HANDOFF_ROW,
+    KILL_ROW,
+    SLEEP_ROW,
+    VLLM_ROWS,
+    gap_verdict,
+    rank_fault_verdict,
+    rank_rows,
+    sleep_verdict,
+    vllm_sleep_rows,
+)
+from runtime.ranks.group import RankError
 
-@pytest.mark.skipif(
+GiB = 1 << 30
+no_cuda = pytest.mark.skipif(
     torch.cuda.is_available(), reason="this is the answer of a machine without CUDA"
 )
-def test_the_gpu_check_fails_where_it_checked_nothing(capsys):
-    from bench.gpu_check import main
 
-    assert main(["--skip-cli"]) == 1
+
+@no_cuda
+@pytest.mark.parametrize("quick", [False, True])
+def test_the_gpu_check_fails_where_it_checked_nothing(capsys, quick):
+    assert gpu_check.main(["--skip-cli", *(["--quick"] if quick else [])]) == 1
     out = capsys.readouterr().out
     assert re.search(r"\| device +\| FAILED \(no CUDA: torch \S+ built for CUDA", out), out
     assert "driver:" in out
+    names = gpu_check.all_row_names(quick, 3 if quick else 20)
+    for name in names:  # every row it would have run says it did not
+        assert re.search(rf"\| {re.escape(name)} +\| skipped: no CUDA \|", out), name
+    for row in (*VLLM_ROWS, KILL_ROW, "mm_grpo --device cuda --rollout vllm"):
+        assert any(n.startswith(row) for n in names), row
+    assert ("--controllers" in " ".join(names)) is not quick  # --quick leaves the HF runs out
+
+
+def test_the_quick_mode_fails_over_its_budget_on_cuda_only():
+    assert gpu_check.total_verdict(100, quick=True, device="cuda")[0] == "ok"
+    assert gpu_check.total_verdict(481, quick=True, device="cuda")[0].startswith("FAILED")
+    assert gpu_check.total_verdict(481, quick=False, device="cuda")[0] == "ok"
+    assert gpu_check.total_verdict(481, quick=True, device="cpu")[0] == "ok"
+
+
+# --- verdicts -----------------------------------------------------------------------------------
+def test_sleep_fails_unless_level_2_returns_most_of_the_engines_memory():
+    base = 80 * GiB
+    result, figure = sleep_verdict(base, awake=base - 20 * GiB, asleep=base - 1 * GiB)
+    assert result == "ok" and "awake holds 20.00 GiB, asleep 1.00 GiB (95% freed)" in figure
+    assert sleep_verdict(base, base - 20 * GiB, base - 10 * GiB)[0].startswith("FAILED (level 2")
+    assert "saw nothing" in sleep_verdict(base, base, base)[0]
+
+
+def test_the_gap_fails_when_large_not_finite_absent_or_exactly_zero():
+    assert gap_verdict(torch.tensor([0.01, 0.03, 0.0]))[0] == "ok"
+    assert (
+        "mean 1.33e-02, max 3.00e-02 nats a token over 3 tokens"
+        in gap_verdict(torch.tensor([0.01, 0.03, 0.0]))[1]
+    )
+    assert "not the trainer's" in gap_verdict(torch.tensor([2.0, 1.5]))[0]
+    assert "not finite" in gap_verdict(torch.tensor([0.01, math.nan]))[0]
+    assert "recomputed nothing" in gap_verdict(torch.zeros(5))[0]
+    assert "no response tokens" in gap_verdict(torch.zeros(0))[0]
+
+
+def test_a_killed_rank_must_be_a_rank_error_naming_it_in_seconds():
+    named = RankError("node 'grpo_update': rank 1 (pid 7) was killed by SIGKILL (9)")
+    assert rank_fault_verdict(named, 0.5) == "ok"
+    assert "returned" in rank_fault_verdict(None, 0.5)
+    assert "not a RankError" in rank_fault_verdict(RuntimeError("NCCL timeout"), 0.5)
+    assert "does not name rank 1" in rank_fault_verdict(RankError("rank 0 died"), 0.5)
+    assert "over 10 s" in rank_fault_verdict(named, 300.0)
+
+
+def _sweep(times: dict[int, float], ipc_bytes: int = 0, equal: bool = True) -> Sweep:
+    sweep = Sweep({k: (t, ipc_bytes) for k, t in times.items()})
+    sweep.equal = equal
+    return sweep
+
+
+def test_the_ipc_rows_fail_on_cuda_unless_the_bytes_went_the_way_asked():
+    assert transfer_verdict(_sweep({64: 1e-3}, ipc_bytes=65536), ipc=True, device="cuda") == "ok"
+    assert "no byte went by CUDA IPC" in transfer_verdict(_sweep({64: 1e-3}), True, "cuda")
+    assert transfer_verdict(_sweep({64: 1e-3}), ipc=False, device="cuda") == "ok"
+    assert "with it turned off" in transfer_verdict(_sweep({64: 1e-3}, 65536), False, "cuda")
+    assert transfer_verdict(_sweep({64: 1e-3}), ipc=True, device="cpu") == "ok"  # rehearsal
+    assert "values differ" in transfer_verdict(_sweep({64: 1e-3}, 65536, False), True, "cuda")
+
+
+def test_the_threshold_row_names_the_size_from_which_ipc_wins():
+    ipc = _sweep({16: 3e-4, 64: 2e-4, 1024: 2e-4, 65536: 1e-3})
+    host = _sweep({16: 2e-4, 64: 3e-4, 1024: 5e-4, 65536: 9e-3})
+    assert threshold_figure(ipc, host).startswith("IPC faster from 64 KiB on; MIN_BYTES is 64 KiB")
+    assert threshold_figure(host, ipc).startswith("the host copy is as fast or faster")
+
+
+# --- rows run on the CPU --------------------------------------------------------------------
+@pytest.fixture
+def text_policy(tmp_path):
+    from nodes.data import task_vocabulary
+    from nodes.models.policy import build_policy
+
+    build_policy({"name": "tiny-qwen2", "seed": 0, "words": task_vocabulary()}).save_pretrained(
+        tmp_path
+    )
+    return tmp_path
+
+
+def _collect():
+    rows = []
+    return rows, lambda check, result, figure="": rows.append((check, result, figure))
+
+
+def test_the_vllm_rows_skip_saying_why_without_vllm(monkeypatch, text_policy):
+    monkeypatch.setattr("nodes.rollout.vllm_unavailable_reason", lambda: "no vllm here")
+    rows, row = _collect()
+    vllm_sleep_rows(row, text_policy, "cpu", eager=True)
+    assert rows == [(name, "skipped: no vllm here", "") for name in VLLM_ROWS]
+
+
+def test_the_vllm_rows_sleep_wake_and_train_against_the_stand_in(monkeypatch, text_policy):
+    """The stand-in samples fixed tokens with made-up logprobs: the rows run through sleep,
+    wake-up, a trainer's step and an update, and the gap rows fail on its logprobs, as they
+    would on an engine whose weights are not the trainer's."""
+    vllm = install(monkeypatch)
+    engines = []
+    real = vllm.LLM
+
+    def llm(*args, **kwargs):
+        engines.append(real(*args, **kwargs))
+        return engines[-1]
+
+    monkeypatch.setattr(vllm, "LLM", llm)
+    rows, row = _collect()
+    vllm_sleep_rows(row, text_policy, "cpu", eager=True)
+    assert [r[0] for r in rows] == [SLEEP_ROW, GAP_ROW, HANDOFF_ROW]
+    assert rows[0][1] == "ok" and "wake + weights + generation" in rows[0][2]
+    assert rows[1][1].startswith("FAILED (mean over 0.1") and "nats a token" in rows[1][2]
+    assert rows[2][1].startswith("FAILED (mean over 0.1") and "vLLM woke with the update" in rows[2][2]  # fmt: skip
+    (engine,) = engines
+    assert engine.kwargs["enable_sleep_mode"] and engine.kwargs["enforce_eager"]
+    assert engine.kwargs["dtype"] == "bfloat16"
+    calls = engine.calls
+    assert calls[:2] == ["sleep 2", "wake kv_cache,weights"]  # built asleep, then woken by hand
+    assert calls.count("generate") == 2 and calls[-1] == "sleep 2"  # asleep after each call
+
+
+def test_the_model_rows_fail_when_the_engine_answers_the_same_after_an_update(
+    monkeypatch, text_policy
+):
+    """The stand-in returns the same tokens whatever its weights, as an engine would from caches
+    that outlived an update: the update row fails, and so does the logprob row on its made-up
+    logprobs. One engine serves the rollout, logprob and update rows."""
+    vllm = install(monkeypatch)
+    engines = []
+    real = vllm.LLM
+    monkeypatch.setattr(vllm, "LLM", lambda *a, **kw: engines.append(real(*a, **kw)) or engines[-1])
+    monkeypatch.setattr(gpu_check, "DEVICE", "cpu")
+    monkeypatch.setattr(gpu_check, "ROWS", [])
+    gpu_check._model_checks("qwen2", text_policy, eager=True)
+    rows = {check: (result, figure) for check, result, figure, _ in gpu_check.ROWS}
+    assert list(rows) == [f"qwen2: {c}" for c in gpu_check.CHECKS]
+    assert rows["qwen2: vLLM rollout"][0] == "ok"
+    assert rows["qwen2: vLLM vs HF logprobs"][0] == "FAILED"
+    assert rows["qwen2: weight update into vLLM"][0] == "FAILED (changed: False)"
+    (engine,) = engines
+    assert engine.kwargs["dtype"] == "float32" and engine.kwargs["enforce_eager"]
+    assert engine.calls.count("reset prefix") == 1  # the update reset the engine's caches
+
+
+def test_a_failure_part_way_fails_every_row_not_reached(monkeypatch, text_policy):
+    install(monkeypatch)
+
+    def broken(self):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr("nodes.models.vllm_engine.VLLMEngine.wake_up", broken)
+    rows, row = _collect()
+    vllm_sleep_rows(row, text_policy, "cpu", eager=True)
+    assert [r[0] for r in rows] == list(VLLM_ROWS)
+    assert all(r[1] == "FAILED (RuntimeError: CUDA error: out of memory)" for r in rows)
+
+
+def test_the_ipc_rows_rehearse_on_the_cpu():
+    rows, row = _collect()
+    ipc_rows(row, sizes_kib=(16, 64), reps=1, device="cpu")
+    assert [r[1] for r in rows] == ["ok"] * 3, rows
+    assert "0.0 MiB by CUDA IPC, on cpu" in rows[0][2]
+
+
+@pytest.mark.slow
+def test_the_rank_rows_rehearse_on_gloo_and_skip_without_two_gpus(monkeypatch):
+    rows, row = _collect()
+    rank_rows(row, "cpu")
+    assert [r[1] for r in rows] == ["ok", "ok"], rows
+    assert "gloo" in rows[0][2] and "rank 1 (pid" in rows[1][2]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    rows.clear()
+    rank_rows(row, "cuda")
+    assert [r[1] for r in rows] == ["skipped: needs 2 GPUs, this machine has 1"] * 2
