@@ -40,8 +40,9 @@ check-gpu-install:
 	bash .ci/check_gpu_install
 
 # The prepared GPU run (bench/gpu_check.py) in the GPU environment: one table of checks.
+# QUICK=1: every kind of row, small and few (--quick: within 8 minutes on one H100).
 gpu-check: install-gpu
-	$(GPU_VENV)/bin/python -m bench.gpu_check
+	$(GPU_VENV)/bin/python -m bench.gpu_check $(if $(QUICK),--quick)
 
 demo: $(STAMP)
 	$(BIN)/yatt-graph demo
