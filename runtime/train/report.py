@@ -3,7 +3,8 @@
 It reads what a run writes (:mod:`runtime.train.run_folder`): ``metrics.jsonl`` (the curves,
 node times), ``trace.json`` (node time and each controller's busy share over the run),
 ``graph.json`` (the graph, drawn with :func:`yatt_graph.drawing.layered_layout`),
-``samples/*.parquet`` (the sample browser, the best and worst samples of a step),
+``samples/*.parquet`` (the sample browser, the best and worst samples of a step; the
+thumbnails their ``image`` column names, from ``samples/_images/``, inline once each),
 ``settings.json``, ``summary.json`` and ``events.jsonl``. Each part that is missing or cut
 short (a run in progress, a crashed one, a folder from before a file existed) becomes a note
 on the page. The page is ``report_page/page.html`` with its CSS, its script and the data (one
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.train.metrics import CURVES, curve_key, read_metrics
+from runtime.train.samples import IMAGES
 from yatt_graph import UsageError
 
 __all__ = ["MAX_SAMPLE_ROWS", "REPORT_CURVES", "report_data", "write_report"]
@@ -336,11 +338,33 @@ def _samples(run: Path, notes: list[str]) -> dict[str, Any]:
         rows.extend([_cell(data.get(c, [None] * n)[i]) for c in columns] for i in range(n))
     width = len(columns)
     rows = [r + [None] * (width - len(r)) for r in rows]
+    images = _thumbnails(folder, columns, rows, notes)
     order = columns.index("step") if "step" in columns else None
     if order is not None:
         sample = columns.index("sample") if "sample" in columns else order
         rows.sort(key=lambda r: (r[order] if r[order] is not None else -1, r[sample] or 0))
-    return {"columns": columns, "rows": rows, "files": len(files)}
+    return {"columns": columns, "rows": rows, "files": len(files), "images": images}
+
+
+def _thumbnails(
+    folder: Path, columns: list[str], rows: list[list[Any]], notes: list[str]
+) -> dict[str, str]:
+    """The thumbnails the rows' ``image`` column names (a hash: ``samples/_images/<hash>.png``),
+    each once, as data URLs."""
+    if "image" not in columns:
+        return {}
+    at = columns.index("image")
+    wanted = {r[at] for r in rows if isinstance(r[at], str) and not r[at].startswith("data:")}
+    images, missing = {}, 0
+    for key in sorted(wanted):
+        path = folder / IMAGES / f"{key}.png"
+        try:
+            images[key] = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+        except OSError:
+            missing += 1
+    if missing:
+        notes.append(f"{missing} thumbnails named by samples/ are not in samples/{IMAGES}/")
+    return images
 
 
 def _status(run: Path, summary: Any) -> str:

@@ -32,6 +32,18 @@ def run_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def image_run(tmp_path_factory) -> Path:
+    """A run of a graph with images: 2 steps of mm_grpo, 2 prompts x 4 samples kept each."""
+    out = tmp_path_factory.mktemp("report") / "images"
+    cli = "import sys; from runtime.cli import main; sys.exit(main())"
+    cmd = [sys.executable, "-c", cli, "run", "mm_grpo", "--steps", "2", "--out", str(out),
+           "--samples-every", "1", "--set", "batch_size=2", "--quiet"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
 def _samples(run: Path) -> list[dict]:
     import pyarrow.parquet as pq
 
@@ -163,7 +175,7 @@ def _column(driver, name: str) -> list[str]:
 
 
 @pytest.mark.timeout(90)
-def test_the_page_in_headless_chromium(run_dir, tmp_path):
+def test_the_page_in_headless_chromium(run_dir, image_run, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
@@ -195,6 +207,12 @@ def test_the_page_in_headless_chromium(run_dir, tmp_path):
         )
         driver.find_element(By.ID, "f-clear").click()
         assert rows() == len(samples)
+        Select(driver.find_element(By.ID, "f-stop")).select_by_value("max_new_tokens")
+        assert rows() == sum(s["stop_reason"] == "max_new_tokens" for s in samples)
+        Select(driver.find_element(By.ID, "f-stop")).select_by_value("stop")
+        assert rows() == sum(s["stop_reason"] == "stop" for s in samples)
+        driver.find_element(By.ID, "f-clear").click()
+        assert rows() == len(samples)
 
         header = driver.find_element(By.CSS_SELECTOR, "#sample-table th[data-column='reward']")
         header.click()  # highest first
@@ -215,6 +233,17 @@ def test_the_page_in_headless_chromium(run_dir, tmp_path):
         shot = Path(os.environ.get("YATT_REPORT_SCREENSHOT", tmp_path / "report.png"))
         driver.save_screenshot(str(shot))
         print(f"screenshot: {shot}")
+
+        # A run with images: a thumbnail in each row, each image inline once.
+        driver.get(write_report(image_run, tmp_path / "images.html").resolve().as_uri())
+        pictures = _samples(image_run)
+        assert rows() == len(pictures) == 16
+        thumbs = driver.find_elements(By.CSS_SELECTOR, "#sample-table tbody td img")
+        assert len(thumbs) == 16 and all(t.get_attribute("naturalWidth") == "32" for t in thumbs)
+        html = (tmp_path / "images.html").read_text()
+        assert html.count("data:image/png;base64,") == len({p["image"] for p in pictures})
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == [], errors
 
         # A crashed run's page: notes at the top, the parts it has, no script error.
         crashed = _copy(run_dir, tmp_path / "crashed")

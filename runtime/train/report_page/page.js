@@ -307,7 +307,8 @@
     const i = col(name), v = row[i];
     if (i === C.image) {
       const td = el("td");
-      if (typeof v === "string" && v.startsWith("data:image/")) td.appendChild(el("img", { src: v, alt: "image" }));
+      const src = typeof v === "string" && S.images && S.images[v] ? S.images[v] : v;
+      if (typeof src === "string" && src.startsWith("data:image/")) td.appendChild(el("img", { src: src, alt: "image", title: src === v ? "" : v }));
       return td;
     }
     if (typeof v === "number") return el("td", { class: "n" }, fmt(v));
