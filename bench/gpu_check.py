@@ -242,6 +242,7 @@ def _cli_runs(steps: int, out: Path, policies: dict[str, Path], quick: bool) -> 
     from nodes.rollout import vllm_unavailable_reason
 
     yatt = str(Path(sys.executable).parent / "yatt-graph")
+    timeout_s = 240 if quick else 600
     for graph, rollout, flags, policy in _cli_runs_of(quick):
         name = f"{_cli_name(graph, rollout, flags)}, {steps} steps"
         why = vllm_unavailable_reason() if rollout == "vllm" else None
@@ -254,7 +255,11 @@ def _cli_runs(steps: int, out: Path, policies: dict[str, Path], quick: bool) -> 
         if policy is not None:
             cmd += ["--policy", str(policies[policy])]
         start = time.perf_counter()
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            row(name, f"FAILED (not done after {timeout_s} s)")
+            continue
         seconds = time.perf_counter() - start
         last = (done.stderr.strip().splitlines() or ["?"])[-1]
         if done.returncode == 2 and "unrecognized arguments" in done.stderr:

@@ -128,8 +128,11 @@ def close_engine(node: Any) -> None:
     llm = getattr(engine, "llm", None)
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     shutdown = getattr(core, "shutdown", None)
-    if shutdown is not None:
-        shutdown()
+    try:
+        if shutdown is not None:
+            shutdown()
+    except Exception as err:  # the rows after it still run, on what memory is left
+        print(f"  (ending the vLLM engine: {type(err).__name__}: {err})", flush=True)
     if engine is not None:
         node._vllm = None
 
@@ -230,6 +233,7 @@ def _handoff(row: Row, node: Any, out: dict[str, Any], policy: Path, device: str
     step = time.perf_counter() - t0
     del ballast
     moved = trainer.offload()
+    _settle(device)  # the ballast's block back from torch's cache, for the engine to wake into
     t0 = time.perf_counter()
     after = node.run(prompts=["what color is the shape ?"] * 8, weights=update)
     woke = time.perf_counter() - t0
