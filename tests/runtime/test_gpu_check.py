@@ -54,6 +54,18 @@ def test_the_quick_mode_fails_over_its_budget_on_cuda_only():
     assert gpu_check.total_verdict(481, quick=True, device="cpu")[0] == "ok"
 
 
+def test_a_row_skipped_on_cuda_fails_the_check_unless_asked_for_or_for_want_of_a_gpu():
+    rows = [
+        ("text_grpo --rollout vllm, 3 steps", "skipped: --skip-cli", "", 0.0),
+        ("2 ranks: a killed rank named", "skipped: needs 2 GPUs, this machine has 1", "", 0.0),
+    ]
+    assert gpu_check.total_verdict(100, True, "cuda", rows)[0] == "ok"
+    rows.append(("qwen2: vLLM rollout", "skipped: vllm is not installed", "", 0.0))
+    result = gpu_check.total_verdict(100, True, "cuda", rows)[0]
+    assert result == "FAILED (1 rows skipped on CUDA, e.g. 'qwen2: vLLM rollout')"
+    assert gpu_check.total_verdict(100, True, "cpu", rows)[0] == "ok"  # the rehearsal skips them
+
+
 # --- verdicts -----------------------------------------------------------------------------------
 def test_sleep_fails_unless_level_2_returns_most_of_the_engines_memory():
     base = 80 * GiB
