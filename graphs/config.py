@@ -71,7 +71,7 @@ TINY_TEXT_LMS = ("tiny-gpt2", "tiny-llama", "tiny-qwen2")
 def users_model(policy: str | dict[str, Any]) -> bool:
     """Whether ``policy`` names a model of the user's: a directory that is not one of this
     project's tiny models (built in code, or saved and exported from a run of one)."""
-    tiny = policy == "tiny" or policy in TINY_TEXT_LMS
+    tiny = policy in ("tiny", "tiny-qwen2-vl", *TINY_TEXT_LMS)
     path = policy.get("path") if isinstance(policy, dict) else None if tiny else policy
     return path is not None and not is_tiny_dir(path)
 

@@ -34,7 +34,7 @@ from nodes.sync import WeightSync
 from nodes.update import GRPOUpdate
 from yatt_graph import Graph
 
-__all__ = ["CONFIG", "AgentConfig", "build_graph"]
+__all__ = ["CONFIG", "AgentConfig", "build_agent", "build_graph"]
 
 
 class AgentConfig(TextGRPOConfig, kw_only=True, forbid_unknown_fields=True):
@@ -88,20 +88,26 @@ CONFIG = AgentConfig
 def build_graph(**options: Any) -> Graph:
     """Options: the fields of :class:`AgentConfig`."""
     config = CONFIG.from_options("text_agent", options)
+    return build_agent("text_agent", config, policy_spec(config, None), images=False)
+
+
+def build_agent(name: str, config: AgentConfig, spec: dict[str, Any], *, images: bool) -> Graph:
+    """The agent graph for a policy ``spec``; ``images``: the data's images go to the
+    environment (its rows' ``image``) and the trajectories' images to the update."""
     device = resolve_device(config.device)
-    spec = policy_spec(config, None)
-    words = getattr(load_env(config.env, "text_agent"), "words", ())
+    words = getattr(load_env(config.env, name), "words", ())
     if "words" in spec:  # a tiny policy's vocabulary: the environment's words too
         spec["words"] = list(dict.fromkeys([*spec["words"], *words]))
-    with Graph("text_agent") as g:
+    with Graph(name) as g:
         if config.data is None:  # the shapes task, its answer left out of the prompt
             source = ShapesSource(
                 batch_size=config.batch_size, task=config.task, seed=config.seed, name="data"
             )
         else:
-            source = data_source(config, text_only=True)
+            source = data_source(config, text_only=not images)
         data = source()
-        g.discard(data.images)
+        if not images:
+            g.discard(data.images)
         if config.data is not None:
             g.output("data", data.stats)
         rollout = AgentRollout(
@@ -113,8 +119,11 @@ def build_graph(**options: Any) -> Graph:
             vllm_options=_vllm_options(config) if config.rollout == "vllm" else None,
         )  # fmt: skip
         set_share(rollout, "policy")
-        sample = rollout(prompts=data.prompts, meta=data.meta)
-        g.discard(sample.images)  # a text policy's trajectories have none
+        shown = {"images": data.images} if images else {}
+        sample = rollout(prompts=data.prompts, meta=data.meta, **shown)
+        seen = {"images": sample.images} if images else {}  # every image of each trajectory
+        if not images:
+            g.discard(sample.images)
         sampled = {}  # the sampler's logprobs beside the recomputed ones: the gap, and TIS
         if config.recompute_logprobs:
             sampled["rollout_logprobs"] = sample.rollout_logprobs
@@ -141,14 +150,14 @@ def build_graph(**options: Any) -> Graph:
                 micro_batch_tokens=config.micro_batch_tokens,
             )  # fmt: skip
             set_share(reference, "policy")
-            ref["ref_logprobs"] = reference(**tensors)
+            ref["ref_logprobs"] = reference(**tensors, **seen)
         update = GRPOUpdate(
             policy=spec, kl_coef=config.kl_coef, aggregation=config.aggregation,
             horizon=config.max_new_tokens * rollout.max_turns, kl_estimator=config.kl_estimator,
             device=device, **update_options(config), name="grpo", **train_group(config, "policy"),
         )(
             **tensors, logprobs=sample.logprobs, truncated=sample.truncated,
-            advantages=adv.advantages, **ref, **sampled,
+            advantages=adv.advantages, **ref, **sampled, **seen,
         )  # fmt: skip
         sync = WeightSync(snapshot=False, name="sync")(update.weights)
         g.connect(sync, rollout, "weights", delay=1)

@@ -19,7 +19,7 @@ from typing import Any
 from nodes.agents.env import Observation, ToolEnv
 from nodes.data import COUNTS, answer_reward
 
-__all__ = ["LookEnv"]
+__all__ = ["LookEnv", "LookImageEnv"]
 
 
 class LookEnv(ToolEnv):
@@ -51,3 +51,25 @@ class LookEnv(ToolEnv):
         if not self.calls:  # the shape was never seen: a guess
             return 0.0
         return answer_reward(answer, self.row, format_bonus=0.0)
+
+
+class LookImageEnv(LookEnv):
+    """The look task with images: the prompt comes with a dark picture (a plain grey card of
+    the image's size: the colour and the shape are hidden), and ``look`` returns the row's
+    own image, which shows them. The answer is scored as :class:`LookEnv`'s."""
+
+    def reset(self, row: Mapping[str, Any]) -> Observation:
+        if "image" not in row:
+            raise ValueError(
+                "LookImageEnv: the data row has no image; it runs on the shapes task with "
+                "images (mm_agent, no --data)"
+            )
+        first = super().reset(row)
+        from PIL import Image
+
+        dark = Image.new("RGB", row["image"].size, (96, 96, 96))
+        return Observation(first.text, [dark])
+
+    def look(self, *words: str) -> Observation:  # type: ignore[override]
+        """The row's image (what it is asked to look at is ignored)."""
+        return Observation("", [self.row["image"]])

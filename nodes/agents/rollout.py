@@ -101,6 +101,11 @@ class AgentRollout(Rollout):
     inputs = {  # noqa: RUF012
         "prompts": ANY,
         "meta": Port(ANY, required=False, doc="list[dict], one per prompt: the data row"),
+        "images": Port(
+            ANY,
+            required=False,
+            doc="list[PIL.Image], one per prompt: the row's image (its 'image')",
+        ),
         "weights": Port(ANY, required=False, doc="a state dict loaded before sampling"),
     }
     outputs = {  # noqa: RUF012
@@ -158,13 +163,20 @@ class AgentRollout(Rollout):
             )
         self.max_turns = turns
 
-    def forward(self, prompts, meta, weights) -> dict[str, Any]:
-        if meta is not None and len(meta) != len(prompts):
-            raise ValueError(
-                f"node {self.name!r}: input 'meta' has {len(meta)} rows for {len(prompts)} prompts"
-            )
+    def forward(self, prompts, meta, images, weights) -> dict[str, Any]:
+        for port, value in (("meta", meta), ("images", images)):
+            if value is not None and len(value) != len(prompts):
+                raise ValueError(
+                    f"node {self.name!r}: input {port!r} has {len(value)} rows for "
+                    f"{len(prompts)} prompts"
+                )
         rows = [
-            {**(meta[i] if meta is not None else {}), "prompt": p} for i, p in enumerate(prompts)
+            {
+                **(meta[i] if meta is not None else {}),
+                **({"image": images[i]} if images is not None else {}),
+                "prompt": p,
+            }
+            for i, p in enumerate(prompts)
         ]
         rows_b = [row for row in rows for _ in range(self.n)]  # B = N * n, grouped
         trajectories = [self._start(row) for row in rows_b]

@@ -23,6 +23,7 @@ from nodes.models.policy_base import (
     _check_response,
     _local_dir,
     char_tokenizer,
+    word_tokenizer,
 )
 from nodes.seeding import seeded
 
@@ -238,20 +239,26 @@ def tiny_qwen2_vl(
     vision_dim: int = 32,
     patch_size: int = 8,
     image_size: int = 32,
+    words: Sequence[str] | None = None,
 ) -> HFVisionLanguagePolicy:
     """A random Qwen2-VL with tiny vision and text towers and a processor built in code.
 
     The processor is ``Qwen2VLProcessor`` made of a ``Qwen2VLImageProcessor`` and
     ``Qwen2VLVideoProcessor`` sized to the vision tower (patch 8, merge 2, images resized to
     at most ``image_size`` x ``image_size`` pixels, so a 32x32 image is 4 LM tokens), the
-    character tokenizer of :func:`char_tokenizer` with Qwen's vision special tokens, and a
+    character tokenizer of :func:`char_tokenizer` (or, given ``words``, the word-level one of
+    :func:`word_tokenizer` over them) with Qwen's vision special tokens, and a
     small chat template. It saves and reloads with ``AutoProcessor`` like a real checkpoint.
     """
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    tokenizer = char_tokenizer(_QWEN_VISION_TOKENS)
+    tokenizer = (
+        char_tokenizer(_QWEN_VISION_TOKENS)
+        if words is None
+        else word_tokenizer(words, _QWEN_VISION_TOKENS)
+    )
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _QWEN_VISION_TOKENS}
     merge = 2
     size = {"shortest_edge": (patch_size * merge) ** 2, "longest_edge": image_size * image_size}

@@ -134,16 +134,18 @@ def char_tokenizer(extra_special_tokens: Sequence[str] = ()) -> Any:
     return tok
 
 
-def word_tokenizer(words: Sequence[str]) -> Any:
+def word_tokenizer(words: Sequence[str], extra_special_tokens: Sequence[str] = ()) -> Any:
     """A word-level ``PreTrainedTokenizerFast`` over ``words`` (split on whitespace; no download).
 
-    Vocabulary: ``<pad>`` (0), ``<eos>`` (1), ``<unk>`` (2), then ``words`` in order. Small task
+    Vocabulary: ``<pad>`` (0), ``<eos>`` (1), ``<unk>`` (2), then ``extra_special_tokens`` (found
+    anywhere in a text, e.g. a VLM's image placeholders), then ``words`` in order. Small task
     vocabularies make one answer one token, which a tiny policy can find by sampling.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(_CHAR_SPECIALS)}
+    specials = list(_CHAR_SPECIALS) + [t for t in extra_special_tokens if t not in _CHAR_SPECIALS]
+    vocab = {tok: i for i, tok in enumerate(specials)}
     for word in words:
         if not word or any(c.isspace() for c in word):
             raise ValueError(f"word_tokenizer: {word!r} is not a single word")
@@ -151,13 +153,16 @@ def word_tokenizer(words: Sequence[str]) -> Any:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return PreTrainedTokenizerFast(
+    tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="<pad>",
         eos_token="<eos>",
         unk_token="<unk>",
         padding_side="left",
     )
+    if len(specials) > len(_CHAR_SPECIALS):
+        tok.add_special_tokens({"additional_special_tokens": specials[len(_CHAR_SPECIALS) :]})
+    return tok
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ GRAPHS = [
     "graphs.text_ppo",
     "graphs.text_grpo",
     "graphs.text_agent",
+    "graphs.mm_agent",
     "graphs.toy",
 ]
 

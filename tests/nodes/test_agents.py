@@ -290,3 +290,19 @@ def test_image_placeholders_no_image_fills_are_refused():
         ValueError, match="hold 12 image placeholder tokens and the images given fill 8"
     ):
         policy.response_logprobs(batch, out["response_ids"], out["context_mask"])
+
+
+def test_the_image_look_task_hides_the_colour_until_a_look():
+    from nodes.agents.lookup import LookImageEnv
+
+    data = ShapesSource(batch_size=1, seed=3).run()
+    row = {**data["meta"][0], "image": data["images"][0], "prompt": data["prompts"][0]}
+    env = LookImageEnv()
+    first = env.reset(row)
+    (dark,) = first.images
+    assert dark.size == row["image"].size and dark.getextrema() == ((96, 96),) * 3  # one grey
+    obs, reward, done = env.step("look")
+    assert obs.images == [row["image"]] and (reward, done) == (0.0, False)
+    assert env.step(row["color"]) == (None, 1.0, True)
+    with pytest.raises(ValueError, match="LookImageEnv: the data row has no image"):
+        LookImageEnv().reset(data["meta"][0] | {"prompt": "what color is the shape ?"})
