@@ -30,7 +30,8 @@ Builds a tiny Qwen2-VL and a tiny Qwen2 in code, saves them, then on CUDA:
    ``--rollout vllm`` (the Qwen2-VL and the Qwen2 as ``--policy``), and without ``--quick``
    also with the HF rollout and mm_grpo on two controllers that time-share the GPU
    (``--controllers 2 --offload auto``): wall time, reward first -> last, the logprob gap and
-   the switch time a step; a row says skipped with the CLI's reason if it refuses the flags;
+   the switch time a step; with vLLM a gap missing or over ``GAP_MEAN_LIMIT`` fails; a row
+   says skipped with the CLI's reason if it refuses the flags;
 6. with two GPUs (:mod:`bench.gpu_rows`): a GRPO update as an FSDP2 group of 2 ranks on NCCL
    against 1 rank, and a rank killed under it, which must be a RankError naming it within
    seconds.
@@ -59,7 +60,14 @@ from typing import Any
 import torch
 
 from bench.cuda_ipc import QUICK_SIZES_KIB, SIZES_KIB, THRESHOLD_ROW, ipc_rows, row_name
-from bench.gpu_rows import RANK_ROWS, VLLM_ROWS, close_engine, rank_rows, vllm_sleep_rows
+from bench.gpu_rows import (
+    GAP_MEAN_LIMIT,
+    RANK_ROWS,
+    VLLM_ROWS,
+    close_engine,
+    rank_rows,
+    vllm_sleep_rows,
+)
 
 TOLERANCE = 2e-2
 """max |vLLM - HF| logprob of the same tokens. Both run float32 (the rows ask the engine for
@@ -121,10 +129,17 @@ def _last_metrics(metrics: Path) -> dict[str, Any]:
         return {}
 
 
-def _gap_figure(last: dict[str, Any]) -> str:
-    """The last step's logprob gap (the update's ``*logprob_gap_mean``), if it reports one."""
-    gap = next((v for k, v in last.items() if k.endswith("logprob_gap_mean")), None)
-    return f", logprob gap {gap:.2e}" if isinstance(gap, (int, float)) else ""
+def cli_gap(last: dict[str, Any], rollout: str) -> tuple[str, str]:
+    """(result, figure) from a CLI run's last metrics: its logprob gap (the update's
+    ``logprob_gap_mean``). With vLLM the ready graphs recompute the logprobs, so a missing gap,
+    or one over ``GAP_MEAN_LIMIT`` (the engine not serving the trained weights), fails."""
+    gap = last.get("logprob_gap_mean")
+    if not isinstance(gap, (int, float)):
+        return ("FAILED (no logprob gap reported)" if rollout == "vllm" else "ok"), ""
+    figure = f", logprob gap {gap:.2e}"
+    if rollout == "vllm" and not gap <= GAP_MEAN_LIMIT:
+        return f"FAILED (logprob gap over {GAP_MEAN_LIMIT})", figure
+    return "ok", figure
 
 
 def _switch_figure(last: dict[str, Any]) -> str:
@@ -274,7 +289,8 @@ def _cli_runs(steps: int, out: Path, policies: dict[str, Path], quick: bool) -> 
         reward = f"reward {first:.3f} -> {final:.3f}" if first is not None else "no reward"
         metrics = _last_metrics(folder / "metrics.jsonl")
         switches = _switch_figure(metrics) if flags else ""
-        row(name, "ok", f"{seconds:.0f} s, {reward}{_gap_figure(metrics)}{switches}")
+        result, gap = cli_gap(metrics, rollout)
+        row(name, result, f"{seconds:.0f} s, {reward}{gap}{switches}")
 
 
 def _offload_check(policy: Path) -> None:

@@ -96,6 +96,14 @@ def test_a_killed_rank_must_be_a_rank_error_naming_it_in_seconds():
     assert "over 10 s" in rank_fault_verdict(named, 300.0)
 
 
+def test_a_cli_run_with_vllm_fails_without_a_small_logprob_gap():
+    assert gpu_check.cli_gap({"logprob_gap_mean": 0.01}, "vllm") == ("ok", ", logprob gap 1.00e-02")
+    assert gpu_check.cli_gap({"logprob_gap_mean": 0.9}, "vllm")[0].startswith("FAILED (logprob gap over")  # fmt: skip
+    assert gpu_check.cli_gap({"logprob_gap_mean": math.nan}, "vllm")[0].startswith("FAILED")
+    assert gpu_check.cli_gap({}, "vllm")[0] == "FAILED (no logprob gap reported)"
+    assert gpu_check.cli_gap({}, "hf") == ("ok", "")  # the HF rollout's logprobs are the trainer's
+
+
 def _sweep(times: dict[int, float], ipc_bytes: int = 0, equal: bool = True) -> Sweep:
     sweep = Sweep({k: (t, ipc_bytes) for k, t in times.items()})
     sweep.equal = equal
