@@ -1,7 +1,7 @@
 """The GPU paths, checked in one prepared run on a machine with CUDA (and the vllm extra).
 
     make gpu-check            # = make install-gpu && .venv-gpu/bin/python -m bench.gpu_check
-    make gpu-check QUICK=1    # --quick: every kind of row, small and few (about 8 minutes, 1 H100)
+    make gpu-check QUICK=1    # --quick: every kind of row, small and few (8 minutes on one H100)
     python -m bench.gpu_check [--quick] [--steps 20] [--out DIR] [--skip-cli] [--device cpu]
 
 Builds a tiny Qwen2-VL and a tiny Qwen2 in code, saves them, then on CUDA:
@@ -36,14 +36,15 @@ Builds a tiny Qwen2-VL and a tiny Qwen2 in code, saves them, then on CUDA:
    against 1 rank, and a rank killed under it, which must be a RankError naming it within
    seconds.
 
-It prints one table (check, result, figure, seconds: the time since the row before) and the
-total; ``--quick`` (3 CLI steps, 4 IPC sizes, engines without CUDA graphs) fails its last row
-when the whole took over ``QUICK_BUDGET_S``, and on CUDA so does a row skipped for another
-reason than ``--skip-cli`` or a missing second GPU (vllm not installed). Asked to check CUDA where there is none, the
-device row fails (with torch's CUDA build and the driver's version) and it exits 1: a check
-that checked nothing does not pass. A failed check exits 1. ``--device cpu`` runs the same
-script on the CPU (the vLLM rows say why they skip, the rank rows run on gloo): a rehearsal of
-the script itself, not of the GPU.
+It prints one table (check, result, figure, seconds: the time since the row before). Its last
+row, the total, fails on CUDA when a row was skipped for another reason than ``--skip-cli`` or
+a missing second GPU (vllm not installed: those rows checked nothing), and with ``--quick``
+(3 CLI steps, 4 IPC sizes, engines without CUDA graphs) when the whole took over
+``QUICK_BUDGET_S``. Asked to check CUDA where there is none, the device row fails (with torch's
+CUDA build and the driver's version) and it exits 1: a check that checked nothing does not
+pass. A failed row exits 1. ``--device cpu`` runs the same script on the CPU (the vLLM rows say
+why they skip, the IPC rows send host tensors, the rank rows run on gloo): a rehearsal of the
+script itself, not of the GPU.
 """
 
 from __future__ import annotations
