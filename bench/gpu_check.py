@@ -51,6 +51,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -255,6 +257,21 @@ def _agreement(ids: torch.Tensor, mask: torch.Tensor, hf: Any) -> float:
     return float(same[real].float().mean()) if real.any() else 0.0
 
 
+def _run(cmd: list[str], timeout_s: float) -> subprocess.CompletedProcess | None:
+    """``cmd`` in a session of its own; past ``timeout_s`` the whole session is killed (its
+    controllers and vLLM's engine process would otherwise keep their GPU memory) and None is
+    returned."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def _cli_runs(steps: int, out: Path, policies: dict[str, Path], quick: bool) -> None:
     from nodes.rollout import vllm_unavailable_reason
 
@@ -272,9 +289,8 @@ def _cli_runs(steps: int, out: Path, policies: dict[str, Path], quick: bool) -> 
         if policy is not None:
             cmd += ["--policy", str(policies[policy])]
         start = time.perf_counter()
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        done = _run(cmd, timeout_s)
+        if done is None:
             row(name, f"FAILED (not done after {timeout_s} s)")
             continue
         seconds = time.perf_counter() - start

@@ -5,6 +5,8 @@ vllm, and the IPC and rank rows in the CPU rehearsal (host tensors, gloo)."""
 
 import math
 import re
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,6 +66,24 @@ def test_a_row_skipped_on_cuda_fails_the_check_unless_asked_for_or_for_want_of_a
     result = gpu_check.total_verdict(100, True, "cuda", rows)[0]
     assert result == "FAILED (1 rows skipped on CUDA, e.g. 'qwen2: vLLM rollout')"
     assert gpu_check.total_verdict(100, True, "cpu", rows)[0] == "ok"  # the rehearsal skips them
+
+
+def test_a_cli_run_past_its_time_is_ended_with_the_processes_it_started(tmp_path):
+    pid_file = tmp_path / "grandchild"
+    script = f"sleep 60 & echo $! > {pid_file}; wait"
+    assert gpu_check._run(["bash", "-c", script], timeout_s=2) is None
+    stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
+    for _ in range(50):  # killed: gone, or a zombie until whoever adopted it reaps it
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the run's child outlived it")
+    done = gpu_check._run(["bash", "-c", "echo out; echo err >&2; exit 3"], timeout_s=30)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
 
 
 # --- verdicts -----------------------------------------------------------------------------------
