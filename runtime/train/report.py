@@ -349,19 +349,25 @@ def _samples(run: Path, notes: list[str]) -> dict[str, Any]:
 def _thumbnails(
     folder: Path, columns: list[str], rows: list[list[Any]], notes: list[str]
 ) -> dict[str, str]:
-    """The thumbnails the rows' ``image`` column names (a hash: ``samples/_images/<hash>.png``),
-    each once, as data URLs."""
+    """The thumbnails the rows' ``image`` column names (a hash; the PNGs are in
+    ``samples/_images/step-*.parquet``), each once, as data URLs."""
     if "image" not in columns:
         return {}
+    import pyarrow.parquet as pq
+
     at = columns.index("image")
     wanted = {r[at] for r in rows if isinstance(r[at], str) and not r[at].startswith("data:")}
-    images, missing = {}, 0
-    for key in sorted(wanted):
-        path = folder / IMAGES / f"{key}.png"
+    images: dict[str, str] = {}
+    for path in sorted((folder / IMAGES).glob("step-*.parquet")):
         try:
-            images[key] = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
-        except OSError:
-            missing += 1
+            table = pq.read_table(path).to_pydict()
+        except Exception as exc:  # cut short by a crash: its rows show no thumbnail
+            notes.append(f"samples/{IMAGES}/{path.name} could not be read ({type(exc).__name__})")
+            continue
+        for key, png in zip(table.get("hash", []), table.get("png", [])):
+            if key in wanted and isinstance(png, bytes):
+                images[key] = "data:image/png;base64," + base64.b64encode(png).decode()
+    missing = len(wanted - set(images))
     if missing:
         notes.append(f"{missing} thumbnails named by samples/ are not in samples/{IMAGES}/")
     return images

@@ -5,6 +5,7 @@ misaligned graph output refused, naming it."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -51,9 +52,13 @@ def test_each_sample_names_its_data_row_prompt_and_image(grpo):
         assert r["data_row"] == index
         image, prompt, _ = make_sample(0, index, "color")
         assert r["prompt"] == prompt and r["image"] == image_hash(image)
-        thumb = Image.open(out / "samples" / IMAGES / f"{r['image']}.png")
+    import pyarrow.parquet as pq
+
+    pngs = pq.read_table(out / "samples" / IMAGES).to_pydict()
+    assert sorted(pngs["hash"]) == sorted({r["image"] for r in rows})  # each image once
+    for png in pngs["png"]:
+        thumb = Image.open(io.BytesIO(png))
         assert thumb.format == "PNG" and max(thumb.size) <= 64
-    assert len(list((out / "samples" / IMAGES).iterdir())) == len({r["image"] for r in rows})
 
 
 @pytest.mark.timeout(240)
@@ -231,3 +236,29 @@ def test_a_run_whose_graph_misaligns_an_output_stops_naming_it(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
     assert done.returncode != 0
     assert "graph output 'scores' has 3 rows, and the step has 4 responses" in done.stderr
+
+
+def test_an_image_is_written_once_and_a_resumed_run_rewrites_its_later_steps(tmp_path):
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    a, b, c = (Image.new("RGB", (80, 40), color) for color in ("red", "green", "blue"))
+    pictures = tmp_path / "samples" / IMAGES
+    writer = SampleWriter(tmp_path, every=1)
+    writer.write(0, _outputs(images=[a, b]))
+    writer.write(1, _outputs(images=[a, c]))
+    writer.write(2, _outputs(images=[b, c]))  # nothing new: no thumbnail file
+    assert sorted(p.name for p in pictures.iterdir()) == [
+        "step-000000.parquet",
+        "step-000001.parquet",
+    ]
+    first = pq.read_table(pictures / "step-000000.parquet").to_pydict()
+    assert len(first["hash"]) == 2 and Image.open(io.BytesIO(first["png"][0])).size == (64, 32)
+    assert len(pq.read_table(pictures / "step-000001.parquet")) == 1
+
+    resumed = SampleWriter(tmp_path, every=1)  # from a checkpoint at step 1
+    resumed.write(1, _outputs(images=[c, a]))
+    assert not (tmp_path / "samples" / "step-000002.parquet").exists()
+    assert pq.read_table(pictures / "step-000001.parquet").to_pydict()["hash"] == [
+        pq.read_table(tmp_path / "samples" / "step-000001.parquet")["image"][0].as_py()
+    ]
