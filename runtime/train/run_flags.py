@@ -158,8 +158,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=10,
         metavar="N",
-        help="with --out: every N steps write the step's responses, prompts, rewards and "
-        "lengths to OUT/samples/ as Parquet (ready graphs; 0: never)",
+        help="with --out: every N steps write the step's samples to OUT/samples/ as Parquet: "
+        "each response with its prompt, data row, image, reward, length, stop reason, "
+        "advantage, KL, weight version (ready graphs; default 10; 0: never)",
     )
     p.add_argument(
         "--no-check-finite",

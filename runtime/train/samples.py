@@ -177,12 +177,8 @@ def lineage_columns(
             cols[f"reward/{name}"] = [float(x) for x in _rows(where, values, B, "response")]
     stats = outputs.get("sample_stats")
     if isinstance(stats, Mapping) and stats.get("sample") is not None:
-        at = [
-            int(i)
-            for i in _rows(
-                "sample_stats['sample']", stats["sample"], len(stats["sample"]), "trained response"
-            )
-        ]
+        sample = stats["sample"]
+        at = [int(i) for i in (sample.tolist() if hasattr(sample, "tolist") else sample)]
         if any(not 0 <= i < B for i in at) or len(set(at)) != len(at):
             raise SampleAlignmentError(
                 f"samples: graph output 'sample_stats' names samples {sorted(at)}, and the step "
@@ -197,8 +193,8 @@ def lineage_columns(
             for i, x in zip(at, values):
                 column[i] = float(x)
             cols[name] = column
-    age = (staleness or {}).get(f"{ROLLOUT}.weights", "absent")
-    if age != "absent":
+    if staleness and f"{ROLLOUT}.weights" in staleness:
+        age = staleness[f"{ROLLOUT}.weights"]  # None: it read no update yet
         version = 0 if age is None else step - int(age)
         cols["weight_version"] = [version] * B
         cols["staleness"] = [step - version] * B
