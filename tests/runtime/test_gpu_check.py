@@ -13,11 +13,12 @@ import torch
 from vllm_stand_in import install
 
 from bench import gpu_check
-from bench.cuda_ipc import Sweep, ipc_rows, threshold_figure, transfer_verdict
+from bench.cuda_ipc import THRESHOLD_ROW, Sweep, threshold_figure, transfer_verdict
 from bench.gpu_rows import (
     GAP_ROW,
     HANDOFF_ROW,
     KILL_ROW,
+    RANK_ROWS,
     SLEEP_ROW,
     VLLM_ROWS,
     gap_verdict,
@@ -233,20 +234,28 @@ def test_a_failure_part_way_fails_every_row_not_reached(monkeypatch, text_policy
     assert all(r[1] == "FAILED (RuntimeError: CUDA error: out of memory)" for r in rows)
 
 
-def test_the_ipc_rows_rehearse_on_the_cpu():
-    rows, row = _collect()
-    ipc_rows(row, sizes_kib=(16, 64), reps=1, device="cpu")
-    assert [r[1] for r in rows] == ["ok"] * 3, rows
-    assert "0.0 MiB by CUDA IPC, on cpu" in rows[0][2]
-
-
 @pytest.mark.slow
-def test_the_rank_rows_rehearse_on_gloo_and_skip_without_two_gpus(monkeypatch):
-    rows, row = _collect()
-    rank_rows(row, "cpu")
-    assert [r[1] for r in rows] == ["ok", "ok"], rows
-    assert "gloo" in rows[0][2] and "rank 1 (pid" in rows[1][2]
+def test_the_quick_rehearsal_runs_every_row_it_lists(capsys, monkeypatch):
+    """``--device cpu --quick``: HF, offload, IPC (host tensors) and rank (gloo) rows run and
+    pass, the vLLM rows skip saying why, and the rows are the ones the no-CUDA answer lists."""
+    monkeypatch.setattr("nodes.rollout.vllm_unavailable_reason", lambda: "vllm: not here")
+    assert gpu_check.main(["--device", "cpu", "--quick", "--skip-cli"]) == 0
+    names = [check for check, _, _, _ in gpu_check.ROWS]
+    assert names == ["device", *gpu_check.all_row_names(True, 3), gpu_check.TOTAL_ROW]
+    results = {check: result for check, result, _, _ in gpu_check.ROWS}
+    for name in ("qwen2_vl: HF rollout", gpu_check.OFFLOAD_ROW, *RANK_ROWS, THRESHOLD_ROW):
+        assert results[name] == "ok", (name, results[name])
+    assert all(results[n] == "ok" for n in names if n.startswith("cpu tensors")), results
+    assert all(results[n].startswith("skipped: vllm") for n in VLLM_ROWS), results
+    out = capsys.readouterr().out
+    assert re.search(
+        r"\| 2 ranks: a killed rank named +\| ok \| gloo: [\d.]+ s: node .*rank 1", out
+    )
+    assert re.search(r"0\.0 MiB by CUDA IPC, on cpu \| [\d.]+ \|", out)
+
+
+def test_the_rank_rows_skip_without_two_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    rows.clear()
+    rows, row = _collect()
     rank_rows(row, "cuda")
     assert [r[1] for r in rows] == ["skipped: needs 2 GPUs, this machine has 1"] * 2
