@@ -9,13 +9,15 @@ Two measurements:
 1. **End to end**: each setting is one ``yatt-graph run graphs/mm_ppo.py`` (a subprocess,
    seed 0), the settings interleaved round by round so that load spreads over all of them;
    the median ``time/step`` after ``--warmup`` steps (the training loop's wall time between
-   steps, which holds the samples writer's work), then the median over rounds, and each
-   setting as a ratio to ``--samples-every 0``. The ``sample_stats`` node (the per-sample
-   advantage, KL and logprob gap) runs at every setting; its median time is reported beside.
-2. **The writer alone**, in this process: the same graph on a LocalExecutor, each step's
-   ``SampleWriter.write`` timed (every step written, images included) against the step's
-   own time. Its cost at every N steps is ``write / (N * step)``: the figure that run-to-run
-   noise cannot hide.
+   steps, which holds the samples writer's work); each setting's ratio to
+   ``--samples-every 0`` of the same round, the median and range over rounds. The
+   ``sample_stats`` node (the per-sample advantage, KL and logprob gap) runs at every
+   setting; its median time is reported beside.
+2. **The writer alone**, in this process (one torch thread): the same graph on a
+   LocalExecutor, each step's ``SampleWriter.write`` timed (every step written, images
+   included). Its cost at every N steps is ``write / (N * step)``, with ``step`` the
+   end-to-end step of ``--samples-every 0``: the figure that run-to-run noise (more than
+   2 % on a shared machine) cannot hide.
 
 The target: at most 2 % slower at the default ``--samples-every 10``.
 """
@@ -36,8 +38,8 @@ SETTINGS = (0, 10, 1)
 """``--samples-every`` values: off, the default, every step."""
 
 
-def end_to_end(steps: int, warmup: int, rounds: int) -> dict[int, dict[str, float]]:
-    """Setting -> median step seconds and sample_stats seconds (medians over rounds)."""
+def end_to_end(steps: int, warmup: int, rounds: int) -> dict[int, dict[str, list[float]]]:
+    """Setting -> per round: step seconds and sample_stats seconds (medians over steps)."""
     got: dict[int, dict[str, list[float]]] = {n: {"step_s": [], "stats_s": []} for n in SETTINGS}
     with tempfile.TemporaryDirectory(prefix="yatt-samples-") as tmp:
         for _ in range(rounds):
@@ -47,39 +49,35 @@ def end_to_end(steps: int, warmup: int, rounds: int) -> dict[int, dict[str, floa
                 got[every]["step_s"].append(statistics.median(r["time/step"] for r in rows))
                 stats = [r.get("time/sample_stats", 0.0) for r in rows]
                 got[every]["stats_s"].append(statistics.median(stats))
-    return {n: {k: statistics.median(v) for k, v in d.items()} for n, d in got.items()}
+    return got
 
 
 def writer_alone(steps: int, warmup: int) -> dict[str, Any]:
-    """The demo graph in this process: median step seconds, median write seconds (every step
-    written), and the bytes written a step."""
+    """The demo graph in this process on one torch thread: the median write seconds (every
+    step written) and the bytes written a step."""
+    import torch
+
     from runtime.engine.local import LocalExecutor
     from runtime.train.samples import SampleWriter
     from yatt_graph.refs import load_graph
 
+    torch.set_num_threads(1)
     executor = LocalExecutor(load_graph("graphs.mm_ppo"))
-    step_s, write_s = [], []
+    write_s = []
     with tempfile.TemporaryDirectory(prefix="yatt-writer-") as tmp:
         writer = SampleWriter(Path(tmp), every=1)
         for i in range(warmup + steps):
-            t0 = time.perf_counter()
             result = executor.step()
-            t1 = time.perf_counter()
+            t0 = time.perf_counter()
             writer.write(
                 result.step, result.outputs,
                 staleness=result.staleness, controllers=result.node_controller,
             )  # fmt: skip
-            t2 = time.perf_counter()
             if i >= warmup:
-                step_s.append(t1 - t0)
-                write_s.append(t2 - t1)
+                write_s.append(time.perf_counter() - t0)
         size = sum(p.stat().st_size for p in (Path(tmp) / "samples").rglob("*") if p.is_file())
     executor.close()
-    return {
-        "step_s": statistics.median(step_s),
-        "write_s": statistics.median(write_s),
-        "bytes_per_step": size / (warmup + steps),
-    }
+    return {"write_s": statistics.median(write_s), "bytes_per_step": size / (warmup + steps)}
 
 
 def main() -> None:
@@ -94,30 +92,35 @@ def main() -> None:
     print(f"load average at start: {load_average()}")
     started = time.time()
     runs = end_to_end(args.steps, args.warmup, args.rounds)
-    base = runs[0]["step_s"]
+    off = runs[0]["step_s"]
     rows = []
     for every in SETTINGS:
         r = runs[every]
         label = {0: "0 (off)", 10: "10 (default)", 1: "1 (every step)"}[every]
-        ratio = r["step_s"] / base
+        ratios = [a / b for a, b in zip(r["step_s"], off)]  # against the same round's
+        step, stats = statistics.median(r["step_s"]), statistics.median(r["stats_s"])
         rows.append(
-            [label, f"{r['step_s'] * 1e3:.1f} ms", f"{ratio:.3f}x ({(ratio - 1) * 100:+.1f} %)",
-             f"{r['stats_s'] * 1e3:.2f} ms ({r['stats_s'] / r['step_s'] * 100:.1f} %)"]
+            [label, f"{step * 1e3:.1f} ms", f"{statistics.median(ratios):.3f}x",
+             f"{min(ratios):.3f}-{max(ratios):.3f}x",
+             f"{stats * 1e3:.2f} ms ({stats / step * 100:.1f} %)"]
         )  # fmt: skip
     print(
         f"\nEnd to end: graphs/mm_ppo.py (the demo), {args.steps} steps a run, median time/step "
-        f"after {args.warmup}, median of {args.rounds} rounds "
+        f"after {args.warmup}, {args.rounds} rounds "
         f"({time.time() - started:.0f} s; load average now {load_average()})"
     )
-    print(table(["--samples-every", "step", "vs off", "sample_stats node (share of step)"], rows))
+    header = ["--samples-every", "step (median)", "vs off (median)", "vs off (range)",
+              "sample_stats node (share of step)"]  # fmt: skip
+    print(table(header, rows))
 
     alone = writer_alone(args.writer_steps, 5)
-    step, write = alone["step_s"], alone["write_s"]
+    step, write = statistics.median(off), alone["write_s"]
     rows = [[f"every {n}", f"{write / (n * step) * 100:.2f} %"] for n in (1, 10)]
     print(
-        f"\nThe writer alone (in-process, {args.writer_steps} steps): step {step * 1e3:.1f} ms, "
-        f"write {write * 1e3:.2f} ms (median), {alone['bytes_per_step'] / 1e3:.1f} kB written a "
-        f"kept step (load average now {load_average()})"
+        f"\nThe writer alone (in-process, {args.writer_steps} steps): write {write * 1e3:.2f} ms "
+        f"(median), {alone['bytes_per_step'] / 1e3:.1f} kB written a kept step; against the "
+        f"end-to-end step of --samples-every 0, {step * 1e3:.1f} ms (load average now "
+        f"{load_average()})"
     )
     print(table(["samples kept", "writer time / step time"], rows))
 
