@@ -198,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
         p.add_argument(
             "graph",
-            help="a ready graph by name (toy, mm_ppo, mm_grpo, text_ppo, text_grpo), or a graph "
-            "module (graphs.toy, my_graphs.rl) or file (my_graph.py)",
+            help="a ready graph by name (toy, mm_ppo, mm_grpo, text_ppo, text_grpo, text_agent, "
+            "mm_agent), or a graph module (graphs.toy, my_graphs.rl) or file (my_graph.py)",
         )
         p.add_argument(
             "--set",

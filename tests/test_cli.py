@@ -58,7 +58,8 @@ def test_a_ready_graph_runs_by_name_from_any_folder(tmp_path, monkeypatch, capsy
         assert main(["run", target, "--steps", "1", "--quiet"]) == 0, target
     assert main(["show", "no_such_graph"]) == 2
     err = capsys.readouterr().err
-    assert "no graph 'no_such_graph'" in err and "mm_grpo, mm_ppo, text_grpo, text_ppo, toy" in err
+    ready = "mm_agent, mm_grpo, mm_ppo, text_agent, text_grpo, text_ppo, toy"
+    assert "no graph 'no_such_graph'" in err and ready in err
 
 
 @pytest.mark.timeout(120)
