@@ -434,7 +434,7 @@ def _keep_groups(
     from nodes.filters import KeepGroups
 
     rows = ["prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs",
-            "response_lengths", "truncated"]  # fmt: skip
+            "truncated"]  # fmt: skip
     if config.recompute_logprobs:
         rows.append("rollout_logprobs")
     node = KeepGroups(config.batch_size, rows=rows, prompts=list(image_port), name="keep_groups")
