@@ -145,6 +145,7 @@ def train_with_restarts(
     meta: dict[str, Any] | None = None,
     glance_every: int = 0,
     samples_every: int = 0,
+    wandb: str | None = None,
 ) -> tuple[list[dict[str, Any]], int]:
     """``train()`` that survives dead controllers; returns (metric rows of this run, restarts).
 
@@ -155,7 +156,7 @@ def train_with_restarts(
     then makes executors with the new one; the run moves over with its state, and the
     reason is printed and appended to ``OUT/events.jsonl``), or None.
     ``on_done(executor)`` runs after the last step, before the executor is closed.
-    ``glance_every``, ``samples_every``: as :func:`runtime.train.loop.train`'s. A restart
+    ``glance_every``, ``samples_every``, ``wandb``: as :func:`runtime.train.loop.train`'s. A restart
     resumes only from a checkpoint of this graph (see :func:`runtime.train.loop.train`).
     """
     from runtime.errors import ControllerError, HandshakeError
@@ -185,7 +186,7 @@ def train_with_restarts(
             def train_to(ex: Any, n: int) -> list[dict[str, Any]]:
                 return train(
                     ex, n, out, checkpoint_every=checkpoint_every, progress=progress, meta=meta,
-                    glance_every=glance_every, samples_every=samples_every,
+                    glance_every=glance_every, samples_every=samples_every, wandb=wandb,
                 )  # fmt: skip
 
             segment = steps

@@ -103,6 +103,7 @@ def train(
     meta: dict[str, Any] | None = None,
     glance_every: int = 0,
     samples_every: int = 0,
+    wandb: str | None = None,
 ) -> list[dict[str, Any]]:
     """Run until ``steps`` steps are done in all (a resumed run counts the steps it restored).
 
@@ -110,6 +111,8 @@ def train(
     responses with their prompts and rewards, where the graph outputs ``texts``, ``prompts``
     and ``scores`` (the ready graphs do); 0: never. ``samples_every``: every this many steps
     write those samples to ``OUT/samples/`` (:mod:`runtime.train.samples`); 0: never.
+    ``wandb``: a W&B project to log the scalars and the kept samples to, beside ``OUT``
+    (:mod:`runtime.train.wandb_log`; offline without a key); None: none.
 
     ``meta`` joins each checkpoint's ``meta.json`` (``yatt-graph run`` records the graph
     reference and options there, for ``yatt-graph export``). Returns the metric rows of the
@@ -128,6 +131,11 @@ def train(
             tracer.keep_earlier(out / "trace.json", executor.next_step)
     writer = MetricsWriter(out) if out is not None else None
     kept = SampleWriter(out, samples_every) if out is not None else None
+    board = None
+    if wandb is not None and out is not None:
+        from runtime.train.wandb_log import WandbLog
+
+        board = WandbLog(out, wandb, config=meta)
     record_meta = {**(meta or {}), "graph": identity}
     rows: list[dict[str, Any]] = []
     remaining = max(0, steps - executor.next_step)
@@ -166,11 +174,15 @@ def train(
             tracer.span(what, start, seconds, controller, step=result.step, bytes=moved)
         if writer is not None:
             writer.write(row)
+        if board is not None:
+            board.scalars(row)
         if kept is not None:
-            kept.write(
+            path = kept.write(
                 result.step, result.outputs,
                 staleness=result.staleness, controllers=result.node_controller,
             )  # fmt: skip
+            if board is not None and path is not None:
+                board.samples(result.step, path)
         bar.set_postfix(_progress_fields(row, row["samples_per_s"]), refresh=False)
         bar.update(1)
         if progress and glance_every > 0 and (result.step + 1) % glance_every == 0:
@@ -212,6 +224,8 @@ def train(
         bar.close()
         if writer is not None:
             writer.close()
+        if board is not None:
+            board.close()
         if out is not None:
             tracer.save(out / "trace.json")
     if (

@@ -5,6 +5,7 @@ and combinations cannot work (:func:`check_flags`, before anything is built: one
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -154,6 +155,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "graphs; 0: never)",
     )
     p.add_argument(
+        "--wandb",
+        nargs="?",
+        const="yatt-graph",
+        metavar="PROJECT",
+        help="with --out: also log the scalars and the kept samples to Weights & Biases "
+        "(project PROJECT, default yatt-graph; needs the wandb extra); offline in OUT/wandb/ "
+        "unless a key is configured (WANDB_API_KEY or wandb login)",
+    )
+    p.add_argument(
         "--samples-every",
         type=int,
         default=10,
@@ -275,6 +285,16 @@ def _check_run_flags(args: Any, distributed: bool) -> None:
                 "yatt-graph run: --restart on-failure without --checkpoint-every: a restart runs "
                 "again from the first step",
                 file=sys.stderr,
+            )
+    if args.wandb is not None:
+        if not args.out and not args.resume:
+            raise UsageError("--wandb needs --out DIR: the W&B run is kept beside the run folder")
+        if not args.wandb.strip():
+            raise UsageError("--wandb was given an empty project name (an unset shell variable?)")
+        if importlib.util.find_spec("wandb") is None:
+            raise UsageError(
+                "--wandb needs the wandb package: pip install 'yatt-graph[wandb]' (or leave "
+                "--wandb out; metrics.jsonl and TensorBoard have the same scalars)"
             )
     if args.pin and args.placement != "partial":
         raise UsageError(
