@@ -224,6 +224,8 @@ def train(
         bar.close()
         if writer is not None:
             writer.close()
+        if kept is not None:
+            kept.close()
         if board is not None:
             board.close()
         if out is not None:

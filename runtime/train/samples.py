@@ -205,7 +205,13 @@ def lineage_columns(
 
 class SampleWriter:
     """Writes ``OUT/samples/step-NNNNNN.parquet`` every ``every`` steps, and each distinct
-    image's thumbnail once under ``OUT/samples/_images/`` (see the module)."""
+    image's thumbnail once under ``OUT/samples/_images/`` (see the module).
+
+    :meth:`write` reads the step's outputs into columns on the caller's thread (so a
+    misaligned output raises there, and later steps cannot change what is kept) and leaves
+    the thumbnails' encoding and the files to a thread of its own, one step at a time, so that
+    they overlap the next step; its failure raises at the next :meth:`write` or at
+    :meth:`close`, which waits for the files."""
 
     def __init__(self, out: Path, every: int) -> None:
         self.folder, self.every = Path(out) / "samples", int(every)
@@ -213,6 +219,8 @@ class SampleWriter:
         self._used: int | None = None  # bytes in the folder, counted once, then added to
         self._written: set[str] = set()
         self._checked = False
+        self._pool: Any = None
+        self._pending: Any = None
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step + 1) % self.every == 0 and not self.full
@@ -225,6 +233,8 @@ class SampleWriter:
         staleness: Mapping[str, int | None] | None = None,
         controllers: Mapping[str, int] | None = None,
     ) -> Path | None:
+        """The path the step's samples go to once written (:meth:`flush`), or None where the
+        step is not kept."""
         # The first step is checked whether or not it is kept: a misaligned output fails
         # the run at once, not at the first kept step.
         if not (self.due(step) or (self.every > 0 and not self._checked)):
@@ -236,6 +246,30 @@ class SampleWriter:
         images = lineage_columns(step, outputs, cols, staleness=staleness, controllers=controllers)
         if not self.due(step):
             return None
+        self.flush()  # one step in flight: files in step order, memory bounded
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="yatt-samples")
+        self._pending = self._pool.submit(self._store, step, cols, images)
+        return self.folder / f"step-{step:06d}.parquet"
+
+    def flush(self) -> None:
+        """Wait for the files of the steps written so far (raising what writing them raised)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """:meth:`flush`, then end the thread."""
+        try:
+            self.flush()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    def _store(self, step: int, cols: dict[str, list[Any]], images: dict[str, Any]) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -249,7 +283,7 @@ class SampleWriter:
                 "written this run (raise --samples-every to keep fewer)",
                 file=sys.stderr,
             )
-            return None
+            return
         new = {k: thumbnail_png(v) for k, v in images.items() if k not in self._written}
         if new:
             pictures = self.folder / IMAGES / f"step-{step:06d}.parquet"
@@ -261,7 +295,6 @@ class SampleWriter:
         path = self.folder / f"step-{step:06d}.parquet"
         pq.write_table(pa.table(cols), path, compression="zstd")
         self._used += path.stat().st_size
-        return path
 
     def _start(self, step: int) -> None:
         """Before the first file: drop those of ``step`` and later (a resumed run writes them

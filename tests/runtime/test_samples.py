@@ -181,6 +181,7 @@ def test_the_writer_lines_columns_up_by_sample(tmp_path):
 
     writer = SampleWriter(tmp_path, every=1)
     path = writer.write(5, _outputs(), staleness={"rollout.weights": 0}, controllers={"rollout": 1})
+    writer.close()  # the files are written on the writer's thread
     t = pq.read_table(path).to_pydict()
     assert t["data_row"] == [7, 7, 2, 2] and t["stop_reason"][:2] == ["stop", "max_new_tokens"]
     assert t["advantage"] == [None, None, 0.5, -0.5] and t["reward/format"] == [1, 0, 1, 1]
@@ -248,6 +249,7 @@ def test_an_image_is_written_once_and_a_resumed_run_rewrites_its_later_steps(tmp
     writer.write(0, _outputs(images=[a, b]))
     writer.write(1, _outputs(images=[a, c]))
     writer.write(2, _outputs(images=[b, c]))  # nothing new: no thumbnail file
+    writer.close()
     assert sorted(p.name for p in pictures.iterdir()) == [
         "step-000000.parquet",
         "step-000001.parquet",
@@ -258,7 +260,17 @@ def test_an_image_is_written_once_and_a_resumed_run_rewrites_its_later_steps(tmp
 
     resumed = SampleWriter(tmp_path, every=1)  # from a checkpoint at step 1
     resumed.write(1, _outputs(images=[c, a]))
+    resumed.close()
     assert not (tmp_path / "samples" / "step-000002.parquet").exists()
     assert pq.read_table(pictures / "step-000001.parquet").to_pydict()["hash"] == [
         pq.read_table(tmp_path / "samples" / "step-000001.parquet")["image"][0].as_py()
     ]
+
+
+def test_a_failure_on_the_writers_thread_raises_at_the_next_write(tmp_path):
+    (tmp_path / "samples").write_text("a file where the folder should be")
+    writer = SampleWriter(tmp_path, every=1)
+    assert writer.write(0, _outputs()) is not None  # the caller's part succeeds
+    with pytest.raises(FileExistsError):
+        writer.write(1, _outputs())
+    writer.close()
