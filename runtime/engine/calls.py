@@ -72,6 +72,9 @@ class StepResult(msgspec.Struct):
     switches: list[tuple[str, float, float, int, int]] = []
     """Roles taking turns on a device (:mod:`runtime.engine.switch`): each offload and reload
     of this step as ``(what, start time.time(), seconds, bytes moved, controller)``."""
+    replicas: dict[str, list[int]] = {}
+    """For each node whose call was cut across replicas, per input row the replica that ran
+    it (0: the node itself, i: replica process i)."""
 
 
 OnStep = Callable[[StepResult], None] | None

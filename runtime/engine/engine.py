@@ -149,6 +149,7 @@ class StepEngine(StreamSteps):
         self.consumers: dict[tuple[int, str], _Consumer] = {}
         self._delayed_joined: set[tuple[int, str, str]] = set()
         self.seconds: dict[int, dict[str, float]] = defaultdict(dict)
+        self.replicas: dict[int, dict[str, list[int]]] = defaultdict(dict)
         self.starts: dict[int, dict[str, float]] = defaultdict(dict)
         self.step_outputs: dict[int, dict[str, Any]] = defaultdict(dict)
 
@@ -281,6 +282,8 @@ class StepEngine(StreamSteps):
         finally:
             self.running = None
         self.seconds[step][best] = time.perf_counter() - t0
+        if self.fanouts is not None and (workers := self.fanouts.last_workers(best)):
+            self.replicas[step][best] = workers
         self._finish(best, step, out, streamed=node.streaming)
 
     def _finish(self, name: str, step: int, out: dict[str, Any], streamed: bool = False) -> None:
@@ -321,6 +324,7 @@ class StepEngine(StreamSteps):
                 dict.fromkeys(seconds, self.here),
                 self.staleness.pop(step, {}),
                 switches=self.switch.pop(step) if self.switch is not None else [],
+                replicas=self.replicas.pop(step, {}),
             )
 
     # --- state, between steps -----------------------------------------------------------------

@@ -240,6 +240,7 @@ class Crew:
         while (item := self._jobs.get()) is not None:
             node, inputs, context, rows, job = item
             start = time.perf_counter()
+            job.worker = worker.label  # which worker ran the piece (Fanout.rows_by_worker)
             try:
                 job.set_result(worker.call(node, inputs, context, rows))
             except BaseException as exc:  # the caller raises it
@@ -271,9 +272,13 @@ class Fanout:
         self.shared = shared_ports(node)
         self.calls = self.samples = 0
         self._mean_response: float | None = None
+        self.last_workers: list[int] = []
+        """Per input row of the last call, the index in the crew of the worker that ran it
+        (0: the executor's own node); empty where the call ran whole."""
 
     def call(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         inputs = dict(inputs)
+        self.last_workers = []
         per = {p for p, v in inputs.items() if p not in self.shared and _is_batched(v)}
         sizes = {len(inputs[p]) for p in per}
         if len(sizes) != 1:  # nothing per sample, or lengths disagree: the node runs it whole
@@ -301,6 +306,11 @@ class Fanout:
             raise errors[0]
         self.calls += len(parts)
         self.samples += size
+        index = {w.label: i for i, w in enumerate(self.crew.workers)}
+        self.last_workers = [0] * size
+        for job, part in zip(jobs, parts):
+            for row in part:
+                self.last_workers[row] = index.get(getattr(job, "worker", None), 0)
         merged = outs[0] if len(parts) == 1 else self._join(outs, parts)
         if context is not None:
             self.node.end_pieces(context, size)
@@ -364,6 +374,11 @@ class Fanouts:
     def call(self, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
         fanout = self.fanouts.get(name)
         return fanout.call(inputs) if fanout is not None else self.nodes[name].run(inputs)
+
+    def last_workers(self, name: str) -> list[int]:
+        """Per input row of ``name``'s last call, the worker that ran it (:class:`Fanout`)."""
+        fanout = self.fanouts.get(name)
+        return list(fanout.last_workers) if fanout is not None else []
 
     def summary(self) -> dict[str, Any]:
         """The pool's per-slot busy/idle time and utilization, and per node its pieces."""

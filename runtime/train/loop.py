@@ -180,6 +180,7 @@ def train(
             path = kept.write(
                 result.step, result.outputs,
                 staleness=result.staleness, controllers=result.node_controller,
+                replicas=result.replicas,
             )  # fmt: skip
             if board is not None and path is not None:
                 kept.flush()  # the table is the file's rows (a wait only with --wandb)

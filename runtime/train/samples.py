@@ -19,7 +19,9 @@ its ``advantage``, ``ref_kl``, ``logprob_gap``) fills those columns for the rows
 (null for responses dynamic sampling dropped). From the step's result: ``weight_version``
 (the updates in the weights the rollout sampled with: ``step - age`` of its ``weights``
 input, 0 before the first update reached it), ``staleness`` (versions behind the newest,
-``step - weight_version``) and ``controller`` (the one that ran the rollout).
+``step - weight_version``), ``controller`` (the one that ran the rollout) and, where rollout
+replicas run (``--replicas rollout=R``), ``replica`` (the one that sampled the prompt: 0 the
+node itself, i replica process i).
 
 A graph that does not output ``texts``, ``prompts`` and ``scores`` keeps no samples; each
 other column is left out where its output is absent. The folder stops growing at
@@ -148,6 +150,7 @@ def lineage_columns(
     *,
     staleness: Mapping[str, int | None] | None = None,
     controllers: Mapping[str, int] | None = None,
+    replicas: Mapping[str, list[int]] | None = None,
 ) -> dict[str, Any]:
     """Add the lineage columns (see the module) to ``cols``, the step's :func:`sample_rows`.
 
@@ -200,6 +203,9 @@ def lineage_columns(
         cols["staleness"] = [step - version] * B
     if controllers and ROLLOUT in controllers:
         cols["controller"] = [int(controllers[ROLLOUT])] * B
+    if replicas and replicas.get(ROLLOUT):
+        ran = _rows(f"{ROLLOUT} replicas", replicas[ROLLOUT], N, "prompt")
+        cols["replica"] = [int(ran[p]) for p in prompt]
     return images
 
 
@@ -232,6 +238,7 @@ class SampleWriter:
         *,
         staleness: Mapping[str, int | None] | None = None,
         controllers: Mapping[str, int] | None = None,
+        replicas: Mapping[str, list[int]] | None = None,
     ) -> Path | None:
         """The path the step's samples go to once written (:meth:`flush`), or None where the
         step is not kept."""
@@ -243,7 +250,9 @@ class SampleWriter:
         cols = sample_rows(step, outputs)
         if cols is None:
             return None
-        images = lineage_columns(step, outputs, cols, staleness=staleness, controllers=controllers)
+        images = lineage_columns(
+            step, outputs, cols, staleness=staleness, controllers=controllers, replicas=replicas
+        )
         if not self.due(step):
             return None
         self.flush()  # one step in flight: files in step order, memory bounded

@@ -262,6 +262,7 @@ class Controller:
             done = m.StepDone(
                 self.index, step, result.node_seconds, result.node_start,
                 resources=applied, staleness=result.staleness, switches=result.switches,
+                replicas=result.replicas,
             )  # fmt: skip
             self._to_driver(done, frames)
 

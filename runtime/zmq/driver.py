@@ -311,8 +311,10 @@ class ZmqExecutor:
         staleness: dict[str, int | None] = {}
         outputs: dict[str, Any] = {}
         switches: list[tuple[str, float, float, int, int]] = []
+        replicas: dict[str, list[int]] = {}
         for done, out in parts.values():
             switches += done.switches
+            replicas.update(done.replicas)
             seconds.update(done.node_seconds)
             starts.update(done.node_start)
             staleness.update(done.staleness)
@@ -325,6 +327,7 @@ class ZmqExecutor:
             dict(self.plan.assignment),
             dict(sorted(staleness.items())),
             switches=sorted(switches, key=lambda s: s[1]),
+            replicas=replicas,
         )
 
     def _other_event(self, event: Received, during: str = "") -> None:

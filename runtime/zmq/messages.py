@@ -252,6 +252,8 @@ class StepDone(_Msg):
     """Versions old of each delayed-edge read here, by "dst.port" (``StepResult.staleness``)."""
     switches: list[tuple[str, float, float, int, int]] = []
     """Its offloads and reloads of the step (``StepResult.switches``)."""
+    replicas: dict[str, list[int]] = {}
+    """Per node cut across replicas, the replica of each input row (``StepResult.replicas``)."""
 
 
 class Error(_Msg):

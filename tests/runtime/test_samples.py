@@ -274,3 +274,14 @@ def test_a_failure_on_the_writers_thread_raises_at_the_next_write(tmp_path):
     with pytest.raises(FileExistsError):
         writer.write(1, _outputs())
     writer.close()
+
+
+@pytest.mark.timeout(240)
+def test_rollout_replicas_name_the_one_that_sampled_each_prompt(tmp_path):
+    rows = _run(tmp_path / "replicas", "text_grpo", "--steps", "2", "--set", "batch_size=4",
+                "--controllers", "2", "--replicas", "rollout=2")  # fmt: skip
+    by_prompt: dict[tuple[int, int], set[int]] = {}
+    for r in rows:
+        by_prompt.setdefault((r["step"], r["prompt_index"]), set()).add(r["replica"])
+    assert all(len(v) == 1 for v in by_prompt.values())  # a prompt's samples: one replica
+    assert set().union(*by_prompt.values()) == {0, 1}  # both sampled some
