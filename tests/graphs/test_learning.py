@@ -12,7 +12,7 @@ each bar is at most half the smallest rise measured over seeds 0-4 on two CPUs (
 An image-blind policy that always names a colour scores 0.4; every last window measured was
 at least 0.62, so the last window must also beat 0.5.
 
-text_agent (300 steps, the look task: an answer counts only after a look), Intel Xeon, seeds
+text_agent (300 steps, the look task: an answer counts only after a look), AMD EPYC, seeds
 0-4: the first window 0.002-0.005 -> the last 0.917-0.938 (rises from 0.91), the share of
 trajectories that look 0.059-0.087 -> 0.953-0.968: the bars are a rise of 0.45 and a look rate
 above 0.5.
