@@ -29,6 +29,7 @@ from nodes.advantage import GroupAdvantage
 from nodes.agents import AgentRollout, AgentStats, load_env
 from nodes.data import ShapesSource
 from nodes.reference import ReferenceLogprobs
+from nodes.sample_stats import SampleStats
 from nodes.shared_models import set_share
 from nodes.sync import WeightSync
 from nodes.update import GRPOUpdate
@@ -101,12 +102,16 @@ def build_agent(name: str, config: AgentConfig, spec: dict[str, Any], *, images:
     with Graph(name) as g:
         if config.data is None:  # the shapes task, its answer left out of the prompt
             source = ShapesSource(
-                batch_size=config.batch_size, task=config.task, seed=config.seed, name="data"
-            )
+                batch_size=config.batch_size, task=config.task, seed=config.seed,
+                emit_rows=True, name="data",
+            )  # fmt: skip
         else:
-            source = data_source(config, text_only=not images)
+            source = data_source(config, text_only=not images, rows=True)
         data = source()
-        if not images:
+        g.output("data_rows", data.rows)  # each prompt's file and row, for the samples file
+        if images:
+            g.output("images", data.images)  # thumbnails in the samples file
+        else:
             g.discard(data.images)
         if config.data is not None:
             g.output("data", data.stats)
@@ -166,6 +171,13 @@ def build_agent(name: str, config: AgentConfig, spec: dict[str, Any], *, images:
         g.output("scores", sample.scores)
         g.output("response_lengths", sample.response_lengths)
         g.output("agent", AgentStats(name="agent_stats")(trajectories=sample.trajectories))
+        g.output("trajectories", sample.trajectories)  # each one's turns and tools, kept
+        g.output("truncated", sample.truncated)
+        stats = SampleStats(name="sample_stats")(
+            response_mask=sample.response_mask, group_ids=sample.group_ids,
+            advantages=adv.advantages, logprobs=sample.logprobs, **ref, **sampled,
+        )  # fmt: skip
+        g.output("sample_stats", stats)
         g.output("metrics", update.metrics)
         g.output("advantage", adv.stats)
     return g

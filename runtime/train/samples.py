@@ -11,7 +11,8 @@ silently shifted onto other samples.
 Per response: ``texts`` (one a response), ``scores`` (its reward), ``response_lengths``,
 ``truncated`` (1.0: cut at ``max_new_tokens``; the ``stop_reason`` column), and
 ``reward_components`` (a dict of name -> one number a response: a ``reward/<name>`` column
-each). Per prompt: ``prompts``, ``data_rows`` (``{"file", "row"}``: the ``data_file`` and
+each) and, from a multi-turn rollout, ``trajectories`` (one record a response: its ``turns``,
+and the names of the ``tool_calls`` it made and its ``tool_errors``, each a column). Per prompt: ``prompts``, ``data_rows`` (``{"file", "row"}``: the ``data_file`` and
 ``data_row`` columns) and ``images`` (PIL images: a PNG thumbnail of each, its hash in the
 ``image`` column; see below). ``sample_stats``
 (:class:`nodes.sample_stats.SampleStats`: ``sample``, the row of each trained response, and
@@ -196,6 +197,12 @@ def lineage_columns(
             for i, x in zip(at, values):
                 column[i] = float(x)
             cols[name] = column
+    trajectories = outputs.get("trajectories")  # a multi-turn rollout's, one a response
+    if trajectories is not None:
+        records = _rows("trajectories", trajectories, B, "response")
+        cols["turns"] = [int(r.get("turns", 0)) for r in records]
+        cols["tool_calls"] = [" ".join(r.get("tool_calls", ())) for r in records]
+        cols["tool_errors"] = ["; ".join(r.get("tool_errors", ())) for r in records]
     if staleness and f"{ROLLOUT}.weights" in staleness:
         age = staleness[f"{ROLLOUT}.weights"]  # None: it read no update yet
         version = 0 if age is None else step - int(age)

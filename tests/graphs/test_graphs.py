@@ -119,6 +119,12 @@ def test_the_agent_graph_runs_a_users_environment(tmp_path):
     result = LocalExecutor(graph).run(2)[-1]
     assert torch.equal(result.outputs["scores"], torch.full((4,), 0.75))  # 3 turns of 0.25
     assert result.outputs["agent"]["turns_mean"] == 3.0  # (AgentStats over the records)
+    from runtime.train.samples import lineage_columns, sample_rows
+
+    cols = sample_rows(1, result.outputs)
+    lineage_columns(1, result.outputs, cols)
+    assert cols["turns"] == [3] * 4 and cols["stop_reason"] == ["max_new_tokens"] * 4
+    assert cols["data_file"] == ["shapes:color"] * 4 and len(cols["advantage"]) == 4
     assert torch.isfinite(torch.tensor(result.outputs["metrics"]["loss"]))
     with pytest.raises(ValueError, match="reward='x.py:f': must be left at its default"):
         load_graph("graphs.text_agent", reward="x.py:f")
