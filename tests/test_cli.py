@@ -1,11 +1,11 @@
 import json
-import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from process_helpers import live_children
 
 from runtime.cli import main
 
@@ -192,12 +192,12 @@ def test_more_controllers_than_nodes_is_one_line_before_any_controller_starts(
     controllers, tmp_path, capsys
 ):
     """toy has 6 nodes. 100 controllers must not be started to find that out."""
-    before = set(_children())
+    before = set(live_children())
     assert main(["run", "graphs.toy", "--controllers", str(controllers), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert f"--controllers {controllers}: graphs.toy has 6 nodes" in err
     assert "bug" not in err and "Traceback" not in err
-    assert set(_children()) <= before  # none started (or none left)
+    assert set(live_children()) <= before  # none started (or none left)
 
 
 @pytest.mark.timeout(120)
@@ -212,22 +212,7 @@ def test_controllers_started_early_are_ended_when_the_graph_has_fewer_nodes(tmp_
     )
     assert main(["run", str(graph), "--controllers", "2", "--threads", "1", "--quiet"]) == 2
     assert "--controllers 2: " in capsys.readouterr().err
-    assert _children() == []
-
-
-def _children() -> list[int]:
-    """Pids of live processes this process started."""
-    me = os.getpid()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(stat[1]) == me and stat[0] != "Z":
-                pids.append(int(entry.name))
-    return pids
+    assert live_children() == []
 
 
 @pytest.mark.timeout(300)

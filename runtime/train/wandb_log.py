@@ -72,4 +72,8 @@ class WandbLog:
         self.run.log({"samples": self._wandb.Table(columns=columns, data=data)}, step=step)
 
     def close(self) -> None:
-        self.run.finish()
+        """Finish the run and end wandb's service process (it would outlive the run)."""
+        try:
+            self.run.finish()
+        finally:
+            self._wandb.teardown()

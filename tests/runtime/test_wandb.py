@@ -12,6 +12,8 @@ pytest.importorskip(
     "wandb", reason="the wandb extra is not installed: pip install 'yatt-graph[wandb]'"
 )
 
+from process_helpers import live_children  # noqa: E402
+
 from runtime.cli import main  # noqa: E402
 from runtime.train.wandb_log import wandb_mode  # noqa: E402
 
@@ -42,6 +44,7 @@ def test_a_run_logs_its_scalars_and_kept_samples_offline(no_key, tmp_path, capsy
     out = tmp_path / "run"
     argv = ["run", "text_grpo", "--steps", "4", "--samples-every", "2", "--out", str(out)]
     assert main([*argv, "--wandb", "--quiet"]) == 0
+    assert live_children() == []  # wandb's service process ended with the run
     (record,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     scalars = [k for k, v in last.items() if k != "step" and isinstance(v, int | float)]
