@@ -23,7 +23,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from graphs.config import TINY_TEXT_LMS, RLConfig
+from graphs.config import TINY_TEXT_LMS, RLConfig, TextGRPOConfig
+from nodes.advantage import GroupAdvantage
 from nodes.data import ShapesSource, task_vocabulary
 from nodes.reference import ReferenceLogprobs
 from nodes.rewards import RewardNode, reward_from_option
@@ -44,8 +45,10 @@ __all__ = [
     "reward_node",
     "sample_and_score",
     "sample_columns",
+    "group_advantage",
     "train_group",
     "vision_encoder",
+    "vllm_options",
 ]
 
 
@@ -168,6 +171,20 @@ def sampled_logprobs(config: RLConfig, sampled: Sampled) -> dict[str, Handle]:
     )
 
 
+def group_advantage(
+    config: TextGRPOConfig, scores: Handle, group_ids: Handle, response_mask: Handle
+) -> Any:
+    """GRPO's group advantages of ``scores`` by the config's estimator, with DAPO's overlong
+    penalty: the node's outputs (``advantages``, ``stats``)."""
+    return GroupAdvantage(
+        config.estimator,
+        name="group_advantage",
+        overlong_buffer=config.overlong_buffer,
+        max_new_tokens=config.max_new_tokens,
+        overlong_penalty=config.overlong_penalty,
+    )(scores=scores, group_ids=group_ids, response_mask=response_mask)
+
+
 def train_group(config: RLConfig, share: str, **more_shares: str) -> dict[str, Any]:
     """The update node's rank-group options (``ranks``, ``train_backend``) and share keys.
 
@@ -260,7 +277,8 @@ def _check_meta(source: Node, reward: RewardNode) -> None:
         )
 
 
-def _vllm_options(config: RLConfig) -> dict[str, Any]:
+def vllm_options(config: RLConfig) -> dict[str, Any]:
+    """The vLLM engine's options the config sets (``Rollout(vllm_options=...)``)."""
     return {
         "gpu_memory_utilization": config.vllm_gpu_memory,
         "tensor_parallel_size": config.vllm_tensor_parallel,
@@ -350,7 +368,7 @@ def sample_and_score(
         recompute_logprobs=config.recompute_logprobs,
         stream=config.stream,
         device=device,
-        vllm_options=_vllm_options(config) if config.rollout == "vllm" else None,
+        vllm_options=vllm_options(config) if config.rollout == "vllm" else None,
         name="rollout",
     )
     sample = rollout(prompts=data.prompts, **image_port)

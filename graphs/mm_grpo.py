@@ -12,6 +12,7 @@ from typing import Any
 
 from graphs.common import (
     connect_weights,
+    group_advantage,
     sample_and_score,
     sample_columns,
     sampled_logprobs,
@@ -19,7 +20,6 @@ from graphs.common import (
     update_options,
 )
 from graphs.config import GRPOConfig, TextGRPOConfig
-from nodes.advantage import GroupAdvantage
 from nodes.shared_models import set_share
 from nodes.sync import WeightSync
 from nodes.update import GRPOUpdate
@@ -49,13 +49,7 @@ def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Grap
         set_share(s.rollout, "policy")  # one policy module on an on-policy executor
         if s.ref_logprobs is not None:
             set_share(g.nodes["reference"], "policy")  # its frozen base, for a LoRA policy
-        adv = GroupAdvantage(
-            config.estimator,
-            name="group_advantage",
-            overlong_buffer=config.overlong_buffer,
-            max_new_tokens=config.max_new_tokens,
-            overlong_penalty=config.overlong_penalty,
-        )(scores=s.scores, group_ids=s.sample.group_ids, response_mask=s.sample.response_mask)
+        adv = group_advantage(config, s.scores, s.sample.group_ids, s.sample.response_mask)
         update = GRPOUpdate(
             policy=s.spec,
             kl_coef=config.kl_coef,

@@ -17,15 +17,15 @@ from __future__ import annotations
 from typing import Any
 
 from graphs.common import (
-    _vllm_options,
     data_source,
+    group_advantage,
     policy_spec,
     resolve_device,
     train_group,
     update_options,
+    vllm_options,
 )
-from graphs.config import TextGRPOConfig, _refuse
-from nodes.advantage import GroupAdvantage
+from graphs.config import TextGRPOConfig, _at_least, _refuse
 from nodes.agents import AgentRollout, AgentStats, load_env
 from nodes.data import ShapesSource
 from nodes.reference import ReferenceLogprobs
@@ -52,7 +52,7 @@ class AgentConfig(TextGRPOConfig, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.max_turns is not None:
-            _refuse_below("max_turns", self.max_turns, 1)
+            _at_least("max_turns", self.max_turns, 1)
         for name, set_ in self._unsupported().items():
             if set_:
                 _refuse(
@@ -76,11 +76,6 @@ class AgentConfig(TextGRPOConfig, kw_only=True, forbid_unknown_fields=True):
         for name in (*self._unsupported(), "val_every", "val_rows"):
             idle[name] = "a graph without an environment (text_grpo)"
         return idle
-
-
-def _refuse_below(name: str, value: Any, least: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        _refuse(name, value, f"an int >= {least}")
 
 
 CONFIG = AgentConfig
@@ -121,7 +116,7 @@ def build_agent(name: str, config: AgentConfig, spec: dict[str, Any], *, images:
             max_turns=config.max_turns, max_prompt_tokens=config.max_prompt_tokens,
             stop=config.stop, seed=config.seed, device=device, name="rollout",
             backend=config.rollout, recompute_logprobs=config.recompute_logprobs,
-            vllm_options=_vllm_options(config) if config.rollout == "vllm" else None,
+            vllm_options=vllm_options(config) if config.rollout == "vllm" else None,
         )  # fmt: skip
         set_share(rollout, "policy")
         shown = {"images": data.images} if images else {}
@@ -141,13 +136,7 @@ def build_agent(name: str, config: AgentConfig, spec: dict[str, Any], *, images:
             "response_mask": sample.response_mask,
             "context_mask": sample.context_mask,
         }
-        adv = GroupAdvantage(
-            config.estimator,
-            name="group_advantage",
-            overlong_buffer=config.overlong_buffer,
-            max_new_tokens=config.max_new_tokens,
-            overlong_penalty=config.overlong_penalty,
-        )(scores=sample.scores, group_ids=sample.group_ids, response_mask=sample.response_mask)
+        adv = group_advantage(config, sample.scores, sample.group_ids, sample.response_mask)
         ref = {}
         if config.kl_coef > 0:
             reference = ReferenceLogprobs(
