@@ -58,9 +58,10 @@ def load_env(env: str | type, who: str) -> type:
 class _Trajectory:
     """One trajectory being sampled: its context, its response so far and what it scored."""
 
-    def __init__(self, env: Any, prompt_ids: list[int]) -> None:
+    def __init__(self, env: Any) -> None:
         self.env = env
-        self.context = list(prompt_ids)
+        self.prompt: list[int] = []
+        """The first observation's token ids, as the policy encoded it."""
         self.ids: list[int] = []
         self.policy_token: list[bool] = []
         self.logprobs: list[float] = []
@@ -73,9 +74,13 @@ class _Trajectory:
         self.images: list[Any] = []
         """Every image of the context, in the order of their placeholders."""
 
+    @property
+    def context(self) -> list[int]:
+        """What the next turn is sampled after: the prompt, then every token so far."""
+        return self.prompt + self.ids
+
     def add(self, ids: list[int], logprobs: list[float] | None) -> None:
         self.ids += ids
-        self.context += ids
         self.policy_token += [logprobs is not None] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
@@ -193,7 +198,7 @@ class AgentRollout(Rollout):
         for t, ids, mask in zip(
             trajectories, batch.prompt_ids.tolist(), batch.prompt_mask.tolist()
         ):
-            t.context = [i for i, m in zip(ids, mask) if m]
+            t.prompt = [i for i, m in zip(ids, mask) if m]
         for turn in range(self.max_turns):
             live = [t for t in trajectories if not t.done]
             if not live:
@@ -202,10 +207,12 @@ class AgentRollout(Rollout):
         if self._vllm is not None:
             self._vllm.sleep()  # with enable_sleep_mode: the device is free until the next call
         out = self._pack(batch, trajectories, torch.arange(len(trajectories)))
-        if any(out["images"]):  # the prompts' and the observations' images, in order
-            batch = self.policy.prepare(batch.prompt_ids, batch.prompt_mask, images=out["images"])
         own = self._vllm is None or self._vllm.own_logprobs  # the sampler reported logprobs
         if self.recompute_logprobs or not own:
+            if any(out["images"]):  # the prompts' and the observations' images, in order
+                batch = self.policy.prepare(
+                    batch.prompt_ids, batch.prompt_mask, images=out["images"]
+                )
             with torch.no_grad():
                 logprobs = self.policy.response_logprobs(
                     batch,
@@ -236,7 +243,7 @@ class AgentRollout(Rollout):
                 f"node {self.name!r}: {type(env).__name__}.reset returned "
                 f"{len(first.images)} images; a first observation (the prompt) takes one"
             )
-        t = _Trajectory(env, [])
+        t = _Trajectory(env)
         t.transcript.append(first.text)
         t.images = list(first.images)
         return t
@@ -266,9 +273,10 @@ class AgentRollout(Rollout):
     def _turn(self, live: list[_Trajectory], seed: int, last: bool) -> None:
         """One turn of every live trajectory: sample it together, then step each env."""
         pad = self.policy.pad_token_id
-        width = max(len(t.context) for t in live)
-        ids = torch.tensor([[pad] * (width - len(t.context)) + t.context for t in live])
-        mask = torch.tensor([[0] * (width - len(t.context)) + [1] * len(t.context) for t in live])
+        contexts = [t.context for t in live]
+        width = max(map(len, contexts))
+        ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts])
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
         batch = self._batch(ids, mask, live)
         if self._vllm is not None:  # text only: the engine takes the contexts' token ids
             gen = self._vllm.generate([""] * len(live), None, seed, batch)
@@ -327,7 +335,7 @@ class AgentRollout(Rollout):
             "response_mask": policy_mask,
             "context_mask": context,
             "logprobs": logprobs,
-            "rollout_logprobs": logprobs.clone(),
+            "rollout_logprobs": logprobs,  # the sampler's: the same ones, unless recomputed
             "response_lengths": lengths,
             "texts": [" | ".join(t.transcript[1:]) for t in trajectories],
             "group_ids": self._group_ids(rows),
