@@ -18,9 +18,28 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["View", "length_parts", "token_budget_parts"]
+__all__ = ["View", "length_parts", "read_mask", "token_budget_parts"]
 
 _PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+
+
+def read_mask(who: str, response_mask: Tensor, context_mask: Tensor | None) -> Tensor:
+    """The response tokens a forward reads: ``response_mask``, or with a multi-turn
+    trajectory's ``context_mask`` its observations too, checked to cover the response (else a
+    ValueError from ``who``)."""
+    if context_mask is None:
+        return response_mask
+    if context_mask.shape != response_mask.shape:
+        raise ValueError(
+            f"{who}: input 'context_mask' is {tuple(context_mask.shape)} but 'response_mask' "
+            f"is {tuple(response_mask.shape)}; they must match"
+        )
+    if bool(((response_mask > 0) & ~(context_mask > 0)).any()):
+        raise ValueError(
+            f"{who}: input 'context_mask' is 0 where 'response_mask' is 1; it marks every "
+            "token read (the policy's and the observations'), a superset"
+        )
+    return context_mask
 
 
 class View(NamedTuple):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nodes.batches import View, token_budget_parts
+from nodes.batches import View, read_mask, token_budget_parts
 from nodes.models.offload import Offload
 from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
 from nodes.models.sampling import temperature_problem
@@ -55,24 +55,6 @@ _INPUTS = {
     "image_embeds": Port(TensorPort("float32", "N", "D"), required=False, doc="PrefixVLM"),
     "images": Port(ANY, required=False, doc="list[PIL.Image] (HF VLMs)"),
 }
-
-
-def _reads(node: Node, response_mask: Tensor, context_mask: Tensor | None) -> Tensor:
-    """The response tokens a forward reads: ``response_mask``, or with a multi-turn
-    trajectory's ``context_mask`` its observations too (checked to cover the response)."""
-    if context_mask is None:
-        return response_mask
-    if context_mask.shape != response_mask.shape:
-        raise ValueError(
-            f"node {node.name!r}: input 'context_mask' is {tuple(context_mask.shape)} but "
-            f"'response_mask' is {tuple(response_mask.shape)}; they must match"
-        )
-    if bool(((response_mask > 0) & ~(context_mask > 0)).any()):
-        raise ValueError(
-            f"node {node.name!r}: input 'context_mask' is 0 where 'response_mask' is 1; it "
-            "marks every token read (the policy's and the observations'), a superset"
-        )
-    return context_mask
 
 
 def _prompt_batch(
@@ -250,7 +232,7 @@ class ReferenceLogprobs(Offload, Sharing, Node):
         images,
         context_mask=None,
     ) -> dict[str, Tensor]:
-        reads = _reads(self, response_mask, context_mask)
+        reads = read_mask(f"node {self.name!r}", response_mask, context_mask)
 
         def logprobs(prompt_ids, prompt_mask, response_ids, response_mask, embeds, imgs):
             batch = _prompt_batch(self, self.policy, prompt_ids, prompt_mask, embeds, imgs)
@@ -430,7 +412,7 @@ class Critic(Offload, Sharing, WeightInput, Node):
     ) -> dict[str, Tensor]:
         self._load(weights)
         trunk = self.value_model.trunk
-        reads = _reads(self, response_mask, context_mask)
+        reads = read_mask(f"node {self.name!r}", response_mask, context_mask)
 
         def values(prompt_ids, prompt_mask, response_ids, response_mask, embeds, imgs):
             batch = _prompt_batch(self, trunk, prompt_ids, prompt_mask, embeds, imgs)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nodes.batches import read_mask
 from nodes.models.offload import Offload
 from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
 from nodes.models.sampling import temperature_problem
@@ -360,12 +361,7 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
             elif self.mask_truncated:
                 log.warning("node %r: every response was cut at max_new_tokens; they are "
                             "trained on this step (raise max_new_tokens)", self.name)  # fmt: skip
-        context = t.get("context_mask")
-        if context is not None and not bool(((context > 0) | ~real).all()):
-            raise ValueError(
-                f"node {self.name!r}: input 'context_mask' is 0 where 'response_mask' is 1; "
-                "it marks every token read (the policy's and the observations'), a superset"
-            )
+        read_mask(f"node {self.name!r}", t["response_mask"], t.get("context_mask"))  # checked
         sampled = t.pop("rollout_logprobs", None)
         if sampled is not None:
             gap = (t["logprobs"] - sampled).abs()[real]  # (n,) |log pi_old - log pi_rollout|
