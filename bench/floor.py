@@ -60,7 +60,7 @@ from torch import Tensor, nn
 from transformers import GenerationConfig
 
 from bench._util import load_average, machine, table
-from graphs.common import _vision_kwargs, policy_spec
+from graphs.common import policy_spec, vision_kwargs
 from graphs.config import GRPOConfig, MultimodalPPOConfig, RLConfig
 from nodes.data import answer_reward, make_sample
 from nodes.models.policy import PrefixVLM, build_policy
@@ -119,7 +119,7 @@ def build_vision(vision: str, seed: int) -> tuple[nn.Module, Any]:
     """The graph's VisionEncoder tower: open_clip, seeded, image tower only, frozen."""
     import open_clip
 
-    kwargs = _vision_kwargs(vision, seed)
+    kwargs = vision_kwargs(vision, seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(kwargs["seed"])
         model, _, preprocess = open_clip.create_model_and_transforms(

@@ -27,6 +27,7 @@ from typing import Any, Literal, Self
 
 import msgspec
 
+from graphs.checks import at_least, check_choices, positive, refuse, within
 from nodes.data import TASKS
 from nodes.models.families import has_chat_template, is_tiny_dir
 from nodes.models.sampling import MIN_TEMPERATURE, temperature_problem
@@ -241,41 +242,32 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         self._resolve(("lr", "max_new_tokens", "epochs", "entropy_coef", "kl_coef"))
+        check_choices(self)
         if self.task not in TASKS:
-            _refuse("task", self.task, f"one of {', '.join(TASKS)}")
-        _at_least("batch_size", self.batch_size, 1)
-        _at_least("seed", self.seed, 0)
-        _at_least("max_new_tokens", self.max_new_tokens, 1)
+            refuse("task", self.task, f"one of {', '.join(TASKS)}")
+        at_least("batch_size", self.batch_size, 1)
+        at_least("seed", self.seed, 0)
+        at_least("max_new_tokens", self.max_new_tokens, 1)
         if self.max_prompt_tokens is not None:
-            _at_least("max_prompt_tokens", self.max_prompt_tokens, 1)
-        _at_least("epochs", self.epochs, 1)
-        _positive("lr", self.lr)
+            at_least("max_prompt_tokens", self.max_prompt_tokens, 1)
+        at_least("epochs", self.epochs, 1)
+        positive("lr", self.lr)
         if temperature_problem(self.temperature, greedy=False):
-            _refuse("temperature", self.temperature, f"a finite number >= {MIN_TEMPERATURE}")
-        _at_least("kl_coef", self.kl_coef, 0.0)
-        _at_least("entropy_coef", self.entropy_coef, 0.0)
-        if self.on_bad_sample not in ("raise", "skip"):
-            _refuse("on_bad_sample", self.on_bad_sample, "'raise' or 'skip'")
-        _at_least("val_every", self.val_every, 1)
-        _at_least("val_rows", self.val_rows, 1)
-        _at_least("lora_r", self.lora_r, 0)
-        _at_least("vllm_tensor_parallel", self.vllm_tensor_parallel, 1)
+            refuse("temperature", self.temperature, f"a finite number >= {MIN_TEMPERATURE}")
+        at_least("kl_coef", self.kl_coef, 0.0)
+        at_least("entropy_coef", self.entropy_coef, 0.0)
+        at_least("val_every", self.val_every, 1)
+        at_least("val_rows", self.val_rows, 1)
+        at_least("lora_r", self.lora_r, 0)
+        at_least("vllm_tensor_parallel", self.vllm_tensor_parallel, 1)
         if self.vllm_gpu_memory is not None:
-            _within("vllm_gpu_memory", self.vllm_gpu_memory, 1e-6, 1.0)
-        _positive("lora_alpha", self.lora_alpha)
+            within("vllm_gpu_memory", self.vllm_gpu_memory, 1e-6, 1.0)
+        positive("lora_alpha", self.lora_alpha)
         for name in ("data", "val_data"):
             value = getattr(self, name)
             if value is not None and not os.path.exists(value):
-                _refuse(name, value, "an existing local file or folder (nothing is downloaded)")
-        if self.dtype not in ("float32", "bfloat16"):
-            _refuse("dtype", self.dtype, "float32 or bfloat16")
-        if self.rollout not in ("hf", "vllm"):
-            _refuse("rollout", self.rollout, "'hf' or 'vllm'")
-        if self.device not in ("auto", "cpu", "cuda"):
-            _refuse("device", self.device, "auto, cpu or cuda")
-        _at_least("train_ranks", self.train_ranks, 1)
-        if self.train_backend not in ("fsdp", "ddp"):
-            _refuse("train_backend", self.train_backend, "'fsdp' or 'ddp'")
+                refuse(name, value, "an existing local file or folder (nothing is downloaded)")
+        at_least("train_ranks", self.train_ranks, 1)
         self._resolve_logprobs()
         if self.vllm_sleep is None:
             self.vllm_sleep = self.rollout == "vllm"
@@ -285,7 +277,7 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.tis_cap is None:
             self.tis_cap = 2.0 if self.rollout == "vllm" else 0.0
         if not (self.tis_cap >= 0 and math.isfinite(self.tis_cap)):
-            _refuse("tis_cap", self.tis_cap, "a finite number >= 0 (0: off)")
+            refuse("tis_cap", self.tis_cap, "a finite number >= 0 (0: off)")
         if self.recompute_logprobs is None:
             differ = self.rollout == "vllm" or self.dtype != "float32" or self.tis_cap > 0
             self.recompute_logprobs = differ and not self.stream
@@ -382,9 +374,9 @@ class PPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._resolve(("critic_lr",))
-        _positive("critic_lr", self.critic_lr)
-        _within("gamma", self.gamma, 0.0, 1.0)
-        _within("lam", self.lam, 0.0, 1.0)
+        positive("critic_lr", self.critic_lr)
+        within("gamma", self.gamma, 0.0, 1.0)
+        within("lam", self.lam, 0.0, 1.0)
 
 
 class MultimodalPPOConfig(PPOConfig, kw_only=True, forbid_unknown_fields=True):
@@ -420,11 +412,9 @@ class TextGRPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _at_least("group_size", self.group_size, 2)
-        if self.estimator not in GROUP_ESTIMATORS:
-            _refuse("estimator", self.estimator, f"one of {', '.join(GROUP_ESTIMATORS)}")
+        at_least("group_size", self.group_size, 2)
         if not (0 <= self.dynamic_sampling <= 10 and math.isfinite(self.dynamic_sampling)):
-            _refuse("dynamic_sampling", self.dynamic_sampling, "in [0, 10] (0: off)")
+            refuse("dynamic_sampling", self.dynamic_sampling, "in [0, 10] (0: off)")
         if self.dynamic_sampling and self.stream:
             raise ValueError(
                 "dynamic_sampling and stream=true cannot go together: a group is kept or "
@@ -442,22 +432,3 @@ class GRPOConfig(TextGRPOConfig, kw_only=True, forbid_unknown_fields=True):
 
     vision: str = "tiny"
     """'tiny' or open_clip:NAME[:WEIGHTS_FILE]; only a prefix-VLM policy reads it."""
-
-
-def _refuse(name: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"option {name}={value!r}: must be {allowed}")
-
-
-def _at_least(name: str, value: float, low: float) -> None:
-    if not (value >= low and math.isfinite(value)):  # also refuses NaN
-        _refuse(name, value, f">= {low}" if isinstance(value, int) else f"a finite number >= {low}")
-
-
-def _positive(name: str, value: float) -> None:
-    if not (value > 0 and math.isfinite(value)):
-        _refuse(name, value, "a finite number > 0")
-
-
-def _within(name: str, value: float, low: float, high: float) -> None:
-    if not low <= value <= high:
-        _refuse(name, value, f"in [{low}, {high}]")

@@ -10,16 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphs.common import (
-    connect_weights,
-    group_advantage,
-    sample_and_score,
-    sample_columns,
-    sampled_logprobs,
-    train_group,
-    update_options,
-)
+from graphs.common import group_advantage, train_group, update_options
 from graphs.config import GRPOConfig, TextGRPOConfig
+from graphs.sampling import connect_weights, sample_and_score, sample_columns, sampled_logprobs
 from nodes.shared_models import set_share
 from nodes.sync import WeightSync
 from nodes.update import GRPOUpdate

@@ -11,15 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphs.common import (
-    connect_weights,
-    sample_and_score,
-    sample_columns,
-    sampled_logprobs,
-    train_group,
-    update_options,
-)
+from graphs.common import train_group, update_options
 from graphs.config import MultimodalPPOConfig, PPOConfig
+from graphs.sampling import connect_weights, sample_and_score, sample_columns, sampled_logprobs
 from nodes.advantage import GAEAdvantage
 from nodes.reference import Critic
 from nodes.shared_models import set_share

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from graphs.checks import at_least, refuse
 from graphs.common import (
     data_source,
     group_advantage,
@@ -25,7 +26,7 @@ from graphs.common import (
     update_options,
     vllm_options,
 )
-from graphs.config import TextGRPOConfig, _at_least, _refuse
+from graphs.config import TextGRPOConfig
 from nodes.agents import AgentRollout, AgentStats, load_env
 from nodes.data import ShapesSource
 from nodes.reference import ReferenceLogprobs
@@ -52,10 +53,10 @@ class AgentConfig(TextGRPOConfig, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.max_turns is not None:
-            _at_least("max_turns", self.max_turns, 1)
+            at_least("max_turns", self.max_turns, 1)
         for name, set_ in self._unsupported().items():
             if set_:
-                _refuse(
+                refuse(
                     name,
                     getattr(self, name),
                     "left at its default: the agent graph's environment scores each "

@@ -156,7 +156,7 @@ def test_every_field_has_a_docstring(config):
         (RLConfig, "temperature", 0.0, ">= 0.01"),
         (RLConfig, "kl_coef", -0.1, ">= 0"),
         (RLConfig, "epochs", 0, ">= 1"),
-        (RLConfig, "on_bad_sample", "error", "'raise' or 'skip'"),
+        (RLConfig, "on_bad_sample", "error", "one of raise, skip"),
         (PPOConfig, "gamma", 1.5, "in [0.0, 1.0]"),
         (PPOConfig, "lam", -0.1, "in [0.0, 1.0]"),
         (PPOConfig, "critic_lr", math.inf, "> 0"),
