@@ -86,20 +86,7 @@ def test_defaults_are_the_measured_ones():
     assert as_dict(PPOConfig()) == PPO_DEFAULTS
     assert as_dict(MultimodalPPOConfig()) == {**PPO_DEFAULTS, "vision": "tiny"}
     grpo = {k: v for k, v in PPO_DEFAULTS.items() if k not in ("critic_lr", "gamma", "lam")}
-    assert as_dict(GRPOConfig()) == {
-        **grpo,
-        "batch_size": 16,
-        "vision": "tiny",
-        "group_size": 4,
-        "estimator": "grpo",
-        "dynamic_sampling": 0.0,
-        "overlong_buffer": 0,
-        "overlong_penalty": 1.0,
-        "kl_estimator": "k3",
-        "aggregation": "seq-mean-token-mean",
-    }
-    assert as_dict(TextGRPOConfig()) == {
-        **grpo,
+    grpo |= {
         "batch_size": 16,
         "group_size": 4,
         "estimator": "grpo",
@@ -109,6 +96,8 @@ def test_defaults_are_the_measured_ones():
         "kl_estimator": "k3",
         "aggregation": "seq-mean-token-mean",
     }
+    assert as_dict(TextGRPOConfig()) == grpo
+    assert as_dict(GRPOConfig()) == {**grpo, "vision": "tiny"}
 
 
 def test_a_model_directory_gets_defaults_a_real_model_can_live_with(tmp_path):

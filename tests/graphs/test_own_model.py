@@ -26,6 +26,32 @@ def _run(capsys, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+def _learn(
+    capsys,
+    tmp_path,
+    graph: str,
+    model: str,
+    data,
+    reward: str,
+    *,
+    steps: int,
+    window: int,
+    lr: float,
+):
+    """``graphs/GRAPH.py`` for ``steps`` on the saved ``tmp_path/model``, the ``data`` file
+    and the ``reward`` source (a file's ``score``), 8 prompts a step, reward windows of ``window`` steps:
+    the run's closing summary."""
+    (tmp_path / "rewards.py").write_text(reward)
+    summary = _run(
+        capsys, f"graphs/{graph}.py", "--policy", str(tmp_path / model), "--data", str(data),
+        "--reward", f"{tmp_path / 'rewards.py'}:score", "--steps", str(steps),
+        "--window", str(window), "--seed", "0", "--out", str(tmp_path / "run"),
+        "--set", "batch_size=8", "--set", f"lr={lr}",
+    )  # fmt: skip
+    assert summary["steps"] == steps
+    return summary
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mm_grpo_learns_on_a_saved_vlm_with_a_parquet_of_images(tmp_path, capsys):
@@ -37,14 +63,8 @@ def test_mm_grpo_learns_on_a_saved_vlm_with_a_parquet_of_images(tmp_path, capsys
 
     tiny_qwen2_vl(seed=0).save_pretrained(tmp_path / "vlm")
     files = write_shapes_dataset(tmp_path / "data", rows=64)
-    (tmp_path / "rewards.py").write_text(FIRST_LETTER)
-    summary = _run(
-        capsys, "graphs/mm_grpo.py", "--policy", str(tmp_path / "vlm"),
-        "--data", str(files["parquet"]), "--reward", f"{tmp_path / 'rewards.py'}:score",
-        "--steps", "80", "--window", "20", "--seed", "0", "--out", str(tmp_path / "run"),
-        "--set", "batch_size=8", "--set", "lr=0.02",
-    )  # fmt: skip
-    assert summary["steps"] == 80
+    summary = _learn(capsys, tmp_path, "mm_grpo", "vlm", files["parquet"], FIRST_LETTER,
+                     steps=80, window=20, lr=0.02)  # fmt: skip
     assert summary["reward_last"] >= summary["reward_first"] + 0.04, summary
 
 
@@ -69,14 +89,8 @@ def test_text_grpo_learns_on_a_saved_causal_lm_with_a_jsonl_file(tmp_path, capsy
     lm = build_policy({"name": "tiny-gpt2", "seed": 0, "words": task_vocabulary()})
     lm.save_pretrained(tmp_path / "lm")
     files = write_shapes_dataset(tmp_path / "data", rows=64, text_hint=True)
-    (tmp_path / "rewards.py").write_text(FIRST_WORD)
-    summary = _run(
-        capsys, "graphs/text_grpo.py", "--policy", str(tmp_path / "lm"),
-        "--data", str(files["jsonl"]), "--reward", f"{tmp_path / 'rewards.py'}:score",
-        "--steps", "30", "--window", "10", "--seed", "0", "--out", str(tmp_path / "run"),
-        "--set", "batch_size=8", "--set", "lr=0.005",
-    )  # fmt: skip
-    assert summary["steps"] == 30
+    summary = _learn(capsys, tmp_path, "text_grpo", "lm", files["jsonl"], FIRST_WORD,
+                     steps=30, window=10, lr=0.005)  # fmt: skip
     assert summary["reward_last"] >= summary["reward_first"] + 0.05, summary
 
 
