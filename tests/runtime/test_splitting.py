@@ -118,11 +118,7 @@ def test_a_hung_split_call_is_reported_with_the_device_workers_stacks():
         out = RowWork(hang_s=30.0, batch_policy=policy, name="work")(x, mask)
         g.output("y", out["y"])
         g.discard(out["n"])
-    ex = ZmqExecutor(g.plan(1), devices=2)
-    try:
-        with pytest.raises(NodeTimeoutError) as info:
-            ex.step()
-    finally:
-        ex.close()
+    with ZmqExecutor(g.plan(1), devices=2) as ex, pytest.raises(NodeTimeoutError) as info:
+        ex.step()
     text = str(info.value)
     assert "node 'work'" in text and "--- worker cpu:" in text and "time.sleep" in text

@@ -156,15 +156,12 @@ def test_node_error_arrives_with_node_step_controller_and_remote_traceback():
 
 @pytest.mark.timeout(60)
 def test_unsendable_value_names_node_and_port():
-    ex = ZmqExecutor(zmq_graphs.build_graph("unsendable").plan(2))
-    try:
+    with ZmqExecutor(zmq_graphs.build_graph("unsendable").plan(2)) as ex:
         with pytest.raises(NodeExecutionError) as info:
             ex.step()
         assert info.value.node == "set_source"
         assert "node 'set_source' output 'tags'" in str(info.value)
         assert "['bad'][1]" in str(info.value) and "set" in str(info.value)
-    finally:
-        ex.close()
     assert_gone(ex.pids, ex.run_dir)
 
 
@@ -181,16 +178,13 @@ def test_node_that_cannot_be_built_fails_start_up_clearly():
 
 @pytest.mark.timeout(60)
 def test_dead_controller_is_named_with_its_nodes():
-    ex = ZmqExecutor(zmq_graphs.build_graph("boom", fail_at=1, mode="exit").plan(2))
-    try:
+    with ZmqExecutor(zmq_graphs.build_graph("boom", fail_at=1, mode="exit").plan(2)) as ex:
         t0 = time.monotonic()
         with pytest.raises(ControllerError) as info:
             ex.run(3)
         assert time.monotonic() - t0 < 30  # named, not hung (start-up included, on any load)
         assert info.value.controller == 1 and info.value.nodes == ["boom"]
         assert "exited with code 7" in str(info.value) and "['boom']" in str(info.value)
-    finally:
-        ex.close()
     assert_gone(ex.pids, ex.run_dir)
 
 
@@ -263,12 +257,9 @@ def test_a_value_the_data_plane_cannot_carry_names_the_node_output_and_controlle
 
     with Graph("sets") as g:
         g.output("n", count(make_set()))
-    ex = ZmqExecutor(g.plan(2, placement={"make_set": 0, "count": 1}))
-    try:
-        with pytest.raises(NodeExecutionError) as info:
-            ex.step()
-    finally:
-        ex.close()
+    plan = g.plan(2, placement={"make_set": 0, "count": 1})
+    with ZmqExecutor(plan) as ex, pytest.raises(NodeExecutionError) as info:
+        ex.step()
     text = str(info.value)
     assert "node 'make_set' output 'v' (to controller [1])" in text and "set" in text, text
     assert info.value.node == "make_set"
