@@ -20,6 +20,7 @@ update and the reference; a policy that reads none, and vLLM, refuse them with a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -73,6 +74,9 @@ class _Trajectory:
         self.transcript: list[str] = []
         self.images: list[Any] = []
         """Every image of the context, in the order of their placeholders."""
+        self.turn_times: list[list[float]] = []
+        """Per turn: when its sampling began (``time.time()``), the seconds the batch's
+        sampling took, and the seconds this trajectory's environment step took."""
 
     @property
     def context(self) -> list[int]:
@@ -124,7 +128,9 @@ class AgentRollout(Rollout):
             ANY, doc="list[list[PIL.Image]], one a trajectory: its images in context order"
         ),
         "trajectories": Port(
-            ANY, doc="list[dict], one a trajectory: turns, observation tokens, tool calls"
+            ANY,
+            doc="list[dict], one a trajectory: turns, observation tokens, tool calls, and "
+            "each turn's [start (time.time()), sampling s, environment s] (turn_times)",
         ),
     }
     batch_policy = BatchPolicy(max_batch_size=64, splittable=False)
@@ -277,18 +283,22 @@ class AgentRollout(Rollout):
         width = max(map(len, contexts))
         ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts])
         mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
+        start, t0 = time.time(), time.perf_counter()
         batch = self._batch(ids, mask, live)
         if self._vllm is not None:  # text only: the engine takes the contexts' token ids
             gen = self._vllm.generate([""] * len(live), None, seed, batch)
         else:
             with self._seeded(seed):
                 gen = self.policy.generate(batch, **self.sampling)
+        sampling = time.perf_counter() - t0
         for i, t in enumerate(live):
             n = int(gen.response_lengths[i])
             t.add(gen.response_ids[i, :n].tolist(), gen.logprobs[i, :n].tolist())
             t.turns += 1
             t.transcript.append(gen.texts[i])
+            t0 = time.perf_counter()
             self._step(t, gen.texts[i], bool(gen.truncated[i]), last)
+            t.turn_times.append([start, sampling, time.perf_counter() - t0])
 
     def _step(self, t: _Trajectory, action: str, cut: bool, last: bool) -> None:
         try:
@@ -357,6 +367,7 @@ def _record(t: _Trajectory) -> dict[str, Any]:
         "tool_errors": [f"{c.name}: {c.error}" for c in calls if c.error is not None],
         "tool_seconds": sum(c.seconds for c in calls),
         "uses_tools": isinstance(t.env, ToolEnv),
+        "turn_times": t.turn_times,
     }
 
 

@@ -26,7 +26,7 @@ from runtime.train.checkpoint import checkpoints, load_checkpoint, save_checkpoi
 from runtime.train.errors import Terminated
 from runtime.train.identity import graph_identity
 from runtime.train.metrics import CURVES, MetricsWriter, curve_key, summarize, truncate_metrics
-from runtime.train.samples import SampleWriter, sample_rows
+from runtime.train.samples import ROLLOUT, SampleWriter, sample_rows
 from runtime.train.trace import Tracer
 
 __all__ = ["train", "utilization"]
@@ -172,6 +172,9 @@ def train(
             tracer.span(node, start, result.node_seconds[node], controller, step=result.step)
         for what, start, seconds, moved, controller in result.switches:
             tracer.span(what, start, seconds, controller, step=result.step, bytes=moved)
+        if result.outputs.get("trajectories"):  # a multi-turn rollout's turns
+            controller = result.node_controller.get(ROLLOUT, 0)
+            tracer.turns(result.outputs["trajectories"], controller, result.step)
         if writer is not None:
             writer.write(row)
         if board is not None:

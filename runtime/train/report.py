@@ -128,8 +128,10 @@ def _node_times(
     per_step: dict[str, dict[int, float]] = {}
     controllers: dict[str, set[int]] = {}
     source = "trace.json"
-    spans = [
-        e for e in events or [] if e.get("ph") == "X" and isinstance(e.get("dur"), int | float)
+    spans = [  # a call's parts (a rollout's turns) are inside its node's span
+        e
+        for e in events or []
+        if e.get("ph") == "X" and isinstance(e.get("dur"), int | float) and e.get("cat") != "turn"
     ]
     if spans:
         for e in spans:

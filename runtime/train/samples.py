@@ -49,6 +49,7 @@ from typing import Any
 __all__ = [
     "IMAGES",
     "MAX_BYTES",
+    "ROLLOUT",
     "THUMBNAIL_PX",
     "SampleAlignmentError",
     "SampleWriter",

@@ -1,7 +1,8 @@
 """Node spans in Chrome trace format (open ``trace.json`` in Perfetto or chrome://tracing).
 
 Each controller is a process row and each node a span on it, so pipelining across
-controllers shows as overlapping bars.
+controllers shows as overlapping bars. A multi-turn rollout's turns are spans inside its own
+(:meth:`Tracer.turns`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,16 @@ class Tracer:
         self._named: set[int] = set()
 
     def span(
-        self, name: str, start_s: float, duration_s: float, controller: int = 0, **args: Any
+        self,
+        name: str,
+        start_s: float,
+        duration_s: float,
+        controller: int = 0,
+        cat: str = "node",
+        **args: Any,
     ) -> None:
-        """A span that began at ``start_s`` (``time.time()``) and lasted ``duration_s``."""
+        """A span that began at ``start_s`` (``time.time()``) and lasted ``duration_s``;
+        ``cat``: ``node`` (a node's call, a switch), or ``turn`` (part of a node's call)."""
         if self._origin is None:
             self._origin = start_s
         if controller not in self._named:
@@ -42,6 +50,7 @@ class Tracer:
         self.events.append(
             {
                 "ph": "X",
+                "cat": cat,
                 "name": name,
                 "pid": controller,
                 "tid": 0,
@@ -66,6 +75,25 @@ class Tracer:
                 "args": args,
             }
         )
+
+    def turns(self, trajectories: Any, controller: int, step: int) -> None:
+        """A multi-turn rollout's turns, from its ``trajectories`` records' ``turn_times``,
+        as spans inside the rollout's: each turn of a call is ``turn K`` (its sampling, then
+        the environment's steps), with the rows of the trajectories it held, and ``turn K:
+        environment`` inside it."""
+        turns: dict[tuple[int, float], list[tuple[int, float, float]]] = {}
+        for row, record in enumerate(trajectories):
+            times = record.get("turn_times", ()) if isinstance(record, dict) else ()
+            for k, (start, sampling, env) in enumerate(times):
+                turns.setdefault((k, start), []).append((row, sampling, env))
+        for (k, start), rows in sorted(turns.items(), key=lambda item: item[0][1]):
+            sampling, env = rows[0][1], sum(r[2] for r in rows)
+            self.span(
+                f"turn {k + 1}", start, sampling + env, controller, "turn", step=step,
+                trajectories=[r[0] for r in rows],
+            )  # fmt: skip
+            self.span(f"turn {k + 1}: environment", start + sampling, env, controller, "turn",
+                      step=step)  # fmt: skip
 
     def keep_earlier(self, path: str | Path, before_step: int) -> None:
         """Start from the spans of steps before ``before_step`` in an earlier ``trace.json``

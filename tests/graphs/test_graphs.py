@@ -100,20 +100,24 @@ def test_a_streaming_rollout_feeds_reward_reference_and_critic_piece_by_piece(mo
             assert b.outputs["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
+COUNTER_ENV = """
+from nodes.agents import Environment, Observation
+
+class Counter(Environment):
+    max_turns = 3
+    words = ('again',)
+    def reset(self, row):
+        self.turn = 0
+        return Observation(row['prompt'])
+    def step(self, action):
+        self.turn += 1
+        return Observation('again'), 0.25, False
+"""
+
+
 def test_the_agent_graph_runs_a_users_environment(tmp_path):
     env = tmp_path / "my_env.py"
-    env.write_text(
-        "from nodes.agents import Environment, Observation\n\n"
-        "class Counter(Environment):\n"
-        "    max_turns = 3\n"
-        "    words = ('again',)\n"
-        "    def reset(self, row):\n"
-        "        self.turn = 0\n"
-        "        return Observation(row['prompt'])\n"
-        "    def step(self, action):\n"
-        "        self.turn += 1\n"
-        "        return Observation('again'), 0.25, False\n"
-    )
+    env.write_text(COUNTER_ENV)
     graph = load_graph("graphs.text_agent", batch_size=2, group_size=2, env=f"{env}:Counter")
     assert "again" in graph.nodes["rollout"].config()["policy"]["words"]
     result = LocalExecutor(graph).run(2)[-1]
@@ -128,3 +132,28 @@ def test_the_agent_graph_runs_a_users_environment(tmp_path):
     assert torch.isfinite(torch.tensor(result.outputs["metrics"]["loss"]))
     with pytest.raises(ValueError, match="reward='x.py:f': must be left at its default"):
         load_graph("graphs.text_agent", reward="x.py:f")
+
+
+@pytest.mark.timeout(300)
+def test_each_turn_of_a_trajectory_is_a_span_in_the_trace(tmp_path):
+    import json
+
+    from runtime.cli import main
+
+    (tmp_path / "my_env.py").write_text(COUNTER_ENV)
+    out = tmp_path / "run"
+    argv = ["run", "text_agent", "--env", f"{tmp_path / 'my_env.py'}:Counter", "--steps", "2",
+            "--set", "batch_size=2", "group_size=2", "--out", str(out), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    events = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"]
+              if e.get("ph") == "X"]  # fmt: skip
+    for step in (0, 1):
+        spans = {e["name"]: e for e in events if e["args"].get("step") == step}
+        rollout = spans["rollout"]
+        for k in (1, 2, 3):  # three turns of all four trajectories, inside the rollout's span
+            turn, env = spans[f"turn {k}"], spans[f"turn {k}: environment"]
+            assert turn["args"]["trajectories"] == [0, 1, 2, 3]
+            assert rollout["ts"] - 1e3 <= turn["ts"] <= env["ts"], (turn, rollout)
+            assert env["ts"] + env["dur"] <= turn["ts"] + turn["dur"] + 1
+            assert turn["ts"] + turn["dur"] <= rollout["ts"] + rollout["dur"] + 1e3
+        assert spans["turn 1"]["ts"] + spans["turn 1"]["dur"] <= spans["turn 2"]["ts"] + 1
