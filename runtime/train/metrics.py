@@ -21,6 +21,7 @@ __all__ = [
     "CURVES",
     "MetricsWriter",
     "curve_key",
+    "json_number",
     "read_metrics",
     "summarize",
     "truncate_metrics",
@@ -45,6 +46,13 @@ def curve_key(keys: Collection[str], names: tuple[str, ...]) -> str | None:
         if found:
             return found[0]
     return None
+
+
+def json_number(value: Any) -> Any:
+    """``value``, but a float JSON cannot hold (NaN, inf) as None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def _number(value: Any) -> float | None:
@@ -97,10 +105,7 @@ class MetricsWriter:
                 self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
 
     def write(self, row: dict[str, Any]) -> None:
-        clean = {
-            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-            for k, v in row.items()
-        }
+        clean = {k: json_number(v) for k, v in row.items()}
         self._file.write(json.dumps(clean, sort_keys=True) + "\n")
         self._file.flush()
         if self._tb is not None:

@@ -4,7 +4,8 @@ It reads what a run writes (:mod:`runtime.train.run_folder`): ``metrics.jsonl`` 
 node times), ``trace.json`` (node time and each controller's busy share over the run),
 ``graph.json`` (the graph, drawn with :func:`yatt_graph.drawing.layered_layout`),
 ``samples/*.parquet`` (the sample browser, the best and worst samples of a step; the
-thumbnails their ``image`` column names, from ``samples/_images/``, inline once each),
+thumbnails their ``image`` column names, from ``samples/_images/``, inline once each; read by
+:mod:`runtime.train.report_samples`),
 ``settings.json``, ``summary.json`` and ``events.jsonl``. Each part that is missing or cut
 short (a run in progress, a crashed one, a folder from before a file existed) becomes a note
 on the page. The page is ``report_page/page.html`` with its CSS, its script and the data (one
@@ -13,19 +14,17 @@ JSON object) put inline: no network, no CDN.
 
 from __future__ import annotations
 
-import base64
 import json
-import math
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-from runtime.train.metrics import CURVES, curve_key, read_metrics
-from runtime.train.samples import IMAGES
+from runtime.train.metrics import CURVES, curve_key, json_number, read_metrics
+from runtime.train.report_samples import sample_browser
 from yatt_graph import UsageError
 
-__all__ = ["MAX_SAMPLE_ROWS", "REPORT_CURVES", "report_data", "write_report"]
+__all__ = ["REPORT_CURVES", "report_data", "write_report"]
 
 #: The report's curves: (id, title, metric names in order of preference; see :func:`curve_key`).
 REPORT_CURVES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -35,18 +34,9 @@ REPORT_CURVES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("throughput", "throughput (samples/s)", ("samples_per_s",)),
 )
 
-MAX_SAMPLE_ROWS = 20_000
-"""The most samples a page holds (the newest steps' first); the page says when it holds fewer."""
-
 _RUN_FILES = ("metrics.jsonl", "trace.json", "settings.json", "summary.json", "samples")
 _UTIL_BINS = 120
 _PAGE = Path(__file__).with_name("report_page")
-
-
-def _json_number(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def _metrics(run: Path, notes: list[str]) -> list[dict[str, Any]]:
@@ -70,7 +60,7 @@ def _curves(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for ident, title, names in REPORT_CURVES:
         key = curve_key(keys, names)
         if key is not None:
-            values = [_json_number(r.get(key)) for r in rows]
+            values = [json_number(r.get(key)) for r in rows]
             curves.append({"id": ident, "title": title, "key": key, "y": values})
     return {"steps": [r["step"] for r in rows], "curves": curves}
 
@@ -215,7 +205,7 @@ def _utilization(rows: list[dict[str, Any]], events: list[dict[str, Any]] | None
     series = [
         {
             "name": k.removeprefix("util/").replace("_", " "),
-            "y": [_json_number(r.get(k)) for r in rows],
+            "y": [json_number(r.get(k)) for r in rows],
         }
         for k in keys
     ]
@@ -296,85 +286,6 @@ def _graph(
     }
 
 
-def _cell(value: Any) -> Any:
-    if isinstance(value, bytes):  # an image: shown as a thumbnail
-        kind = "png" if value[:4] == b"\x89PNG" else "jpeg"
-        return f"data:image/{kind};base64," + base64.b64encode(value).decode()
-    if isinstance(value, float):
-        return _json_number(value)
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    return str(value)
-
-
-def _samples(run: Path, notes: list[str]) -> dict[str, Any]:
-    folder = run / "samples"
-    files = sorted(folder.glob("step-*.parquet")) if folder.is_dir() else []
-    if not files:
-        notes.append(
-            "no samples/: the run kept none (`yatt-graph run --samples-every N` keeps every "
-            "Nth step's samples; the graph must output texts, prompts and scores)"
-        )
-        return {"columns": [], "rows": [], "files": 0}
-    import pyarrow.parquet as pq
-
-    columns: list[str] = []
-    rows: list[list[Any]] = []
-    for path in reversed(files):  # newest first, so a cap keeps the latest steps
-        try:
-            table = pq.read_table(path)
-        except Exception as exc:  # a file a crash cut short: the others still count
-            notes.append(f"samples/{path.name} could not be read ({type(exc).__name__}); left out")
-            continue
-        for name in table.column_names:
-            if name not in columns:
-                columns.append(name)
-        data = table.to_pydict()
-        n = table.num_rows
-        if len(rows) + n > MAX_SAMPLE_ROWS:
-            notes.append(
-                f"the page holds the {len(rows)} samples of the newest steps, of more in samples/ "
-                f"(at most {MAX_SAMPLE_ROWS}); read them all with pandas.read_parquet"
-            )
-            break
-        rows.extend([_cell(data.get(c, [None] * n)[i]) for c in columns] for i in range(n))
-    width = len(columns)
-    rows = [r + [None] * (width - len(r)) for r in rows]
-    images = _thumbnails(folder, columns, rows, notes)
-    order = columns.index("step") if "step" in columns else None
-    if order is not None:
-        sample = columns.index("sample") if "sample" in columns else order
-        rows.sort(key=lambda r: (r[order] if r[order] is not None else -1, r[sample] or 0))
-    return {"columns": columns, "rows": rows, "files": len(files), "images": images}
-
-
-def _thumbnails(
-    folder: Path, columns: list[str], rows: list[list[Any]], notes: list[str]
-) -> dict[str, str]:
-    """The thumbnails the rows' ``image`` column names (a hash; the PNGs are in
-    ``samples/_images/step-*.parquet``), each once, as data URLs."""
-    if "image" not in columns:
-        return {}
-    import pyarrow.parquet as pq
-
-    at = columns.index("image")
-    wanted = {r[at] for r in rows if isinstance(r[at], str) and not r[at].startswith("data:")}
-    images: dict[str, str] = {}
-    for path in sorted((folder / IMAGES).glob("step-*.parquet")):
-        try:
-            table = pq.read_table(path).to_pydict()
-        except Exception as exc:  # cut short by a crash: its rows show no thumbnail
-            notes.append(f"samples/{IMAGES}/{path.name} could not be read ({type(exc).__name__})")
-            continue
-        for key, png in zip(table.get("hash", []), table.get("png", [])):
-            if key in wanted and isinstance(png, bytes):
-                images[key] = "data:image/png;base64," + base64.b64encode(png).decode()
-    missing = len(wanted - set(images))
-    if missing:
-        notes.append(f"{missing} thumbnails named by samples/ are not in samples/{IMAGES}/")
-    return images
-
-
 def _status(run: Path, summary: Any) -> str:
     if isinstance(summary, dict) and summary.get("steps") is not None:
         return (
@@ -449,7 +360,7 @@ def report_data(run: str | Path) -> dict[str, Any]:
         "nodes": nodes,
         "utilization": _utilization(rows, events),
         "graph": _graph(record, events, nodes["table"], notes),
-        "samples": _samples(run, notes),
+        "samples": sample_browser(run, notes),
         "settings": settings,
         "events": _events(run),
     }
