@@ -21,7 +21,8 @@ NODE_MODULES = (
     "advantage", "data", "reference", "rewards", "rollout", "sync", "toy", "update", "vision",
 )  # fmt: skip
 """The node modules, which nodes/rl and nodes/models may not import."""
-_ENGINE_UP = ("runtime.zmq", "runtime.train", "runtime.cli", "runtime.run_setup", "zmq")
+_ENGINE_UP = ("runtime.zmq", "runtime.train", "runtime.cli", "runtime.run_setup", "runtime.run_executor",
+              "zmq")  # fmt: skip
 """What sits above the step engine: no folder at or below it imports these."""
 FORBIDDEN_INSIDE = {
     "nodes/rl": {"nodes.models", *(f"nodes.{m}" for m in NODE_MODULES)},
@@ -29,8 +30,14 @@ FORBIDDEN_INSIDE = {
     "runtime/ranks": {"runtime.sched", "runtime.engine", *_ENGINE_UP},
     "runtime/sched": {"runtime.ranks", "runtime.engine", *_ENGINE_UP},
     "runtime/engine": set(_ENGINE_UP),
-    "runtime/train": {"runtime.zmq", "runtime.cli", "runtime.run_setup", "zmq"},
-    "runtime/zmq": {"runtime.train", "runtime.cli", "runtime.run_setup"},
+    "runtime/train": {
+        "runtime.zmq",
+        "runtime.cli",
+        "runtime.run_setup",
+        "runtime.run_executor",
+        "zmq",
+    },
+    "runtime/zmq": {"runtime.train", "runtime.cli", "runtime.run_setup", "runtime.run_executor"},
 }
 
 
