@@ -2,8 +2,8 @@
 
 * :class:`ReferenceLogprobs` (kind ``"reference"``): a frozen copy of the initial policy; it
   recomputes ``ref_logprobs`` for the KL term.
-* :class:`Critic` (kind ``"critic"``): ``values`` from a :class:`ValueModel`, a linear value
-  head on a policy trunk's last hidden states; the trunk is either shared with a live policy
+* :class:`Critic` (kind ``"critic"``): ``values`` from a :class:`nodes.models.value.ValueModel`,
+  a linear value head on a policy trunk's last hidden states; the trunk is either shared with a live policy
   (``model=``, e.g. the one the update node trains) or a separate model built from a spec.
 
 Both read the rollout's ports (``prompt_ids, prompt_mask, response_ids, response_mask``) plus
@@ -17,30 +17,24 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from nodes.batches import View, read_mask, token_budget_parts
 from nodes.models.offload import Offload
 from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
 from nodes.models.sampling import temperature_problem
-from nodes.seeding import seeded
+from nodes.models.value import ValueModel, build_value_model
 from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
 from nodes.sync import WeightInput, apply_weights
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built
 
-__all__ = [
-    "Critic",
-    "ReferenceLogprobs",
-    "ValueModel",
-    "build_value_model",
-    "value_model_fingerprint",
-]
+__all__ = ["Critic", "ReferenceLogprobs", "value_model_fingerprint"]
 
 _INPUTS = {
     "prompt_ids": TensorPort("int64", "B", "P"),
@@ -127,43 +121,94 @@ def _in_parts(
     return out
 
 
-class ReferenceLogprobs(Offload, Sharing, Node):
+class _ResponseScores:
+    """What the reference and the critic share: a model run teacher-forced over the rollout's
+    responses, in parts of at most ``micro_batch_tokens`` padded tokens, gives the one output,
+    float32[B, R] (0 off the policy's turns).
+
+    Options (keywords, the same on both): ``device`` (where the model runs; outputs come back
+    on the CPU), ``share`` (a share key), ``micro_batch_tokens`` (0: the whole batch in one
+    forward), ``name``, ``placement``, ``batch_policy``. A mixin before the node's others."""
+
+    name: str
+    outputs: dict[str, Any]
+    inputs = _INPUTS
+    batch_policy = BatchPolicy(max_batch_size=64)
+
+    def __init__(
+        self,
+        *,
+        device: str = "cpu",
+        name: str | None = None,
+        share: str | None = None,
+        micro_batch_tokens: int = 0,
+        placement: str | int | None = None,
+        batch_policy: BatchPolicy | None = None,
+    ) -> None:
+        super().__init__(name, placement=placement, batch_policy=batch_policy)  # type: ignore[call-arg]
+        self.share = check_share_key(share, f"node {self.name!r}")
+        self.micro_batch_tokens = _budget(micro_batch_tokens, self.name)
+        self.device = torch.device(device)
+
+    def _scoring(self) -> contextlib.AbstractContextManager[tuple[Policy, Callable[..., Tensor]]]:
+        """For one call: the policy that prepares the batches, and ``score(batch,
+        response_ids, response_mask) -> float[b, R']``."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def forward(
+        self,
+        prompt_ids,
+        prompt_mask,
+        response_ids,
+        response_mask,
+        image_embeds,
+        images,
+        context_mask=None,
+    ) -> dict[str, Tensor]:
+        reads = read_mask(f"node {self.name!r}", response_mask, context_mask)
+        with self._scoring() as (policy, score):
+
+            def part(prompt_ids, prompt_mask, response_ids, response_mask, embeds, imgs):
+                batch = _prompt_batch(self, policy, prompt_ids, prompt_mask, embeds, imgs)
+                return score(batch, response_ids, response_mask)  # (b, R')
+
+            out = _in_parts(
+                part, self.micro_batch_tokens, prompt_ids, prompt_mask, response_ids, reads,
+                image_embeds, images,
+            )  # fmt: skip
+        (port,) = self.outputs
+        return {port: torch.where(response_mask.cpu() > 0, out, 0.0)}  # 0 off the turns
+
+
+class ReferenceLogprobs(_ResponseScores, Offload, Sharing, Node):
     """``ref_logprobs: float32[B, R]`` from a frozen copy of the policy (0 at padding).
 
     Args:
         policy: a :func:`nodes.models.policy.build_policy` spec; build it as the rollout's policy was
             built (same spec, same seed) so that the reference equals the policy at step 0.
         temperature: the temperature the rollout sampled at (logprobs of ``logits / T``).
-        device: where the model runs; outputs come back on the CPU.
         model: a live Policy to copy (deep copy: later training of it leaves the reference as is).
         share: the policy's share key (e.g. ``"policy"``): when the shared policy of an
             on-policy executor (:mod:`nodes.shared_models`) has LoRA adapters
             (``policy.has_lora`` and ``policy.adapter_disabled()``), the reference reads its
             frozen base instead of holding a copy; otherwise it keeps a frozen copy of its own.
+        options: ``device``, ``share``, ``micro_batch_tokens``, ... (:class:`_ResponseScores`).
     """
 
     kind = "reference"
-    inputs = _INPUTS
     outputs = {"ref_logprobs": TensorPort("float32", "B", "R")}  # noqa: RUF012
-    batch_policy = BatchPolicy(max_batch_size=64)
     policy = Built("the frozen reference policy, built by setup()")
 
     def __init__(
         self,
         policy: str | Mapping[str, Any] = "tiny-prefix-vlm",
         temperature: float = 1.0,
-        device: str = "cpu",
-        model: Policy | None = None,
-        name: str | None = None,
-        share: str | None = None,
-        micro_batch_tokens: int = 0,
         *,
-        placement: str | int | None = None,
-        batch_policy: BatchPolicy | None = None,
+        model: Policy | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(name, placement=placement, batch_policy=batch_policy)
-        self.share = check_share_key(share, f"node {self.name!r}")
-        self.micro_batch_tokens = _budget(micro_batch_tokens, self.name)
+        super().__init__(**options)
         self.base_shared = False
         self._base_lock = threading.Lock()
         if why := temperature_problem(temperature, greedy=False):
@@ -171,7 +216,6 @@ class ReferenceLogprobs(Offload, Sharing, Node):
         if model is None:
             check_policy_spec(policy)
         self.temperature = float(temperature)
-        self.device = torch.device(device)
         self.policy_spec = policy
         # copied now: later training of the live model must not reach the reference
         self._model = copy.deepcopy(model) if model is not None else None
@@ -199,15 +243,21 @@ class ReferenceLogprobs(Offload, Sharing, Node):
         reference = self._model if self._model is not None else build_policy(self.policy_spec)
         self.policy = reference.to(self.device).eval().requires_grad_(False)
 
-    def _frozen(self) -> contextlib.AbstractContextManager[Any]:
+    @contextlib.contextmanager
+    def _scoring(self) -> Iterator[tuple[Policy, Callable[..., Tensor]]]:
         """The reference function: the own copy, or the shared policy with its adapters off
         (one call at a time: the adapters are switched on the shared module)."""
+
+        def logprobs(batch: PromptBatch, response_ids: Tensor, response_mask: Tensor) -> Tensor:
+            return self.policy.response_logprobs(
+                batch, response_ids, response_mask, temperature=self.temperature
+            )  # (b, R')
+
         if not self.base_shared:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(self._base_lock)
-        stack.enter_context(self.policy.adapter_disabled())
-        return stack
+            yield self.policy, logprobs
+            return
+        with self._base_lock, self.policy.adapter_disabled():
+            yield self.policy, logprobs
 
     def memory(self, load: Any) -> dict[str, int]:
         """A frozen copy of the policy (none when it reads a shared LoRA policy's base) and
@@ -221,61 +271,6 @@ class ReferenceLogprobs(Offload, Sharing, Node):
         shared_base = self.share is not None and _lora(self.policy_spec)
         return {**held, f"weights@{self.share if shared_base else ''}": weights}
 
-    @torch.no_grad()
-    def forward(
-        self,
-        prompt_ids,
-        prompt_mask,
-        response_ids,
-        response_mask,
-        image_embeds,
-        images,
-        context_mask=None,
-    ) -> dict[str, Tensor]:
-        reads = read_mask(f"node {self.name!r}", response_mask, context_mask)
-
-        def logprobs(prompt_ids, prompt_mask, response_ids, response_mask, embeds, imgs):
-            batch = _prompt_batch(self, self.policy, prompt_ids, prompt_mask, embeds, imgs)
-            return self.policy.response_logprobs(
-                batch, response_ids, response_mask, temperature=self.temperature
-            )  # (b, R')
-
-        with self._frozen():
-            ref = _in_parts(
-                logprobs, self.micro_batch_tokens, prompt_ids, prompt_mask, response_ids,
-                reads, image_embeds, images,
-            )  # fmt: skip
-        return {"ref_logprobs": torch.where(response_mask.cpu() > 0, ref, 0.0)}  # 0 off the turns
-
-
-class ValueModel(nn.Module):
-    """``V(s_t)`` per response token: a Linear(H, 1) head on a trunk's last hidden states.
-
-    ``values[:, t]`` reads the hidden state at the position that predicts ``response_ids[:, t]``
-    (the state before token t is emitted), the usual PPO convention. With
-    ``detach_trunk=True`` the value loss trains only the head (useful when the trunk is the
-    policy itself and the policy loss should be its only teacher).
-    """
-
-    def __init__(self, trunk: Policy, detach_trunk: bool = False, seed: int = 0) -> None:
-        super().__init__()
-        self.trunk = trunk
-        self.detach_trunk = bool(detach_trunk)
-        self.head = nn.Linear(trunk.hidden_size, 1)
-        with seeded(seed):
-            nn.init.normal_(self.head.weight, std=1.0 / (trunk.hidden_size + 1) ** 0.5)
-        nn.init.zeros_(self.head.bias)
-        self.head.to(trunk.device)
-
-    def forward(self, batch: PromptBatch, response_ids: Tensor, response_mask: Tensor) -> Tensor:
-        """float32[B, R] values, exactly 0 (and no gradient) at padding."""
-        hidden = self.trunk.response_hidden_states(batch, response_ids, response_mask)  # (B, R, H)
-        if self.detach_trunk:
-            hidden = hidden.detach()
-        values = self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()  # (B, R)
-        real = response_mask.to(values.device) > 0  # (B, R)
-        return torch.where(real, values, 0.0)  # (B, R)
-
 
 def value_model_fingerprint(critic: Any, device: Any, detach_trunk: bool, head_seed: int) -> str:
     """What a Critic and a PPOUpdate sharing one value model must agree on."""
@@ -284,24 +279,7 @@ def value_model_fingerprint(critic: Any, device: Any, detach_trunk: bool, head_s
     )
 
 
-def build_value_model(
-    critic: str | Mapping[str, Any],
-    *,
-    detach_trunk: bool = False,
-    head_seed: int = 0,
-    device: torch.device | str = "cpu",
-    trunk: Policy | None = None,
-) -> ValueModel:
-    """The value model of a :class:`Critic` (and of :class:`nodes.update.PPOUpdate`'s copy):
-    a trunk from the ``critic`` spec (or the live ``trunk``) and a head seeded with
-    ``head_seed``. The same arguments give the same weights, whatever the global RNG holds."""
-    with seeded(head_seed):
-        if trunk is None:
-            trunk = build_policy(critic).to(device)
-        return ValueModel(trunk, detach_trunk=detach_trunk, seed=head_seed)
-
-
-class Critic(Offload, Sharing, WeightInput, Node):
+class Critic(_ResponseScores, Offload, Sharing, WeightInput, Node):
     """``values: float32[B, R]`` from a value head on a policy trunk (0 at padding).
 
     Args:
@@ -311,10 +289,10 @@ class Critic(Offload, Sharing, WeightInput, Node):
             hidden states of the very model the update trains.
         detach_trunk: train only the head through ``value_model`` (see :class:`ValueModel`).
         head_seed: seeds the value head's initialization.
-        device: where the model runs; outputs come back on the CPU.
         share: a share key (e.g. ``"critic"``, as ``PPOUpdate(critic_share=...)``): on an
             on-policy executor the nodes of that key use one value model
             (:mod:`nodes.shared_models`); ignored with ``model``.
+        options: ``device``, ``share``, ``micro_batch_tokens``, ... (:class:`_ResponseScores`).
 
     The node's ``forward`` runs without grad (values for advantage estimation); an update
     node trains ``critic.value_model`` directly, which is differentiable, or trains its own
@@ -332,7 +310,6 @@ class Critic(Offload, Sharing, WeightInput, Node):
         ),
     }
     outputs = {"values": TensorPort("float32", "B", "R")}  # noqa: RUF012
-    batch_policy = BatchPolicy(max_batch_size=64)
     value_model = Built("the ValueModel (trunk and head), built by setup()")
 
     def __init__(
@@ -341,20 +318,11 @@ class Critic(Offload, Sharing, WeightInput, Node):
         model: Policy | None = None,
         detach_trunk: bool = False,
         head_seed: int = 0,
-        device: str = "cpu",
-        name: str | None = None,
-        share: str | None = None,
-        micro_batch_tokens: int = 0,
-        *,
-        placement: str | int | None = None,
-        batch_policy: BatchPolicy | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(name, placement=placement, batch_policy=batch_policy)
-        self.share = check_share_key(share, f"node {self.name!r}")
-        self.micro_batch_tokens = _budget(micro_batch_tokens, self.name)
+        super().__init__(**options)
         if model is None:
             check_policy_spec(critic)
-        self.device = torch.device(device)
         self.shared = model is not None
         self.critic_spec, self._model = critic, model
         self.detach_trunk, self.head_seed = bool(detach_trunk), int(head_seed)
@@ -399,35 +367,20 @@ class Critic(Offload, Sharing, WeightInput, Node):
         return scoring_memory(self.critic_spec, load, self.micro_batch_tokens, logits=False)
 
     @torch.no_grad()
-    def forward(
-        self,
-        prompt_ids,
-        prompt_mask,
-        response_ids,
-        response_mask,
-        image_embeds,
-        images,
-        weights=None,
-        context_mask=None,
-    ) -> dict[str, Tensor]:
+    def forward(self, weights=None, **inputs: Any) -> dict[str, Tensor]:
         self._load(weights)
+        return super().forward(**inputs)
+
+    @contextlib.contextmanager
+    def _scoring(self) -> Iterator[tuple[Policy, Callable[..., Tensor]]]:
+        """The value model, its trunk in eval mode for the call (an update may train it)."""
         trunk = self.value_model.trunk
-        reads = read_mask(f"node {self.name!r}", response_mask, context_mask)
-
-        def values(prompt_ids, prompt_mask, response_ids, response_mask, embeds, imgs):
-            batch = _prompt_batch(self, trunk, prompt_ids, prompt_mask, embeds, imgs)
-            return self.value_model(batch, response_ids, response_mask)  # (b, R')
-
         was_training = trunk.training
         trunk.eval()
         try:
-            out = _in_parts(
-                values, self.micro_batch_tokens, prompt_ids, prompt_mask, response_ids,
-                reads, image_embeds, images,
-            )  # fmt: skip
+            yield trunk, self.value_model
         finally:
             trunk.train(was_training)
-        return {"values": torch.where(response_mask.cpu() > 0, out, 0.0)}  # 0 off the turns
 
     def state_dict(self) -> dict[str, Any]:
         """The value head, plus the trunk when it is this node's own (not shared)."""

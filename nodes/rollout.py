@@ -12,9 +12,9 @@ Backends:
   is not newer is skipped); its logprobs are vLLM's own unless top-p/top-k is on or
   ``recompute_logprobs=True`` (then teacher-forced with the HF policy). The engine runs on the
   node's GPU (``device="cuda:1"``: that one). ``vllm_options``: gpu_memory_utilization (None:
-  derived from what the GPU has free and whether the engine sleeps, ``vllm_engine.gpu_share``),
+  derived from what the GPU has free and whether the engine sleeps, ``vllm_options.gpu_share``),
   tensor_parallel_size, dtype, enable_sleep_mode (the engine sleeps after each call, for
-  colocated placement), bucket_mb (see ``vllm_engine.OPTIONS``).
+  colocated placement), bucket_mb (see ``vllm_options.OPTIONS``).
 
 Logprobs (``logprobs`` port) are ``log softmax(logits / temperature)`` of each sampled token:
 the temperature-scaled policy *before* top-k/top-p truncation (T = 1 when greedy). Computed
@@ -29,9 +29,7 @@ top-p/top-k) they are the recomputed ones.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -48,17 +46,18 @@ from nodes.models.policy import (
 )
 from nodes.models.prompts import fit_prompts
 from nodes.models.sampling import sampling_problem
-from nodes.models.vllm_engine import (
-    VLLMEngine,
+from nodes.models.vllm_engine import VLLMEngine
+from nodes.models.vllm_options import (
     check_vllm_options,
+    checkpoint_dir,
     gpu_share,
     refuse_quantized,
     vllm_unavailable_reason,
 )
-from nodes.seeding import seeded, step_seed
+from nodes.rollout_steps import _Steps
 from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
 from nodes.sync import WeightInput
-from yatt_graph import ANY, BatchPolicy, Node, Port, UsageError
+from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built
 
@@ -77,17 +76,7 @@ class _Call(NamedTuple):
     seed: int
 
 
-def _checkpoint_dir(spec: Any, model: Policy | None) -> str | None:
-    """The local directory a vLLM engine can start from: a path spec's, else None (a tiny
-    builder, a builder reference or a live model: the engine serves the policy saved)."""
-    if model is not None:
-        return None
-    if isinstance(spec, Mapping):
-        spec = spec.get("path")
-    return spec if isinstance(spec, str) and Path(spec).is_dir() else None
-
-
-class Rollout(Offload, Sharing, WeightInput, Node):
+class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
     """Prompts (+ images or image embeddings) -> sampled responses and their logprobs.
 
     With ``n`` samples per prompt, outputs have B = N * n rows, the n samples of a prompt in
@@ -124,7 +113,7 @@ class Rollout(Offload, Sharing, WeightInput, Node):
         model: a live Policy to use instead of building one from ``policy`` (tests, notebooks).
         stream: hand out finished rows as they end (HF backend; not with ``recompute_logprobs``).
         stream_every: with ``stream``, how many decode steps a piece gathers finished rows.
-        vllm_options: with ``backend="vllm"``, engine options (:mod:`nodes.models.vllm_engine`).
+        vllm_options: with ``backend="vllm"``, engine options (:mod:`nodes.models.vllm_options`).
         share: a share key (e.g. ``"policy"``): on an on-policy executor, nodes with the same
             key use one module (:mod:`nodes.shared_models`); HF backend only, ignored with
             ``model``.
@@ -211,7 +200,7 @@ class Rollout(Offload, Sharing, WeightInput, Node):
             check_policy_spec(policy)
         if backend == "vllm" and (why := vllm_unavailable_reason()):
             raise ValueError(f"{where}: backend='vllm' is unavailable: {why}; use backend='hf'")
-        if backend == "vllm" and (path := _checkpoint_dir(policy, model)) is not None:
+        if backend == "vllm" and (path := checkpoint_dir(policy, model)) is not None:
             refuse_quantized(path, where)
         self.backend = backend
         self.n = int(n)
@@ -236,7 +225,7 @@ class Rollout(Offload, Sharing, WeightInput, Node):
         self.step = 0
         self.next_group = 0
         self._vllm: VLLMEngine | None = None
-        self._piece: tuple[Mapping[str, int], list[int]] | None = None
+        self._piece: tuple[dict[str, int], list[int]] | None = None
 
     def build(self) -> None:
         if self._model is not None:
@@ -251,7 +240,7 @@ class Rollout(Offload, Sharing, WeightInput, Node):
         self.policy = model.to(self.device).eval()
         if self.backend == "vllm":
             self._vllm = VLLMEngine(
-                self.policy, _checkpoint_dir(self.policy_spec, self._model), seed=self.seed,
+                self.policy, checkpoint_dir(self.policy_spec, self._model), seed=self.seed,
                 sampling=self.sampling, options=self.vllm_options, who=f"node {self.name!r}",
                 device=self.device,
             )  # fmt: skip
@@ -318,15 +307,7 @@ class Rollout(Offload, Sharing, WeightInput, Node):
             self.policy, batch, prompts_b, max_new_tokens=self.sampling["max_new_tokens"],
             max_prompt_tokens=self.max_prompt_tokens, who=f"node {self.name!r}",
         )  # fmt: skip
-        seed = step_seed(self.seed, self.step)
-        if self._piece is not None:  # a replica's piece: its own seed, from its first row
-            ctx, rows = self._piece
-            if len(rows) != N:
-                raise ValueError(
-                    f"node {self.name!r}: begin_piece was given {len(rows)} rows for {N} prompts"
-                )
-            seed = step_seed(step_seed(self.seed, ctx["step"]), 1 + rows[0])
-        return _Call(N, prompts_b, images_b, batch.to(self.device), seed)
+        return _Call(N, prompts_b, images_b, batch.to(self.device), self._call_seed(N))
 
     def _outputs(
         self, batch: Any, gen: Generation, logprobs: Tensor, rows: Tensor, sampled: Tensor
@@ -345,39 +326,6 @@ class Rollout(Offload, Sharing, WeightInput, Node):
             "group_ids": self._group_ids(rows),
             "truncated": gen.truncated.float(),
         }
-
-    def _group_ids(self, rows: Tensor) -> Tensor:
-        prompt = rows // self.n  # the prompt of each response row, in this call
-        if self._piece is None:
-            return self.next_group + prompt
-        ctx, piece_rows = self._piece  # prompt i of the piece is prompt piece_rows[i] of the step
-        return ctx["next_group"] + torch.tensor(piece_rows, dtype=torch.int64)[prompt]
-
-    def _done(self, call: _Call) -> None:
-        if self._piece is None:  # a piece leaves the counters to end_pieces
-            self.step += 1
-            self.next_group += call.N
-
-    # --- replicas (runtime.sched.fanout) ---------------------------------------------------
-    def piece_context(self) -> dict[str, int]:
-        """What every replica needs to sample its piece of this step as the step's own: the
-        call count (for the seed) and the first group label."""
-        return {"step": self.step, "next_group": self.next_group}
-
-    def begin_piece(self, context: Mapping[str, int], rows: Sequence[int]) -> None:
-        """The next call is the piece of a step holding prompts ``rows`` (their positions in
-        the step's batch): it is seeded from ``context["step"]`` and ``rows[0]``, so a piece
-        samples the same tokens on whichever replica runs it, and its ``group_ids`` are the
-        step's. :meth:`end_piece` ends the piece."""
-        self._piece = ({k: int(v) for k, v in context.items()}, [int(r) for r in rows])
-
-    def end_piece(self) -> None:
-        self._piece = None
-
-    def end_pieces(self, context: Mapping[str, int], prompts: int) -> None:
-        """All pieces of the step that ``context`` began are in: count it as one call."""
-        self.step = int(context["step"]) + 1
-        self.next_group = int(context["next_group"]) + int(prompts)
 
     def memory(self, load: Any) -> dict[str, int]:
         """The policy, the KV cache of every response at full length and the prefill (a
@@ -435,28 +383,6 @@ class Rollout(Offload, Sharing, WeightInput, Node):
                 outputs = self._outputs(call.batch, gen, gen.logprobs, rows_t, gen.logprobs)
                 yield rows, outputs, len(call.batch)  # B: consumers may take per-sample inputs
         self._done(call)
-
-    @contextlib.contextmanager
-    def _seeded(self, seed: int) -> Iterator[None]:
-        """Draw from the global generator seeded with ``seed``; its state is restored after.
-        A sampler that meets non-finite probabilities says whose weights are to blame."""
-        try:
-            with seeded(seed, self.device):
-                yield
-        except RuntimeError as exc:
-            if "probability tensor contains" not in str(exc):
-                raise
-            cause = (
-                f"its weights (version {self.weights_version}, the newest the update sent) have "
-                "diverged: lower the learning rate or set max_grad_norm, and resume from a "
-                "checkpoint written before that version"
-                if self.weights_version
-                else "its weights as built are not finite: check the model folder"
-            )
-            raise UsageError(
-                f"node {self.name!r}: the policy's next-token probabilities are not finite, so "
-                f"it cannot sample; {cause}"
-            ) from exc
 
     # --- the device, when roles take turns on it ----------------------------------------------
     def offload(self) -> int:

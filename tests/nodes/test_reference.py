@@ -7,7 +7,8 @@ import torch
 from PIL import Image
 
 from nodes.models.policy import tiny_prefix_vlm
-from nodes.reference import Critic, ReferenceLogprobs, ValueModel
+from nodes.models.value import ValueModel
+from nodes.reference import Critic, ReferenceLogprobs
 from nodes.rollout import Rollout
 
 PROMPTS = ["hi", "what colour is it?", "x"]

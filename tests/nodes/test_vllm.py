@@ -19,15 +19,9 @@ from vllm_stand_in import FakeLLM, GiB, install, through_the_engine_core
 
 from nodes.models.hf_causal import HFCausalPolicy
 from nodes.models.policy import build_policy, char_tokenizer, tiny_prefix_vlm, tiny_qwen2_vl
-from nodes.models.vllm_engine import (
-    RECEIVE,
-    WeightReceiver,
-    check_vllm_options,
-    pack_weights,
-    unpack_weights,
-    vllm_unavailable_reason,
-)
+from nodes.models.vllm_engine import RECEIVE, WeightReceiver, pack_weights, unpack_weights
 from nodes.models.vllm_names import checkpoint_items
+from nodes.models.vllm_options import check_vllm_options, vllm_unavailable_reason
 from nodes.rollout import Rollout
 from nodes.sync import WeightUpdate
 
@@ -254,7 +248,7 @@ def test_sleep_mode_frees_the_engine_between_calls_and_wakes_weights_first(fake_
 
 
 def test_the_engines_share_of_the_gpu_follows_its_placement(fake_vllm):
-    from nodes.models.vllm_engine import gpu_share
+    from nodes.models.vllm_options import gpu_share
 
     assert gpu_share(80 * GiB, 80 * GiB, sleeps=False) == 0.9  # a GPU of its own
     assert gpu_share(80 * GiB, 80 * GiB, sleeps=True) == 0.8  # beside a trainer, asleep in turn
