@@ -19,11 +19,11 @@ from typing import Any, Literal
 
 import torch
 
-from nodes.models.files import _read_json
+from nodes.models.files import _local_dir, _read_json
 from nodes.models.hf_causal import HFCausalPolicy
 from nodes.models.hf_vlm import HFVisionLanguagePolicy
 from nodes.models.lora import apply_lora, check_lora_spec
-from nodes.models.policy_base import _PREFIX_MARKER, TINY_MARK, Policy, _local_dir
+from nodes.models.policy_base import _PREFIX_MARKER, TINY_MARK, Policy
 from nodes.models.prefix_vlm import PrefixVLM
 from nodes.seeding import seeded
 

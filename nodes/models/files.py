@@ -12,6 +12,17 @@ from typing import Any
 __all__: list[str] = []  # private helpers of the policy families
 
 
+def _local_dir(fn: str, path: str | Path) -> Path:
+    """``path`` as a local directory, or a ValueError: models load only from local paths."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(
+            f"{fn}: {str(path)!r} is not a local directory; models load only from local paths "
+            "(nothing is downloaded). Save one with policy.save_pretrained(dir)."
+        )
+    return path
+
+
 def _read_json(fn: str, path: Path, what: str) -> dict[str, Any]:
     """A JSON object file, or a ValueError naming the file and what is wrong with it."""
     if not path.is_file():
@@ -72,14 +83,15 @@ def config_positions(config: Any) -> int | None:
 
 
 def _load_pretrained(
-    fn: str, path: Path, auto_class: str, dtype: str, companion: Callable[[Path], Any]
+    fn: str, path: str | Path, auto_class: str, dtype: str, companion: Callable[[Path], Any]
 ) -> tuple[Any, Any]:
-    """A checkpoint directory's model (``transformers.<auto_class>`` in ``dtype``) and its
-    tokenizer or processor (``companion(path)``): checked first, local files only, and an
+    """A local checkpoint directory's model (``transformers.<auto_class>`` in ``dtype``) and
+    its tokenizer or processor (``companion(path)``): checked first, local files only, and an
     error is one ValueError line naming the path."""
     import torch
     import transformers
 
+    path = _local_dir(fn, path)
     _check_checkpoint_dir(fn, path)
     with _loading(fn, path):
         model, info = getattr(transformers, auto_class).from_pretrained(

@@ -20,7 +20,6 @@ from nodes.models.policy_base import (
     Policy,
     PromptBatch,
     _check_response,
-    _local_dir,
     _suppress,
     char_tokenizer,
     word_tokenizer,
@@ -152,7 +151,6 @@ class HFCausalPolicy(Policy):
     ) -> HFCausalPolicy:
         """Load a causal LM and its tokenizer from a local directory (never downloads)."""
         fn = "HFCausalPolicy.from_pretrained"
-        path = _local_dir(fn, path)
         model, tokenizer = _load_pretrained(
             fn, path, "AutoModelForCausalLM", dtype, _load_tokenizer
         )

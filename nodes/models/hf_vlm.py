@@ -21,7 +21,6 @@ from nodes.models.policy_base import (
     Policy,
     PromptBatch,
     _check_response,
-    _local_dir,
     char_tokenizer,
     word_tokenizer,
 )
@@ -223,7 +222,6 @@ class HFVisionLanguagePolicy(Policy):
         from transformers import AutoProcessor
 
         fn = "HFVisionLanguagePolicy.from_pretrained"
-        path = _local_dir(fn, path)
         model, processor = _load_pretrained(
             fn, path, "AutoModelForImageTextToText", dtype,
             lambda p: AutoProcessor.from_pretrained(p, local_files_only=True),

@@ -114,24 +114,14 @@ def char_tokenizer(extra_special_tokens: Sequence[str] = ()) -> Any:
     the printable ASCII characters. Pads on the left (prompts are left-padded).
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
-    specials = list(_CHAR_SPECIALS) + [t for t in extra_special_tokens if t not in _CHAR_SPECIALS]
+    specials = _specials(extra_special_tokens)
     chars = [c for c in string.printable if c not in "\x0b\x0c"]
     vocab = {tok: i for i, tok in enumerate(specials + chars)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        padding_side="left",
-    )
-    if len(specials) > len(_CHAR_SPECIALS):
-        tok.add_special_tokens({"additional_special_tokens": specials[len(_CHAR_SPECIALS) :]})
-    return tok
+    return _fast_tokenizer(backend, specials)
 
 
 def word_tokenizer(words: Sequence[str], extra_special_tokens: Sequence[str] = ()) -> Any:
@@ -142,9 +132,8 @@ def word_tokenizer(words: Sequence[str], extra_special_tokens: Sequence[str] = (
     vocabularies make one answer one token, which a tiny policy can find by sampling.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
-    specials = list(_CHAR_SPECIALS) + [t for t in extra_special_tokens if t not in _CHAR_SPECIALS]
+    specials = _specials(extra_special_tokens)
     vocab = {tok: i for i, tok in enumerate(specials)}
     for word in words:
         if not word or any(c.isspace() for c in word):
@@ -153,6 +142,19 @@ def word_tokenizer(words: Sequence[str], extra_special_tokens: Sequence[str] = (
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return _fast_tokenizer(backend, specials)
+
+
+def _specials(extra: Sequence[str]) -> list[str]:
+    """``<pad>``, ``<eos>``, ``<unk>``, then the ``extra`` special tokens not among them."""
+    return list(_CHAR_SPECIALS) + [t for t in extra if t not in _CHAR_SPECIALS]
+
+
+def _fast_tokenizer(backend: Any, specials: list[str]) -> Any:
+    """``backend`` (a ``tokenizers.Tokenizer`` whose vocabulary starts with ``specials``) as a
+    left-padding ``PreTrainedTokenizerFast`` that knows its special tokens."""
+    from transformers import PreTrainedTokenizerFast
+
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="<pad>",
@@ -437,13 +439,3 @@ def _check_response(
         raise ValueError(
             f"{fn}: {response_ids.shape[0]} responses for {len(batch)} prompts; rows must match"
         )
-
-
-def _local_dir(fn: str, path: str | Path) -> Path:
-    path = Path(path)
-    if not path.is_dir():
-        raise ValueError(
-            f"{fn}: {str(path)!r} is not a local directory; models load only from local paths "
-            "(nothing is downloaded). Save one with policy.save_pretrained(dir)."
-        )
-    return path

@@ -21,7 +21,6 @@ from nodes.models.policy_base import (
     Policy,
     PromptBatch,
     _check_response,
-    _local_dir,
     _positions,
     char_tokenizer,
     word_tokenizer,
@@ -197,7 +196,6 @@ class PrefixVLM(Policy):
     ) -> PrefixVLM:
         """A local HF causal LM and its tokenizer, with a fresh projector."""
         fn = "PrefixVLM.from_lm"
-        lm_path = _local_dir(fn, lm_path)
         lm, tokenizer = _load_pretrained(
             fn, lm_path, "AutoModelForCausalLM", dtype, _load_tokenizer
         )

@@ -36,7 +36,6 @@ from nodes.rl.aggregate import (
     _check_dual_clip,
     _check_token_tensors,
     _clip_range,
-    _clipped_surrogate,
     aggregate_token_loss,
 )
 from nodes.rl.logits import entropy_from_logits, logprobs_from_logits, token_entropy_from_logits
@@ -122,13 +121,37 @@ def _ppo_policy_loss(
     aggregation: str = "token-mean",
     is_weights: Tensor | None = None,
     horizon: int | None = None,
+    *,
+    fn: str = "ppo_policy_loss",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`ppo_policy_loss` of checked inputs (finite on ``real``, a bool mask): what an
-    update calls on every micro-batch of the inputs it checked once."""
-    token_loss, stats = _clipped_surrogate(
-        logprobs, old_logprobs, advantages, real, eps_low, eps_high, dual_clip, is_weights
-    )  # (B, T)
-    return _aggregate("ppo_policy_loss", token_loss, real, aggregation, horizon), stats
+    update calls on every micro-batch of the inputs it checked once, and GRPO's policy term
+    (errors name ``fn``). With ``dual_clip`` c (> 1), a token with a negative advantage loses
+    at most ``-A * c`` (Ye et al. 2020, "dual-clip PPO"): a huge ratio on a bad token cannot
+    dominate the batch. ``is_weights`` (B, T), detached, scale each token's loss (truncated
+    importance sampling)."""
+    log_ratio = torch.where(real, logprobs - old_logprobs, 0)  # (B, T) log pi/pi_old
+    advantages = torch.where(real, advantages, 0)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    pg_loss_unclipped = -advantages * ratio  # (B, T)
+    pg_loss_clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)  # (B, T)
+    token_loss = torch.maximum(pg_loss_unclipped, pg_loss_clipped)  # (B, T) pessimistic bound
+    if dual_clip is not None:
+        capped = torch.minimum(token_loss, -advantages * dual_clip)  # (B, T)
+        token_loss = torch.where(advantages < 0, capped, token_loss)  # (B, T)
+    if is_weights is not None:
+        token_loss = token_loss * torch.where(real, is_weights.detach(), 0)  # (B, T)
+    with torch.no_grad():
+        n = real.sum().to(ratio.dtype)  # ()
+        # the clipped branch wins exactly where the token's gradient is cut off
+        clipped = (pg_loss_clipped > pg_loss_unclipped) & real  # (B, T)
+        approx_kl = torch.where(real, ratio - 1 - log_ratio, 0)  # (B, T) k3 of KL(pi_old || pi)
+        stats = {
+            "clip_fraction": clipped.sum().to(ratio.dtype) / n,
+            "approx_kl": approx_kl.sum() / n,
+            "ratio_mean": torch.where(real, ratio, 0).sum() / n,
+        }
+    return _aggregate(fn, token_loss, real, aggregation, horizon), stats
 
 
 def value_loss(
@@ -370,11 +393,11 @@ def _grpo_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`grpo_loss` of checked (B, T) inputs (finite on ``real``, a bool mask)."""
     fn = "grpo_loss"
-    pg_token_loss, stats = _clipped_surrogate(
-        logprobs, old_logprobs, advantages, real, eps_low, eps_high, dual_clip, is_weights
-    )  # (B, T)
+    pg_loss, stats = _ppo_policy_loss(
+        logprobs, old_logprobs, advantages, real, eps_low, eps_high, dual_clip, aggregation,
+        is_weights, horizon, fn=fn,
+    )  # fmt: skip
     kl_token = _kl_estimate(logprobs, ref_logprobs, real, kl_estimator)  # (B, T)
-    pg_loss = _aggregate(fn, pg_token_loss, real, aggregation, horizon)  # ()
     ref_kl = _aggregate(fn, kl_token, real, aggregation, horizon)  # ()
     stats["pg_loss"] = pg_loss.detach()
     stats["ref_kl"] = ref_kl.detach()

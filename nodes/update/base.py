@@ -3,30 +3,26 @@ the published weights (see :mod:`nodes.update` for the behaviour they have in co
 
 from __future__ import annotations
 
-import inspect
 import logging
-import math
 from collections.abc import Mapping, Sequence
-from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from nodes.batches import read_mask
 from nodes.models.offload import Offload
-from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
-from nodes.models.sampling import temperature_problem
+from nodes.models.policy import Policy, PromptBatch, build_policy
 from nodes.reference import _prompt_batch
-from nodes.rl.advantages import KL_ESTIMATORS
 from nodes.rl.losses import _tis_weights, logprobs_from_logits, token_entropy_from_logits
 from nodes.rl.masked import _check_finite
 from nodes.seeding import step_seed
-from nodes.shared_models import Sharing, check_share_key, fingerprint
+from nodes.shared_models import Sharing, fingerprint
 from nodes.update.loop import MicroLoss, _Loop, _NonFinite
 from nodes.update.micro import Micro, View, plan_micro_batches, token_micro_batches
+from nodes.update.options import _Options
 from nodes.update.ranked import NonFiniteError, _Ranked
-from nodes.update.schedule import PRECISIONS, autocast, schedule_problem
+from nodes.update.schedule import autocast
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built
@@ -37,8 +33,6 @@ log = logging.getLogger(__name__)
 
 
 _TOKENS = TensorPort("float32", "B", "R")
-TRAIN_BACKENDS = ("fsdp", "ddp")
-"""How a rank group trains the models: FSDP2 (sharded) or DDP (replicated); runtime.ranks."""
 
 _INPUTS = {
     "prompt_ids": TensorPort("int64", "B", "P"),
@@ -68,8 +62,21 @@ _INPUTS = {
 }
 
 
-_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-"""The largest learning rate an optimizer step can apply (larger ones do not convert)."""
+class _PolicyTerms(NamedTuple):
+    """A micro-batch through the policy, as the losses read it (all of ``b`` rows)."""
+
+    real: Tensor
+    """bool[b, R]: the tokens trained on, checked once for the call (no 0/1 scan per term)."""
+    tokens: int
+    """How many tokens ``real`` holds (> 0)."""
+    ids: Tensor
+    """int64[b, R]: the response tokens."""
+    reads: Tensor
+    """bool[b, R]: the tokens the model reads (observations too, in a multi-turn trajectory)."""
+    logprobs: Tensor
+    """float[b, R]: teacher-forced logprobs of ``logits / T``, 0 off ``real``, checked finite."""
+    entropy: Tensor
+    """float[b, R]: per-token entropy, 0 off ``real`` (with grad when ``entropy_coef > 0``)."""
 
 
 def _item(x: Tensor) -> float:
@@ -81,9 +88,10 @@ def _require_finite(what: str, x: Tensor, real: Tensor) -> None:
         raise _NonFinite(what)
 
 
-class _Update(_Loop, Offload, _Ranked, Sharing, Node):
-    """What PPO and GRPO updates share: input checks, micro-batches, the guarded step, weights,
-    and the rank group (``ranks > 1``: ``runtime.ranks``)."""
+class _Update(_Options, _Loop, Offload, _Ranked, Sharing, Node):
+    """What PPO and GRPO updates share: their options (:mod:`nodes.update.options`), input
+    checks, micro-batches, the guarded step, weights, and the rank group (``ranks > 1``:
+    ``runtime.ranks``)."""
 
     kind = "update"
     _metric_keys: tuple[str, ...] = ()
@@ -92,113 +100,6 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
     policy = Built("the policy this node trains, built from the ``policy`` spec by setup()")
     optimizer = Built("the policy's AdamW")
     _trained = Built("(metric name, what it is in messages, parameters, optimizer) per model")
-
-    # --- construction --------------------------------------------------------------------
-    def _init_common(self) -> None:
-        """Check and keep the options every update takes, read from the constructor's arguments
-        (given or default): PPO's and GRPO's constructors name them alike."""
-        args, kwargs = self._init_args
-        bound = inspect.signature(type(self)).bind(*args, **kwargs)
-        bound.apply_defaults()
-        o = SimpleNamespace(**bound.arguments)
-        where = f"node {self.name!r}"
-        hot = temperature_problem(o.temperature, greedy=False)
-        checks = [
-            (0 < o.lr <= _FLOAT32_MAX, f"lr={o.lr}; it must be > 0 and fit float32"),
-            (o.weight_decay >= 0, f"weight_decay={o.weight_decay}; it must be >= 0"),
-            (0 < o.clip_eps < 1, f"clip_eps={o.clip_eps}; it must be in (0, 1)"),
-            (
-                o.clip_eps_high is None or o.clip_eps_high > 0,
-                f"clip_eps_high={o.clip_eps_high}; it must be > 0 (or None for clip_eps)",
-            ),
-            (
-                o.dual_clip is None or (o.dual_clip > 1 and math.isfinite(o.dual_clip)),
-                f"dual_clip={o.dual_clip}; it must be a finite number > 1 (or None: off)",
-            ),
-            (o.entropy_coef >= 0, f"entropy_coef={o.entropy_coef}; it must be >= 0"),
-            (o.kl_coef >= 0, f"kl_coef={o.kl_coef}; it must be >= 0 (0 disables the KL term)"),
-            (int(o.epochs) >= 1, f"epochs={o.epochs}; it must be >= 1"),
-            (
-                int(o.micro_batch_size) >= 0,
-                f"micro_batch_size={o.micro_batch_size}; 0 = whole batch",
-            ),
-            (
-                int(o.micro_batch_tokens) >= 0,
-                f"micro_batch_tokens={o.micro_batch_tokens}; it must be >= 0 (0: no budget)",
-            ),
-            (
-                int(o.mini_batches) >= 1,
-                f"mini_batches={o.mini_batches}; it must be >= 1 (optimizer steps per epoch)",
-            ),
-            (
-                o.mixed_precision in PRECISIONS,
-                f"mixed_precision={o.mixed_precision!r}; choose one of {', '.join(PRECISIONS)}",
-            ),
-            (
-                (why := schedule_problem(o.lr_schedule, o.lr_warmup_steps, o.lr_decay_steps))
-                is None,
-                why,
-            ),
-            (
-                o.max_grad_norm is None or o.max_grad_norm >= 0,
-                f"max_grad_norm={o.max_grad_norm}; it must be >= 0 (0 or None: no clipping)",
-            ),
-            (hot is None, f"{hot} (the rollout's)"),
-            (
-                o.on_nonfinite in ("raise", "skip"),
-                f"on_nonfinite={o.on_nonfinite!r}; choose 'raise' or 'skip' (as on_bad_sample)",
-            ),
-            (
-                isinstance(o.ranks, int) and not isinstance(o.ranks, bool) and o.ranks >= 1,
-                f"ranks={o.ranks!r}; it must be an int >= 1 (the processes that train together)",
-            ),
-            (
-                o.train_backend in TRAIN_BACKENDS,
-                f"train_backend={o.train_backend!r}; choose one of {', '.join(TRAIN_BACKENDS)}",
-            ),
-            (o.rank_timeout_s > 0, f"rank_timeout_s={o.rank_timeout_s}; it must be > 0"),
-            (
-                o.tis_cap >= 0 and math.isfinite(o.tis_cap),
-                f"tis_cap={o.tis_cap}; it must be a finite number >= 0 (0: no correction)",
-            ),
-        ]
-        for ok, why in checks:
-            if not ok:
-                raise ValueError(f"{where}: {why}")
-        self.lr = float(o.lr)
-        self.clip_eps = float(o.clip_eps)
-        self.clip_eps_high = None if o.clip_eps_high is None else float(o.clip_eps_high)
-        high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
-        self.dual_clip = None if o.dual_clip is None else float(o.dual_clip)
-        # the ratio's clip range below and above 1, and the dual clip of negative advantages
-        self._clip = (self.clip_eps, high, self.dual_clip)
-        self.kl_estimator = KL_ESTIMATORS.check(o.kl_estimator, f"{where}: kl_estimator")
-        self.entropy_coef = float(o.entropy_coef)
-        self.kl_coef = float(o.kl_coef)
-        self.epochs = int(o.epochs)
-        self.micro_batch_size = int(o.micro_batch_size)
-        self.micro_batch_tokens = int(o.micro_batch_tokens)
-        self.mask_truncated = bool(o.mask_truncated)
-        self.tis_cap = float(o.tis_cap)
-        self.pack_sequences = bool(o.pack_sequences)
-        self._response_stats: dict[str, float] = {}
-        self.mini_batches = int(o.mini_batches)
-        self.mixed_precision = o.mixed_precision
-        self._schedule = (o.lr_schedule, int(o.lr_warmup_steps), int(o.lr_decay_steps))
-        self.max_grad_norm = float(o.max_grad_norm or 0.0)
-        self.temperature = float(o.temperature)
-        self.seed = int(o.seed)
-        self.on_nonfinite = o.on_nonfinite
-        self.device = torch.device(o.device)
-        check_policy_spec(o.policy)
-        self.policy_spec = o.policy
-        self.share = check_share_key(o.share, where)
-        self.weight_decay = float(o.weight_decay)
-        self.ranks = int(o.ranks)
-        self.train_backend = o.train_backend
-        self.rank_timeout_s = float(o.rank_timeout_s)
-        self.version = 0
-        self.updates = 0
 
     # --- the memory plan (nodes/memory.py) -----------------------------------------------------
     def memory(self, load: Any) -> dict[str, int]:
@@ -420,22 +321,26 @@ class _Update(_Loop, Offload, _Ranked, Sharing, Node):
         )
 
     # --- model terms ---------------------------------------------------------------------
-    def _policy_terms(
-        self, batch: PromptBatch, ids: Tensor, mask: Tensor, real: Tensor, reads: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """Teacher-forced logprobs of ``logits / T`` and per-token entropy, both float[b, R]
-        (0 off ``mask``); the forward reads the tokens of ``reads`` (observations too)."""
+    def _policy_terms(self, view: View, rows: slice) -> _PolicyTerms | None:
+        """Rows ``rows`` of ``view`` through the policy, teacher-forced (None when they hold no
+        token to train on); the forward reads the tokens of ``view.reads`` (observations too)."""
+        real, ids = view.real[rows], view.t["response_ids"][rows]
+        tokens = int(real.sum())
+        if tokens == 0:
+            return None
+        batch = self._prompt_batch(self.policy, view, rows)
+        reads = view.reads[rows]  # bool[b, R]: observations too, in a multi-turn trajectory
         with autocast(self.device, self.mixed_precision):
             logits = self._policy_logits(batch, ids, reads)  # (b, R, V)
         if self.mixed_precision != "no":
             logits = logits.float()  # the log-softmax in float32
         if self.temperature != 1.0:
             logits = logits / self.temperature  # (b, R, V)
-        logprobs = logprobs_from_logits(logits, ids, mask).float()  # (b, R)
+        logprobs = logprobs_from_logits(logits, ids, real).float()  # (b, R)
         _require_finite("policy logprobs", logprobs, real)
         if self.entropy_coef > 0:
-            entropy = token_entropy_from_logits(logits, mask)  # (b, R)
+            entropy = token_entropy_from_logits(logits, real)  # (b, R)
         else:
             with torch.no_grad():
-                entropy = token_entropy_from_logits(logits.detach(), mask)  # (b, R)
-        return logprobs, entropy.float()
+                entropy = token_entropy_from_logits(logits.detach(), real)  # (b, R)
+        return _PolicyTerms(real, tokens, ids, reads, logprobs, entropy.float())

@@ -11,7 +11,7 @@ from nodes.rl.aggregate import AGGREGATIONS, _aggregate
 from nodes.rl.losses import _grpo_loss
 from nodes.update.base import _INPUTS, MicroLoss, _item, _Update
 from nodes.update.micro import View
-from yatt_graph import ANY, BatchPolicy, Port
+from yatt_graph import ANY, Port
 
 __all__ = ["GRPOUpdate"]
 
@@ -40,7 +40,7 @@ class GRPOUpdate(_Update):
         ranks, train_backend, rank_timeout_s: train as an SPMD group of ``ranks`` processes
             (``runtime.ranks``), sharded by ``"fsdp"`` (FSDP2) or replicated by
             ``"ddp"``; ``rank_timeout_s`` bounds the ranks' start and each collective.
-        The others are as in :class:`PPOUpdate`.
+        The others (keywords, :mod:`nodes.update.options`) are as in :class:`PPOUpdate`.
     """
 
     _metric_keys = ("loss", "pg_loss", "entropy", "clip_fraction", "approx_kl", "grad_norm")
@@ -53,42 +53,12 @@ class GRPOUpdate(_Update):
     def __init__(
         self,
         policy: str | Mapping[str, Any] = "tiny-prefix-vlm",
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
-        clip_eps: float = 0.2,
-        clip_eps_high: float | None = None,
-        dual_clip: float | None = None,
-        kl_estimator: str = "k3",
-        kl_coef: float = 0.0,
-        entropy_coef: float = 0.0,
+        *,
         aggregation: str = "seq-mean-token-mean",
         horizon: int = 0,
-        epochs: int = 1,
-        micro_batch_size: int = 0,
-        micro_batch_tokens: int = 0,
-        mask_truncated: bool = False,
-        tis_cap: float = 0.0,
-        pack_sequences: bool = False,
-        mini_batches: int = 1,
-        mixed_precision: str = "no",
-        lr_schedule: str = "constant",
-        lr_warmup_steps: int = 0,
-        lr_decay_steps: int = 0,
-        max_grad_norm: float | None = 1.0,
-        temperature: float = 1.0,
-        seed: int = 0,
-        on_nonfinite: str = "skip",
-        device: str = "cpu",
-        name: str | None = None,
-        share: str | None = None,
-        ranks: int = 1,
-        train_backend: str = "fsdp",
-        rank_timeout_s: float = 300.0,
-        *,
-        placement: str | int | None = None,
-        batch_policy: BatchPolicy | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(name, placement=placement, batch_policy=batch_policy)
+        super().__init__(policy, **options)
         self.aggregation = AGGREGATIONS.check(aggregation, f"node {self.name!r}: aggregation")
         if not (isinstance(horizon, int) and not isinstance(horizon, bool) and horizon >= 0):
             raise ValueError(
@@ -96,7 +66,6 @@ class GRPOUpdate(_Update):
                 "generation budget, max_new_tokens; 0: the responses' padded width)"
             )
         self.horizon = horizon
-        self._init_common()
 
     def _step(self, full: View) -> dict[str, Any]:
         metrics = self._train(full, self._loss_over)
@@ -111,21 +80,16 @@ class GRPOUpdate(_Update):
         count = int(mean.count(full.real, horizon))  # what the loss averages over
 
         def micro_loss(view: View, rows: slice) -> tuple[Tensor, dict[str, float]] | None:
-            t = view.t
-            r, ids = view.real[rows], t["response_ids"][rows]
-            mask = r  # bool[b, R], checked once for the call: no 0/1 scan in each loss term
-            n = int(r.sum())
-            if n == 0:
+            policy = self._policy_terms(view, rows)
+            if policy is None:
                 return None
-            w_tok = n / n_tokens  # share of the batch's tokens (token-mean stats)
+            t, r = view.t, policy.real
+            w_tok = policy.tokens / n_tokens  # share of the batch's tokens (token-mean stats)
             w = int(mean.count(r, horizon)) / count  # share of the loss
-            batch = self._prompt_batch(self.policy, view, rows)
-            reads = view.reads[rows]  # bool[b, R]: observations too, in a multi-turn trajectory
-            new_logprobs, token_entropy = self._policy_terms(batch, ids, mask, r, reads)
             # the inputs were checked once for the call, the logprobs by _policy_terms
-            ref = t["ref_logprobs"][rows] if self.kl_coef > 0 else new_logprobs.detach()
+            ref = t["ref_logprobs"][rows] if self.kl_coef > 0 else policy.logprobs.detach()
             loss, stats = _grpo_loss(
-                new_logprobs,
+                policy.logprobs,
                 t["logprobs"][rows],
                 ref,
                 t["advantages"][rows],
@@ -137,7 +101,7 @@ class GRPOUpdate(_Update):
                 is_weights=t["tis_weights"][rows] if "tis_weights" in t else None,
                 horizon=horizon,
             )
-            entropy = _aggregate("entropy", token_entropy, r, self.aggregation, horizon)  # ()
+            entropy = _aggregate("entropy", policy.entropy, r, self.aggregation, horizon)  # ()
             loss = loss - self.entropy_coef * entropy  # ()
             out = {
                 "loss": w * _item(loss),

@@ -9,23 +9,17 @@ import torch
 from torch import Tensor, nn
 
 from nodes.models.policy import check_policy_spec
-from nodes.reference import build_value_model, value_model_fingerprint
+from nodes.models.value import build_value_model
+from nodes.reference import value_model_fingerprint
 from nodes.rl.aggregate import _aggregate
 from nodes.rl.losses import _kl_loss, _ppo_policy_loss, _value_loss
 from nodes.shared_models import check_share_key
 from nodes.sync import WeightUpdate
-from nodes.update.base import (
-    _FLOAT32_MAX,
-    _INPUTS,
-    _TOKENS,
-    MicroLoss,
-    _item,
-    _require_finite,
-    _Update,
-)
+from nodes.update.base import _INPUTS, _TOKENS, MicroLoss, _item, _require_finite, _Update
 from nodes.update.micro import View
+from nodes.update.options import _FLOAT32_MAX
 from nodes.update.schedule import autocast
-from yatt_graph import ANY, BatchPolicy, Port
+from yatt_graph import ANY, Port
 from yatt_graph.node import Built
 
 __all__ = ["PPOUpdate"]
@@ -127,44 +121,14 @@ class PPOUpdate(_Update):
         critic: str | Mapping[str, Any] = "tiny-prefix-vlm",
         detach_trunk: bool = False,
         head_seed: int = 0,
-        lr: float = 1e-4,
+        *,
         critic_lr: float | None = None,
-        weight_decay: float = 0.0,
-        clip_eps: float = 0.2,
-        clip_eps_high: float | None = None,
-        dual_clip: float | None = None,
-        kl_estimator: str = "k3",
         value_clip_eps: float | None = 0.2,
         vf_coef: float = 0.5,
-        entropy_coef: float = 0.0,
-        kl_coef: float = 0.0,
-        epochs: int = 1,
-        micro_batch_size: int = 0,
-        micro_batch_tokens: int = 0,
-        mask_truncated: bool = False,
-        tis_cap: float = 0.0,
-        pack_sequences: bool = False,
-        mini_batches: int = 1,
-        mixed_precision: str = "no",
-        lr_schedule: str = "constant",
-        lr_warmup_steps: int = 0,
-        lr_decay_steps: int = 0,
-        max_grad_norm: float | None = 1.0,
-        temperature: float = 1.0,
-        seed: int = 0,
-        on_nonfinite: str = "skip",
-        device: str = "cpu",
-        name: str | None = None,
-        share: str | None = None,
         critic_share: str | None = None,
-        ranks: int = 1,
-        train_backend: str = "fsdp",
-        rank_timeout_s: float = 300.0,
-        *,
-        placement: str | int | None = None,
-        batch_policy: BatchPolicy | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(name, placement=placement, batch_policy=batch_policy)
+        super().__init__(policy, **options)
         where = f"node {self.name!r}"
         if critic_lr is not None and not 0 < critic_lr <= _FLOAT32_MAX:
             raise ValueError(
@@ -176,14 +140,13 @@ class PPOUpdate(_Update):
             )
         if vf_coef < 0:
             raise ValueError(f"{where}: vf_coef={vf_coef}; it must be >= 0")
-        self._init_common()
         check_policy_spec(critic)
         self.value_clip_eps = None if value_clip_eps is None else float(value_clip_eps)
         self.vf_coef = float(vf_coef)
         self.critic_spec = critic
         self.critic_share = check_share_key(critic_share, where)
         self.detach_trunk, self.head_seed = bool(detach_trunk), int(head_seed)
-        self.critic_lr = float(critic_lr if critic_lr is not None else lr)
+        self.critic_lr = float(critic_lr if critic_lr is not None else self.lr)
         self.critic_version = 0
 
     _counters = ("version", "critic_version", "updates")
@@ -248,26 +211,21 @@ class PPOUpdate(_Update):
         n_tokens = int(full.real.sum())  # of the whole mini-batch, also in a rank group
 
         def micro_loss(view: View, rows: slice) -> tuple[Tensor, dict[str, float]] | None:
-            t = view.t
-            r, ids = view.real[rows], t["response_ids"][rows]
-            mask = r  # bool[b, R], checked once for the call: no 0/1 scan in each loss term
-            n = int(r.sum())
-            if n == 0:
+            policy = self._policy_terms(view, rows)
+            if policy is None:
                 return None
-            w = n / n_tokens  # this micro-batch's share of the token-mean
-            batch = self._prompt_batch(self.policy, view, rows)
-            reads = view.reads[rows]  # bool[b, R]: observations too, in a multi-turn trajectory
-            new_logprobs, token_entropy = self._policy_terms(batch, ids, mask, r, reads)
+            t, r = view.t, policy.real
+            w = policy.tokens / n_tokens  # this micro-batch's share of the token-mean
             # the inputs were checked once for the call, the model outputs just above and below
             is_weights = t["tis_weights"][rows] if "tis_weights" in t else None
             pg_loss, pg_stats = _ppo_policy_loss(
-                new_logprobs, t["logprobs"][rows], t["advantages"][rows], r, *self._clip,
+                policy.logprobs, t["logprobs"][rows], t["advantages"][rows], r, *self._clip,
                 is_weights=is_weights,
             )  # fmt: skip
-            entropy = _aggregate("entropy", token_entropy, r, "token-mean")  # ()
+            entropy = _aggregate("entropy", policy.entropy, r, "token-mean")  # ()
             critic_batch = self._prompt_batch(self.value_model.trunk, view, rows)
             with autocast(self.device, self.mixed_precision):
-                new_values = self._values(critic_batch, ids, reads)  # (b, R)
+                new_values = self._values(critic_batch, policy.ids, policy.reads)  # (b, R)
             new_values = new_values.float()
             _require_finite("values of the value model", new_values, r)
             vf_loss, vf_stats = _value_loss(
@@ -284,7 +242,7 @@ class PPOUpdate(_Update):
             }
             if self.kl_coef > 0:
                 kl_ref = _kl_loss(
-                    new_logprobs, t["ref_logprobs"][rows], r, self.kl_estimator, "token-mean"
+                    policy.logprobs, t["ref_logprobs"][rows], r, self.kl_estimator, "token-mean"
                 )
                 loss = loss + self.kl_coef * kl_ref  # ()
                 stats["kl_ref"] = _item(kl_ref)
