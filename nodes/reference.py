@@ -33,6 +33,7 @@ from nodes.sync import WeightInput, apply_weights
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built
+from yatt_graph.options import unknown_keywords
 
 __all__ = ["Critic", "ReferenceLogprobs", "value_model_fingerprint"]
 
@@ -144,7 +145,10 @@ class _ResponseScores:
         micro_batch_tokens: int = 0,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
+        **unknown: Any,
     ) -> None:
+        if unknown:  # named for the node, not this mixin
+            raise unknown_keywords(type(self), unknown)
         super().__init__(name, placement=placement, batch_policy=batch_policy)  # type: ignore[call-arg]
         self.share = check_share_key(share, f"node {self.name!r}")
         self.micro_batch_tokens = _budget(micro_batch_tokens, self.name)

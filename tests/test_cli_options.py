@@ -81,7 +81,8 @@ def test_numbers_are_parsed_by_their_declared_type():
         ("on_bad_sample=error", "'error' is not raise|skip"),
         (
             "batch_sise=4",
-            "unknown option 'batch_sise' for graphs/mm_ppo.py; valid: batch_size (int), ",
+            "unknown option 'batch_sise' for graphs/mm_ppo.py (did you mean 'batch_size'?); "
+            "valid: batch_size (int), ",
         ),
         ("lr=-1", "option lr=-1.0: must be a finite number > 0"),
         ("temperature=1e-30", "option temperature=1e-30: must be a finite number >= 0.01"),

@@ -43,6 +43,7 @@ __all__ = [
     "located",
     "module_options",
     "option_table",
+    "unknown_keywords",
     "parse_options",
     "signature_options",
 ]
@@ -166,7 +167,32 @@ def format_options(options: list[Option]) -> str:
 
 
 def _unknown(key: str, where: str, options: list[Option]) -> TypeError:
-    return TypeError(f"unknown option {key!r} for {where}; valid: {format_options(options)}")
+    return TypeError(
+        f"unknown option {key!r} for {where}{_nearest(key, [o.name for o in options])}; "
+        f"valid: {format_options(options)}"
+    )
+
+
+def _nearest(name: str, known: list[str]) -> str:
+    import difflib
+
+    near = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def unknown_keywords(cls: type, unknown: Mapping[str, Any]) -> TypeError:
+    """The TypeError for keywords no ``__init__`` of ``cls`` (or of its bases) takes, named
+    for ``cls`` with the nearest known keyword: for a class whose ``__init__`` comes from a
+    shared base that takes ``**unknown`` to say so."""
+    known = [
+        p.name
+        for klass in cls.__mro__
+        if "__init__" in vars(klass)
+        for p in inspect.signature(klass.__init__).parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"
+    ]
+    parts = [f"{name!r}{_nearest(name, known)}" for name in sorted(unknown)]
+    return TypeError(f"{cls.__name__}() got an unexpected keyword argument {', '.join(parts)}")
 
 
 def _wrong(option: Option, value: Any, where: str, options: list[Option]) -> TypeError:

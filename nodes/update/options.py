@@ -15,6 +15,7 @@ from nodes.rl.advantages import KL_ESTIMATORS
 from nodes.shared_models import check_share_key
 from nodes.update.schedule import PRECISIONS, schedule_problem
 from yatt_graph import BatchPolicy
+from yatt_graph.options import unknown_keywords
 
 __all__ = ["TRAIN_BACKENDS"]
 
@@ -66,7 +67,10 @@ class _Options:
         rank_timeout_s: float = 300.0,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
+        **unknown: Any,
     ) -> None:
+        if unknown:  # named for the node, not this mixin, with the nearest option
+            raise unknown_keywords(type(self), unknown)
         super().__init__(name, placement=placement, batch_policy=batch_policy)  # type: ignore[call-arg]
         where = f"node {self.name!r}"
         hot = temperature_problem(temperature, greedy=False)

@@ -166,7 +166,10 @@ def test_a_bad_value_names_the_field_the_value_and_what_is_allowed(config, field
 
 
 def test_build_graph_refuses_unknown_options_and_wrong_types_naming_them():
-    with pytest.raises(TypeError, match=r"unknown option 'batch_sise' for mm_ppo; valid: "):
+    with pytest.raises(
+        TypeError,
+        match=r"unknown option 'batch_sise' for mm_ppo \(did you mean 'batch_size'\?\); valid: ",
+    ):
         load_graph("graphs.mm_ppo", batch_sise=4)
     with pytest.raises(TypeError, match=r"unknown option 'vision' for text_ppo"):
         load_graph("graphs.text_ppo", vision="tiny")  # a text graph has no vision tower

@@ -642,3 +642,11 @@ def test_config_is_json_and_rebuilds():
     assert again.name == "g" and again.aggregation == "token-mean" and again.lr == 3e-4
     assert _same_params(_params(node.policy), _params(again.policy))
     assert not node.batch_policy.splittable
+
+
+@pytest.mark.parametrize("cls", [GRPOUpdate, PPOUpdate, ReferenceLogprobs, Critic])
+def test_an_unknown_option_names_the_node_class_and_the_nearest_option(cls):
+    """Their shared options come from one base's __init__; a typo still names the node."""
+    match = rf"^{cls.__name__}\(\) .* 'devise' \(did you mean 'device'\?\)"
+    with pytest.raises(TypeError, match=match):
+        cls(devise="cpu")
