@@ -67,7 +67,6 @@ class AgentConfig(TextGRPOConfig, kw_only=True, forbid_unknown_fields=True):
         """The options of GRPO's graph this one does not take, each with whether it is set."""
         return {
             "reward": self.reward != "nodes.data:answer_reward",
-            "stream": self.stream,
             "dynamic_sampling": self.dynamic_sampling > 0,
             "val_data": self.val_data is not None,
         }
@@ -118,6 +117,7 @@ def build_agent(name: str, config: AgentConfig, spec: dict[str, Any], *, images:
             stop=config.stop, seed=config.seed, device=device, name="rollout",
             backend=config.rollout, recompute_logprobs=config.recompute_logprobs,
             vllm_options=vllm_options(config) if config.rollout == "vllm" else None,
+            stream=config.stream,
         )  # fmt: skip
         set_share(rollout, "policy")
         shown = {"images": data.images} if images else {}

@@ -21,7 +21,7 @@ update and the reference; a policy that reads none, and vLLM, refuse them with a
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -103,7 +103,9 @@ class AgentRollout(Rollout):
         env: the environment class (``"module:Class"``, ``"path/file.py:Class"`` or the class).
         max_turns: the most turns of the policy (None: the environment's ``max_turns``).
         max_new_tokens: the longest turn of the policy.
-        The others are as in :class:`nodes.rollout.Rollout` (no streaming).
+        stream: hand out the trajectories that ended after each turn (HF backend, without
+            ``recompute_logprobs``), so the nodes after it start on them while the rest go on.
+        The others are as in :class:`nodes.rollout.Rollout`.
     """
 
     kind = "rollout"
@@ -155,13 +157,14 @@ class AgentRollout(Rollout):
         backend: str = "hf",
         recompute_logprobs: bool = False,
         vllm_options: Mapping[str, Any] | None = None,
+        stream: bool = False,
         *,
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
     ) -> None:
         super().__init__(
             policy, backend, n, temperature, top_p, top_k, max_new_tokens, max_prompt_tokens,
-            stop, (), seed, recompute_logprobs, device, model, name, False, 1, vllm_options,
+            stop, (), seed, recompute_logprobs, device, model, name, stream, 1, vllm_options,
             share, placement=placement, batch_policy=batch_policy,
         )  # fmt: skip
         where = f"node {self.name!r}"
@@ -175,6 +178,40 @@ class AgentRollout(Rollout):
         self.max_turns = turns
 
     def forward(self, prompts, meta, images, weights) -> dict[str, Any]:
+        call, batch, trajectories = self._begin(prompts, meta, images, weights)
+        for _ in self._turns(call, trajectories):
+            pass
+        out = self._pack(batch, trajectories, torch.arange(len(trajectories)))
+        own = self._vllm is None or self._vllm.own_logprobs  # the sampler reported logprobs
+        if self.recompute_logprobs or not own:
+            if any(out["images"]):  # the prompts' and the observations' images, in order
+                batch = self.policy.prepare(
+                    batch.prompt_ids, batch.prompt_mask, images=out["images"]
+                )
+            with torch.no_grad():
+                logprobs = self.policy.response_logprobs(
+                    batch,
+                    out["response_ids"],
+                    out["context_mask"],
+                    temperature=self.sampling["temperature"] or 1.0,
+                ).cpu()  # (B, R) every token read, observations too
+            logprobs = torch.where(out["response_mask"] > 0, logprobs, 0.0)  # the turns'
+            out["rollout_logprobs"] = out["logprobs"] if own else logprobs
+            out["logprobs"] = logprobs
+        self._done(call)
+        return out
+
+    def forward_stream(self, prompts, meta, images, weights) -> Iterator[Any]:
+        """Yield ``(rows, outputs, B)`` after each turn: the trajectories that ended in it."""
+        call, batch, trajectories = self._begin(prompts, meta, images, weights)
+        for rows in self._turns(call, trajectories):
+            ended = [trajectories[i] for i in rows]
+            yield rows, self._pack(batch, ended, torch.tensor(rows)), len(trajectories)
+        self._done(call)
+
+    def _begin(self, prompts, meta, images, weights) -> tuple[Any, Any, list[_Trajectory]]:
+        """Each trajectory's first observation, from its data row, encoded as the policy's
+        prompt: the call, its batch of prompts and the B = N * n trajectories."""
         for port, value in (("meta", meta), ("images", images)):
             if value is not None and len(value) != len(prompts):
                 raise ValueError(
@@ -205,32 +242,21 @@ class AgentRollout(Rollout):
             trajectories, batch.prompt_ids.tolist(), batch.prompt_mask.tolist()
         ):
             t.prompt = [i for i, m in zip(ids, mask) if m]
+        return call, batch, trajectories
+
+    def _turns(self, call: Any, trajectories: list[_Trajectory]) -> Iterator[list[int]]:
+        """Run the turns; after each, yield the rows of the trajectories that ended in it."""
         for turn in range(self.max_turns):
-            live = [t for t in trajectories if not t.done]
+            live = [i for i, t in enumerate(trajectories) if not t.done]
             if not live:
                 break
-            self._turn(live, step_seed(call.seed, turn), last=turn == self.max_turns - 1)
+            last = turn == self.max_turns - 1
+            self._turn([trajectories[i] for i in live], step_seed(call.seed, turn), last)
+            ended = [i for i in live if trajectories[i].done]
+            if ended:
+                yield ended
         if self._vllm is not None:
             self._vllm.sleep()  # with enable_sleep_mode: the device is free until the next call
-        out = self._pack(batch, trajectories, torch.arange(len(trajectories)))
-        own = self._vllm is None or self._vllm.own_logprobs  # the sampler reported logprobs
-        if self.recompute_logprobs or not own:
-            if any(out["images"]):  # the prompts' and the observations' images, in order
-                batch = self.policy.prepare(
-                    batch.prompt_ids, batch.prompt_mask, images=out["images"]
-                )
-            with torch.no_grad():
-                logprobs = self.policy.response_logprobs(
-                    batch,
-                    out["response_ids"],
-                    out["context_mask"],
-                    temperature=self.sampling["temperature"] or 1.0,
-                ).cpu()  # (B, R) every token read, observations too
-            logprobs = torch.where(out["response_mask"] > 0, logprobs, 0.0)  # the turns'
-            out["rollout_logprobs"] = out["logprobs"] if own else logprobs
-            out["logprobs"] = logprobs
-        self._done(call)
-        return out
 
     # --- the turns ---------------------------------------------------------------------------
     def _batch(self, ids: Tensor, mask: Tensor, trajectories: list[_Trajectory]) -> Any:
@@ -339,8 +365,8 @@ class AgentRollout(Rollout):
             logprobs[i, :n] = torch.tensor(t.logprobs)
         lengths = policy_mask.sum(1).long()  # (B,) the policy's tokens
         return {
-            "prompt_ids": batch.prompt_ids.cpu(),
-            "prompt_mask": batch.prompt_mask.cpu(),
+            "prompt_ids": batch.prompt_ids[rows].cpu(),
+            "prompt_mask": batch.prompt_mask[rows].cpu(),
             "response_ids": ids,
             "response_mask": policy_mask,
             "context_mask": context,

@@ -157,3 +157,19 @@ def test_each_turn_of_a_trajectory_is_a_span_in_the_trace(tmp_path):
             assert env["ts"] + env["dur"] <= turn["ts"] + turn["dur"] + 1
             assert turn["ts"] + turn["dur"] <= rollout["ts"] + rollout["dur"] + 1e3
         assert spans["turn 1"]["ts"] + spans["turn 1"]["dur"] <= spans["turn 2"]["ts"] + 1
+
+
+@pytest.mark.timeout(300)
+def test_a_streamed_agent_run_equals_the_whole_one():
+    """The trajectories that end at the first turn (an answer without a look) leave the
+    rollout before the others look; the run's samples and update equal the unstreamed."""
+    runs = []
+    for stream in (False, True):
+        graph = load_graph("graphs.text_agent", batch_size=4, stream=stream)
+        assert graph.nodes["rollout"].streaming == stream
+        runs.append(LocalExecutor(graph).run(2))
+    for whole, streamed in zip(*runs, strict=True):
+        assert torch.equal(whole.outputs["scores"], streamed.outputs["scores"])
+        assert whole.outputs["texts"] == streamed.outputs["texts"]
+        for key, value in whole.outputs["metrics"].items():
+            assert streamed.outputs["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6)

@@ -306,3 +306,45 @@ def test_the_image_look_task_hides_the_colour_until_a_look():
     assert env.step(row["color"]) == (None, 1.0, True)
     with pytest.raises(ValueError, match="LookImageEnv: the data row has no image"):
         LookImageEnv().reset(data["meta"][0] | {"prompt": "what color is the shape ?"})
+
+
+class EndsAt(Environment):
+    """A trajectory ends after its row's ``turns`` turns, a point for each."""
+
+    max_turns = 3
+
+    def reset(self, row):
+        self.left = row["turns"]
+        return Observation(row["prompt"])
+
+    def step(self, action):
+        self.left -= 1
+        return (None, 1.0, True) if self.left == 0 else (Observation(OBSERVATION), 1.0, False)
+
+
+def test_a_streamed_call_hands_out_each_turns_ended_trajectories_and_joins_to_the_whole():
+    from yatt_graph.stream import join_pieces
+
+    def node(stream):
+        n = AgentRollout(policy=SPEC, env=EndsAt, n=2, max_new_tokens=3, stream=stream)
+        n.setup()
+        return n
+
+    inputs = {"prompts": ["what color is the shape ?", "how many shapes ?"],
+              "meta": [{"turns": 3}, {"turns": 1}], "images": None, "weights": None}  # fmt: skip
+    whole = node(False).forward(**inputs)
+    streamed = node(True)
+    assert streamed.streaming
+    pieces = list(streamed.forward_stream(**inputs))
+    assert [rows for rows, _, _ in pieces] == [[2, 3], [0, 1]]  # turn 1's, then turn 3's
+    assert all(size == 4 for _, _, size in pieces)
+    joined = join_pieces([p[:2] for p in pieces], streamed.name)
+    assert torch.equal(joined["scores"], torch.tensor([3.0, 3.0, 1.0, 1.0]))
+    for key in ("scores", "response_mask", "context_mask", "logprobs", "prompt_ids", "group_ids"):
+        a, b = whole[key], joined[key]
+        b = b[:, : a.shape[1]] if b.dim() > 1 else b
+        assert torch.equal(a, b), key
+    mask = whole["context_mask"] > 0
+    assert torch.equal(whole["response_ids"][mask], joined["response_ids"][mask])
+    assert whole["texts"] == joined["texts"]
+    assert streamed.step == 1  # one call counted, as unstreamed
