@@ -9,7 +9,7 @@ The source (controller 0) makes a float32 tensor on its GPU each step, the sizes
 stamps ``time.time()`` after a synchronize; the sink (controller 1, the same GPU: both get
 ``cuda=(0,)``, so a machine with more GPUs does not quietly measure the host copy) checks it
 equals the expected values and reports the seconds from the stamp to its call, and the bytes
-its process opened by CUDA IPC for it (``runtime.zmq.cuda_ipc.OPENED``: the node sees the same
+its process opened by CUDA IPC for it (``runtime.codec.cuda_ipc.OPENED``: the node sees the same
 tensor either way). Once with ``ZmqExecutor(cuda_ipc=True)``, every size by IPC (the source
 lowers ``MIN_BYTES`` in its own process, so the sizes under it are measured too), and once with
 ``cuda_ipc=False``; the median of ``--reps`` rounds after a warm-up round. The IPC row fails
@@ -57,7 +57,7 @@ class CudaSource(Node):
 
     def build(self) -> None:
         if self.min_bytes is not None:  # this process's senders, made at their first send
-            from runtime.zmq import cuda_ipc
+            from runtime.codec import cuda_ipc
 
             cuda_ipc.MIN_BYTES = self.min_bytes
 
@@ -78,7 +78,7 @@ class CudaSink(Node):
         self._opened = 0
 
     def forward(self, x: torch.Tensor, t0: float) -> dict[str, Any]:
-        from runtime.zmq.cuda_ipc import OPENED
+        from runtime.codec.cuda_ipc import OPENED
 
         seconds = time.time() - t0
         ipc_bytes, self._opened = OPENED.bytes - self._opened, OPENED.bytes
@@ -163,7 +163,7 @@ def threshold_figure(ipc: Sweep, host: Sweep) -> str:
     sizes = sorted(ipc)
     wins = [ipc[k][0] < host[k][0] for k in sizes]
     first = next((i for i in range(len(sizes)) if all(wins[i:])), None)
-    from runtime.zmq.cuda_ipc import MIN_BYTES
+    from runtime.codec.cuda_ipc import MIN_BYTES
 
     now = f"MIN_BYTES is {_size(MIN_BYTES // 1024)}"
     if first is None:

@@ -39,7 +39,7 @@ import zmq
 from bench._util import load_average, machine, ray_available, ray_session, table
 from bench.graphs import ImageBatch, build_graph
 from runtime.children import stop
-from runtime.zmq.serial import decode_value, encode_value
+from runtime.codec import decode_value, encode_value
 
 
 class _PeakRss:

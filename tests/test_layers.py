@@ -16,7 +16,7 @@ FORBIDDEN = {
     "runtime": {"nodes", "graphs"},
 }
 # Inside a package, by folder (module prefixes, matched on whole dotted parts):
-# rl <- models <- the node modules; sched <- engine <- zmq, engine <- train.
+# rl <- models <- the node modules; codec <- ranks, zmq; sched <- engine <- zmq, engine <- train.
 NODE_MODULES = (
     "advantage", "data", "reference", "rewards", "rollout", "sync", "toy", "update", "vision",
 )  # fmt: skip
@@ -27,6 +27,7 @@ _ENGINE_UP = ("runtime.zmq", "runtime.train", "runtime.cli", "runtime.run_setup"
 FORBIDDEN_INSIDE = {
     "nodes/rl": {"nodes.models", *(f"nodes.{m}" for m in NODE_MODULES)},
     "nodes/models": {f"nodes.{m}" for m in NODE_MODULES},
+    "runtime/codec": {"runtime.ranks", "runtime.sched", "runtime.engine", *_ENGINE_UP},
     "runtime/ranks": {"runtime.sched", "runtime.engine", *_ENGINE_UP},
     "runtime/sched": {"runtime.ranks", "runtime.engine", *_ENGINE_UP},
     "runtime/engine": set(_ENGINE_UP),

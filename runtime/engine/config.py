@@ -79,7 +79,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Re-balance cores between controllers between steps from their measured busy time
     (runtime.sched.partition); only with ``num_threads=None`` and controllers started here."""
     cuda_ipc: bool | None = None
-    """CUDA tensors between controllers on one host travel by CUDA IPC (runtime.zmq.cuda_ipc);
+    """CUDA tensors between controllers on one host travel by CUDA IPC (runtime.codec.cuda_ipc);
     None: on, unless ``$YATT_CUDA_IPC=0``."""
 
     def verify(self, who: str = "RunConfig") -> RunConfig:

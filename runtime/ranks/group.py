@@ -7,12 +7,14 @@ a fork of a process that has torch loaded) and sets the node's ``rank_group``. E
 seeded from the config, so every rank starts from the same weights), and all join one process
 group (gloo on the CPU, NCCL on CUDA) through a TCPStore that rank 0 hosts on 127.0.0.1.
 
-Per call, the leader writes a small JSON header under ``yatt/cmd/<n>`` in the store: the
-operation, the step, and the name, dtype and shape of each value. The ranks poll the store
-while idle, so an idle group holds no collective that could time out. Each rank reads the
-header and receives the tensors by ``broadcast`` from rank 0 (no pickle; PIL images travel
-as uint8 arrays plus their mode). Then every rank runs the same operation, and its
-collectives carry the group's ``timeout_s``.
+Per call, the leader encodes the call's values with the one codec (:mod:`runtime.codec`:
+plain frames, no shared memory, no CUDA IPC, nothing pickled) and writes a small command
+under ``yatt/cmd/<n>`` in the store: the operation, its meta (the step), the codec's header
+and the size of each buffer frame. The ranks poll the store while idle, so an idle group
+holds no collective that could time out. Each rank reads the command, receives each frame
+by ``broadcast`` from rank 0 (a uint8 tensor on the group's device) and decodes the values.
+Then every rank runs the same operation, and its collectives carry the group's
+``timeout_s``.
 
 Supervision:
 
@@ -55,8 +57,8 @@ import torch
 import torch.distributed as dist
 
 from runtime.children import exit_text, python_env, start_python, stop
+from runtime.codec import decode_value, encode_value
 from runtime.ranks import sharding
-from runtime.ranks.values import describe, rebuild, shapes
 
 __all__ = ["RankError", "RankGroup", "RankLink", "leave_group"]
 
@@ -67,6 +69,25 @@ _NODE = "yatt/node"
 _DEATH_GRACE_S = 5.0  # after a failed collective: how long a dying rank has to be reaped
 _WATCH_S = 0.1  # how often the supervisor looks at the ranks
 _CLOSE_GRACE_S = 10.0
+
+
+class _Command(msgspec.Struct, array_like=True, frozen=True):
+    """What rank 0 writes to the store for call ``n``; the frames follow by broadcast."""
+
+    op: str
+    meta: dict[str, Any]
+    header: bytes
+    """The codec's header of the call's values (:func:`runtime.codec.encode_value`)."""
+    sizes: list[int]
+    """The bytes of each buffer frame, in broadcast order (an empty one is not sent)."""
+
+
+def _frame_tensor(frame: Any) -> torch.Tensor:
+    """A buffer frame of the codec as a flat uint8 tensor, sharing its memory where it may."""
+    view = memoryview(frame).cast("B")
+    if view.readonly:  # bytes (an image's pixels): torch wraps writable memory only
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view, dtype=torch.uint8)  # (nbytes,)
 
 
 class RankError(RuntimeError):
@@ -285,16 +306,17 @@ class RankGroup(_Ranks):
         :meth:`guard`, then run the same operation here)."""
         if dead := self._dead():
             self._fail(f"{self.who}: {dead}; the group cannot run {op!r}")
-        entries, tensors = describe(values or {}, self.who)
+        header, *frames = encode_value(dict(values or {}), where=f"{self.who} {op} values")
+        sizes = [memoryview(f).nbytes for f in frames]
         n = self._next
         self._next += 1
-        header = {"op": op, "meta": dict(meta or {}), "values": entries}
-        self.store.set(f"{_CMD}{n}", msgspec.json.encode(header))
+        command = _Command(op, dict(meta or {}), header, sizes)
+        self.store.set(f"{_CMD}{n}", msgspec.msgpack.encode(command))
         if n >= 2:  # every rank read it: op n-1 ran collectives that all ranks joined
             self.store.delete_key(f"{_CMD}{n - 2}")
-        for t in tensors:
-            if t.numel():
-                dist.broadcast(t.contiguous().to(self.device), src=0)
+        for frame, size in zip(frames, sizes, strict=True):
+            if size:
+                dist.broadcast(_frame_tensor(frame).to(self.device), src=0)
 
     @contextlib.contextmanager
     def guard(self, what: str, keep: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
@@ -402,14 +424,17 @@ class RankLink(_Ranks):
             idle = time.monotonic()
             while not self.store.check([key]):  # polled: an idle wait is no collective
                 time.sleep(0.001 if time.monotonic() - idle < 0.2 else 0.01)
-            header = msgspec.json.decode(self.store.get(key))
-            if header["op"] == "close":
+            command = msgspec.msgpack.decode(self.store.get(key), type=_Command)
+            if command.op == "close":
                 return
-            received = []
-            for dtype, shape in shapes(header["values"]):
-                t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-                if t.numel():
+            frames = []
+            for size in command.sizes:
+                t = torch.empty(size, dtype=torch.uint8, device=self.device)  # (size,)
+                if size:
                     dist.broadcast(t, src=0)
-                received.append(t.cpu())
-            yield header["op"], rebuild(header["values"], iter(received)), header["meta"]
+                frames.append(t.cpu().numpy())
+            values = decode_value(
+                [command.header, *frames], where=f"{self.who} {command.op} values"
+            )
+            yield command.op, values, command.meta
             n += 1

@@ -37,6 +37,7 @@ from typing import Any
 
 import zmq
 
+from runtime.codec import DecodeError, UnsupportedValueError, decode_value, encode_value
 from runtime.engine.engine import StateNotReady
 from runtime.errors import ControllerError, SendError
 from runtime.sched.affinity import apply_resources
@@ -54,7 +55,6 @@ from runtime.zmq.control_link import (
 from runtime.zmq.keys import is_loopback, load_keys, start_authenticator
 from runtime.zmq.options import engine_from_setup
 from runtime.zmq.peers import Peers
-from runtime.zmq.serial import DecodeError, UnsupportedValueError, decode_value, encode_value
 from runtime.zmq.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
     HANDSHAKE_FAILED,

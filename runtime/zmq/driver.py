@@ -39,6 +39,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from runtime.codec import DecodeError, decode_value
+from runtime.codec.cuda_ipc import enabled_from_env
 from runtime.engine.calls import OnStep, StepResult, Stop
 from runtime.engine.config import RunConfig, run_config
 from runtime.engine.switch import offloading, switch_metrics
@@ -49,14 +51,12 @@ from runtime.sched.fanout import replica_counts
 from runtime.sched.partition import Partitioner
 from runtime.zmq import STARTUP_TIMEOUT_S
 from runtime.zmq import messages as m
-from runtime.zmq.cuda_ipc import enabled_from_env, setup_gpus
 from runtime.zmq.driver_link import Received
 from runtime.zmq.driver_state import merge_replies, state_frames
 from runtime.zmq.group import ControllerGroup, error_from
 from runtime.zmq.keys import load_keys
-from runtime.zmq.options import check_options, plan_resources, setup_fields
+from runtime.zmq.options import check_options, plan_resources, setup_fields, setup_gpus
 from runtime.zmq.rebalance import Rebalancer, sched_metrics
-from runtime.zmq.serial import DecodeError, decode_value
 from yatt_graph import Graph, Plan
 
 __all__ = ["ControllerError", "HandshakeError", "NodeTimeoutError", "ZmqExecutor"]

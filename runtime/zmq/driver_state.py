@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from runtime.codec import DecodeError, UnsupportedValueError, decode_value, encode_value
 from runtime.engine.local import delayed_entries
 from runtime.errors import ControllerError
-from runtime.zmq.serial import DecodeError, UnsupportedValueError, decode_value, encode_value
 
 __all__ = ["merge_replies", "split_state", "state_frames"]
 

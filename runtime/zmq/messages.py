@@ -9,7 +9,7 @@ first byte) followed by the message Struct below in msgpack (``array_like``, so 
 order is the wire format: append fields at the end, with defaults, and bump
 :data:`PROTOCOL_VERSION` on any other change); one frame, because each frame costs more
 than its bytes on the dispatch path; ``value_frames`` carry a value encoded by
-:mod:`runtime.zmq.serial` (a msgpack tree plus raw tensor buffers) for the kinds that have one
+:mod:`runtime.codec` (a msgpack tree plus raw tensor buffers) for the kinds that have one
 (DATA, STEP_DONE).
 
 Conversation (driver D, controllers C0..Cn-1)::
@@ -188,7 +188,7 @@ class Setup(_Msg):
     cuda_ipc_gpus: list[list[int]] = []
     """Per controller, by index: the physical GPUs (ordinals among the driver's) it may receive
     CUDA IPC tensors on, in its local-ordinal order; ``[]`` for one on another host or not
-    started by the driver, and for all when CUDA IPC is off (runtime.zmq.cuda_ipc)."""
+    started by the driver, and for all when CUDA IPC is off (runtime.codec.cuda_ipc)."""
     offload_controllers: list[int] = []
     """The controllers that offload their nodes' device state when their part of a step ends
     and reload it before their next model call (runtime.engine.switch, ``offload=``)."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from runtime.codec.cuda_ipc import peer_gpus
 from runtime.sched.affinity import start_cores
 from runtime.sched.devices import Resources, assign_resources, visible_gpus
 from runtime.zmq import messages as m
@@ -24,6 +25,7 @@ __all__ = [
     "nodes_from_setup",
     "plan_resources",
     "setup_fields",
+    "setup_gpus",
 ]
 
 
@@ -79,6 +81,19 @@ def plan_resources(
         controllers, cores=start_cores(), placement=placement, max_staleness=max_staleness,
         device=device, gpus=gpus,
     )  # fmt: skip
+
+
+def setup_gpus(
+    cuda: Sequence[Sequence[int]], on_host: Sequence[bool], enabled: bool
+) -> list[list[int]]:
+    """SETUP's ``cuda_ipc_gpus``: for the controllers started on this host (``on_host``), the
+    GPUs each sees (:func:`runtime.codec.cuda_ipc.peer_gpus`); ``[]`` when IPC is off or no
+    controller is here."""
+    if not enabled or not any(on_host):
+        return []
+    driver_gpus = visible_gpus() if any(not c for c in cuda) else 0
+    gpus = peer_gpus(cuda, on_host, enabled=True, driver_gpus=driver_gpus)
+    return gpus if any(gpus) else []
 
 
 def setup_fields(

@@ -4,7 +4,7 @@
 engine's outbox (:class:`~runtime.engine.engine.Outbox`): an output that another controller
 reads goes to it once, as DATA, through shared memory when large and on one host
 (:class:`~runtime.zmq.transport.ShmPool`); a CUDA tensor goes by CUDA IPC when SETUP says every
-destination is on this host and sees its GPU (:mod:`runtime.zmq.cuda_ipc`), else through host
+destination is on this host and sees its GPU (:mod:`runtime.codec.cuda_ipc`), else through host
 memory. What arrives is decoded (zero-copy) and handed to
 the engine; a message that does not decode, is over ``max_message_bytes``, names an edge no
 node here reads or a step outside those being run is dropped and logged. Each restore starts
@@ -18,11 +18,11 @@ from typing import Any
 
 import zmq
 
+from runtime.codec import DecodeError, UnsupportedValueError, decode_value, encode_value
+from runtime.codec.cuda_ipc import Collector, IpcReceive, IpcSend, ipc_devices
+from runtime.codec.decode import release_ipc
 from runtime.errors import SendError
 from runtime.zmq import messages as m
-from runtime.zmq.cuda_ipc import Collector, IpcReceive, IpcSend, ipc_devices
-from runtime.zmq.serial import DecodeError, UnsupportedValueError, decode_value, encode_value
-from runtime.zmq.serial_decode import release_ipc
 from runtime.zmq.transport import Drops, ShmPool, ShmReader, largest_frame, make_socket, recv, send
 from yatt_graph.stream import Piece
 

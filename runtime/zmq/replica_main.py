@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
     _pin(args.cores, args.threads)
-    from runtime.zmq.serial import decode_value, encode_value
+    from runtime.codec import decode_value, encode_value
     from yatt_graph.serialize import NodeSpec, build_node
 
     sock = zmq.Context.instance().socket(zmq.PAIR)

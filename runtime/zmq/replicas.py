@@ -6,7 +6,7 @@ fork of a process that has torch loaded) on its own core (``os.sched_setaffinity
 torch thread, or on its own GPU (``CUDA_VISIBLE_DEVICES``) when the node runs on CUDA. It
 rebuilds the node from its :class:`~yatt_graph.serialize.NodeSpec` (the same seeded build as
 every other copy) and serves pieces over a zmq PAIR socket on ``ipc://``: a msgpack header
-plus the value codec's frames (:mod:`runtime.zmq.serial`), nothing pickled. A weight update
+plus the value codec's frames (:mod:`runtime.codec`), nothing pickled. A weight update
 (a shared input with a ``version``) reaches each process once per version.
 
 A replica process that exits is an error naming the node, the replica, its pid and exit code,
@@ -29,9 +29,9 @@ import msgspec
 import zmq
 
 from runtime.children import exit_text, log_tail, python_env, start_python, stop
+from runtime.codec import decode_value, encode_value
 from runtime.errors import ControllerError
 from runtime.sched.threads import passive_env
-from runtime.zmq.serial import decode_value, encode_value
 from yatt_graph.serialize import node_spec
 
 __all__ = ["ReplicaDied", "ReplicaProcess", "spawn_replica"]

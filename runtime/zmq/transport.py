@@ -304,7 +304,7 @@ class ShmReader:
         import numpy as np
         import torch
 
-        from runtime.zmq.serial import DecodeError
+        from runtime.codec import DecodeError
 
         if not (
             isinstance(handle, list)

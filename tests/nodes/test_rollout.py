@@ -181,7 +181,7 @@ def test_weights_input_is_loaded_before_sampling(embeds):
 
 def test_weights_from_weight_sync_node_are_versioned(embeds):
     from nodes.sync import WeightSync
-    from runtime.zmq.serial import decode_value, encode_value
+    from runtime.codec import decode_value, encode_value
 
     def ship(update, mode):
         if mode == "local":

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from nodes.sync import WeightSync, WeightUpdate, apply_weights
-from runtime.zmq.serial import decode_value, encode_value
+from runtime.codec import decode_value, encode_value
 
 
 class TinyNet(nn.Module):

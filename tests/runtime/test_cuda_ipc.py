@@ -1,4 +1,4 @@
-"""CUDA tensors between controllers by CUDA IPC (runtime.zmq.cuda_ipc).
+"""CUDA tensors between controllers by CUDA IPC (runtime.codec.cuda_ipc).
 
 On a CPU machine: the decision (pure functions and what a controller makes of SETUP), that
 CPU values round-trip unchanged with ``cuda_ipc=`` given, the IPC extension's msgpack form
@@ -19,13 +19,12 @@ import pytest
 import torch
 import zmq
 
-from runtime.zmq import cuda_ipc
+from runtime.codec import DecodeError, cuda_ipc, decode_value, encode_value
+from runtime.codec.cuda_ipc import IpcReceive, IpcSend, enabled_from_env, ipc_devices, peer_gpus
+from runtime.codec.decode import release_ipc
+from runtime.codec.wire import _CUDA_IPC, _STRUCT
 from runtime.zmq import messages as m
-from runtime.zmq.cuda_ipc import IpcReceive, IpcSend, enabled_from_env, ipc_devices, peer_gpus
 from runtime.zmq.peers import Peers
-from runtime.zmq.serial import DecodeError, decode_value, encode_value
-from runtime.zmq.serial_decode import release_ipc
-from runtime.zmq.serial_format import _CUDA_IPC, _STRUCT
 from runtime.zmq.transport import Drops, make_socket, send
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -329,8 +328,8 @@ def test_data_dropped_for_a_stale_epoch_releases_its_ipc_shares(
 CONSUMER = textwrap.dedent(
     """
     import sys, msgspec, torch
-    from runtime.zmq.cuda_ipc import IpcReceive
-    from runtime.zmq.serial import decode_value
+    from runtime.codec.cuda_ipc import IpcReceive
+    from runtime.codec import decode_value
     frames = msgspec.msgpack.decode(sys.stdin.buffer.read())
     out = decode_value(frames, cuda_ipc=IpcReceive(1, [0]))
     t, host = out["ipc"], out["copy"]

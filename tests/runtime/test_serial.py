@@ -14,8 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from runtime.zmq import messages as m
-from runtime.zmq.serial import (
+from runtime.codec import (
     INLINE_BYTES,
     TENSOR_DTYPES,
     DecodeError,
@@ -24,6 +23,7 @@ from runtime.zmq.serial import (
     encode_value,
     register_struct,
 )
+from runtime.zmq import messages as m
 from runtime.zmq.transport import ShmPool, ShmReader, remove_run_segments
 
 

@@ -31,7 +31,6 @@ from nodes.update import GRPOUpdate, PPOUpdate
 from nodes.update.micro import View, plan_micro_batches
 from runtime.ranks import start_groups
 from runtime.ranks.group import RankError
-from runtime.ranks.values import describe, rebuild
 from yatt_graph.partition import lpt
 
 PROMPTS = ["hi", "what colour is it?", "x", "name the shape"]
@@ -132,20 +131,6 @@ def test_micro_batches_pad_with_fillers():
     assert m0[1] is filler and filler.grad_scale == 0.0 and filler.stat_scale == 0.0
     alone, none = plan_micro_batches(full, cut, 0, 1)
     assert none is None and [m.rows for m in alone] == slices(6)
-
-
-def test_values_travel_as_tensors_and_images():
-    from PIL import Image
-
-    img = Image.new("RGB", (3, 2), (10, 20, 30))
-    gray = Image.new("P", (2, 2))  # no palette on the wire: sent as RGB
-    values = {"a": torch.arange(6).view(2, 3), "b": None, "images": [img, gray]}
-    entries, tensors = describe(values, "node 'x'")
-    got = rebuild(entries, iter(tensors))
-    assert torch.equal(got["a"], values["a"]) and got["b"] is None
-    assert got["images"][0].tobytes() == img.tobytes() and got["images"][1].mode == "RGB"
-    with pytest.raises(ValueError, match=r"node 'x': input 'c' is a str; a rank group sends"):
-        describe({"c": "text"}, "node 'x'")
 
 
 def test_bad_rank_options_are_refused():

@@ -1,17 +1,18 @@
 """CUDA tensors between controllers on one host, by CUDA IPC instead of through host memory.
 
 **When.** The driver decides per controller which GPUs it may take IPC tensors on
-(:func:`peer_gpus`) and says it in SETUP (``Setup.cuda_ipc_gpus``): for a controller it
-started on its own host, the GPUs of its ``Resources.cuda`` (or all the driver sees when it
-has none assigned), as *physical* indices, the ordinals among the driver's visible GPUs, in
-the controller's local-ordinal order (its ``CUDA_VISIBLE_DEVICES``, so local ordinal ``j`` is
-physical ``gpus[j]``). A controller that joined from elsewhere (``--no-spawn``) gets ``[]``,
-and so does every controller when IPC is off (``ZmqExecutor(cuda_ipc=False)`` or
-``$YATT_CUDA_IPC=0``). The sender decides per message (:func:`ipc_devices`): a tensor on its
-local GPU ``j`` travels by IPC only when every destination sees physical GPU ``gpus[j]``,
-and it is at least :data:`MIN_BYTES`; anything else takes the host copy (the "CPU
-fallback" of :mod:`runtime.zmq.serial`). The receiver cannot undo that choice, so it is made
-where the tensor is.
+(:func:`peer_gpus`, through ``runtime.zmq.options.setup_gpus``) and says it in SETUP
+(``Setup.cuda_ipc_gpus``): for a controller it started on its own host, the GPUs of its
+``Resources.cuda`` (or all the driver sees when it has none assigned), as *physical*
+indices, the ordinals among the driver's visible GPUs, in the controller's local-ordinal
+order (its ``CUDA_VISIBLE_DEVICES``, so local ordinal ``j`` is physical ``gpus[j]``). A
+controller that joined from elsewhere (``--no-spawn``) gets ``[]``, and so does every
+controller when IPC is off (``ZmqExecutor(cuda_ipc=False)`` or ``$YATT_CUDA_IPC=0``). The
+sender decides per message (:func:`ipc_devices`): a tensor on its local GPU ``j`` travels by
+IPC only when every destination sees physical GPU ``gpus[j]``, and it is at least
+:data:`MIN_BYTES`; anything else takes the host copy (the "CPU fallback" of
+:mod:`runtime.codec`). The receiver cannot undo that choice, so it is made where the tensor
+is.
 
 **Wire.** One msgpack extension (``_CUDA_IPC``), no pickle: ``[dtype, shape, stride,
 storage_offset, physical_gpu, shares]``, where each share is ``[dest, mem_handle,
@@ -35,7 +36,7 @@ memory, and a receiver's in-place write reaches the sender's tensor: treat sent 
 read-only on both sides, as the in-process executor shares the object too). A message a
 receiver drops without decoding (stale epoch, an edge it does not read) has its counters
 decremented all the same (:meth:`IpcReceive.release`, through
-:func:`runtime.zmq.serial_decode.release_ipc`), without opening the memory, so the sender's
+:func:`runtime.codec.decode.release_ipc`), without opening the memory, so the sender's
 block is freed by its next collect. A tensor that itself arrived by
 IPC cannot be shared again (torch refuses), so it is first cloned on its GPU.
 """
@@ -51,11 +52,10 @@ from typing import Any
 
 import msgspec
 
-from runtime.zmq.serial_format import _CUDA_IPC, _MAX_DIMS, DecodeError
+from runtime.codec.wire import _CUDA_IPC, _MAX_DIMS, DecodeError
 
 __all__ = [
     "ENV",
-    "setup_gpus",
     "MIN_BYTES",
     "OPENED",
     "IpcReceive",
@@ -84,20 +84,6 @@ def enabled_from_env(value: bool | None) -> bool:
     if value is not None:
         return bool(value)
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
-def setup_gpus(
-    cuda: Sequence[Sequence[int]], on_host: Sequence[bool], enabled: bool
-) -> list[list[int]]:
-    """SETUP's ``cuda_ipc_gpus``: for the controllers started on this host (``on_host``), the
-    GPUs each sees (:func:`peer_gpus`); ``[]`` when IPC is off or no controller is here."""
-    if not enabled or not any(on_host):
-        return []
-    from runtime.sched.devices import visible_gpus
-
-    driver_gpus = visible_gpus() if any(not c for c in cuda) else 0
-    gpus = peer_gpus(cuda, on_host, enabled=True, driver_gpus=driver_gpus)
-    return gpus if any(gpus) else []
 
 
 def peer_gpus(
@@ -180,7 +166,7 @@ class Opened:
     bytes: int = 0
 
     def add(self, args: Mapping[str, Any]) -> None:
-        from runtime.zmq.serial_format import _torch_dtype
+        from runtime.codec.wire import _torch_dtype
 
         self.tensors += 1
         self.bytes += math.prod(args["size"]) * _torch_dtype(args["dtype"]).itemsize
@@ -284,7 +270,7 @@ def _rebuild(args: dict[str, Any]) -> Any:
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    from runtime.zmq.serial_format import _torch_dtype
+    from runtime.codec.wire import _torch_dtype
 
     dtype = _torch_dtype(args["dtype"])
     return rebuild_cuda_tensor(

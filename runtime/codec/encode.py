@@ -1,41 +1,5 @@
-"""The value codec of the data plane: msgpack for structure, raw frames for tensor bytes.
-
-:func:`encode_value` turns a value into ``[header, *buffers]``: ``header`` is a msgpack tree
-in which tensors, numpy arrays, PIL images, tuples and msgspec Structs are msgpack
-extension objects; a tensor's extension holds ``(dtype, shape, device, where)``, where
-``where`` is the bytes themselves (tensors up to :data:`INLINE_BYTES`), the index of a
-buffer frame (sent with ``copy=False``, rebuilt with ``torch.frombuffer``: no copy on
-either side), or a shared-memory handle (see :mod:`runtime.zmq.transport`). A CPU tensor of at
-most :data:`INLINE_BYTES` with a numpy dtype takes a compact extension instead (dtype byte,
-ndim byte, sizes, bytes), read without a nested msgpack decode: the dispatch path.
-
-What can travel: None, bool, int (64-bit), float, str, bytes, list, tuple, dict with str
-keys, torch tensors (any dense dtype incl. bfloat16 and float8; non-contiguous ones are
-made contiguous; ``requires_grad`` is dropped; CUDA tensors arrive on the receiver's
-current CUDA device, or on the CPU where it has none), numpy arrays and scalars of
-bool/int/uint/float/complex dtypes, PIL images (mode, size, pixels and palette; ``info``
-metadata is dropped), and msgspec Structs whose class is registered with
-:func:`register_struct` or already imported by the receiver. Nothing is pickled; anything
-else raises :class:`UnsupportedValueError` naming where in the value it sits.
-
-A CUDA tensor is copied to host memory on the sender (the "CPU fallback") unless
-``encode_value(..., cuda_ipc=)`` allows its GPU: then, between controllers on one host that
-see that GPU, it travels by CUDA IPC (a msgpack extension holding torch's IPC handles, no
-pickle) and arrives in the sender's GPU memory, on the receiver's ordinal of that GPU, with
-its strides; see :mod:`runtime.zmq.cuda_ipc` for when, and what keeps the memory alive.
-
-Subclasses of list/dict/tuple/int/float/str arrive as the base type (an OrderedDict as a
-dict, a namedtuple as a tuple, an IntEnum as an int).
-
-Dicts with keys other than str (an optimizer's ``state_dict()`` has int keys) travel only
-with ``encode_value(..., any_keys=True)``: the runtime uses it for node state (checkpoints
-of a ZeroMQ run), not for data between nodes. Keys may then be None, bool, int, float, str,
-bytes or tuples of those. The decoder accepts such dicts always: decoding never runs code.
-
-This module is the codec's API and its encoder; the decoder is :mod:`runtime.zmq.serial_decode`
-and what both sides share (extension codes, the dtype table, errors) is
-:mod:`runtime.zmq.serial_format`.
-"""
+"""The codec's encoder: a value to ``[header, *buffers]`` (:func:`encode_value`); the format
+is described in :mod:`runtime.codec`."""
 
 from __future__ import annotations
 
@@ -45,9 +9,8 @@ from typing import Any
 
 import msgspec
 
-from runtime.zmq.cuda_ipc import IpcSend
-from runtime.zmq.serial_decode import decode_value
-from runtime.zmq.serial_format import (
+from runtime.codec.cuda_ipc import IpcSend
+from runtime.codec.wire import (
     _BYTES,
     _BYTES_FRAME,
     _DTYPE_INDEX,
@@ -64,23 +27,12 @@ from runtime.zmq.serial_format import (
     _TORCH_DTYPES,
     _TUPLE,
     INLINE_BYTES,
-    TENSOR_DTYPES,
-    DecodeError,
     ShmWriter,
     UnsupportedValueError,
     _plain_key,
-    register_struct,
 )
 
-__all__ = [
-    "INLINE_BYTES",
-    "TENSOR_DTYPES",
-    "DecodeError",
-    "UnsupportedValueError",
-    "decode_value",
-    "encode_value",
-    "register_struct",
-]
+__all__ = ["encode_value"]
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -153,7 +105,7 @@ class _Packer:
         if isinstance(v, bytearray | memoryview):
             return self._bytes(bytes(v))
         raise _Unsupported(
-            f"a {t.__module__}.{t.__qualname__} cannot be sent between controllers (pickle is off); "
+            f"a {t.__module__}.{t.__qualname__} cannot be sent to another process (pickle is off); "
             "send tensors, numpy arrays, PIL images, msgspec Structs, or None/bool/int/float/str/"
             "bytes/list/tuple/dict with str keys"
         )
@@ -306,7 +258,7 @@ def encode_value(
     (``node 'update' output 'metrics'['opt'][2]: a set cannot be sent ...``).
     ``any_keys=True`` also carries dicts with non-str keys (node state; see the module doc).
     ``cuda_ipc``: CUDA tensors on the GPUs it lists go by CUDA IPC, one share per destination
-    (:class:`runtime.zmq.cuda_ipc.IpcSend`); None: every CUDA tensor takes the host copy.
+    (:class:`runtime.codec.cuda_ipc.IpcSend`); None: every CUDA tensor takes the host copy.
     """
     packer = _Packer(inline, shm, any_keys, cuda_ipc)
     try:

@@ -1,8 +1,8 @@
-"""Decoding for the data-plane codec (:mod:`runtime.zmq.serial` has the format and the encoder):
-frames back to a value, zero-copy for tensors in frames; garbage raises DecodeError, never
-anything else, and decoding never runs code (a Struct class is looked up only among those
-registered or already imported). A CUDA IPC tensor opens torch's IPC handle
-(:mod:`runtime.zmq.cuda_ipc`), only where the caller passes ``cuda_ipc``."""
+"""The codec's decoder (:mod:`runtime.codec` describes the format): frames back to a value,
+zero-copy for tensors in frames; garbage raises DecodeError, never anything else, and
+decoding never runs code (a Struct class is looked up only among those registered or already
+imported). A CUDA IPC tensor opens torch's IPC handle (:mod:`runtime.codec.cuda_ipc`), only
+where the caller passes ``cuda_ipc``."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import msgspec
 
-from runtime.zmq.cuda_ipc import IpcReceive
-from runtime.zmq.serial_format import (
+from runtime.codec.cuda_ipc import IpcReceive
+from runtime.codec.wire import (
     _BYTES,
     _CUDA_IPC,
     _IMAGE,
@@ -200,7 +200,7 @@ class _Unpacker:
         if cls is None:
             raise DecodeError(
                 f"Struct type {ref!r} is neither registered nor imported in this process; import its "
-                "module in the receiving node's module, or call runtime.zmq.serial.register_struct(cls)"
+                "module in the receiving node's module, or call runtime.codec.register_struct(cls)"
             )
         return cls(**fields)
 
@@ -239,7 +239,7 @@ def _imported(ref: str) -> type | None:
 
 def release_ipc(frames: Sequence[Any], cuda_ipc: IpcReceive, skip: int = 0) -> int:
     """For a message dropped undecoded: release this controller's share of every CUDA IPC
-    tensor in it (:meth:`~runtime.zmq.cuda_ipc.IpcReceive.release`) without opening any, and
+    tensor in it (:meth:`~runtime.codec.cuda_ipc.IpcReceive.release`) without opening any, and
     build nothing else; the first ``skip`` are left alone (a decode that failed part-way
     opened them, and their storages release their shares when freed). Returns how many it
     released; garbage releases what came before it, never raises."""
@@ -274,7 +274,7 @@ def decode_value(
 
     Tensors read from frames share the frames' memory (kept alive by the tensor). A CUDA IPC
     tensor decodes only with ``cuda_ipc`` (this controller's share and GPUs,
-    :class:`runtime.zmq.cuda_ipc.IpcReceive`); one whose handle does not open is a
+    :class:`runtime.codec.cuda_ipc.IpcReceive`); one whose handle does not open is a
     DecodeError that says how to turn IPC off. A decode that fails part-way releases the
     shares of the IPC tensors it did not open (:func:`release_ipc`), so their sender can
     free them; those it opened release theirs as the partial value is freed.

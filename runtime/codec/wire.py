@@ -1,7 +1,7 @@
-"""The data plane's wire format, shared by the encoder (:mod:`runtime.zmq.serial`) and the
-decoder (:mod:`runtime.zmq.serial_decode`): extension codes, the one dtype table, the errors,
+"""The codec's wire format, shared by the encoder (:mod:`runtime.codec.encode`) and the
+decoder (:mod:`runtime.codec.decode`): extension codes, the one dtype table, the errors,
 the shared-memory protocols and the registry of Struct classes. The CUDA IPC extension's
-fields and lifetime rules are in :mod:`runtime.zmq.cuda_ipc`."""
+fields and lifetime rules are in :mod:`runtime.codec.cuda_ipc`."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ _BYTES_FRAME = 64 * 1024
 
 _TENSOR, _NDARRAY, _STRUCT, _TUPLE, _IMAGE, _BYTES, _MAP, _SMALL = 1, 2, 3, 4, 5, 6, 7, 8
 _CUDA_IPC = 9
-"""A CUDA tensor sent by CUDA IPC between controllers on one host (:mod:`runtime.zmq.cuda_ipc`):
+"""A CUDA tensor sent by CUDA IPC between controllers on one host (:mod:`runtime.codec.cuda_ipc`):
 plain msgpack fields (dtype, shape, stride, offset, physical GPU, one IPC share per destination)."""
 _SMALL_HEAD = struct.Struct("<BB")
 """A small CPU tensor's extension: dtype index (in _TORCH_DTYPES), ndim, then ndim little-endian
@@ -57,7 +57,7 @@ _TORCH_DTYPES = [
     "float8_e4m3fnuz",
     "float8_e5m2fnuz",
 ]
-"""The one table of tensor dtypes the data plane carries (torch's names); an index into it is a
+"""The one table of tensor dtypes the codec carries (torch's names); an index into it is a
 small tensor's dtype byte, so entries are only ever appended."""
 _NO_NUMPY = frozenset(n for n in _TORCH_DTYPES if n in ("bfloat16", "complex32") or "float8" in n)
 """The dtypes that ``Tensor.numpy()`` refuses: they take the general tensor path."""
@@ -72,7 +72,7 @@ _structs: dict[str, type] = {}
 
 
 class UnsupportedValueError(TypeError):
-    """A value the data plane cannot carry (it would need pickle)."""
+    """A value the codec cannot carry (it would need pickle)."""
 
 
 class DecodeError(ValueError):
@@ -80,7 +80,8 @@ class DecodeError(ValueError):
 
 
 class ShmWriter(Protocol):
-    """Puts large tensor bytes in shared memory; see :class:`runtime.zmq.transport.ShmPool`."""
+    """Puts large tensor bytes in shared memory (the ZeroMQ runtime's ``ShmPool``, in
+    ``runtime/zmq/transport.py``)."""
 
     threshold: int
 
