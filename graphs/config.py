@@ -217,7 +217,7 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """With rollout=vllm: the engine's share of GPU memory, in (0, 1]; none: derived at start.
 
     At most 0.9 and what the GPU has free when the engine starts, less 0.1 for the trainer
-    beside it when it sleeps (nodes/models/vllm_engine.py, gpu_share)."""
+    beside it when it sleeps (nodes/models/vllm_options.py, gpu_share)."""
     vllm_tensor_parallel: int = 1
     """With rollout=vllm: GPUs the engine shards the model across (>= 1)."""
     vllm_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"

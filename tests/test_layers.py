@@ -18,7 +18,7 @@ FORBIDDEN = {
 # Inside a package, by folder (module prefixes, matched on whole dotted parts):
 # rl <- models <- the node modules; codec <- ranks, zmq; sched <- engine <- zmq, engine <- train.
 NODE_MODULES = (
-    "advantage", "data", "reference", "rewards", "rollout", "sync", "toy", "update", "vision",
+    "advantage", "data", "reference", "rewards", "rollout", "rollout_steps", "sync", "toy", "update", "vision",
 )  # fmt: skip
 """The node modules, which nodes/rl and nodes/models may not import."""
 _ENGINE_UP = ("runtime.zmq", "runtime.train", "runtime.cli", "runtime.run_setup", "runtime.run_executor",
