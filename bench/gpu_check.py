@@ -13,7 +13,7 @@ Builds a tiny Qwen2-VL and a tiny Qwen2 in code, saves them, then on CUDA:
    noise on every weight), then greedy generations of the prompts it has already seen: vLLM's
    must agree with the HF policy's holding the same weights (at least ``AGREEMENT`` of the
    tokens) and differ from before, which they would not if its prefix, multimodal or encoder
-   caches outlived the update;
+   caches outlived the update; it must go by CUDA IPC (bytes and seconds: ``weight_sync``);
 2. the text model on one engine as the ready graphs build it (:mod:`bench.gpu_rows`): sleep
    level 2 and back (memory freed, by ``torch.cuda.mem_get_info()``), the gap between vLLM's
    bfloat16 logprobs and the trainer's float32 recompute, and a colocated hand-off: a GRPO
@@ -69,6 +69,7 @@ from bench.gpu_rows import (
     VLLM_ROWS,
     close_engine,
     rank_rows,
+    update_verdict,
     vllm_sleep_rows,
 )
 
@@ -240,13 +241,10 @@ def _vllm_rows(name: str, node: Any, ports: dict[str, Any], images: Any, update_
     changed = before.shape != after["response_ids"].shape or not torch.equal(
         before, after["response_ids"]
     )
-    good = agree >= AGREEMENT and changed
-    row(
-        f"{name}: weight update into vLLM",
-        "ok" if good else f"FAILED (changed: {changed})",
-        f"{agree:.0%} of greedy tokens agree with HF (need {AGREEMENT:.0%}); "
-        f"update + generation {seconds * 1e3:.0f} ms",
-    )
+    result, path = update_verdict(agree >= AGREEMENT, changed, after["weight_sync"], DEVICE)
+    figure = f"{agree:.0%} of greedy tokens agree with HF (need {AGREEMENT:.0%}); {path}"
+    ms = seconds * 1e3
+    row(f"{name}: weight update into vLLM", result, f"{figure}; update + generation {ms:.0f} ms")
 
 
 def _agreement(ids: torch.Tensor, mask: torch.Tensor, hf: Any) -> float:

@@ -108,6 +108,21 @@ def rank_fault_verdict(error: BaseException | None, seconds: float) -> str:
     return "ok"
 
 
+def update_verdict(
+    agrees: bool, changed: bool, sync: dict[str, Any], device: str
+) -> tuple[str, str]:
+    """(result, figure) of gpu_check's weight-update row, from whether vLLM's greedy tokens
+    agree with HF's and changed, and the rollout's ``weight_sync`` output of the update: on
+    CUDA the engine, colocated with the rollout, must have taken it by CUDA IPC."""
+    path = "ipc" if sync.get("ipc") else "bytes"
+    mib, ms = sync.get("engine_bytes", 0) / 2**20, sync.get("engine_seconds", 0.0) * 1e3
+    figure = f"by {path}: {mib:.2f} MiB into vLLM in {ms:.1f} ms"
+    ipc = path == "ipc" or device != "cuda"
+    if agrees and changed and ipc:
+        return "ok", figure
+    return f"FAILED (changed: {changed}{'' if ipc else ', by bytes, not CUDA IPC'})", figure
+
+
 # --- helpers ------------------------------------------------------------------------------------
 def _settle(device: str) -> None:
     gc.collect()

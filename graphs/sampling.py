@@ -122,6 +122,7 @@ def sample_and_score(
         name="rollout",
     )
     sample = rollout(prompts=data.prompts, **image_port)
+    g.output("weight_sync", sample.weight_sync)  # seconds and bytes of the weights it loaded
     if not config.recompute_logprobs:
         g.discard(sample.rollout_logprobs)  # the sampler's logprobs are the ones the update takes
     reward = reward_node(config.reward, config.on_bad_sample, config.micro_batch_tokens)

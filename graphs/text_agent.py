@@ -122,6 +122,7 @@ def build_agent(name: str, config: AgentConfig, spec: dict[str, Any], *, images:
         set_share(rollout, "policy")
         shown = {"images": data.images} if images else {}
         sample = rollout(prompts=data.prompts, meta=data.meta, **shown)
+        g.output("weight_sync", sample.weight_sync)  # seconds and bytes of the weights it loaded
         seen = {"images": sample.images} if images else {}  # every image of each trajectory
         if not images:
             g.discard(sample.images)

@@ -16,6 +16,14 @@ Backends:
   tensor_parallel_size, dtype, enable_sleep_mode (the engine sleeps after each call, for
   colocated placement), bucket_mb (see ``vllm_options.OPTIONS``).
 
+``weight_sync`` (a dict of numbers a call, the same in every streamed piece) says what loading
+weights took in the call: ``seconds`` (in all), ``bytes`` (the tensors of the update the call
+loaded; 0 without a new one), ``hf_seconds`` (into the HF policy, synchronized on a GPU; about
+0 where it shares the update's module), and with vLLM ``engine_seconds`` and ``engine_bytes``
+(into the engine: the update's tensors under their checkpoint names, or the policy's own when
+a sleeping engine generates with no update since) and ``ipc`` (1 when the engine takes its
+updates by CUDA IPC, 0 by bytes: :mod:`nodes.models.vllm_engine`).
+
 Logprobs (``logprobs`` port) are ``log softmax(logits / temperature)`` of each sampled token:
 the temperature-scaled policy *before* top-k/top-p truncation (T = 1 when greedy). Computed
 from the scores of the cached generation pass by default; ``recompute_logprobs=True`` recomputes
@@ -29,6 +37,7 @@ top-p/top-k) they are the recomputed ones.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -141,6 +150,7 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
         "truncated": Port(
             TensorPort("float32", "B"), doc="1.0 where the response was cut at max_new_tokens"
         ),
+        "weight_sync": Port(ANY, doc="dict: the call's weight loads, seconds and bytes"),
     }
     batch_policy = BatchPolicy(max_batch_size=64, splittable=False)
     """Not splittable by the in-process splitter: a call draws from one random stream seeded by
@@ -225,6 +235,7 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
         self.step = 0
         self.next_group = 0
         self._vllm: VLLMEngine | None = None
+        self._sync: dict[str, float] = {"seconds": 0.0, "bytes": 0, "hf_seconds": 0.0}
         self._piece: tuple[dict[str, int], list[int]] | None = None
 
     def build(self) -> None:
@@ -276,17 +287,34 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
         return N
 
     def _load(self, weights: Any) -> None:
-        """Load a weight-sync payload (:class:`nodes.sync.WeightInput`: once, only when newer)."""
+        """Load a weight-sync payload (:class:`nodes.sync.WeightInput`: once, only when newer),
+        timed for the ``weight_sync`` output."""
+        self._sync = {"seconds": 0.0, "bytes": 0, "hf_seconds": 0.0}
         update = self._newer_weights(weights)
         if update is None:
             return
         who = f"node {self.name!r}: input 'weights'"
+        start = time.perf_counter()
         if not (self.share is not None and same_storage(self.policy, update.weights)):
             # (a shared module's own tensors: nothing to copy)
             self.policy.load_weights(update.weights, strict=update.complete, who=who)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        self._sync["hf_seconds"] = time.perf_counter() - start
+        self._sync["bytes"] = sum(t.numel() * t.element_size() for t in update.weights.values())
         if self._vllm is not None:
             self._vllm.load_weights(update.weights, complete=update.complete)
         self._loaded_weights(weights, update)
+
+    def _weight_sync(self) -> dict[str, float]:
+        """The call's ``weight_sync`` output (made once a call: every piece holds the same)."""
+        sync = self._sync
+        if "engine_seconds" not in sync and self._vllm is not None:
+            seconds, nbytes = self._vllm.take_loaded()
+            sync.update(engine_seconds=seconds, engine_bytes=nbytes)
+            sync["ipc"] = float(self._vllm.update_path == "ipc")
+        sync["seconds"] = sync["hf_seconds"] + sync.get("engine_seconds", 0.0)
+        return sync
 
     # --- the work ----------------------------------------------------------------------------
     @property
@@ -325,6 +353,7 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
             "texts": gen.texts,
             "group_ids": self._group_ids(rows),
             "truncated": gen.truncated.float(),
+            "weight_sync": self._weight_sync(),
         }
 
     def memory(self, load: Any) -> dict[str, int]:

@@ -49,10 +49,10 @@ class FakeLLM:
     def named_parameters(self):  # the served model's parameters: the checkpoint's names here
         return ((name, tensor) for name, tensor in self.served.items())
 
-    def load_weights(self, weights):
+    def load_weights(self, weights):  # copies, as vLLM's loaders copy into its parameters
         for name, tensor in weights:
             assert name in self.served and tensor.shape == self.served[name].shape, name
-            self.served[name] = tensor
+            self.served[name] = tensor.clone()
         return {name for name, _ in weights}
 
     def reset_prefix_cache(self):

@@ -6,9 +6,12 @@ samples that just finished, and ``outputs`` hold one entry per row on every outp
 (a tensor's first axis, a list's items). Over the call the rows of all pieces must be
 ``0..B-1``, each once. A piece may also say B, as ``(rows, outputs, size)``, the same in
 every piece: a consumer can then take its other per-sample inputs of that length (say,
-per-prompt data next to the responses) row by row with the piece. An executor hands each piece downstream at once, so a consumer that
-may be called on any part of a batch (see :mod:`runtime.engine.streams`) starts on the first
-finished samples while the slowest are still being produced.
+per-prompt data next to the responses) row by row with the piece. A mapping on an output port
+is a value of the call, not of its rows (a metric, such as the weights a rollout loaded before
+sampling): every piece holds the same one, and it is the joined output. An executor hands
+each piece downstream at once, so a consumer that may be called on any part of a batch (see
+:mod:`runtime.engine.streams`) starts on the first finished samples while the slowest are
+still being produced.
 
 :func:`join_pieces` puts pieces back into whole-batch outputs (rows in order; tensors whose
 trailing sizes differ between pieces are zero-padded to the largest, as a ragged batch is).
@@ -92,6 +95,8 @@ def check_piece(
             f"{where}: outputs {got}; a piece holds every declared output {sorted(ports)}"
         )
     for port, value in outputs.items():
+        if isinstance(value, Mapping):  # the call's value, not a row's
+            continue
         try:
             n = len(value)
         except TypeError:
@@ -131,7 +136,14 @@ def join_pieces(pieces: Sequence[Piece], node: str = "") -> dict[str, Any]:
     for port in pieces[0][1]:
         values = [(p[0], p[1][port]) for p in pieces]
         first = values[0][1]
-        if _is_tensor(first):
+        if isinstance(first, Mapping):
+            if not all(v is first or _equal(v, first) for _, v in values):
+                raise NodeOutputError(
+                    f"{who}output {port!r} is a mapping (a value of the whole call) that "
+                    "differs between pieces; give every piece the same one, or one entry per row"
+                )
+            out[port] = first
+        elif _is_tensor(first):
             dims = len(first.shape)
             widths = [max(v.shape[d] for _, v in values) for d in range(1, dims)]
             joined = first.new_zeros((total, *widths))
@@ -151,6 +163,13 @@ def join_pieces(pieces: Sequence[Piece], node: str = "") -> dict[str, Any]:
                     joined_list[r] = x
             out[port] = tuple(joined_list) if isinstance(first, tuple) else joined_list
     return out
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # values that compare elementwise (tensors) count as different
+        return False
 
 
 def fuse_pieces(pieces: Sequence[Piece], node: str = "") -> Piece:

@@ -379,6 +379,7 @@ class AgentRollout(Rollout):
             "images": [list(t.images) for t in trajectories],
             "scores": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
             "trajectories": [_record(t) for t in trajectories],
+            "weight_sync": self._weight_sync(),
         }
 
 

@@ -4,33 +4,43 @@ Only reached where vllm imports and CUDA exists (``vllm_unavailable_reason`` in
 :mod:`nodes.models.vllm_options` says why not, and is the one error a CPU machine gives). The
 CPU tests check the rest without vllm: the names an update carries
 (:mod:`nodes.models.vllm_names`), the payload's round trip through msgpack, the receiver, and
-the engine's wiring against a stand-in ``vllm``.
+the engine's wiring against a stand-in ``vllm`` (the CUDA IPC path with its CUDA calls faked:
+tests/nodes/test_vllm_ipc.py; bench/gpu_check.py runs them).
 
 **Weight updates** go through vLLM's supported interface, as public RL frameworks do: a
 worker extension class named by its dotted path (``LLM(worker_extension_cls=...)``), whose
-method is called by **name** with ``LLM.collective_rpc("load_hf_weights", args=(...,))``.
-Nothing callable crosses the process boundary, so vLLM's V1 engine (the model in another
-process) needs no ``VLLM_ALLOW_INSECURE_SERIALIZATION``. The engine core decodes a utility
-call's arguments with an untyped msgpack decoder (``vllm/v1/engine/core.py``,
-``generic_decoder``; ``vllm/v1/serial_utils.py``), which rebuilds no tensor: a tensor arrives
-as ``[dtype, shape, buffer index]`` with the buffer gone. So each tensor travels as plain
-msgpack values, ``[checkpoint name, dtype, shape, bytes]`` (:func:`pack_weights`), in calls
-of at most ``bucket_mb`` MiB, and the worker rebuilds it on its device
-(:func:`unpack_weights`) and hands it to ``model_runner.model.load_weights``, which maps
-checkpoint names to vLLM's fused parameters itself (``hf_to_vllm_mapper``; each
-tensor-parallel rank takes its shard).
+methods are called by **name** with ``LLM.collective_rpc(name, args=(...,))``. Nothing
+callable crosses the process boundary, so vLLM's V1 engine (the model in another process)
+needs no ``VLLM_ALLOW_INSECURE_SERIALIZATION``: the engine core decodes a utility call's
+arguments with an untyped msgpack decoder (``vllm/v1/engine/core.py``, ``generic_decoder``;
+``vllm/v1/serial_utils.py``), which rebuilds no tensor, so every argument is a plain msgpack
+value. Each tensor goes under its checkpoint name, and the worker hands it to
+``model_runner.model.load_weights``, which maps checkpoint names to vLLM's fused parameters
+itself (``hf_to_vllm_mapper``; each tensor-parallel rank takes its shard). Two paths:
+
+* **CUDA IPC** (:mod:`nodes.models.vllm_ipc`; the engine on CUDA, ``tensor_parallel_size`` 1,
+  its worker in another process): the tensors are copied on the GPU into one staging bucket
+  that the worker opened once (its IPC fields as plain values, the GPU named by its UUID),
+  ``bucket_mb`` MiB a call (``load_ipc_weights``: per tensor ``[name, dtype, shape,
+  offset]``), and the worker loads views of it. No host copy.
+* **bytes** (otherwise, or after the worker could not open the bucket: then for the engine's
+  life, said in one line on stderr): ``[name, dtype, shape, bytes]`` (:func:`pack_weights`)
+  in calls of at most ``bucket_mb`` MiB (``load_hf_weights``), rebuilt on the worker's device
+  (:func:`unpack_weights`); each tensor is copied to the host and through msgpack.
+
+:attr:`VLLMEngine.update_path` says which; :meth:`VLLMEngine.take_loaded` the seconds and
+bytes of the updates since it was last asked (the Rollout's ``weight_sync`` output).
 
 Followed: vLLM ``examples/offline_inference/rlhf_utils.py`` (``WorkerExtension``, a method per
-update called through ``collective_rpc``) and ``vllm/entrypoints/llm.py`` (``collective_rpc``,
-``sleep(level)``, ``wake_up(tags)``); OpenRLHF ``openrlhf/trainer/ray/vllm_worker_wrap.py``
+update called through ``collective_rpc``; ``ColocateWorkerExtension``, one IPC buffer with
+per-tensor offsets) and ``vllm/entrypoints/llm.py`` (``collective_rpc``, ``sleep(level)``,
+``wake_up(tags)``); OpenRLHF ``openrlhf/trainer/ray/vllm_worker_wrap.py``
 (``WorkerWrap.update_weight``: ``model_runner.model.load_weights(weights=[(name, w)])``) and
 ``openrlhf/trainer/ray/vllm_engine.py`` (``worker_extension_cls`` by dotted name,
 ``logprobs_mode``, ``enable_sleep_mode``); verl ``verl/workers/rollout/vllm_rollout/utils.py``
-(``vLLMColocateWorkerExtension.update_weights_from_ipc``: buckets of tensors, then
-``load_weights``). verl and OpenRLHF pass CUDA IPC handles when colocated, which needs pickle
-(a rebuild function) on a side channel; bytes through the engine are slower (a host copy)
-but need nothing beyond what vLLM serializes. Newer vLLM also has
-``LLM.update_weights``/``init_weight_transfer_engine``; the extension works with both.
+(``vLLMColocateWorkerExtension.update_weights_from_ipc``: a bucket of tensors, then
+``load_weights``). verl and OpenRLHF pass the IPC handle as a pickled rebuild function on a
+side channel; here its fields travel as plain values through ``collective_rpc`` itself.
 
 **Logprobs**: vLLM's own sampled-token logprobs (``logprobs=0``) by default:
 ``logprobs_mode="processed_logprobs"`` gives log softmax(logits / T), the Rollout's convention
@@ -58,12 +68,14 @@ The engine's options, its GPU and its share of it are checked and derived before
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from nodes.models import vllm_ipc
 from nodes.models.policy_base import Generation
 from nodes.models.vllm_names import checkpoint_items, hf_model_of
 from nodes.models.vllm_options import (
@@ -76,8 +88,9 @@ from nodes.models.vllm_options import (
 
 __all__ = ["VLLMEngine", "WeightReceiver", "pack_weights", "unpack_weights"]
 
-#: the name :class:`WeightReceiver`'s method is called by
+#: the names :class:`WeightReceiver`'s methods are called by: the bytes path, the CUDA IPC path
 RECEIVE = "load_hf_weights"
+RECEIVE_IPC = "load_ipc_weights"
 
 
 # --- the payload ------------------------------------------------------------------------------
@@ -129,10 +142,46 @@ class WeightReceiver:
             torch.cuda.synchronize(device)
         return [len(weights), sorted(loaded) if loaded is not None else None]
 
+    def load_ipc_weights(self, bucket: list[Any], rows: list[list[Any]]) -> list[Any]:
+        """Load one chunk of the staging bucket (:mod:`nodes.models.vllm_ipc`): ``bucket`` is
+        ``[key, IPC fields or None]`` (the fields when the bucket is new: it is opened and
+        kept), ``rows`` a ``[name, dtype, shape, offset]`` per tensor. Returns what
+        :meth:`load_hf_weights` returns, or ``[None, why]`` when the bucket cannot be opened
+        here (nothing was loaded: the sender sends the chunk as bytes)."""
+        key, fields = bucket
+        held = getattr(self, "_ipc_bucket", None)
+        if held is None or held[0] != key:
+            self._ipc_bucket = None  # a new bucket: let go of the old one first
+            if fields is None:
+                return [None, f"the staging bucket {key} is not open in this worker"]
+            try:
+                self._ipc_bucket = (key, vllm_ipc.open_storage(fields))
+            except Exception as exc:  # any failure to open: the sender falls back to bytes
+                return [None, vllm_ipc.first_line(exc)]
+        data = self._ipc_bucket[1]
+        weights = vllm_ipc.views(data, rows)
+        loaded = self.model_runner.model.load_weights(weights=weights)  # type: ignore[attr-defined]
+        del weights  # (the bucket is the sender's to overwrite once this returns)
+        if data.device.type == "cuda":
+            torch.cuda.synchronize(data.device)
+        return [len(rows), sorted(loaded) if loaded is not None else None]
+
     def weight_names(self) -> list[str]:
         """The names of this worker's model parameters (what a complete update must load)."""
         model = self.model_runner.model  # type: ignore[attr-defined]
         return sorted(name for name, _ in model.named_parameters())
+
+
+class _Tally:
+    """What the worker said it loaded over the calls of one update."""
+
+    def __init__(self) -> None:
+        self.sent, self.loaded, self.reported = 0, set[str](), True
+
+    def add(self, count: int, names: list[str] | None) -> None:
+        self.sent += int(count)
+        self.reported = self.reported and names is not None
+        self.loaded.update(names or ())
 
 
 # --- the engine -------------------------------------------------------------------------------
@@ -169,6 +218,7 @@ class VLLMEngine:
         self.stale = False  # the engine dropped its weights (sleep level 2) and has no new ones
         self._names: set[str] | None = None  # the served model's parameters, asked once
         self.bucket_bytes = int(float(opts["bucket_mb"]) * 2**20)
+        self._loaded = [0.0, 0]  # seconds and bytes of the updates since take_loaded()
         self.asleep: set[str] = set()  # the memory tags sleep() freed: weights, kv_cache
         s = self.sampling
         self.own_logprobs = s["top_p"] == 1.0 and not s["top_k"]
@@ -179,7 +229,9 @@ class VLLMEngine:
         if self.share is None:
             free, total = torch.cuda.mem_get_info(index)
             self.share = gpu_share(free, total, sleeps=self.sleep_mode, who=who)
-        with _visible_gpus(index, int(opts["tensor_parallel_size"]), who):
+        tp = int(opts["tensor_parallel_size"])
+        self.ipc = vllm_ipc.IpcSender(self.device, tp, who)
+        with _visible_gpus(index, tp, who):
             self.llm = self._start(LLM, seed, opts)
         self.sleep()  # (with sleep mode) a trainer built after it finds the device free
 
@@ -296,18 +348,37 @@ class VLLMEngine:
         items = checkpoint_items(self.policy, weights, self.who)
         if "weights" in self.asleep:
             self._wake(["weights"])
-        sent, loaded, reported = 0, set(), True
-        for bucket in pack_weights(items, self.bucket_bytes):
+        start = time.perf_counter()
+        tally = _Tally()
+        rest = items
+        if self.ipc.on:
+
+            def call(bucket: list[Any], rows: list[list[Any]]) -> list[Any]:
+                return self.llm.collective_rpc(RECEIVE_IPC, args=(bucket, rows))
+
+            rest = self.ipc.send(items, self.bucket_bytes, call, tally.add)
+        for bucket in pack_weights(rest, self.bucket_bytes):
             replies = self.llm.collective_rpc(RECEIVE, args=(bucket,))
-            count, names = replies[0] if replies else (0, None)
-            sent += int(count)
-            reported = reported and names is not None
-            loaded.update(names or ())
-        if reported:
-            self._check_loaded(loaded, sent, complete)
+            tally.add(*(replies[0] if replies else (0, None)))
+        if tally.reported:
+            self._check_loaded(tally.loaded, tally.sent, complete)
         self.stale = False
         self._reset_caches()
-        return sent
+        self._loaded[0] += time.perf_counter() - start
+        self._loaded[1] += sum(t.numel() * t.element_size() for _, t in items)
+        return tally.sent
+
+    @property
+    def update_path(self) -> str:
+        """How weight updates reach the worker: ``"ipc"`` (the staging bucket) or ``"bytes"``."""
+        return "ipc" if self.ipc.on else "bytes"
+
+    def take_loaded(self) -> tuple[float, int]:
+        """Seconds and bytes of the weight updates since the last call (each update's tensors,
+        as sent; the seconds from the first call to the worker to the caches' reset)."""
+        seconds, nbytes = self._loaded
+        self._loaded = [0.0, 0]
+        return seconds, nbytes
 
     def _check_loaded(self, loaded: set[str], sent: int, complete: bool) -> None:
         if sent and not loaded:

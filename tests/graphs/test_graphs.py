@@ -168,8 +168,10 @@ def test_a_streamed_agent_run_equals_the_whole_one():
         graph = load_graph("graphs.text_agent", batch_size=4, stream=stream)
         assert graph.nodes["rollout"].streaming == stream
         runs.append(LocalExecutor(graph).run(2))
+    assert runs[1][1].outputs["weight_sync"]["bytes"] > 0  # step 1 loaded the update
     for whole, streamed in zip(*runs, strict=True):
         assert torch.equal(whole.outputs["scores"], streamed.outputs["scores"])
         assert whole.outputs["texts"] == streamed.outputs["texts"]
+        assert whole.outputs["weight_sync"]["bytes"] == streamed.outputs["weight_sync"]["bytes"]
         for key, value in whole.outputs["metrics"].items():
             assert streamed.outputs["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6)

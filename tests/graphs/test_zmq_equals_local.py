@@ -23,13 +23,14 @@ OPTIONS = {"batch_size": 8}
 
 def _metrics(results):
     """Each step's graph outputs, flat: scores and lengths (tensors), and every metric (the
-    update's loss, KL, entropy, ...; the advantage node's figures) as ``output/name``."""
+    update's loss, KL, entropy, ...; the advantage node's figures) as ``output/name``, less
+    the wall times (the rollout's weight loads: ``weight_sync/seconds``, ...)."""
     rows = []
     for r in results:
         row = {}
         for key, value in r.outputs.items():
             if isinstance(value, dict):
-                row.update({f"{key}/{k}": v for k, v in value.items()})
+                row.update({f"{key}/{k}": v for k, v in value.items() if "seconds" not in k})
             else:
                 row[key] = value
         rows.append(row)

@@ -46,7 +46,7 @@ def test_pieces_join_to_what_the_whole_call_returns(policy, embeds, options):
         got = join_pieces(pieces, "rollout")
         assert got.keys() == want.keys()
         for key, value in want.items():
-            if key == "texts":
+            if key in ("texts", "weight_sync"):  # (no weights came: the loads are 0 in both)
                 assert got[key] == value
             else:  # the tiny policy pads with 0, as the join does: equal bit for bit
                 assert torch.equal(got[key], value), key

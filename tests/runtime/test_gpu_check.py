@@ -25,6 +25,7 @@ from bench.gpu_rows import (
     rank_fault_verdict,
     rank_rows,
     sleep_verdict,
+    update_verdict,
     vllm_sleep_rows,
 )
 from runtime.ranks.group import RankError
@@ -106,6 +107,19 @@ def test_the_gap_fails_when_large_not_finite_absent_or_exactly_zero():
     assert "not finite" in gap_verdict(torch.tensor([0.01, math.nan]))[0]
     assert "recomputed nothing" in gap_verdict(torch.zeros(5))[0]
     assert "no response tokens" in gap_verdict(torch.zeros(0))[0]
+
+
+def test_a_weight_update_into_vllm_must_go_by_cuda_ipc_on_cuda():
+    ipc = {"ipc": 1.0, "engine_bytes": 3 * 2**20, "engine_seconds": 0.0042}
+    assert update_verdict(True, True, ipc, "cuda") == ("ok", "by ipc: 3.00 MiB into vLLM in 4.2 ms")
+    by_bytes = {**ipc, "ipc": 0.0}
+    result, figure = update_verdict(True, True, by_bytes, "cuda")
+    assert result == "FAILED (changed: True, by bytes, not CUDA IPC)" and figure.startswith(
+        "by bytes"
+    )
+    assert update_verdict(True, True, by_bytes, "cpu")[0] == "ok"  # the stand-in's rehearsal
+    assert update_verdict(True, False, ipc, "cuda")[0] == "FAILED (changed: False)"
+    assert update_verdict(False, True, ipc, "cuda")[0] == "FAILED (changed: True)"
 
 
 def test_a_killed_rank_must_be_a_rank_error_naming_it_in_seconds():
@@ -216,6 +230,7 @@ def test_the_model_rows_fail_when_the_engine_answers_the_same_after_an_update(
     assert rows["qwen2: vLLM rollout"][0] == "ok"
     assert rows["qwen2: vLLM vs HF logprobs"][0] == "FAILED"
     assert rows["qwen2: weight update into vLLM"][0] == "FAILED (changed: False)"
+    assert "by bytes: " in rows["qwen2: weight update into vLLM"][1]  # (no CUDA: no IPC here)
     (engine,) = engines
     assert engine.kwargs["dtype"] == "float32" and engine.kwargs["enforce_eager"]
     assert engine.calls.count("reset prefix") == 1  # the update reset the engine's caches

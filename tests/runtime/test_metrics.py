@@ -52,6 +52,22 @@ def test_run_writes_metrics_trace_and_plot(tmp_path, capsys):
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.timeout(300)
+def test_a_ready_graph_run_writes_the_rollouts_weight_sync_a_step(tmp_path):
+    """text_grpo in process, 2 steps: step 0 loads no weights (0), step 1 the update's (the
+    policy's state dict, which the rollout shares here: no copy, but its bytes counted)."""
+    from yatt_graph.refs import load_graph
+
+    out = tmp_path / "run"
+    argv = ["run", "text_grpo", "--steps", "2", "--set", "batch_size=2", "--out", str(out), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    rows = read_metrics(out)
+    assert rows[0]["weight_sync/bytes"] == rows[0]["weight_sync/seconds"] == 0
+    policy = load_graph("graphs.text_grpo", batch_size=2).nodes["rollout"].policy
+    assert rows[1]["weight_sync/bytes"] == sum(t.nbytes for t in policy.state_dict().values())
+    assert rows[1]["weight_sync/seconds"] > 0 and "weight_sync/hf_seconds" in rows[1]
+
+
 def test_run_ends_with_a_one_line_json_summary(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["run", "graphs.toy", "--steps", "6", "--out", str(out), "--quiet"]) == 0

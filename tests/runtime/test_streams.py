@@ -99,6 +99,25 @@ def test_a_bad_piece_is_named(piece, match):
         Bad().run()
 
 
+def test_a_mapping_is_a_value_of_the_whole_call_in_every_piece():
+    class Stats(Node):
+        outputs = {"y": Tensor("float32", "B"), "stats": ANY}
+
+        def __init__(self, same: bool):
+            super().__init__()
+            self.same = same
+
+        def forward_stream(self):
+            stats = {"seconds": 0.5}
+            yield [0, 1], {"y": torch.ones(2), "stats": stats}
+            yield [2], {"y": torch.zeros(1), "stats": stats if self.same else {"seconds": 1.0}}
+
+    out = Stats(True).run()
+    assert out["stats"] == {"seconds": 0.5} and out["y"].tolist() == [1.0, 1.0, 0.0]
+    with pytest.raises(NodeOutputError, match="'stats' is a mapping .* differs between pieces"):
+        Stats(False).run()
+
+
 @pytest.mark.parametrize(
     ("pieces", "match"),
     [
@@ -335,6 +354,7 @@ def rollout_graph(stream: bool) -> Graph:
         )
         g.output("ids", sample.response_ids)
         g.output("lengths", sample.response_lengths)
+        g.output("weight_sync", sample.weight_sync)  # a value of the call in every piece
         for port in ("prompt_ids", "prompt_mask", "response_mask", "logprobs", "group_ids"):
             g.discard(getattr(sample, port))
     return g
@@ -355,3 +375,7 @@ def test_the_library_rollout_streams_to_a_consumer_on_another_controller():
         for key in ("score", "ids", "lengths"):
             assert torch.equal(a.outputs[key], b.outputs[key]), key
             assert torch.equal(b.outputs[key], c.outputs[key]), key
+        zero = {"seconds": 0.0, "bytes": 0, "hf_seconds": 0.0}  # no weights reach it here
+        assert (
+            a.outputs["weight_sync"] == b.outputs["weight_sync"] == c.outputs["weight_sync"] == zero
+        )
