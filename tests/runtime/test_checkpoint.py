@@ -1,4 +1,5 @@
 import pytest
+from metrics_helpers import learning_values
 
 from runtime import LocalExecutor
 from runtime.train.checkpoint import CheckpointError, checkpoints, load_checkpoint, save_checkpoint
@@ -8,14 +9,7 @@ from yatt_graph.refs import load_graph
 
 
 def learning_keys(rows):
-    return [
-        {
-            k: v
-            for k, v in r.items()
-            if not k.startswith(("time/", "util/")) and k != "samples_per_s"
-        }
-        for r in rows
-    ]
+    return [learning_values(r) for r in rows]
 
 
 def test_a_resumed_run_ends_with_the_same_metrics_as_an_uninterrupted_one(tmp_path):

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from metrics_helpers import learning_values
 from zmq_graphs import assert_same
 
 from runtime.children import stop
@@ -173,13 +174,7 @@ def _metrics(path: Path) -> list[dict]:
     rows = []
     for line in path.read_text().splitlines():
         row = json.loads(line)
-        rows.append(
-            {
-                k: v
-                for k, v in row.items()
-                if not k.startswith(("time/", "util/", "sched/")) and k != "samples_per_s"
-            }
-        )
+        rows.append(learning_values(row))
     return rows
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import zmq_graphs
+from metrics_helpers import learning_values
 from sample_nodes import loop_graph
 
 from runtime import LocalExecutor
@@ -128,19 +129,15 @@ def test_a_resumed_async_run_ends_with_the_same_metrics(tmp_path, mode):
     def executor() -> LocalExecutor:
         return LocalExecutor(load_graph("graphs.toy", seed=3), max_staleness=1, staleness=mode)
 
-    def learning(rows: list[dict]) -> list[dict]:
-        skip = ("time/", "util/")
-        return [{k: v for k, v in r.items() if not k.startswith(skip) and k != "samples_per_s"} for r in rows]  # fmt: skip
-
     whole = train(executor(), 10, tmp_path / "whole", progress=False)
     part = tmp_path / "part"
     train(executor(), 5, part, checkpoint_every=5, progress=False)
     resumed = train(executor(), 10, part, checkpoint_every=5, resume=part, progress=False)
     assert [r["step"] for r in resumed] == [5, 6, 7, 8, 9]
-    assert learning(read_metrics(part)) == learning(whole)
+    assert _learning(read_metrics(part)) == _learning(whole)
     on_policy = train(LocalExecutor(load_graph("graphs.toy", seed=3)), 10, None, progress=False)
     # In one process the bound reads the step before (on-policy); the fixed lag does not.
-    assert (learning(whole) == learning(on_policy)) == (mode == "bound")
+    assert (_learning(whole) == _learning(on_policy)) == (mode == "bound")
 
 
 @pytest.mark.timeout(120)
@@ -189,14 +186,12 @@ def test_fixed_staleness_with_fixed_threads_reruns_bitwise_on_controllers(tmp_pa
     for i in range(2):
         assert main([*flags, "--no-adaptive", "--out", str(tmp_path / f"run{i}")]) == 0
         rows = read_metrics(tmp_path / f"run{i}")
-        learned.append([_learning_values(r) for r in rows])
+        learned.append([learning_values(r) for r in rows])
     assert "bitwise only with fixed thread counts" not in capsys.readouterr().err
     assert learned[0] == learned[1]
     assert main([*flags, "--steps", "1", "--out", str(tmp_path / "adaptive")]) == 0
     assert "bitwise only with fixed thread counts (--no-adaptive" in capsys.readouterr().err
 
 
-def _learning_values(row):
-    """A metrics row without what timing decides (times, throughput, cores, utilization)."""
-    timing = ("time/", "sched/", "util/", "samples_per_s")
-    return {k: v for k, v in row.items() if not k.startswith(timing)}
+def _learning(rows: list[dict]) -> list[dict]:
+    return [learning_values(r) for r in rows]
