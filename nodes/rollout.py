@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from nodes.models.flat import nbytes
 from nodes.models.offload import Offload
 from nodes.models.policy import (
     Generation,
@@ -301,7 +302,7 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         self._sync["hf_seconds"] = time.perf_counter() - start
-        self._sync["bytes"] = sum(t.numel() * t.element_size() for t in update.weights.values())
+        self._sync["bytes"] = sum(map(nbytes, update.weights.values()))
         if self._vllm is not None:
             self._vllm.load_weights(update.weights, complete=update.complete)
         self._loaded_weights(weights, update)

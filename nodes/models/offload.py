@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nodes.models.flat import layout, nbytes, view
+
 __all__ = [
     "ALWAYS_COPY",
     "HostBuffer",
@@ -59,10 +61,6 @@ def _to(t: Tensor, device: torch.device, copy: bool) -> Tensor:
     if device.type == "cpu":
         return t.clone() if t.device.type == "cpu" else t.to(device)
     return t.to(device, non_blocking=True)
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 _ALIGN = 64
@@ -100,19 +98,13 @@ class HostBuffer:
     def views(self, tensors: list[Tensor], pin: bool) -> list[Tensor]:
         """A view of the buffer for each of ``tensors`` (its dtype and shape, contiguous),
         each at an offset aligned to 64 bytes, in order."""
-        offsets, end = [], 0
-        for t in tensors:
-            end = -(-end // _ALIGN) * _ALIGN
-            offsets.append(end)
-            end += _nbytes(t)
+        offsets, end = layout(tensors, _ALIGN)
         if self.flat is None or self.flat.numel() < end or (pin and not self.pinned):
             self.close()
             self.flat, self.pinned = _allocate(end, pin), pin
             self.allocations += 1
         flat = self.flat
-        return [
-            flat[o : o + _nbytes(t)].view(t.dtype).view(t.shape) for o, t in zip(offsets, tensors)
-        ]
+        return [view(flat, o, t.dtype, t.shape) for o, t in zip(offsets, tensors)]
 
     def close(self) -> None:
         """Hand the buffer back (nothing may view it any more)."""
@@ -220,7 +212,7 @@ def move(
             put(new)
         if job.key is not None:
             out[job.key] = t.device
-        moved += _nbytes(t)
+        moved += nbytes(t)
     return moved, out
 
 

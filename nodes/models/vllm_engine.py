@@ -76,6 +76,7 @@ import torch
 from torch import Tensor
 
 from nodes.models import vllm_ipc
+from nodes.models.flat import nbytes
 from nodes.models.policy_base import Generation
 from nodes.models.vllm_names import checkpoint_items, hf_model_of
 from nodes.models.vllm_options import (
@@ -136,11 +137,7 @@ class WeightReceiver:
         vLLM's ``load_weights`` says it loaded (None where it says nothing)."""
         model = self.model_runner.model  # type: ignore[attr-defined]
         device = next(model.parameters()).device
-        weights = unpack_weights(bucket, device)
-        loaded = model.load_weights(weights=weights)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return [len(weights), sorted(loaded) if loaded is not None else None]
+        return self._load(unpack_weights(bucket, device), device)
 
     def load_ipc_weights(self, bucket: list[Any], rows: list[list[Any]]) -> list[Any]:
         """Load one chunk of the staging bucket (:mod:`nodes.models.vllm_ipc`): ``bucket`` is
@@ -158,13 +155,16 @@ class WeightReceiver:
                 self._ipc_bucket = (key, vllm_ipc.open_storage(fields))
             except Exception as exc:  # any failure to open: the sender falls back to bytes
                 return [None, vllm_ipc.first_line(exc)]
-        data = self._ipc_bucket[1]
-        weights = vllm_ipc.views(data, rows)
+        data = self._ipc_bucket[1]  # (the sender's to overwrite once this returns)
+        return self._load(vllm_ipc.views(data, rows), data.device)
+
+    def _load(self, weights: list[tuple[str, Tensor]], device: torch.device) -> list[Any]:
+        """Hand ``weights`` to the model's ``load_weights`` and wait for its copies: how many
+        tensors, and the names it says it loaded (None where it says nothing)."""
         loaded = self.model_runner.model.load_weights(weights=weights)  # type: ignore[attr-defined]
-        del weights  # (the bucket is the sender's to overwrite once this returns)
-        if data.device.type == "cuda":
-            torch.cuda.synchronize(data.device)
-        return [len(rows), sorted(loaded) if loaded is not None else None]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return [len(weights), sorted(loaded) if loaded is not None else None]
 
     def weight_names(self) -> list[str]:
         """The names of this worker's model parameters (what a complete update must load)."""
@@ -365,7 +365,7 @@ class VLLMEngine:
         self.stale = False
         self._reset_caches()
         self._loaded[0] += time.perf_counter() - start
-        self._loaded[1] += sum(t.numel() * t.element_size() for _, t in items)
+        self._loaded[1] += sum(nbytes(t) for _, t in items)
         return tally.sent
 
     @property

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nodes.models.flat import aligned, nbytes, view
+
 __all__ = ["ALIGN", "IpcSender", "StagingBucket", "chunks", "ipc_unavailable_reason", "views"]
 
 ALIGN = 256
@@ -120,10 +122,6 @@ def ipc_unavailable_reason(device: torch.device, tensor_parallel_size: int) -> s
 
 
 # --- chunks and the bucket ------------------------------------------------------------------
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
 Chunk = list[tuple[str, Tensor, int]]
 """``(checkpoint name, tensor, byte offset in the bucket)`` of one call."""
 
@@ -135,13 +133,13 @@ def chunks(items: Sequence[tuple[str, Tensor]], bucket_bytes: int) -> list[Chunk
     chunk: Chunk = []
     used = 0
     for name, tensor in items:
-        nbytes = tensor.numel() * tensor.element_size()
-        if chunk and _aligned(used) + nbytes > bucket_bytes:
+        size = nbytes(tensor)
+        if chunk and aligned(used, ALIGN) + size > bucket_bytes:
             out.append(chunk)
             chunk, used = [], 0
-        offset = _aligned(used)
+        offset = aligned(used, ALIGN)
         chunk.append((name, tensor, offset))
-        used = offset + nbytes
+        used = offset + size
     if chunk:
         out.append(chunk)
     return out
@@ -149,7 +147,7 @@ def chunks(items: Sequence[tuple[str, Tensor]], bucket_bytes: int) -> list[Chunk
 
 def _end(chunk: Chunk) -> int:
     name, tensor, offset = chunk[-1]
-    return offset + tensor.numel() * tensor.element_size()
+    return offset + nbytes(tensor)
 
 
 class StagingBucket:
@@ -171,7 +169,7 @@ class StagingBucket:
     def reserve(self, parts: Sequence[Chunk]) -> None:
         """Make sure the bucket holds the largest of an update's chunks (a new allocation only
         when it does not: the first update, or one with a larger tensor than any before)."""
-        need = max(_aligned(_end(chunk)) for chunk in parts)
+        need = max(aligned(_end(chunk), ALIGN) for chunk in parts)
         if self.tensor is None or self.tensor.numel() < need:
             self.tensor = None  # (the old one first: the GPU may not hold both)
             self.tensor = allocate(need, self.device)
@@ -185,10 +183,8 @@ class StagingBucket:
         assert self.tensor is not None and self.tensor.numel() >= _end(chunk)
         rows, devices = [], {self.tensor.device}
         for name, tensor, offset in chunk:
-            nbytes = tensor.numel() * tensor.element_size()
-            if nbytes:
-                view = self.tensor[offset : offset + nbytes].view(tensor.dtype)
-                view.view(tuple(tensor.shape)).copy_(tensor.detach())
+            if nbytes(tensor):
+                view(self.tensor, offset, tensor.dtype, tensor.shape).copy_(tensor.detach())
                 devices.add(tensor.device)
             dtype = str(tensor.dtype).removeprefix("torch.")
             rows.append([name, dtype, list(tensor.shape), offset])
@@ -261,10 +257,8 @@ def views(bucket: Tensor, rows: Sequence[Sequence[Any]]) -> list[tuple[str, Tens
         dt = getattr(torch, str(dtype), None)
         if not isinstance(dt, torch.dtype) or type(offset) is not int or offset < 0:
             raise ValueError(f"bad bucket row {[name, dtype, shape, offset]!r:.80}")
-        nbytes = math.prod(shape) * dt.itemsize
-        if offset + nbytes > bucket.numel():
-            raise ValueError(
-                f"{name!r} ends past the bucket ({offset + nbytes} > {bucket.numel()})"
-            )
-        out.append((str(name), bucket[offset : offset + nbytes].view(dt).view(tuple(shape))))
+        end = offset + math.prod(shape) * dt.itemsize
+        if end > bucket.numel():
+            raise ValueError(f"{name!r} ends past the bucket ({end} > {bucket.numel()})")
+        out.append((str(name), view(bucket, offset, dt, shape)))
     return out
