@@ -27,11 +27,12 @@ Builds a tiny Qwen2-VL and a tiny Qwen2 in code, saves them, then on CUDA:
    sweep of sizes (:mod:`bench.cuda_ipc`): ms per size, the bytes that went by IPC (the IPC
    row fails when none did), and where IPC starts to beat the copy (``cuda_ipc.MIN_BYTES``);
 5. ``--steps`` steps through the CLI with ``--device cuda`` of mm_grpo and text_grpo with
-   ``--rollout vllm`` (the Qwen2-VL and the Qwen2 as ``--policy``), and without ``--quick``
-   also with the HF rollout and mm_grpo on two controllers that time-share the GPU
-   (``--controllers 2 --offload auto``): wall time, reward first -> last, the logprob gap and
-   the switch time a step; with vLLM a gap missing or over ``GAP_MEAN_LIMIT`` fails; a row
-   says skipped with the CLI's reason if it refuses the flags;
+   ``--rollout vllm`` (the Qwen2-VL and the Qwen2 as ``--policy``), of mm_grpo on two
+   controllers that time-share the GPU (``--controllers 2 --offload auto``), and without
+   ``--quick`` also with the HF rollout: wall time, reward first -> last, the logprob gap, the
+   switch time a step and the bytes that went between the controllers by CUDA IPC; with vLLM a
+   gap missing or over ``GAP_MEAN_LIMIT`` fails, and so does the two-controller run when no
+   tensor went by IPC; a row says skipped with the CLI's reason if it refuses the flags;
 6. with two GPUs (:mod:`bench.gpu_rows`): a GRPO update as an FSDP2 group of 2 ranks on NCCL
    against 1 rank, and a rank killed under it, which must be a RankError naming it within
    seconds.
@@ -88,8 +89,9 @@ CLI_RUNS: tuple[tuple[str, str, tuple[str, ...], str | None, bool], ...] = (
     ("graphs/mm_grpo.py", "hf", (), None, False),
     ("graphs/text_grpo.py", "hf", (), "qwen2", False),
     # two controllers time-sharing the one GPU (colocated, on-policy): devices per controller,
-    # tensors between them by CUDA IPC, and each role's state offloaded when its turn ends
-    ("graphs/mm_grpo.py", "hf", ("--controllers", "2", "--offload", "auto"), None, False),
+    # tensors between them by CUDA IPC (the row fails when none went so), and each role's
+    # state offloaded when its turn ends
+    ("graphs/mm_grpo.py", "hf", ("--controllers", "2", "--offload", "auto"), None, True),
 )
 OFFLOAD_ROW = "offload + reload of text_grpo's policy, optimizer, reference"
 TOTAL_ROW = "the whole check"
@@ -126,11 +128,11 @@ def _cli_row_names(quick: bool, steps: int) -> list[str]:
     return [f"{_cli_name(g, r, f)}, {steps} steps" for g, r, f, _ in _cli_runs_of(quick)]
 
 
-def _last_metrics(metrics: Path) -> dict[str, Any]:
+def _metrics(path: Path) -> list[dict[str, Any]]:
     try:
-        return json.loads(metrics.read_text().strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError):
-        return {}
+        return [json.loads(line) for line in path.read_text().strip().splitlines()]
+    except (OSError, ValueError):
+        return []
 
 
 def cli_gap(last: dict[str, Any], rollout: str) -> tuple[str, str]:
@@ -144,6 +146,16 @@ def cli_gap(last: dict[str, Any], rollout: str) -> tuple[str, str]:
     if rollout == "vllm" and not gap <= GAP_MEAN_LIMIT:
         return f"FAILED (logprob gap over {GAP_MEAN_LIMIT})", figure
     return "ok", figure
+
+
+def cli_ipc(rows: list[dict[str, Any]]) -> tuple[str, str]:
+    """(result, figure) of a run on several controllers sharing the GPU: the bytes its
+    controllers opened by CUDA IPC (``sched/ipc_bytes`` over every step). The ready graphs'
+    model nodes hand on their outputs on the GPU, so a run where none went by IPC fails."""
+    total = sum(r.get("sched/ipc_bytes", 0.0) for r in rows)
+    if not total > 0:
+        return "FAILED (no tensor went between its controllers by CUDA IPC)", ", IPC 0 bytes"
+    return "ok", f", IPC {total / 1e6:.1f} MB over {len(rows)} steps"
 
 
 def _switch_figure(last: dict[str, Any]) -> str:
@@ -302,10 +314,15 @@ def _cli_runs(steps: int, out: Path, policies: dict[str, Path], quick: bool) -> 
         summary = json.loads(done.stdout.strip().splitlines()[-1])
         first, final = summary.get("reward_first"), summary.get("reward_last")
         reward = f"reward {first:.3f} -> {final:.3f}" if first is not None else "no reward"
-        metrics = _last_metrics(folder / "metrics.jsonl")
+        rows = _metrics(folder / "metrics.jsonl")
+        metrics = rows[-1] if rows else {}
         switches = _switch_figure(metrics) if flags else ""
         result, gap = cli_gap(metrics, rollout)
-        row(name, result, f"{seconds:.0f} s, {reward}{gap}{switches}")
+        ipc = ""
+        if "--controllers" in flags:
+            ipc_result, ipc = cli_ipc(rows)
+            result = result if result != "ok" else ipc_result
+        row(name, result, f"{seconds:.0f} s, {reward}{gap}{switches}{ipc}")
 
 
 def _offload_check(policy: Path) -> None:

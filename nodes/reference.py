@@ -102,24 +102,26 @@ def _in_parts(
 ) -> Tensor:
     """``fn(prompt_ids, prompt_mask, response_ids, response_mask, image_embeds, images)``
     -> float[b, R'] over the whole batch, or, with a ``budget`` of padded tokens, over its parts
-    (:mod:`nodes.batches`), put back in the batch's order: float32[B, R] on the CPU."""
+    (:mod:`nodes.batches`), put back in the batch's order: float32[B, R] where ``fn`` computes."""
     B, R = response_ids.shape
     image_rows = next((len(v) for v in (image_embeds, images) if v is not None), B)
     if not budget or not image_rows or B % image_rows:  # (a mismatch is _prompt_batch's to name)
-        return fn(prompt_ids, prompt_mask, response_ids, response_mask, image_embeds, images).float().cpu()  # fmt: skip
+        return fn(prompt_ids, prompt_mask, response_ids, response_mask, image_embeds, images).float()  # fmt: skip
     group = B // image_rows
     tensors = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
     tensors |= {"response_ids": response_ids, "response_mask": response_mask}
     view = View(tensors, response_mask > 0, image_embeds, images, group)
-    out = torch.zeros(B, R)  # (B, R)
+    out: Tensor | None = None
     for units in token_budget_parts(view, budget):
         part = view.take(units).trimmed()
         t = part.t
         got = fn(t["prompt_ids"], t["prompt_mask"], t["response_ids"], t["response_mask"],
                  part.image_embeds, part.images)  # fmt: skip
-        rows = torch.tensor([u * group + j for u in units for j in range(group)])
-        out[rows, : got.shape[1]] = got.float().cpu()  # (b, R') into (B, R)
-    return out
+        if out is None:
+            out = got.new_zeros(B, R, dtype=torch.float32)  # (B, R)
+        rows = torch.tensor([u * group + j for u in units for j in range(group)], device=out.device)
+        out[rows, : got.shape[1]] = got.float()  # (b, R') into (B, R)
+    return out if out is not None else torch.zeros(B, R)
 
 
 class _ResponseScores:
@@ -127,8 +129,8 @@ class _ResponseScores:
     responses, in parts of at most ``micro_batch_tokens`` padded tokens, gives the one output,
     float32[B, R] (0 off the policy's turns).
 
-    Options (keywords, the same on both): ``device`` (where the model runs; outputs come back
-    on the CPU), ``share`` (a share key), ``micro_batch_tokens`` (0: the whole batch in one
+    Options (keywords, the same on both): ``device`` (where the model runs and its output
+    is), ``share`` (a share key), ``micro_batch_tokens`` (0: the whole batch in one
     forward), ``name``, ``placement``, ``batch_policy``. A mixin before the node's others."""
 
     name: str
@@ -182,7 +184,7 @@ class _ResponseScores:
                 image_embeds, images,
             )  # fmt: skip
         (port,) = self.outputs
-        return {port: torch.where(response_mask.cpu() > 0, out, 0.0)}  # 0 off the turns
+        return {port: torch.where(response_mask.to(out.device) > 0, out, 0.0)}  # 0 off the turns
 
 
 class ReferenceLogprobs(_ResponseScores, Offload, Sharing, Node):

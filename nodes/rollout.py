@@ -342,20 +342,27 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
         self, batch: Any, gen: Generation, logprobs: Tensor, rows: Tensor, sampled: Tensor
     ) -> dict[str, Any]:
         """The ports for ``rows`` (int64[r]) of the batch, given their generation, the
-        logprobs the update takes and the sampler's own."""
-        return {
-            "prompt_ids": batch.prompt_ids[rows.to(batch.prompt_ids.device)].cpu(),
-            "prompt_mask": batch.prompt_mask[rows.to(batch.prompt_mask.device)].cpu(),
-            "response_ids": gen.response_ids,
-            "response_mask": gen.response_mask,
-            "logprobs": logprobs.float(),
-            "rollout_logprobs": sampled.float(),
-            "response_lengths": gen.response_lengths,
-            "texts": gen.texts,
-            "group_ids": self._group_ids(rows),
-            "truncated": gen.truncated.float(),
-            "weight_sync": self._weight_sync(),
-        }
+        logprobs the update takes and the sampler's own: tensors on the node's device."""
+        return self._on_device(
+            {
+                "prompt_ids": batch.prompt_ids[rows.to(batch.prompt_ids.device)],
+                "prompt_mask": batch.prompt_mask[rows.to(batch.prompt_mask.device)],
+                "response_ids": gen.response_ids,
+                "response_mask": gen.response_mask,
+                "logprobs": logprobs.float(),
+                "rollout_logprobs": sampled.float(),
+                "response_lengths": gen.response_lengths,
+                "texts": gen.texts,
+                "group_ids": self._group_ids(rows),
+                "truncated": gen.truncated.float(),
+                "weight_sync": self._weight_sync(),
+            }
+        )
+
+    def _on_device(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        """``outputs`` with every tensor on the node's device: the executor gives readers off
+        the GPU a host copy (runtime/engine/tensor_moves.py)."""
+        return {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in outputs.items()}
 
     def memory(self, load: Any) -> dict[str, int]:
         """The policy, the KV cache of every response at full length and the prefill (a
@@ -397,7 +404,7 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
                     gen.response_ids,
                     gen.response_mask,
                     temperature=self.sampling["temperature"] or 1.0,
-                ).cpu()  # (B, R)
+                )  # (B, R)
             sampled = sampled if own else logprobs
         out = self._outputs(batch, gen, logprobs, torch.arange(len(batch)), sampled)
         self._done(call)

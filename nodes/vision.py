@@ -197,13 +197,13 @@ class VisionEncoder(Offload, Node):
         return torch.stack([self.preprocess(img) for img in rgb])  # (B, 3, H, W)
 
     def encode(self, images: Sequence[Any]) -> Tensor:
-        """float32[B, D] embeddings on the CPU (with grad when trainable)."""
+        """float32[B, D] embeddings on the node's device (with grad when trainable)."""
         pixels = self.pixels(images).to(self.device)  # (B, 3, H, W)
         with torch.set_grad_enabled(self.trainable and torch.is_grad_enabled()):
             embeds = self.tower(pixels).float()  # (B, D)
             if self.normalize:
                 embeds = torch.nn.functional.normalize(embeds, dim=-1)  # (B, D)
-        return embeds.cpu()
+        return embeds
 
     def memory(self, load: Any) -> dict[str, int]:
         """The tower (float32) and the step's images in flight."""

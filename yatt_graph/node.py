@@ -138,6 +138,10 @@ class Node:
     inputs: dict[str, Port] = {}
     outputs: dict[str, Port] = {}
     batch_policy: BatchPolicy = BatchPolicy()
+    device: Any = "cpu"
+    """Where the node computes (a torch device or its name). A node on a GPU sets it and
+    returns its outputs there; an executor hands a node CUDA tensors only when this is a CUDA
+    device, and host copies otherwise (``runtime/engine/tensor_moves.py``)."""
     placement: str | int | None = None
     """A controller hint: an int controller index or a group name; None lets the plan decide."""
     step: int = 0

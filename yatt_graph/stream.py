@@ -153,8 +153,8 @@ def join_pieces(pieces: Sequence[Piece], node: str = "") -> dict[str, Any]:
                         f"{who}output {port!r} has rank {len(v.shape)} in one piece and "
                         f"{dims} in another"
                     )
-                if rows:
-                    joined[(rows, *[slice(0, s) for s in v.shape[1:]])] = v
+                if rows:  # (a piece that came through host memory joins one on a GPU)
+                    joined[(rows, *[slice(0, s) for s in v.shape[1:]])] = v.to(joined.device)
             out[port] = joined
         else:
             joined_list: list[Any] = [None] * total

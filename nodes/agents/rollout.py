@@ -199,14 +199,15 @@ class AgentRollout(Rollout):
             out["rollout_logprobs"] = out["logprobs"] if own else logprobs
             out["logprobs"] = logprobs
         self._done(call)
-        return out
+        return self._on_device(out)
 
     def forward_stream(self, prompts, meta, images, weights) -> Iterator[Any]:
         """Yield ``(rows, outputs, B)`` after each turn: the trajectories that ended in it."""
         call, batch, trajectories = self._begin(prompts, meta, images, weights)
         for rows in self._turns(call, trajectories):
             ended = [trajectories[i] for i in rows]
-            yield rows, self._pack(batch, ended, torch.tensor(rows)), len(trajectories)
+            out = self._on_device(self._pack(batch, ended, torch.tensor(rows)))
+            yield rows, out, len(trajectories)
         self._done(call)
 
     def _begin(self, prompts, meta, images, weights) -> tuple[Any, Any, list[_Trajectory]]:

@@ -35,6 +35,7 @@ from runtime.engine.rng import rng_state, set_rng_state
 from runtime.engine.stream_steps import StreamSteps, _Consumer
 from runtime.engine.streams import StreamBook
 from runtime.engine.switch import Switch
+from runtime.engine.tensor_moves import TensorMoves, host_copy, node_devices
 from yatt_graph import NodeExecutionError
 from yatt_graph.stream import Piece
 
@@ -74,6 +75,9 @@ class StepEngine(StreamSteps):
         limits: node -> the longest one call may run (for :class:`Running`), 0: none.
         switch: ``"phase"`` or ``"roles"``: offload and reload the nodes' device state when
             roles take turns on a device (:mod:`runtime.engine.switch`); None: never.
+        devices: every node's device by name (:func:`~runtime.engine.tensor_moves.node_devices`),
+            for what each reader takes of a value (:mod:`runtime.engine.tensor_moves`); None: the
+            devices of ``nodes`` (the nodes of other processes count as on the CPU).
     """
 
     def __init__(
@@ -93,8 +97,12 @@ class StepEngine(StreamSteps):
         check_finite: bool = False,
         limits: Mapping[str, float] | None = None,
         switch: str | None = None,
+        devices: Mapping[str, str] | None = None,
     ):
         self.nodes = dict(nodes)
+        self.moves = TensorMoves(
+            node_devices(self.nodes) if devices is None else devices, edges, assignment
+        )
         self.order = [n for n in order if n in self.nodes]
         self.here, self.lag, self.window = here, 1 + max_staleness, max(1, window)
         self.max_staleness, self.staleness_mode = max_staleness, staleness
@@ -271,6 +279,7 @@ class StepEngine(StreamSteps):
         for e in self.in_edges[best]:
             inputs.setdefault(e.dst_port, None)
         node = self.nodes[best]
+        inputs = {port: self.moves.for_reader(v, node) for port, v in inputs.items()}
         self.starts[step][best] = time.time()
         t0 = time.perf_counter()
         self.running = Running(best, step, time.monotonic(), self.limits[best])
@@ -298,13 +307,15 @@ class StepEngine(StreamSteps):
                     self.pending.setdefault((step, e.dst), {})[e.dst_port] = value
             dests = self.remote_out.get((name, port))
             if dests and not streamed and self.outbox is not None:
-                if self._held is not None:
-                    self._held.append((step, name, port, value, dests))
-                else:
-                    self.outbox.value(step, name, port, value, dests)
+                for group, as_is in self.moves.split(name, port, dests):
+                    args = (step, name, port, value if as_is else host_copy(value), group)
+                    if self._held is not None:
+                        self._held.append(args)
+                    else:
+                        self.outbox.value(*args)
         for key, (node, port) in self.graph_outputs.items():
             if node == name:
-                self.step_outputs[step][key] = out[port]
+                self.step_outputs[step][key] = self.moves.for_host(out[port])
         for e in self.delayed_of[name]:  # a value no window of a reader here reaches goes
             self.delayed.prune(e.src, e.src_port, self._delayed_floor(e.src, e.src_port))
         if self.book:

@@ -15,6 +15,7 @@ from typing import Any
 
 from runtime.engine.calls import Running, run_node, stream_node
 from runtime.engine.streams import StreamBook, budget_full, call_piece, fusable, per_piece
+from runtime.engine.tensor_moves import host_copy
 from yatt_graph.stream import Piece, fuse_pieces, join_pieces
 
 __all__ = ["StreamSteps"]
@@ -65,6 +66,7 @@ class StreamSteps:
     outbox: Any
     fanouts: Any
     check_finite: bool
+    moves: Any
 
     # StepEngine's, called from here
     def _keep_delayed(self, src: str, port: str, step: int, value: Any) -> list[str]:
@@ -186,7 +188,9 @@ class StreamSteps:
                     self.book.add(step, name, port, i, piece.rows, value, piece.size)
                 dests = self.remote_out.get((name, port))
                 if dests and self.outbox is not None:
-                    self.outbox.piece(step, name, port, i, piece, dests)
+                    for group, as_is in self.moves.split(name, port, dests):
+                        sent = piece if as_is else piece._replace(outputs={port: host_copy(value)})
+                        self.outbox.piece(step, name, port, i, sent, group)
         for port in node.outputs:
             if port in here:
                 self.book.end(step, name, port, len(pieces))
@@ -210,6 +214,7 @@ class StreamSteps:
         piece = fuse_pieces(queued[:fused], name)
 
         def call(inputs: dict[str, Any]) -> dict[str, Any]:
+            inputs = {port: self.moves.for_reader(v, node) for port, v in inputs.items()}
             return run_node(node, inputs, step, self.here, self.fanouts, self.check_finite)
 
         if not c.pieces:

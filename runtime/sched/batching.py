@@ -124,7 +124,9 @@ def concat(
 
     Tensors whose trailing dims differ (ragged ``response_ids: [B, R]``) are padded to the
     largest size: on the right with ``pad_values.get(port, 0)``, or on the left for ports in
-    ``left_pad`` (``prompt_ids``, ``prompt_mask``, which this project left-pads).
+    ``left_pad`` (``prompt_ids``, ``prompt_mask``, which this project left-pads). Parts on
+    different devices (a node's own on its GPU, a replica's through host memory) are joined on
+    the first part's.
     """
     if not parts:
         raise ValueError(f"{where}: nothing to concatenate (no parts)")
@@ -158,6 +160,8 @@ def concat(
             widths = [max(v.shape[d] for v in values) for d in range(1, first.dim())]
             value = pad_values.get(port, 0)
             padded = [_pad_to(v, widths, value, port in left_pad) for v in values]
+            if len({v.device for v in padded}) > 1:  # parts from a GPU and from elsewhere
+                padded = [v.to(first.device) for v in padded]
             out[port] = torch.cat(padded, 0)  # [sum B_i, *max trailing]
         else:
             out[port] = [x for v in values for x in v]

@@ -38,6 +38,7 @@ from typing import Any
 import zmq
 
 from runtime.codec import DecodeError, UnsupportedValueError, decode_value, encode_value
+from runtime.codec.cuda_ipc import OPENED
 from runtime.engine.engine import StateNotReady
 from runtime.errors import ControllerError, SendError
 from runtime.sched.affinity import apply_resources
@@ -140,6 +141,7 @@ class Controller:
         self._failed = False
         self._state_wanted: int | None = None
         self._longest: dict[str, float] = {}
+        self._opened = OPENED.bytes  # at the last STEP_DONE
         self.pinned_threads: int | None = None
         self.applied = Resources()
         """The cores, threads and GPUs applied (runtime.sched.affinity), told to the driver."""
@@ -259,10 +261,11 @@ class Controller:
                 raise SendError(node, step, f"{where()}{exc}") from None
             self.peers.check_size(frames, where, node, step)
             applied, self._tell_applied = self.applied if self._tell_applied else None, False
+            opened, self._opened = OPENED.bytes - self._opened, OPENED.bytes
             done = m.StepDone(
                 self.index, step, result.node_seconds, result.node_start,
                 resources=applied, staleness=result.staleness, switches=result.switches,
-                replicas=result.replicas,
+                replicas=result.replicas, ipc_bytes=opened,
             )  # fmt: skip
             self._to_driver(done, frames)
 

@@ -264,7 +264,7 @@ class ZmqExecutor:
 
     def _rebalance(self, result: StepResult) -> None:
         """Send the partitioner's new Resources (if it decides a change); the step's sched/*."""
-        result.sched = sched_metrics(self.resources)
+        result.sched.update(sched_metrics(self.resources))
         if self.offload:
             result.sched.update(switch_metrics(result.switches, self.offload))
         if self._rebalancer is None:
@@ -312,7 +312,9 @@ class ZmqExecutor:
         outputs: dict[str, Any] = {}
         switches: list[tuple[str, float, float, int, int]] = []
         replicas: dict[str, list[int]] = {}
+        ipc_bytes = 0
         for done, out in parts.values():
+            ipc_bytes += done.ipc_bytes
             switches += done.switches
             replicas.update(done.replicas)
             seconds.update(done.node_seconds)
@@ -326,6 +328,7 @@ class ZmqExecutor:
             {n: starts[n] for n in self.order if n in starts},
             dict(self.plan.assignment),
             dict(sorted(staleness.items())),
+            sched={"sched/ipc_bytes": float(ipc_bytes)},
             switches=sorted(switches, key=lambda s: s[1]),
             replicas=replicas,
         )

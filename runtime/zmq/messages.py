@@ -192,6 +192,9 @@ class Setup(_Msg):
     offload_controllers: list[int] = []
     """The controllers that offload their nodes' device state when their part of a step ends
     and reload it before their next model call (runtime.engine.switch, ``offload=``)."""
+    devices: dict[str, str] = {}
+    """Every node's device by name: what each reader takes of a value, as it is or a host copy
+    (runtime.engine.tensor_moves)."""
 
 
 class Ready(_Msg):
@@ -254,6 +257,9 @@ class StepDone(_Msg):
     """Its offloads and reloads of the step (``StepResult.switches``)."""
     replicas: dict[str, list[int]] = {}
     """Per node cut across replicas, the replica of each input row (``StepResult.replicas``)."""
+    ipc_bytes: int = 0
+    """The bytes of the tensors it opened by CUDA IPC since its last STEP_DONE
+    (``sched/ipc_bytes``)."""
 
 
 class Error(_Msg):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from runtime.codec.cuda_ipc import peer_gpus
+from runtime.engine.tensor_moves import node_devices
 from runtime.sched.affinity import start_cores
 from runtime.sched.devices import Resources, assign_resources, visible_gpus
 from runtime.zmq import messages as m
@@ -121,6 +122,7 @@ def setup_fields(
         assignment=dict(plan.assignment),
         order=list(order),
         digest=plan.graph.wiring_digest(),
+        devices=node_devices(plan.graph.nodes),
     )
 
 
@@ -179,6 +181,7 @@ def engine_from_setup(
             limits=limits,
             # its GPU is time-shared: its nodes' device state leaves when its turn ends
             switch="phase" if setup.controller in setup.offload_controllers else None,
+            devices=setup.devices or None,
         )  # fmt: skip
     except BaseException:
         workers.close()

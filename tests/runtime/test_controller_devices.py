@@ -177,6 +177,7 @@ def test_controllers_run_on_their_cores_and_say_so(placement):
             assert result.sched[f"sched/threads/c{c}"] == r.threads
             assert result.sched[f"sched/cores/c{c}"] == len(r.cores)
         assert "sched/rebalances" in result.sched  # adaptive by default
+        assert result.sched["sched/ipc_bytes"] == 0.0  # the controllers said: nothing on a GPU
     finally:
         ex.close()
     assert_gone(ex.pids, ex.run_dir)

@@ -48,7 +48,10 @@ def test_the_gpu_check_fails_where_it_checked_nothing(capsys, quick):
         assert re.search(rf"\| {re.escape(name)} +\| skipped: no CUDA \|", out), name
     for row in (*VLLM_ROWS, KILL_ROW, "mm_grpo --device cuda --rollout vllm"):
         assert any(n.startswith(row) for n in names), row
-    assert ("--controllers" in " ".join(names)) is not quick  # --quick leaves the HF runs out
+    # --quick leaves out the HF runs but the one on two controllers (IPC between them)
+    assert "--rollout" not in " ".join(n for n in names if "--controllers" in n)
+    assert any("--controllers 2" in n for n in names)
+    assert ("text_grpo --device cuda," in " ".join(names)) is not quick
 
 
 def test_the_quick_mode_fails_over_its_budget_on_cuda_only():
@@ -137,6 +140,13 @@ def test_a_cli_run_with_vllm_fails_without_a_small_logprob_gap():
     assert gpu_check.cli_gap({"logprob_gap_mean": math.nan}, "vllm")[0].startswith("FAILED")
     assert gpu_check.cli_gap({}, "vllm")[0] == "FAILED (no logprob gap reported)"
     assert gpu_check.cli_gap({}, "hf") == ("ok", "")  # the HF rollout's logprobs are the trainer's
+
+
+def test_a_cli_run_on_two_controllers_fails_unless_tensors_went_by_cuda_ipc():
+    assert gpu_check.cli_ipc([{"sched/ipc_bytes": 0.0}] * 3)[0].startswith("FAILED (no tensor")
+    assert gpu_check.cli_ipc([])[0].startswith("FAILED")
+    rows = [{"sched/ipc_bytes": 2e6}, {"sched/ipc_bytes": 1e6}]
+    assert gpu_check.cli_ipc(rows) == ("ok", ", IPC 3.0 MB over 2 steps")
 
 
 def _sweep(times: dict[int, float], ipc_bytes: int = 0, equal: bool = True) -> Sweep:
