@@ -262,8 +262,8 @@ def _vllm_rows(name: str, node: Any, ports: dict[str, Any], images: Any, update_
 def _agreement(ids: torch.Tensor, mask: torch.Tensor, hf: Any) -> float:
     """The share of vLLM's response tokens that HF's greedy response has at the same place."""
     R = min(ids.shape[1], hf.response_ids.shape[1])
-    real = mask[:, :R].bool()
-    same = ids[:, :R] == hf.response_ids[:, :R].cpu()
+    real = mask[:, :R].bool().cpu()
+    same = ids[:, :R].cpu() == hf.response_ids[:, :R].cpu()
     return float(same[real].float().mean()) if real.any() else 0.0
 
 

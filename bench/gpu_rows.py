@@ -180,8 +180,9 @@ def _grpo_inputs(out: dict[str, Any]) -> dict[str, Any]:
     from nodes.rl.advantages import broadcast_to_tokens
 
     keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs")
-    scores = torch.tensor([1.0, -1.0] * (out["response_ids"].shape[0] // 2))  # (B,)
-    adv = broadcast_to_tokens(scores, out["response_mask"])  # (B, R)
+    mask = out["response_mask"]  # (B, R), on the rollout's device
+    scores = torch.tensor([1.0, -1.0] * (mask.shape[0] // 2), device=mask.device)  # (B,)
+    adv = broadcast_to_tokens(scores, mask)  # (B, R)
     return {**{k: out[k] for k in keys}, "advantages": adv}
 
 
