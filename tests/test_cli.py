@@ -236,6 +236,8 @@ def test_a_model_folder_that_does_not_load_is_the_users_error_in_one_line(
     assert "error: node 'rollout' (Rollout) could not be built: ValueError:" in line
     assert str(folder) in line
     assert "this is a bug in yatt-graph" not in err
+    if controllers != "1":  # (the check below is the node's, the same in every process)
+        return
     # fewer layers in the config than in the files: transformers loads what fits, warns, and
     # would train a model the folder does not hold; refused, naming both sides
     (folder / "config.json").write_text(json.dumps({**config, "n_layer": 1}))

@@ -180,7 +180,7 @@ def test_fixed_staleness_with_fixed_threads_reruns_bitwise_on_controllers(tmp_pa
     from runtime.train.metrics import read_metrics
 
     flags = ["run", "graphs.mm_grpo", "--controllers", "2", "--placement", "partial",
-             "--max-staleness", "1", "--staleness", "fixed", "--steps", "12",
+             "--max-staleness", "1", "--staleness", "fixed", "--steps", "6",
              "--set", "batch_size=8", "--quiet"]  # fmt: skip
     learned = []
     for i in range(2):
