@@ -119,7 +119,7 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
         stop_token_ids: token ids that end a response (kept), besides the EOS token.
         seed: base of the per-step seeds.
         recompute_logprobs: recompute logprobs teacher-forced after sampling (exact).
-        device: where the policy runs; outputs come back on the CPU.
+        device: where the policy runs; the outputs are on it.
         model: a live Policy to use instead of building one from ``policy`` (tests, notebooks).
         stream: hand out finished rows as they end (HF backend; not with ``recompute_logprobs``).
         stream_every: with ``stream``, how many decode steps a piece gathers finished rows.
@@ -233,8 +233,7 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
         self.policy_spec = policy
         self._model = model
         self.share = check_share_key(share, where)
-        self.step = 0
-        self.next_group = 0
+        self.step = self.next_group = 0
         self._vllm: VLLMEngine | None = None
         self._sync: dict[str, float] = {"seconds": 0.0, "bytes": 0, "hf_seconds": 0.0}
         self._piece: tuple[dict[str, int], list[int]] | None = None
@@ -343,26 +342,20 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
     ) -> dict[str, Any]:
         """The ports for ``rows`` (int64[r]) of the batch, given their generation, the
         logprobs the update takes and the sampler's own: tensors on the node's device."""
-        return self._on_device(
-            {
-                "prompt_ids": batch.prompt_ids[rows.to(batch.prompt_ids.device)],
-                "prompt_mask": batch.prompt_mask[rows.to(batch.prompt_mask.device)],
-                "response_ids": gen.response_ids,
-                "response_mask": gen.response_mask,
-                "logprobs": logprobs.float(),
-                "rollout_logprobs": sampled.float(),
-                "response_lengths": gen.response_lengths,
-                "texts": gen.texts,
-                "group_ids": self._group_ids(rows),
-                "truncated": gen.truncated.float(),
-                "weight_sync": self._weight_sync(),
-            }
-        )
-
-    def _on_device(self, outputs: dict[str, Any]) -> dict[str, Any]:
-        """``outputs`` with every tensor on the node's device: the executor gives readers off
-        the GPU a host copy (runtime/engine/tensor_moves.py)."""
-        return {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in outputs.items()}
+        out = {
+            "prompt_ids": batch.prompt_ids[rows.to(batch.prompt_ids.device)],
+            "prompt_mask": batch.prompt_mask[rows.to(batch.prompt_mask.device)],
+            "response_ids": gen.response_ids,
+            "response_mask": gen.response_mask,
+            "logprobs": logprobs.float(),
+            "rollout_logprobs": sampled.float(),
+            "response_lengths": gen.response_lengths,
+            "texts": gen.texts,
+            "group_ids": self._group_ids(rows),
+            "truncated": gen.truncated.float(),
+            "weight_sync": self._weight_sync(),
+        }
+        return self._on_device(out)
 
     def memory(self, load: Any) -> dict[str, int]:
         """The policy, the KV cache of every response at full length and the prefill (a

@@ -1,5 +1,6 @@
-"""A rollout's calls in order: the seed each samples with, the group labels it gives, and
-the pieces of a step that replicas sample (:mod:`runtime.sched.fanout`).
+"""A rollout's calls in order: the seed each samples with, the group labels it gives, the
+device its outputs are on, and the pieces of a step that replicas sample
+(:mod:`runtime.sched.fanout`).
 
 A call draws from one random stream seeded by the node's ``seed`` and its call count
 (``step``), and labels its prompts' groups from ``next_group`` on. A replica's piece of a step
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -81,6 +82,11 @@ class _Steps:
             return self.next_group + prompt
         ctx, piece_rows = self._piece  # prompt i of the piece is prompt piece_rows[i] of the step
         return ctx["next_group"] + torch.tensor(piece_rows, dtype=torch.int64)[prompt]
+
+    def _on_device(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        """A call's ``outputs`` with their tensors on the node's device (its readers off that
+        device get host copies: ``runtime/engine/tensor_moves.py``)."""
+        return {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in outputs.items()}
 
     def _done(self, call: _Call) -> None:
         if self._piece is None:  # a piece leaves the counters to end_pieces

@@ -79,7 +79,7 @@ class VisionEncoder(Offload, Node):
         normalize: L2-normalize the embeddings (as CLIP scores do); off by default.
         seed: seeds the random initialization (without touching the global RNG), so that a
             node rebuilt from its config in another process has the same random weights.
-        device: where the tower runs; outputs come back on the CPU.
+        device: where the tower runs; the embeddings are on it.
     """
 
     kind = "encoder"

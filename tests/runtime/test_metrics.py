@@ -145,7 +145,18 @@ def _spin() -> None:
         pass
 
 
-def test_ctrl_c_inside_the_tensorboard_hand_off_waits_for_it_and_close_returns(tmp_path):
+@pytest.fixture
+def ctrl_c_raises():
+    """Ctrl-C raises KeyboardInterrupt, as in a terminal (a shell that starts the suite in the
+    background sets SIGINT to be ignored, and this process inherits that)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_ctrl_c_inside_the_tensorboard_hand_off_waits_for_it_and_close_returns(
+    tmp_path, ctrl_c_raises
+):
     w = MetricsWriter(tmp_path)
     if w._tb is None:
         pytest.skip("TensorBoard is not installed")
@@ -165,7 +176,7 @@ def test_ctrl_c_inside_the_tensorboard_hand_off_waits_for_it_and_close_returns(t
     assert read_metrics(tmp_path)[0]["scores/mean"] == 0.5
 
 
-def test_signals_held_in_a_block_reach_their_handlers_once_when_it_ends():
+def test_signals_held_in_a_block_reach_their_handlers_once_when_it_ends(ctrl_c_raises):
     seen = []
     old = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
     try:
