@@ -181,7 +181,7 @@ class AgentRollout(Rollout):
         call, batch, trajectories = self._begin(prompts, meta, images, weights)
         for _ in self._turns(call, trajectories):
             pass
-        out = self._pack(batch, trajectories, torch.arange(len(trajectories)))
+        out = self._on_device(self._pack(batch, trajectories, torch.arange(len(trajectories))))
         own = self._vllm is None or self._vllm.own_logprobs  # the sampler reported logprobs
         if self.recompute_logprobs or not own:
             if any(out["images"]):  # the prompts' and the observations' images, in order
@@ -194,12 +194,12 @@ class AgentRollout(Rollout):
                     out["response_ids"],
                     out["context_mask"],
                     temperature=self.sampling["temperature"] or 1.0,
-                ).cpu()  # (B, R) every token read, observations too
+                ).to(self.device)  # (B, R) every token read, observations too
             logprobs = torch.where(out["response_mask"] > 0, logprobs, 0.0)  # the turns'
             out["rollout_logprobs"] = out["logprobs"] if own else logprobs
             out["logprobs"] = logprobs
         self._done(call)
-        return self._on_device(out)
+        return out
 
     def forward_stream(self, prompts, meta, images, weights) -> Iterator[Any]:
         """Yield ``(rows, outputs, B)`` after each turn: the trajectories that ended in it."""
