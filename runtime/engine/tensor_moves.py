@@ -54,7 +54,9 @@ def host_copy(value: Any) -> Any:
         items = [host_copy(v) for v in value]
         if all(a is b for a, b in zip(items, value, strict=True)):
             return value
-        return items if isinstance(value, list) else type(value)(items)
+        if isinstance(value, list):
+            return items
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
 
 

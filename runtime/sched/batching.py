@@ -159,9 +159,7 @@ def concat(
                 )
             widths = [max(v.shape[d] for v in values) for d in range(1, first.dim())]
             value = pad_values.get(port, 0)
-            padded = [_pad_to(v, widths, value, port in left_pad) for v in values]
-            if len({v.device for v in padded}) > 1:  # parts from a GPU and from elsewhere
-                padded = [v.to(first.device) for v in padded]
+            padded = [_pad_to(v, widths, value, port in left_pad).to(first.device) for v in values]
             out[port] = torch.cat(padded, 0)  # [sum B_i, *max trailing]
         else:
             out[port] = [x for v in values for x in v]

@@ -127,6 +127,10 @@ def test_host_copy_keeps_what_is_on_the_host_and_copies_the_rest(gpu_is_meta):
     assert host_copy(here) is here
     moved = host_copy({"a": [torch.ones(2, device="meta")], "b": "text"})
     assert moved["a"][0].device.type == "cpu" and moved["b"] == "text"
+    from yatt_graph.stream import Piece  # a named tuple keeps its type and fields
+
+    piece = host_copy(Piece([0], {"x": torch.ones(1, device="meta")}, 1))
+    assert type(piece) is Piece and piece.outputs["x"].device.type == "cpu" and piece.size == 1
 
 
 # --- the library's model nodes return their outputs on their device ------------------------
