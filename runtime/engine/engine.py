@@ -279,7 +279,7 @@ class StepEngine(StreamSteps):
         for e in self.in_edges[best]:
             inputs.setdefault(e.dst_port, None)
         node = self.nodes[best]
-        inputs = {port: self.moves.for_reader(v, node) for port, v in inputs.items()}
+        inputs = self.moves.inputs(node, inputs)
         self.starts[step][best] = time.time()
         t0 = time.perf_counter()
         self.running = Running(best, step, time.monotonic(), self.limits[best])

@@ -214,8 +214,10 @@ class StreamSteps:
         piece = fuse_pieces(queued[:fused], name)
 
         def call(inputs: dict[str, Any]) -> dict[str, Any]:
-            inputs = {port: self.moves.for_reader(v, node) for port, v in inputs.items()}
-            return run_node(node, inputs, step, self.here, self.fanouts, self.check_finite)
+            return run_node(
+                node, self.moves.inputs(node, inputs), step, self.here, self.fanouts,
+                self.check_finite,
+            )  # fmt: skip
 
         if not c.pieces:
             c.start = time.time()

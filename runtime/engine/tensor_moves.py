@@ -74,15 +74,16 @@ class TensorMoves:
             where = self._readers.setdefault((e.src, e.src_port), {})
             where.setdefault(assignment.get(e.dst, 0), set()).add(e.dst)
 
-    def for_reader(self, value: Any, node: Any) -> Any:
-        """What ``node``, a reader in this process, takes of ``value`` (one input): a tensor
-        moved to its GPU (its device as it is now: a rank's own), or a host copy for a reader
-        off the GPU."""
+    def inputs(self, node: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+        """What ``node``, a reader in this process, takes of its call's ``inputs``: each
+        tensor moved to its GPU (its device as it is now: a rank's own), or host copies for a
+        reader off the GPU; ``inputs`` themselves in a graph with no node on a GPU."""
         if not self.cuda:
-            return value
+            return inputs
         if on_cuda(node.device):
-            return value.to(node.device) if isinstance(value, torch.Tensor) else value
-        return host_copy(value)
+            return {p: v.to(node.device) if isinstance(v, torch.Tensor) else v
+                    for p, v in inputs.items()}  # fmt: skip
+        return {p: host_copy(v) for p, v in inputs.items()}
 
     def for_host(self, value: Any) -> Any:
         """What the graph's marked outputs hold of ``value``: a host copy."""

@@ -118,8 +118,8 @@ def test_the_rule_splits_controllers_by_their_readers():
     cpu_only = TensorMoves({"p": "cpu", "a": "cpu"}, edges[:1], {"p": 0, "a": 1})
     assert cpu_only.split("p", "x", [1]) == [([1], True)]
     value = {"t": torch.ones(2)}
-    reader = Reads(name="a")
-    assert cpu_only.for_reader(value, reader) is value and cpu_only.for_host(value) is value
+    inputs = {"x": value}
+    assert cpu_only.inputs(Reads(name="a"), inputs) is inputs and cpu_only.for_host(value) is value
 
 
 def test_host_copy_keeps_what_is_on_the_host_and_copies_the_rest(gpu_is_meta):
