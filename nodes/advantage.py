@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from nodes.filters import informative_groups
 from nodes.rl.advantages import (
     GROUP_ESTIMATORS,
     KL_ESTIMATORS,
@@ -153,12 +154,6 @@ class GroupAdvantage(Node):
             stats["overlong_penalty_mean"] = float((factor * over).mean())
         per_sample = GROUP_ESTIMATORS[self.estimator](scores, group_ids=group_ids)  # (B,)
         advantages = broadcast_to_tokens(per_sample, response_mask)  # (B, R)
-        stats["flat_group_share"] = _share_of_flat_groups(scores, group_ids)
+        differ = informative_groups(scores, group_ids)  # flat groups carry no learning signal
+        stats["flat_group_share"] = differ.count(False) / max(len(differ), 1)
         return {"advantages": advantages, "stats": stats}
-
-
-def _share_of_flat_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> float:
-    """Share of groups whose samples all scored the same (they carry no learning signal)."""
-    groups = torch.unique(group_ids)
-    flat = sum(bool((scores[group_ids == g] == scores[group_ids == g][0]).all()) for g in groups)
-    return flat / max(len(groups), 1)

@@ -52,6 +52,17 @@ _INPUTS = {
 }
 
 
+def _responses_per_row(where: str, port: str, value: Any, B: int) -> int:
+    """``B // N`` for the N rows of image input ``port``: one per response or one per prompt."""
+    N = len(value)
+    if N == 0 or B % N != 0:
+        raise ValueError(
+            f"{where}: input {port!r} has {N} rows for {B} responses; give one per response or "
+            "one per prompt (B must be a multiple of it)"
+        )
+    return B // N
+
+
 def _prompt_batch(
     node: Node,
     policy: Policy,
@@ -63,14 +74,8 @@ def _prompt_batch(
     """The policy's batch for B rows, repeating per-prompt image inputs (N rows) B // N times."""
     B = prompt_ids.shape[0]
     for port, value in (("image_embeds", image_embeds), ("images", images)):
-        if value is None:
-            continue
-        N = len(value)
-        if N == 0 or B % N != 0:
-            raise ValueError(
-                f"node {node.name!r}: input {port!r} has {N} rows for {B} responses; give one "
-                "per response or one per prompt (B must be a multiple of it)"
-            )
+        if value is not None:
+            _responses_per_row(f"node {node.name!r}", port, value, B)
     if image_embeds is not None and image_embeds.shape[0] != B:
         image_embeds = image_embeds.repeat_interleave(B // image_embeds.shape[0], 0)  # (B, D)
     if images is not None and len(images) != B:
@@ -228,11 +233,7 @@ class ReferenceLogprobs(_ResponseScores, Offload, Sharing, Node):
 
     def build(self) -> None:
         if self._model is None and self.share is not None and self._share_scope is not None:
-            live = self._acquire(
-                self.share,
-                fingerprint("policy", self.policy_spec, self.device),
-                lambda: build_policy(self.policy_spec).to(self.device),
-            )
+            live = self._shared_policy(self.share, self.policy_spec)
             # the base is the initial policy only when nothing but the adapters trains (a
             # prefix-VLM's projector trains beside its LoRA adapters: keep a frozen copy then)
             only_adapters = all(
@@ -285,6 +286,21 @@ def value_model_fingerprint(critic: Any, device: Any, detach_trunk: bool, head_s
     )
 
 
+def _value_model(
+    node: Any, key: str | None, spec: Any, detach_trunk: bool, head_seed: int, trunk: Any = None
+) -> ValueModel:
+    """The value model as the Critic builds it (and PPOUpdate its copy, so both start
+    identical), on ``node.device``: one module for the nodes of share key ``key``."""
+
+    def build() -> ValueModel:
+        return build_value_model(
+            spec, detach_trunk=detach_trunk, head_seed=head_seed, device=node.device, trunk=trunk
+        )
+
+    fp = value_model_fingerprint(spec, node.device, detach_trunk, head_seed)
+    return node._acquire(key, fp, build)
+
+
 class Critic(_ResponseScores, Offload, Sharing, WeightInput, Node):
     """``values: float32[B, R]`` from a value head on a policy trunk (0 at padding).
 
@@ -334,22 +350,10 @@ class Critic(_ResponseScores, Offload, Sharing, WeightInput, Node):
         self.detach_trunk, self.head_seed = bool(detach_trunk), int(head_seed)
 
     def build(self) -> None:
-        def build() -> ValueModel:
-            return build_value_model(
-                self.critic_spec,
-                detach_trunk=self.detach_trunk,
-                head_seed=self.head_seed,
-                device=self.device,
-                trunk=self._model,
-            )
-
-        if self._model is not None:
-            self.value_model = build()
-            return
-        fp = value_model_fingerprint(
-            self.critic_spec, self.device, self.detach_trunk, self.head_seed
+        key = self.share if self._model is None else None  # a live trunk is this node's own
+        self.value_model = _value_model(
+            self, key, self.critic_spec, self.detach_trunk, self.head_seed, self._model
         )
-        self.value_model = self._acquire(self.share, fp, build)
 
     def _load(self, weights: Any) -> None:
         """Load a weight-sync payload into the value model (``PPOUpdate``'s ``critic_weights``),

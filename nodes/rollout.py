@@ -51,7 +51,6 @@ from nodes.models.policy import (
     HFVisionLanguagePolicy,
     Policy,
     PrefixVLM,
-    build_policy,
     check_policy_spec,
 )
 from nodes.models.prompts import fit_prompts
@@ -65,7 +64,7 @@ from nodes.models.vllm_options import (
     vllm_unavailable_reason,
 )
 from nodes.rollout_steps import _Steps
-from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
+from nodes.shared_models import Sharing, check_share_key, same_storage
 from nodes.sync import WeightInput
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
@@ -243,11 +242,7 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
             model = self._model
         else:
             key = self.share if self.backend == "hf" else None  # vLLM holds its own weights
-            model = self._acquire(
-                key,
-                fingerprint("policy", self.policy_spec, self.device),
-                lambda: build_policy(self.policy_spec).to(self.device),
-            )
+            model = self._shared_policy(key, self.policy_spec)
         self.policy = model.to(self.device).eval()
         if self.backend == "vllm":
             self._vllm = VLLMEngine(
@@ -391,17 +386,18 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
         logprobs = sampled = gen.logprobs
         own = self._vllm is None or self._vllm.own_logprobs  # the sampler reported its logprobs
         if self.recompute_logprobs or not own:
-            with torch.no_grad():
-                logprobs = self.policy.response_logprobs(
-                    batch,
-                    gen.response_ids,
-                    gen.response_mask,
-                    temperature=self.sampling["temperature"] or 1.0,
-                )  # (B, R)
+            logprobs = self._teacher_logprobs(batch, gen.response_ids, gen.response_mask)
             sampled = sampled if own else logprobs
         out = self._outputs(batch, gen, logprobs, torch.arange(len(batch)), sampled)
         self._done(call)
         return out
+
+    @torch.no_grad()
+    def _teacher_logprobs(self, batch: Any, response_ids: Tensor, reads: Tensor) -> Tensor:
+        """The responses' logprobs recomputed teacher-forced, reading the tokens of ``reads``
+        (exactly what an update sees): float[B, R]."""
+        temperature = self.sampling["temperature"] or 1.0
+        return self.policy.response_logprobs(batch, response_ids, reads, temperature=temperature)
 
     def forward_stream(self, prompts, images, image_embeds, weights) -> Iterator[Any]:
         """Yield ``(rows, outputs)`` as responses end (see the class docstring)."""

@@ -134,6 +134,14 @@ class Sharing:
         self.__dict__.setdefault("_share_entries", {})[key] = entry
         return entry.module
 
+    def _shared_policy(self, key: str | None, spec: Any) -> nn.Module:
+        """``build_policy(spec)`` on the node's device: one module for the nodes of ``key``."""
+        from nodes.models.policy import build_policy
+
+        device = self.device  # type: ignore[attr-defined]
+        fp = fingerprint("policy", spec, device)
+        return self._acquire(key, fp, lambda: build_policy(spec).to(device))
+
     def _release(self, key: str | None) -> None:
         entry = self.__dict__.get("_share_entries", {}).pop(key, None)
         if entry is not None:

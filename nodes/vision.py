@@ -60,6 +60,29 @@ def _open_clip_configs() -> dict[str, dict[str, Any]]:
     return {f.stem: json.loads(f.read_text()) for f in files}
 
 
+def _open_clip_model(
+    node: Any, name: str, pretrained: str | None, overrides: Mapping[str, Any], hint: str = ""
+) -> tuple[Any, Any]:
+    """open_clip's model ``name`` and its evaluation transforms, built on ``node.device`` with
+    ``node.seed``; a weights file that does not load is a ValueError (``hint`` ends it)."""
+    import open_clip
+
+    with seeded(node.seed, node.device):
+        try:
+            model, _, preprocess = open_clip.create_model_and_transforms(
+                name, pretrained=pretrained, device=node.device, **copy.deepcopy(dict(overrides))
+            )
+        except Exception as exc:
+            if pretrained is None:
+                raise
+            why = (str(exc).strip().splitlines() or [""])[0]
+            raise ValueError(
+                f"node {node.name!r}: open_clip weights file {pretrained!r} could not be loaded "
+                f"into {name!r} ({type(exc).__name__}: {why}){hint}"
+            ) from exc
+    return model, preprocess
+
+
 class VisionEncoder(Offload, Node):
     """PIL images -> ``image_embeds: float32[B, D]`` with an open_clip image tower.
 
@@ -130,25 +153,10 @@ class VisionEncoder(Offload, Node):
         self.normalize = bool(normalize)
 
     def build(self) -> None:
-        import open_clip
-
-        with seeded(self.seed, self.device):
-            try:
-                model, _, preprocess = open_clip.create_model_and_transforms(
-                    self.model_name,
-                    pretrained=self.pretrained,
-                    device=self.device,
-                    **copy.deepcopy(self.overrides),
-                )
-            except Exception as exc:
-                if self.pretrained is None:
-                    raise
-                why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                raise ValueError(
-                    f"node {self.name!r}: open_clip weights file {self.pretrained!r} could not be "
-                    f"loaded into {self.model_name!r} ({type(exc).__name__}: {why}); give an "
-                    "open_clip checkpoint of that architecture, or no file for random weights"
-                ) from exc
+        model, preprocess = _open_clip_model(
+            self, self.model_name, self.pretrained, self.overrides,
+            "; give an open_clip checkpoint of that architecture, or no file for random weights",
+        )  # fmt: skip
         tower = model.visual  # the text tower is not needed
         del model
         tower.train(self.trainable)

@@ -188,13 +188,8 @@ class AgentRollout(Rollout):
                 batch = self.policy.prepare(
                     batch.prompt_ids, batch.prompt_mask, images=out["images"]
                 )
-            with torch.no_grad():
-                logprobs = self.policy.response_logprobs(
-                    batch,
-                    out["response_ids"],
-                    out["context_mask"],
-                    temperature=self.sampling["temperature"] or 1.0,
-                ).to(self.device)  # (B, R) every token read, observations too
+            logprobs = self._teacher_logprobs(batch, out["response_ids"], out["context_mask"])
+            logprobs = logprobs.to(self.device)  # (B, R) every token read, observations too
             logprobs = torch.where(out["response_mask"] > 0, logprobs, 0.0)  # the turns'
             out["rollout_logprobs"] = out["logprobs"] if own else logprobs
             out["logprobs"] = logprobs

@@ -157,7 +157,15 @@ class HFCausalPolicy(Policy):
         return cls(model, tokenizer, use_chat_template=use_chat_template).eval()
 
 
-def _tiny_config(arch: str, tokenizer: Any, hidden_size: int, num_layers: int) -> Any:
+def _tiny_config(
+    arch: str,
+    tokenizer: Any,
+    hidden_size: int,
+    num_layers: int,
+    heads: int = 4,
+    positions: int = 512,
+) -> Any:
+    """The config of a random ``arch`` model over ``tokenizer`` (dropout off, marked tiny)."""
     from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
     ids = {
@@ -172,8 +180,8 @@ def _tiny_config(arch: str, tokenizer: Any, hidden_size: int, num_layers: int) -
         return GPT2Config(
             n_layer=num_layers,
             n_embd=hidden_size,
-            n_head=4,
-            n_positions=512,
+            n_head=heads,
+            n_positions=positions,
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
@@ -184,9 +192,9 @@ def _tiny_config(arch: str, tokenizer: Any, hidden_size: int, num_layers: int) -
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
+        num_attention_heads=heads,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=positions,
         attention_dropout=0.0,
         tie_word_embeddings=False,
         **ids,

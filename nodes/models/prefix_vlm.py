@@ -15,9 +15,9 @@ from torch import Tensor, nn
 
 from nodes.chat import chat_messages
 from nodes.models.files import _load_pretrained, _load_tokenizer, _loading, _read_json
+from nodes.models.hf_causal import _tiny_config
 from nodes.models.policy_base import (
     _PREFIX_MARKER,
-    TINY_MARK,
     Policy,
     PromptBatch,
     _check_response,
@@ -218,24 +218,10 @@ def tiny_prefix_vlm(
 
     The tokenizer is character-level, or word-level over ``words`` when they are given.
     """
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     tokenizer = char_tokenizer() if words is None else word_tokenizer(words)
-    config = GPT2Config(
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_positions=n_positions,
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.eos_token_id,
-        # no dropout: a PPO ratio must compare the same function in rollout and update
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **{TINY_MARK: True},
-    )
+    config = _tiny_config("gpt2", tokenizer, n_embd, n_layer, n_head, n_positions)
     with seeded(seed):
         policy = PrefixVLM(GPT2LMHeadModel(config), tokenizer, image_dim, num_prefix_tokens)
     return policy.eval()

@@ -220,6 +220,18 @@ class RewardNode(Node):
         if emit_bad_mask:
             self.outputs["bad_samples"] = Port(Tensor("bool", "B"))
 
+    def _set_template(self, template: str, meta_keys: Sequence[str], **one_of: Any) -> None:
+        """Keep ``template``, checked by :func:`template_fields`, its placeholders (``fields``),
+        the meta keys it reads and whether it reads ``{prompt}``."""
+        self.template = template
+        self.fields = template_fields(self.name, template, tuple(meta_keys), **one_of)
+        self.reads_meta = self.fields - {"prompt", "response"}
+        self.needs_prompts = "prompt" in self.fields
+
+    def _fill(self, texts: Sequence[str], meta: Sequence[Any], prompts: Any) -> list[str]:
+        """:func:`fill_template` of the node's template for each sample."""
+        return fill_template(self.name, self.template, self.fields, texts, meta, prompts)
+
     def score_samples(
         self,
         texts: list[str],

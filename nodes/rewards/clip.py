@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from nodes.models.offload import Offload
-from nodes.rewards.base import RewardNode, fill_template, template_fields
-from nodes.seeding import seeded
+from nodes.rewards.base import RewardNode
+from nodes.vision import _open_clip_model
 from yatt_graph import ANY, Port
 from yatt_graph.node import Built
 
@@ -120,12 +120,7 @@ class ClipScoreReward(Offload, RewardNode):
             )
         if micro_batch_size < 1:
             raise ValueError(f"node {self.name!r}: micro_batch_size must be >= 1")
-        self.template = template
-        self.fields = template_fields(
-            self.name, template, tuple(meta_keys), one_of=("response", "prompt")
-        )
-        self.reads_meta = self.fields - {"prompt", "response"}
-        self.needs_prompts = "prompt" in self.fields
+        self._set_template(template, meta_keys, one_of=("response", "prompt"))
         self.scale, self.clamp_negative = scale, clamp_negative
         self.micro_batch_size = micro_batch_size
         self.model_name, self.pretrained, self.seed = model_name, pretrained, int(seed)
@@ -135,19 +130,7 @@ class ClipScoreReward(Offload, RewardNode):
         import open_clip
 
         name = self.model_name
-        with seeded(self.seed, self.device):
-            try:
-                model, _, preprocess = open_clip.create_model_and_transforms(
-                    name, pretrained=self.pretrained, device=self.device, **self.overrides
-                )
-            except Exception as exc:
-                if self.pretrained is None:
-                    raise
-                raise ValueError(
-                    f"node {self.name!r}: open_clip weights file {self.pretrained!r} could not be "
-                    f"loaded into {name!r} ({type(exc).__name__}: "
-                    f"{(str(exc).strip().splitlines() or [''])[0]})"
-                ) from exc
+        model, preprocess = _open_clip_model(self, name, self.pretrained, self.overrides)
         try:
             tokenizer = open_clip.get_tokenizer(
                 name, context_length=getattr(model, "context_length", None)
@@ -200,6 +183,6 @@ class ClipScoreReward(Offload, RewardNode):
             )
         if not texts:
             return torch.zeros(0)
-        scored = fill_template(self.name, self.template, self.fields, texts, meta, prompts)
+        scored = self._fill(texts, meta, prompts)
         image_embeds, text_embeds = self.embed(images, scored)  # (B, D), (B, D)
         return clip_score(image_embeds, text_embeds, self.scale, self.clamp_negative)  # (B,)

@@ -36,7 +36,8 @@ import torch
 from nodes.batches import length_parts
 from nodes.models.files import _check_checkpoint_dir, _read_json, config_positions
 from nodes.models.offload import Offload
-from nodes.rewards.base import RewardNode, fill_template, template_fields
+from nodes.models.policy_base import _positions
+from nodes.rewards.base import RewardNode
 from nodes.rewards.models import _TORCH_DTYPES, _loading_as, _set_pad_token
 from nodes.seeding import seeded
 from yatt_graph import ANY, Port
@@ -138,8 +139,7 @@ class JudgeReward(Offload, RewardNode):
     ) -> None:
         super().__init__(device=device, **options)
         where = f"node {self.name!r}"
-        self.fields = template_fields(self.name, template, tuple(meta_keys))
-        self.reads_meta = self.fields - {"prompt", "response"}
+        self._set_template(template, meta_keys)
         words = dict(score_words) if score_words is not None else {"yes": 1.0, "no": 0.0}
         if len(words) < 2:
             raise ValueError(
@@ -165,10 +165,9 @@ class JudgeReward(Offload, RewardNode):
                 f"{where}: judge model {model!r} is not a directory; pass a local directory "
                 "written by save_pretrained (nothing is downloaded), or 'tiny'"
             )
-        self.model_source, self.template, self.score_words = model, template, words
+        self.model_source, self.score_words = model, words
         self.chat_template = bool(chat_template)
         self.max_batch, self.max_length, self.seed, self.dtype = max_batch, max_length, seed, dtype
-        self.needs_prompts = "prompt" in self.fields
         self.needs_images = model != "tiny" and _family(model) == "vlm"
         if self.needs_prompts:
             self.inputs["prompts"] = Port(ANY, doc="list[str]: the B prompts ({prompt})")
@@ -179,10 +178,7 @@ class JudgeReward(Offload, RewardNode):
     def build(self) -> None:
         fn = f"node {self.name!r}"
         if self.model_source == "tiny":
-            literal = [
-                w for text, *_ in string.Formatter().parse(self.template) for w in text.split()
-            ]
-            model, tokenizer = tiny_judge([*self.score_words, *literal], self.seed)
+            model, tokenizer = self._tiny()
         elif self.needs_images:
             from nodes.models.hf_vlm import HFVisionLanguagePolicy
 
@@ -207,6 +203,11 @@ class JudgeReward(Offload, RewardNode):
             self.max_length = config_positions(model.config) or 2048
         model = model.to(device=self.device, dtype=_TORCH_DTYPES[self.dtype]).eval()
         self.model, self.tokenizer = model, tokenizer
+
+    def _tiny(self) -> tuple[Any, Any]:
+        """:func:`tiny_judge` over the score words and the template's own words."""
+        literal = [w for text, *_ in string.Formatter().parse(self.template) for w in text.split()]
+        return tiny_judge([*self.score_words, *literal], self.seed)
 
     def _load(self, path: str) -> tuple[Any, Any]:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -257,10 +258,7 @@ class JudgeReward(Offload, RewardNode):
         from nodes.memory import checkpoint_size, module_size, reading_memory
 
         if self.model_source == "tiny":
-            literal = [
-                w for text, *_ in string.Formatter().parse(self.template) for w in text.split()
-            ]
-            size = module_size(tiny_judge([*self.score_words, *literal], self.seed)[0], self.dtype)
+            size = module_size(self._tiny()[0], self.dtype)
         else:
             size = checkpoint_size(self.model_source, self.dtype)
         extra = len(self.template)  # at most a token a character of the template's own text
@@ -273,7 +271,7 @@ class JudgeReward(Offload, RewardNode):
     ) -> list[str]:
         """What the judge reads for each sample: the filled template, in the tokenizer's chat
         template with ``chat_template=True`` (a VLM judge's processor applies its own)."""
-        filled = fill_template(self.name, self.template, self.fields, texts, meta, prompts)
+        filled = self._fill(texts, meta, prompts)
         if not self.chat_template:
             return filled
         tokenizer = self.tokenizer  # builds the judge if it is not built yet
@@ -330,19 +328,15 @@ class JudgeReward(Offload, RewardNode):
         )
         ids = enc["input_ids"].to(self.device)  # (b, L) left-padded
         mask = enc["attention_mask"].to(self.device)  # (b, L)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (b, L) real tokens from 0
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1
+            input_ids=ids, attention_mask=mask, position_ids=_positions(mask), logits_to_keep=1
         )
         return out.logits[:, -1, :]  # (b, V)
 
     def _vlm_logits(self, chunk: list[str], images: list[Any] | None) -> torch.Tensor:
         """Next-token logits (b, V) of a VLM judge, with each sample's image when given."""
         batch = self.vlm.encode_prompts(chunk, images=images)
-        extra = {}
-        for key, value in batch.model_inputs.items():
-            value = value.to(self.device)
-            extra[key] = value.to(self.model.dtype) if value.is_floating_point() else value
+        extra = self.vlm._model_inputs(batch, batch.prompt_ids.shape[1])
         out = self.model(
             input_ids=batch.prompt_ids.to(self.device),  # (b, L) left-padded
             attention_mask=batch.prompt_mask.to(self.device),  # (b, L)

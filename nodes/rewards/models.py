@@ -18,7 +18,7 @@ from nodes.batches import length_parts
 from nodes.models.files import _check_checkpoint_dir, _loading, _read_json
 from nodes.models.offload import Offload
 from nodes.models.policy_base import char_tokenizer
-from nodes.rewards.base import RewardNode, fill_template, template_fields
+from nodes.rewards.base import RewardNode
 from nodes.rewards.clip import ClipScoreReward, clip_score  # noqa: F401 (older plans name them here)
 from nodes.seeding import seeded
 from yatt_graph.node import Built
@@ -112,8 +112,7 @@ class RewardModel(Offload, RewardNode):
                 f"node {self.name!r}: give exactly one of path= (a local model directory), "
                 "config= (transformers config kwargs with 'model_type') or model="
             )
-        self.fields = template_fields(self.name, template, tuple(meta_keys))
-        self.reads_meta = self.fields - {"prompt", "response"}
+        self._set_template(template, meta_keys)
         if dtype not in _TORCH_DTYPES:
             raise ValueError(f"node {self.name!r}: dtype must be one of {sorted(_TORCH_DTYPES)}")
         if micro_batch_size < 1 or max_length < 1 or micro_batch_tokens < 0:
@@ -123,11 +122,7 @@ class RewardModel(Offload, RewardNode):
                 f"{micro_batch_tokens})"
             )
         self.micro_batch_tokens = int(micro_batch_tokens)
-        self.template, self.max_length, self.micro_batch_size = (
-            template,
-            max_length,
-            micro_batch_size,
-        )
+        self.max_length, self.micro_batch_size = max_length, micro_batch_size
         if model is not None and tokenizer is None:
             raise ValueError(f"node {self.name!r}: model= needs tokenizer= too")
         if path is not None and not os.path.isdir(path):
@@ -145,7 +140,6 @@ class RewardModel(Offload, RewardNode):
                     f"than the character tokenizer's {vocab}"
                 )
         self.path, self.model_config, self.seed, self.dtype = path, config, int(seed), dtype
-        self.needs_prompts = "prompt" in self.fields
         self._given = (model, tokenizer) if model is not None else None
         if model is not None:
             self._check_head(model)
@@ -226,38 +220,26 @@ class RewardModel(Offload, RewardNode):
                               logits=False, budget=self.micro_batch_tokens)  # fmt: skip
 
     def score_samples(self, texts, meta, prompts, images):
+        """Scores in forward passes of ``micro_batch_size`` rows in order, or with
+        ``micro_batch_tokens`` of at most that many padded tokens too, longest first."""
         prompts = prompts if prompts is not None else [""] * len(texts)
-        inputs = fill_template(self.name, self.template, self.fields, texts, meta, prompts)
-        if self.micro_batch_tokens:
-            return self._score_in_parts(inputs)
-        scores = []
-        with torch.inference_mode():
-            for start in range(0, len(inputs), self.micro_batch_size):
-                chunk = inputs[start : start + self.micro_batch_size]
-                enc = self.tokenizer(
-                    chunk,
-                    padding=True,
-                    truncation=True,
-                    max_length=self.max_length,
-                    return_tensors="pt",
-                ).to(self.device)
-                logits = self.model(**enc).logits  # (b, 1)
-                scores.append(logits[:, 0].float().cpu())  # (b,)
-        return torch.cat(scores) if scores else torch.zeros(0)  # (B,)
-
-    def _score_in_parts(self, inputs: list[str]) -> torch.Tensor:
-        """Scores of ``inputs`` in forward passes of at most ``micro_batch_tokens`` padded
-        tokens (and ``micro_batch_size`` rows), longest first, put back in order."""
+        inputs = self._fill(texts, meta, prompts)
+        if not inputs:
+            return torch.zeros(0)
         enc = self.tokenizer(inputs, truncation=True, max_length=self.max_length)
         ids, masks = enc["input_ids"], enc["attention_mask"]
-        parts = length_parts([len(x) for x in ids], self.micro_batch_tokens, self.micro_batch_size)
+        rows = self.micro_batch_size
+        if self.micro_batch_tokens:
+            parts = length_parts([len(x) for x in ids], self.micro_batch_tokens, rows)
+        else:
+            parts = [list(range(s, min(s + rows, len(ids)))) for s in range(0, len(ids), rows)]
         scores = torch.zeros(len(inputs), dtype=torch.float32)  # (B,)
         with torch.inference_mode():
             for part in parts:
-                rows = {
+                chunk = {
                     "input_ids": [ids[i] for i in part],
                     "attention_mask": [masks[i] for i in part],
                 }
-                batch = self.tokenizer.pad(rows, return_tensors="pt").to(self.device)
+                batch = self.tokenizer.pad(chunk, return_tensors="pt").to(self.device)
                 scores[part] = self.model(**batch).logits[:, 0].float().cpu()  # (b,)
         return scores  # (B,)

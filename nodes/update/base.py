@@ -13,11 +13,11 @@ from torch import Tensor, nn
 from nodes.batches import read_mask
 from nodes.models.offload import Offload
 from nodes.models.policy import Policy, PromptBatch, build_policy
-from nodes.reference import _prompt_batch
+from nodes.reference import _prompt_batch, _responses_per_row
 from nodes.rl.losses import _tis_weights, logprobs_from_logits, token_entropy_from_logits
 from nodes.rl.masked import _check_finite
 from nodes.seeding import step_seed
-from nodes.shared_models import Sharing, fingerprint
+from nodes.shared_models import Sharing
 from nodes.update.loop import MicroLoss, _Loop, _NonFinite
 from nodes.update.micro import Micro, View, plan_micro_batches, token_micro_batches
 from nodes.update.options import _Options
@@ -156,11 +156,7 @@ class _Update(_Options, _Loop, Offload, _Ranked, Sharing, Node):
             self.policy = policy
             self._policy_logits = self._shard(policy, "forward_response", lambda out: out.logits)
         else:
-            self.policy = self._acquire(
-                self.share,
-                fingerprint("policy", self.policy_spec, self.device),
-                lambda: build_policy(self.policy_spec).to(self.device),
-            ).eval()
+            self.policy = self._shared_policy(self.share, self.policy_spec).eval()
             self._policy_logits = lambda *args: self.policy.forward_response(*args).logits
         if self.pack_sequences:
             self._policy_logits = self._packed_logits()
@@ -226,13 +222,7 @@ class _Update(_Options, _Loop, Offload, _Ranked, Sharing, Node):
                 raise ValueError(
                     f"{where}: input {port!r} must be a list or tensor, got {type(value).__name__}"
                 )
-            N = len(value)
-            if N == 0 or B % N != 0:
-                raise ValueError(
-                    f"{where}: input {port!r} has {N} rows for {B} responses; give one per "
-                    "response or one per prompt (B must be a multiple of it)"
-                )
-            group = B // N
+            group = _responses_per_row(where, port, value, B)
         return out, real, group
 
     def _checked_view(self, inputs: Mapping[str, Any]) -> View:

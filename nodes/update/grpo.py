@@ -35,12 +35,8 @@ class GRPOUpdate(_Update):
         horizon: the constant token count of ``"seq-mean-token-sum-norm"``: the generation
             budget (``max_new_tokens``); 0: the width of each mini-batch's responses.
         kl_coef: GRPO's beta (the paper uses 0.04; 0 disables the term and the input).
-        share: a share key (e.g. ``"policy"``, as on the Rollout): one policy module with the
-            nodes of that key on an on-policy executor (:mod:`nodes.shared_models`).
-        ranks, train_backend, rank_timeout_s: train as an SPMD group of ``ranks`` processes
-            (``runtime.ranks``), sharded by ``"fsdp"`` (FSDP2) or replicated by
-            ``"ddp"``; ``rank_timeout_s`` bounds the ranks' start and each collective.
-        The others (keywords, :mod:`nodes.update.options`) are as in :class:`PPOUpdate`.
+        The others (keywords, :mod:`nodes.update.options`: ``share``, ``ranks``, ...) are as
+            in :class:`PPOUpdate`.
     """
 
     _metric_keys = ("loss", "pg_loss", "entropy", "clip_fraction", "approx_kl", "grad_norm")

@@ -9,8 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from nodes.models.policy import check_policy_spec
-from nodes.models.value import build_value_model
-from nodes.reference import value_model_fingerprint
+from nodes.reference import _value_model
 from nodes.rl.aggregate import _aggregate
 from nodes.rl.losses import _kl_loss, _ppo_policy_loss, _value_loss
 from nodes.shared_models import check_share_key
@@ -74,7 +73,6 @@ class PPOUpdate(_Update):
             float32).
         lr_schedule, lr_warmup_steps, lr_decay_steps: ``"constant"``, ``"linear"`` or
             ``"cosine"`` after a linear warmup, counted in update calls.
-        weight_decay: AdamW's decoupled weight decay.
         max_grad_norm: clip each model's gradient norm to this; 0 or None = no clipping.
         temperature: the rollout's sampling temperature (logprobs are of ``logits / T``).
         seed: seeds randomness inside a step (dropout, if a model has any); the global RNG is
@@ -153,25 +151,13 @@ class PPOUpdate(_Update):
 
     def build(self) -> None:
         super().build()
-
-        def build_value() -> nn.Module:
-            # built exactly as nodes.reference.Critic builds it, so both start identical
-            return build_value_model(
-                self.critic_spec,
-                detach_trunk=self.detach_trunk,
-                head_seed=self.head_seed,
-                device=self.device,
-            )
-
+        key = self.critic_share if self.ranks == 1 else None  # a group trains its own copy
+        self.value_model = _value_model(
+            self, key, self.critic_spec, self.detach_trunk, self.head_seed
+        ).eval()
+        self._values = self.value_model
         if self.ranks > 1:  # the group was formed by super().build()
-            self.value_model = build_value().eval()
             self._values = self._shard(self.value_model, "forward", lambda out: out)
-        else:
-            fp = value_model_fingerprint(
-                self.critic_spec, self.device, self.detach_trunk, self.head_seed
-            )
-            self.value_model = self._acquire(self.critic_share, fp, build_value).eval()
-            self._values = self.value_model
         model = self.value_model
         critic_params = list((model.head if self.detach_trunk else model).parameters())
         self.critic_optimizer = torch.optim.AdamW(
