@@ -14,9 +14,10 @@ synthetic shapes task; real models and data come from local paths:
   LM in a graph with images reads them as prefix embeddings of the vision tower.
 * ``vision``: ``"tiny"`` or ``"open_clip:NAME[:WEIGHTS]"`` (weights: a local file). Only a
   prefix-VLM policy uses it; an HF VLM reads the images with its own tower.
-* ``reward``: the spellings of :func:`nodes.rewards.reward_from_option`: ``module:function``
-  (a rule ``fn(text, meta) -> float``; default :func:`nodes.data.answer_reward`), ``clip``,
-  ``model:DIR`` (a sequence classifier) or ``judge:DIR`` (a generative judge).
+* ``reward``: the spellings of :func:`nodes.rewards.reward_from_option` (used by
+  :mod:`graphs.sampling`): ``module:function`` (a rule ``fn(text, meta) -> float``; default
+  :func:`nodes.data.answer_reward`), ``clip``, ``model:DIR`` (a sequence classifier) or
+  ``judge:DIR`` (a generative judge).
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ from typing import TYPE_CHECKING, Any
 from graphs.config import TINY_TEXT_LMS, RLConfig, TextGRPOConfig
 from nodes.advantage import GroupAdvantage
 from nodes.data import ShapesSource, task_vocabulary
-from nodes.rewards import RewardNode, reward_from_option
-from nodes.vision import TINY_OPEN_CLIP_CFG, VisionEncoder
+from nodes.vision import TINY_OPEN_CLIP_CFG
 from yatt_graph import Graph, Handle, Node
 
 if TYPE_CHECKING:
@@ -41,11 +41,9 @@ __all__ = [
     "is_prefix_policy",
     "policy_spec",
     "resolve_device",
-    "reward_node",
     "step_load",
     "train_group",
     "update_options",
-    "vision_encoder",
     "vision_kwargs",
     "vllm_options",
 ]
@@ -196,10 +194,6 @@ def is_prefix_policy(spec: dict[str, Any]) -> bool:
     return (Path(spec["path"]) / "prefix_vlm.json").is_file() or "image_dim" in spec
 
 
-def vision_encoder(vision: str, seed: int, device: str = "cpu") -> VisionEncoder:
-    return VisionEncoder(**vision_kwargs(vision, seed), device=device, name="vision")
-
-
 def vision_kwargs(vision: str, seed: int) -> dict[str, Any]:
     if vision == "tiny":
         return {"model_name": "ViT-S-32", "model_cfg": TINY_OPEN_CLIP_CFG, "seed": seed}
@@ -210,28 +204,16 @@ def vision_kwargs(vision: str, seed: int) -> dict[str, Any]:
     return {"model_name": name, "pretrained": weights or None, "seed": seed}
 
 
-def reward_node(
-    reward: str, on_bad_sample: str = "raise", micro_batch_tokens: int = 0
-) -> RewardNode:
-    """The reward of ``reward`` (:func:`nodes.rewards.reward_from_option`); ``on_bad_sample``:
-    ``"raise"`` (a NaN/inf score stops the run, naming the sample) or ``"skip"`` (the sample
-    scores 0, and a ``bad_samples`` output counts it); a reward model or judge reads within
-    ``micro_batch_tokens``."""
-    return reward_from_option(
-        reward, on_bad_sample=on_bad_sample, name="reward", micro_batch_tokens=micro_batch_tokens
-    )
-
-
-def data_source(config: RLConfig, *, text_only: bool, rows: bool = False) -> Node:
+def data_source(config: RLConfig, *, text_only: bool) -> Node:
     """The training data: ``config.data`` read by :class:`nodes.datasets.DatasetSource`, or
-    the shapes task; ``rows``: with the ``rows`` output (each prompt's file and row)."""
+    the shapes task, with the ``rows`` output (each prompt's file and row)."""
     if config.data is None:
         return ShapesSource(
             batch_size=config.prompts_drawn,
             task=config.task,
             seed=config.seed,
             text_hint=text_only,
-            emit_rows=rows,
+            emit_rows=True,
             name="data",
         )
     from nodes.datasets import DatasetSource
@@ -243,7 +225,7 @@ def data_source(config: RLConfig, *, text_only: bool, rows: bool = False) -> Nod
         images=not text_only,
         on_bad_sample=config.on_bad_sample,
         emit_stats=True,
-        emit_rows=rows,
+        emit_rows=True,
         name="data",
         **data_keys(config),
     )

@@ -35,7 +35,7 @@ from nodes.rl.advantages import GROUP_ESTIMATORS
 from nodes.rl.advantages import KLKind as KLEstimator
 from nodes.rl.aggregate import Aggregation
 from nodes.update.schedule import LR_SCHEDULES, PRECISIONS
-from yatt_graph.options import check_options, config_options
+from yatt_graph.options import build_config, check_options, config_options
 
 __all__ = ["GRPOConfig", "MultimodalPPOConfig", "PPOConfig", "RLConfig", "TextGRPOConfig"]
 
@@ -45,14 +45,6 @@ Estimator = GROUP_ESTIMATORS.literal()
 Schedule = Literal[LR_SCHEDULES]  # type: ignore[valid-type]
 Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
 
-
-_VLLM_OPTIONS = (
-    "vllm_gpu_memory",
-    "vllm_tensor_parallel",
-    "vllm_dtype",
-    "vllm_eager",
-    "vllm_sleep",
-)
 
 AUTO: dict[str, tuple[float, float]] = {
     "lr": (1e-3, 1e-6),
@@ -308,22 +300,18 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def idle_options(self) -> dict[str, str]:
         """The options that do nothing with these settings, each with what would make it
         matter: what ``yatt-graph show GRAPH --options`` leaves out."""
-        vllm = self.rollout == "vllm"
+        vllm, data = self.rollout == "vllm", self.data is not None or self.val_data is not None
         when = {
             "task": ("no data (the shapes task)", self.data is None),
-            "prompt_key": ("data", self.data is not None or self.val_data is not None),
-            "image_key": ("data", self.data is not None or self.val_data is not None),
-            "answer_key": ("data", self.data is not None or self.val_data is not None),
-            "val_every": ("val_data", self.val_data is not None),
-            "val_rows": ("val_data", self.val_data is not None),
-            "lora_alpha": ("lora_r > 0", self.lora_r > 0),
-            "lora_targets": ("lora_r > 0", self.lora_r > 0),
+            **dict.fromkeys(("prompt_key", "image_key", "answer_key"), ("data", data)),
+            **dict.fromkeys(("val_every", "val_rows"), ("val_data", self.val_data is not None)),
+            **dict.fromkeys(("lora_alpha", "lora_targets"), ("lora_r > 0", self.lora_r > 0)),
             "chat_template": ("a model of your own", users_model(self.policy)),
             "train_backend": ("train_ranks > 1", self.train_ranks > 1),
             "lr_decay_steps": ("lr_schedule linear or cosine", self.lr_schedule != "constant"),
             "tis_cap": ("recompute_logprobs", bool(self.recompute_logprobs)),
             "overlong_penalty": ("overlong_buffer > 0", getattr(self, "overlong_buffer", 1) > 0),
-            **{name: ("rollout=vllm", vllm) for name in _VLLM_OPTIONS},
+            **{n: ("rollout=vllm", vllm) for n in self.__struct_fields__ if n.startswith("vllm_")},
         }
         return {name: need for name, (need, active) in when.items() if not active}
 
@@ -354,11 +342,7 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @classmethod
     def from_options(cls, graph: str, options: dict[str, Any]) -> Self:
         """The config of ``graph`` from ``build_graph``'s keyword options, checked."""
-        values = check_options(options, config_options(cls), False, graph)
-        try:
-            return cls(**values)
-        except ValueError as exc:
-            raise ValueError(f"{graph}: {exc}") from None
+        return build_config(cls, check_options(options, config_options(cls), False, graph), graph)
 
 
 class PPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):

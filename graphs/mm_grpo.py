@@ -12,9 +12,8 @@ from typing import Any
 
 from graphs.common import group_advantage, train_group, update_options
 from graphs.config import GRPOConfig, TextGRPOConfig
-from graphs.sampling import connect_weights, sample_and_score, sample_columns, sampled_logprobs
+from graphs.sampling import connect_weights, sample_and_score, sample_columns, update_inputs
 from nodes.shared_models import set_share
-from nodes.sync import WeightSync
 from nodes.update import GRPOUpdate
 from yatt_graph import Graph
 
@@ -42,6 +41,7 @@ def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Grap
         set_share(s.rollout, "policy")  # one policy module on an on-policy executor
         if s.ref_logprobs is not None:
             set_share(g.nodes["reference"], "policy")  # its frozen base, for a LoRA policy
+        ref = {"ref_logprobs": s.ref_logprobs} if s.ref_logprobs is not None else {}
         adv = group_advantage(config, s.scores, s.sample.group_ids, s.sample.response_mask)
         update = GRPOUpdate(
             policy=s.spec,
@@ -53,17 +53,8 @@ def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Grap
             **update_options(config),
             name="grpo",
             **train_group(config, "policy"),
-        )(
-            **s.tensors,
-            logprobs=s.sample.logprobs,
-            truncated=s.sample.truncated,
-            **sampled_logprobs(config, s),
-            advantages=adv.advantages,
-            **({"ref_logprobs": s.ref_logprobs} if s.ref_logprobs is not None else {}),
-            **s.image_port,
-        )
-        # no second snapshot: the update already publishes one (or, sharing, the live tensors)
-        connect_weights(g, s, WeightSync(snapshot=False, name="sync")(update.weights))
+        )(**update_inputs(config, s, adv.advantages, **ref))
+        connect_weights(g, s, update.weights)
         g.output("scores", s.drawn_scores)
         g.output("metrics", update.metrics)
         g.output("advantage", adv.stats)

@@ -13,11 +13,10 @@ from typing import Any
 
 from graphs.common import train_group, update_options
 from graphs.config import MultimodalPPOConfig, PPOConfig
-from graphs.sampling import connect_weights, sample_and_score, sample_columns, sampled_logprobs
+from graphs.sampling import connect_weights, sample_and_score, sample_columns, update_inputs
 from nodes.advantage import GAEAdvantage
 from nodes.reference import Critic
 from nodes.shared_models import set_share
-from nodes.sync import WeightSync
 from nodes.update import PPOUpdate
 from yatt_graph import Graph
 
@@ -55,6 +54,7 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
             logprobs=s.sample.logprobs,
             ref_logprobs=s.ref_logprobs,
         )
+        more = {"returns": adv.returns, "values": values, "ref_logprobs": s.ref_logprobs}
         update = PPOUpdate(
             policy=s.spec,
             critic=critic_spec,
@@ -64,20 +64,8 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
             **update_options(config),
             name="ppo",
             **train_group(config, "policy", critic_share="critic"),
-        )(
-            **s.tensors,
-            logprobs=s.sample.logprobs,
-            truncated=s.sample.truncated,
-            **sampled_logprobs(config, s),
-            advantages=adv.advantages,
-            returns=adv.returns,
-            values=values,
-            ref_logprobs=s.ref_logprobs,
-            **s.image_port,
-        )
-        # no second snapshot: the update already publishes one (or, sharing, the live tensors)
-        sync = WeightSync(snapshot=False, name="sync")
-        connect_weights(g, s, sync(update.weights))
+        )(**update_inputs(config, s, adv.advantages, **more))
+        connect_weights(g, s, update.weights)
         g.connect(update.critic_weights, critic, "weights", delay=1)
         g.output("scores", s.drawn_scores)
         g.output("metrics", update.metrics)

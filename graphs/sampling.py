@@ -1,6 +1,6 @@
 """The front half every ready graph declares: data, (vision), rollout, reward, reference and
 validation (:func:`sample_and_score`), and how its results reach the update and the samples
-file (:func:`sample_columns`, :func:`connect_weights`). How each option becomes a node or a
+file (:func:`update_inputs`, :func:`sample_columns`, :func:`connect_weights`). How each option becomes a node or a
 spec is :mod:`graphs.common`'s."""
 
 from __future__ import annotations
@@ -13,18 +13,29 @@ from graphs.common import (
     is_prefix_policy,
     policy_spec,
     resolve_device,
-    reward_node,
     vision_kwargs,
     vllm_options,
 )
 from graphs.config import RLConfig
 from nodes.reference import ReferenceLogprobs
-from nodes.rewards import RewardNode
+from nodes.rewards import RewardNode, reward_from_option
 from nodes.rollout import Rollout
+from nodes.sync import WeightSync
 from nodes.vision import VisionEncoder
 from yatt_graph import Graph, Handle, Node
 
-__all__ = ["Sampled", "connect_weights", "sample_and_score", "sample_columns", "sampled_logprobs"]
+__all__ = [
+    "TOKENS",
+    "Sampled",
+    "connect_weights",
+    "sample_and_score",
+    "sample_columns",
+    "update_inputs",
+]
+
+
+TOKENS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+"""The rollout's token outputs that the model nodes after it read (``Sampled.tensors``)."""
 
 
 def _check_meta(source: Node, reward: RewardNode) -> None:
@@ -58,7 +69,7 @@ class Sampled(NamedTuple):
     """The rollout's outputs (``sample.texts``, ``sample.logprobs``, ...)."""
     scores: Handle
     tensors: dict[str, Handle]
-    """prompt_ids, prompt_mask, response_ids, response_mask: what model nodes read."""
+    """The rollout's :data:`TOKENS`: what model nodes read."""
     image_port: dict[str, Handle]
     """``image_embeds`` (prefix-VLM), ``images`` (HF VLM) or nothing (text only)."""
     ref_logprobs: Handle | None
@@ -88,7 +99,7 @@ def sample_and_score(
     """
     text_only = vision is None
     device = resolve_device(config.device)
-    source = data_source(config, text_only=text_only, rows=True)
+    source = data_source(config, text_only=text_only)
     data = source()
     if config.data is not None:
         g.output("data", data.stats)
@@ -125,7 +136,10 @@ def sample_and_score(
     g.output("weight_sync", sample.weight_sync)  # seconds and bytes of the weights it loaded
     if not config.recompute_logprobs:
         g.discard(sample.rollout_logprobs)  # the sampler's logprobs are the ones the update takes
-    reward = reward_node(config.reward, config.on_bad_sample, config.micro_batch_tokens)
+    reward = reward_from_option(
+        config.reward, on_bad_sample=config.on_bad_sample, name="reward",
+        micro_batch_tokens=config.micro_batch_tokens,
+    )  # fmt: skip
     _check_meta(source, reward)
     extra: dict[str, Handle] = {}
     if getattr(reward, "needs_prompts", False):
@@ -148,12 +162,7 @@ def sample_and_score(
     if config.prompts_drawn > config.batch_size:  # dynamic sampling: the informative groups
         drawn_group_ids = sample.group_ids
         sample, scores, image_port = _keep_groups(g, config, sample, scores, image_port)
-    tensors = {
-        "prompt_ids": sample.prompt_ids,
-        "prompt_mask": sample.prompt_mask,
-        "response_ids": sample.response_ids,
-        "response_mask": sample.response_mask,
-    }
+    tensors = {name: getattr(sample, name) for name in TOKENS}
     ref = None  # no reference where nothing reads it (GRPO without its KL term)
     if reference:
         node = ReferenceLogprobs(
@@ -170,12 +179,18 @@ def sample_and_score(
     )  # fmt: skip
 
 
-def sampled_logprobs(config: RLConfig, sampled: Sampled) -> dict[str, Handle]:
-    """The update's ``rollout_logprobs`` input where the rollout recomputes its logprobs (else
-    they are the ``logprobs`` it already takes)."""
-    return (
-        {"rollout_logprobs": sampled.sample.rollout_logprobs} if config.recompute_logprobs else {}
+def update_inputs(
+    config: RLConfig, s: Sampled, advantages: Handle, **more: Handle | None
+) -> dict[str, Handle | None]:
+    """What an update reads of the front half: the tensors, the sampled logprobs (and the
+    sampler's, where the rollout recomputes them), ``advantages``, ``more`` and the images."""
+    recomputed = (
+        {"rollout_logprobs": s.sample.rollout_logprobs} if config.recompute_logprobs else {}
     )
+    return {
+        **s.tensors, "logprobs": s.sample.logprobs, "truncated": s.sample.truncated, **recomputed,
+        "advantages": advantages, **more, **s.image_port,
+    }  # fmt: skip
 
 
 def sample_columns(g: Graph, config: RLConfig, s: Sampled, advantages: Handle) -> None:
@@ -210,8 +225,7 @@ def _keep_groups(
 
     from nodes.filters import KeepGroups
 
-    rows = ["prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs",
-            "truncated"]  # fmt: skip
+    rows = [*TOKENS, "logprobs", "truncated"]
     if config.recompute_logprobs:
         rows.append("rollout_logprobs")
     node = KeepGroups(config.batch_size, rows=rows, prompts=list(image_port), name="keep_groups")
@@ -255,7 +269,10 @@ def _validation(
 
 
 def connect_weights(g: Graph, s: Sampled, weights: Handle) -> None:
-    """The weight sync's output into the rollout (and the validation), one step later."""
-    g.connect(weights, s.rollout, "weights", delay=1)
+    """The update's ``weights`` into the rollout (and the validation), one step later, through
+    a WeightSync that takes no second snapshot: the update already publishes one (or, sharing,
+    the live tensors)."""
+    synced = WeightSync(snapshot=False, name="sync")(weights)
+    g.connect(synced, s.rollout, "weights", delay=1)
     if s.validation is not None:
-        g.connect(weights, s.validation, "weights", delay=1)
+        g.connect(synced, s.validation, "weights", delay=1)

@@ -27,6 +27,7 @@ from graphs.common import (
     vllm_options,
 )
 from graphs.config import TextGRPOConfig
+from graphs.sampling import TOKENS
 from nodes.agents import AgentRollout, AgentStats, load_env
 from nodes.data import ShapesSource
 from nodes.reference import ReferenceLogprobs
@@ -101,7 +102,7 @@ def build_agent(name: str, config: AgentConfig, spec: dict[str, Any], *, images:
                 emit_rows=True, name="data",
             )  # fmt: skip
         else:
-            source = data_source(config, text_only=not images, rows=True)
+            source = data_source(config, text_only=not images)
         data = source()
         g.output("data_rows", data.rows)  # each prompt's file and row, for the samples file
         if images:
@@ -131,13 +132,7 @@ def build_agent(name: str, config: AgentConfig, spec: dict[str, Any], *, images:
             sampled["rollout_logprobs"] = sample.rollout_logprobs
         else:
             g.discard(sample.rollout_logprobs)
-        tensors = {
-            "prompt_ids": sample.prompt_ids,
-            "prompt_mask": sample.prompt_mask,
-            "response_ids": sample.response_ids,
-            "response_mask": sample.response_mask,
-            "context_mask": sample.context_mask,
-        }
+        tensors = {name: getattr(sample, name) for name in (*TOKENS, "context_mask")}
         adv = group_advantage(config, sample.scores, sample.group_ids, sample.response_mask)
         ref = {}
         if config.kl_coef > 0:

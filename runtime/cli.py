@@ -18,25 +18,25 @@ import gc
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from runtime.launch import add_launch_arguments
 from runtime.run_setup import (
     RunSetup,
-    check_controller_count,
     graph_input,
     graph_options,
     load,
     memory_plan,
+    planned,
     resolve_graph,
     typed_config,
 )
-from runtime.train.errors import Terminated
 from runtime.train.export import export_checkpoint
 from runtime.train.run_flags import add_run_arguments
 from runtime.train.run_folder import check_new_path
+from runtime.train.signals import stopped_by
 from yatt_graph import GraphError, NodeBuildError, NodeExecutionError, NodeUsageError, UsageError
 from yatt_graph.options import (
     load_graph_module,
@@ -45,16 +45,6 @@ from yatt_graph.options import (
 )
 
 __all__ = ["main"]
-
-
-def _planned(graph: Any, controllers: int, name: str) -> Any:
-    """The graph, or its plan as ``yatt-graph run --controllers N`` (colocated) makes it."""
-    check_controller_count(controllers, graph, name)
-    if controllers < 2:
-        return graph
-    from runtime.sched.placement import controller_assignment
-
-    return graph.plan(controllers, placement=controller_assignment(graph, controllers))
 
 
 def cmd_viz(args: argparse.Namespace) -> int:
@@ -67,7 +57,7 @@ def cmd_viz(args: argparse.Namespace) -> int:
         raise UsageError(f"viz: -o {args.output!r} {what}; name a file in an existing folder")
     with graph_input(args.graph):
         graph = load(args)
-    target = _planned(graph, args.controllers, graph.name)
+    target = planned(graph, args.controllers, graph.name)
     target.draw(args.output)
     print(f"wrote {args.output} ({len(graph.nodes)} nodes, {len(graph.edges)} edges)")
     return 0
@@ -88,8 +78,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         options = graph_options(args)
         graph = load(args, options)
     if args.memory:
-        check_controller_count(args.controllers, graph, graph.name)
-        plan = memory_plan(args.graph, options, graph, args.controllers)
+        plan = memory_plan(args.graph, options, graph, args.controllers, graph.name)
         if plan is None:
             raise UsageError(
                 f"show --memory: {args.graph} has no typed config that plans memory (a module "
@@ -97,7 +86,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             )
         print("\n".join(plan.lines()))
         return 0
-    target = _planned(graph, args.controllers, graph.name)
+    target = planned(graph, args.controllers, graph.name)
     print(target.to_mermaid() if args.mermaid else target.to_text())
     return 0
 
@@ -194,8 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="yatt-graph", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def graph_command(name: str, help: str) -> argparse.ArgumentParser:
+    def command(name: str, func: Callable[..., int], help: str, graph: bool = False) -> Any:
+        """The subcommand ``name``; ``graph``: with the graph and the flags of its options."""
         p = sub.add_parser(name, help=help)
+        p.set_defaults(func=func)
+        if not graph:
+            return p
         p.add_argument(
             "graph",
             help="a ready graph by name (toy, mm_ppo, mm_grpo, text_ppo, text_grpo, text_agent, "
@@ -266,12 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
         )
         return p
 
-    p = graph_command("viz", "draw a graph (or its plan) to SVG or PNG")
+    p = command("viz", cmd_viz, "draw a graph (or its plan) to SVG or PNG", graph=True)
     p.add_argument("-o", "--output", required=True, help="out.svg or out.png")
     p.add_argument("--controllers", type=int, default=1, help="draw the plan for N controllers")
-    p.set_defaults(func=cmd_viz)
 
-    p = graph_command("show", "print a graph (or its plan) as text or Mermaid")
+    p = command("show", cmd_show, "print a graph (or its plan) as text or Mermaid", graph=True)
     p.add_argument("--controllers", type=int, default=1)
     p.add_argument("--mermaid", action="store_true")
     p.add_argument(
@@ -286,53 +278,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the memory plan instead: what each model node holds per device, and "
         "whether each device has room (estimates; ready graphs)",
     )
-    p.set_defaults(func=cmd_show)
 
-    p = graph_command("run", "run a graph for some steps in this process")
+    p = command("run", cmd_run, "run a graph for some steps in this process", graph=True)
     add_run_arguments(p)
     add_launch_arguments(p)
-    p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser(
-        "controller", help="join a driver started with `run --listen` (another host)"
+    p = command(
+        "controller", cmd_controller, "join a driver started with `run --listen` (another host)"
     )
     from runtime.zmq.controller_main import add_arguments as controller_arguments
 
     controller_arguments(p)
-    p.set_defaults(func=cmd_controller)
 
-    p = sub.add_parser("keys", help="create CURVE keys for runs across hosts")
+    p = command("keys", cmd_keys, "create CURVE keys for runs across hosts")
     p.add_argument("directory", help="an empty folder for the keys")
     p.add_argument("--force", action="store_true", help="replace keys already there")
-    p.set_defaults(func=cmd_keys)
 
-    p = sub.add_parser("plot", help="draw a run's reward/KL curves to a PNG")
+    p = command("plot", cmd_plot, "draw a run's reward/KL curves to a PNG")
     p.add_argument("run_dir", help="the --out folder of a run")
-    p.add_argument("-o", "--output", default=None, help="PNG path (default RUN_DIR/curves.png)")
-    p.set_defaults(func=cmd_plot)
+    p.add_argument("-o", "--output", help="PNG path (default RUN_DIR/curves.png)")
 
-    p = sub.add_parser(
+    p = command(
         "report",
-        help="write one HTML page about a run: curves, node times, the graph, samples, settings",
+        cmd_report,
+        "write one HTML page about a run: curves, node times, the graph, samples, settings",
     )
     p.add_argument("run_dir", help="the --out folder of a run (finished, in progress or stopped)")
-    p.add_argument("-o", "--output", default=None, help="HTML path (default RUN_DIR/report.html)")
-    p.set_defaults(func=cmd_report)
+    p.add_argument("-o", "--output", help="HTML path (default RUN_DIR/report.html)")
 
-    p = sub.add_parser(
-        "export", help="save the policy of a checkpoint (rebuilds the graph it records)"
+    p = command(
+        "export", cmd_export, "save the policy of a checkpoint (rebuilds the graph it records)"
     )
     p.add_argument(
         "checkpoint", help="a run folder (its newest good checkpoint) or checkpoints/step_N"
     )
     p.add_argument("path", help="a new folder for save_pretrained")
-    p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("demo", help="train the multimodal PPO example on the CPU")
+    p = command("demo", cmd_demo, "train the multimodal PPO example on the CPU")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--out", default="runs/demo", help="folder for metrics, curves, trace, policy")
     p.add_argument("--quiet", action="store_true")
-    p.set_defaults(func=cmd_demo)
     return parser
 
 
@@ -353,8 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "graph", None):
             args.graph = resolve_graph(args.graph)
         return args.func(args)
-    except (NodeBuildError, NodeUsageError) as exc:  # what the user gave: the user's to fix
-        print(f"yatt-graph {args.command}: error: {exc}", file=sys.stderr)
+    except (NodeBuildError, NodeUsageError, UsageError, GraphError, ImportError, FileNotFoundError,
+            FileExistsError) as exc:  # fmt: skip
+        print(f"yatt-graph {args.command}: error: {exc}", file=sys.stderr)  # the user's to fix
         return 2
     except (NodeExecutionError, ControllerError) as exc:
         # The run stopped cleanly (every controller is gone); say what failed, where, once.
@@ -366,18 +352,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    except (UsageError, GraphError, ImportError, FileNotFoundError, FileExistsError) as exc:
-        print(f"yatt-graph {args.command}: error: {exc}", file=sys.stderr)
-        return 2
     except SystemExit as exc:
         if not isinstance(exc.code, str):
             raise
         print(f"yatt-graph {args.command}: error: {exc.code}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
-        what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
+        what, code = stopped_by(exc)
         print(f"yatt-graph {args.command}: stopped by {what}", file=sys.stderr)
-        return 143 if isinstance(exc, Terminated) else 130
+        return code
     except Exception:
         traceback.print_exc()
         print(

@@ -26,7 +26,7 @@ from yatt_graph.options import (
     module_options,
     parse_options,
 )
-from yatt_graph.refs import load_graph
+from yatt_graph.refs import load_graph, module_file
 
 __all__ = [
     "RunSetup",
@@ -35,6 +35,7 @@ __all__ = [
     "graph_options",
     "load",
     "memory_plan",
+    "planned",
     "ready_graphs",
     "resolve_graph",
     "typed_config",
@@ -72,26 +73,20 @@ _NAMED_OPTIONS = (
 
 def _reward_flags(args: argparse.Namespace) -> None:
     """``--reward-model DIR`` and ``--judge DIR`` are ``--reward model:DIR`` / ``judge:DIR``."""
-    given = [
-        (flag, value)
-        for flag, value in (
-            ("--reward", getattr(args, "reward", None)),
-            ("--reward-model", getattr(args, "reward_model", None)),
-            ("--judge", getattr(args, "judge", None)),
-        )
-        if value is not None
-    ]
-    if len(given) > 1:
-        raise UsageError(f"{' and '.join(f for f, _ in given)}: give one reward")
-    if getattr(args, "reward_model", None) is not None:
-        args.reward = f"model:{args.reward_model}"
-    elif getattr(args, "judge", None) is not None:
-        args.reward = f"judge:{args.judge}"
+    given = {key: getattr(args, key, None) for key in ("reward", "reward_model", "judge")}
+    named = [f"--{key.replace('_', '-')}" for key, value in given.items() if value is not None]
+    if len(named) > 1:
+        raise UsageError(f"{' and '.join(named)}: give one reward")
+    if given["reward_model"] is not None:
+        args.reward = f"model:{given['reward_model']}"
+    elif given["judge"] is not None:
+        args.reward = f"judge:{given['judge']}"
 
 
 def graph_options(args: argparse.Namespace) -> dict[str, Any]:
     """``--set`` pairs plus the named model options, for the graph's ``build_graph``, checked
-    against its options before anything is built (a bad value of a typed config included)."""
+    against its options before anything is built (a bad value of a typed config included);
+    ``--on-bad-sample`` joins them where the graph has that option."""
     module = load_graph_module(args.graph)
     known, more = module_options(module)
     values = _set_options(args.set, known, more, args.graph)
@@ -114,14 +109,23 @@ def graph_options(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "offload", None) == "off" and "vllm_sleep" in names:
         values.setdefault("vllm_sleep", False)  # a run that never offloads keeps vLLM awake
     check_config(module, values, args.graph)  # ranges and choices, before models are built
+    bad_sample = getattr(args, "on_bad_sample", None)  # run's --on-bad-sample
+    if bad_sample is not None and "on_bad_sample" in names:
+        values["on_bad_sample"] = bad_sample
+    elif bad_sample == "skip":
+        raise SystemExit(
+            f"run: --on-bad-sample skip: the build_graph() of {args.graph!r} takes no "
+            "on_bad_sample option, so its reward nodes decide (a bad score raises by default); "
+            "add the option to the graph, or set it on the reward node (on_bad_sample='skip')"
+        )
     return values
 
 
 def _graphs_folder() -> Path | None:
     """The folder of the ready graphs (the installed ``graphs`` package), found, not imported:
     it is a layer up."""
-    spec = importlib.util.find_spec("graphs")
-    return Path(spec.origin).resolve().parent if spec is not None and spec.origin else None
+    init = module_file("graphs")
+    return init.parent if init is not None else None
 
 
 def ready_graphs() -> list[str]:
@@ -182,21 +186,6 @@ def load(args: argparse.Namespace, options: dict[str, Any] | None = None) -> Any
         raise GraphError(f"building {args.graph} failed at {where}") from exc
 
 
-def _on_bad_sample(args: argparse.Namespace, options: dict[str, Any]) -> None:
-    """Pass ``--on-bad-sample`` to a graph whose options include ``on_bad_sample``."""
-    if args.on_bad_sample is None:
-        return
-    known, _ = module_options(load_graph_module(args.graph))
-    if any(o.name == "on_bad_sample" for o in known):
-        options["on_bad_sample"] = args.on_bad_sample
-    elif args.on_bad_sample == "skip":
-        raise SystemExit(
-            f"run: --on-bad-sample skip: the build_graph() of {args.graph!r} takes no "
-            "on_bad_sample option, so its reward nodes decide (a bad score raises by default); "
-            "add the option to the graph, or set it on the reward node (on_bad_sample='skip')"
-        )
-
-
 @contextmanager
 def graph_input(graph: str) -> Iterator[None]:
     """While the graph's options are read and the graph is built, a ValueError or TypeError
@@ -244,7 +233,6 @@ class RunSetup:
             self.early_group = start_controllers(args)
         with graph_input(args.graph):
             options = graph_options(args)
-            _on_bad_sample(args, options)
             graph = load(args, options)
         try:
             _check_controllers(args, graph, options)
@@ -256,8 +244,8 @@ class RunSetup:
     def notes(self, options: dict[str, Any]) -> list[str]:
         """What the graph's typed config says about the settings it resolved (its ``notes()``:
         defaults chosen for the model given, a chat template applied), for the run's first lines."""
-        config = typed_config(self.args.graph, "notes")
-        return [] if config is None else list(config.from_options(self.args.graph, options).notes())
+        config = _resolved_config(self.args.graph, options, "notes")
+        return [] if config is None else list(config.notes())
 
     def settings(self, options: dict[str, Any], devices: Any, distributed: bool) -> dict[str, Any]:
         """The run's effective settings, as JSON values, for ``OUT/settings.json`` (what
@@ -267,8 +255,7 @@ class RunSetup:
 
         args = self.args
         flags = {k: v for k, v in vars(args).items() if k != "func" and not k.startswith("_")}
-        config = typed_config(args.graph, "from_options")
-        resolved = config.from_options(args.graph, options) if config is not None else None
+        resolved = _resolved_config(args.graph, options, "from_options")
         return _json_values(
             {
                 "graph": args.graph,
@@ -328,20 +315,35 @@ def typed_config(target: str, method: str) -> Any:
     return config if hasattr(config, method) else None
 
 
-def memory_plan(target: str, options: dict[str, Any], graph: Any, controllers: int = 1) -> Any:
+def _resolved_config(target: str, options: dict[str, Any], method: str) -> Any:
+    """The typed config of ``target`` with ``method`` (:func:`typed_config`) made from
+    ``options`` (its ``from_options``), else None."""
+    config = typed_config(target, method)
+    return None if config is None else config.from_options(target, options)
+
+
+def planned(graph: Any, controllers: int, name: str) -> Any:
+    """The graph, or its plan as ``yatt-graph run --controllers N`` (colocated) makes it."""
+    check_controller_count(controllers, graph, name)
+    if controllers < 2:
+        return graph
+    from runtime.sched.placement import controller_assignment
+
+    return graph.plan(controllers, placement=controller_assignment(graph, controllers))
+
+
+def memory_plan(
+    target: str, options: dict[str, Any], graph: Any, controllers: int = 1, name: str = ""
+) -> Any:
     """The memory plan (``nodes.memory_plan.MemoryPlan``) of a graph whose typed config plans
-    (``CONFIG.memory_plan``), its nodes placed on ``controllers`` as a run places them; None
-    for a graph without one."""
-    config = typed_config(target, "memory_plan")
+    (``CONFIG.memory_plan``), its nodes placed on ``controllers`` (checked, the graph called
+    ``name``) as a run places them; None for a graph without one."""
+    plan = planned(graph, controllers, name)
+    config = _resolved_config(target, options, "memory_plan")
     if config is None:
         return None
-    processes = None
-    if controllers > 1:
-        from runtime.sched.placement import controller_assignment
-
-        plan = graph.plan(controllers, placement=controller_assignment(graph, controllers))
-        processes = {name: str(plan.controller_of(name)) for name in graph.nodes}
-    return config.from_options(target, options).memory_plan(graph, processes)
+    processes = {n: str(plan.controller_of(n)) for n in graph.nodes} if controllers > 1 else None
+    return config.memory_plan(graph, processes)
 
 
 def check_controller_count(count: int, graph: Any, name: str) -> None:

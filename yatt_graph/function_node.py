@@ -7,6 +7,7 @@ parameters (``fn(..., factor=3.0)`` in a graph, or ``fn.with_params(...)``).
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -41,15 +42,12 @@ class FunctionNode(Node):
         self._param_names: set[str] = set()
         for pname, p in sig.parameters.items():
             ann = p.annotation
-            if isinstance(ann, TensorSpec | StructSpec | AnySpec | Port):
+            struct = isinstance(ann, type) and issubclass(ann, msgspec.Struct)
+            if struct or isinstance(ann, TensorSpec | StructSpec | AnySpec | Port):
                 port = _as_port(ann)
                 if p.default is not inspect.Parameter.empty:
                     port = Port(port.spec, required=False, doc=port.doc)
                 self.inputs[pname] = port
-            elif isinstance(ann, type) and issubclass(ann, msgspec.Struct):
-                self.inputs[pname] = Port(
-                    StructSpec.of(ann), required=p.default is inspect.Parameter.empty
-                )
             elif p.default is not inspect.Parameter.empty or pname in self.params:
                 self._param_names.add(pname)
             else:
@@ -115,14 +113,6 @@ def node(
 ) -> Any:
     """Make a :class:`FunctionNode` from a function. Ports come from the annotations."""
 
-    def wrap(f: Callable[..., Any]) -> FunctionNode:
-        return FunctionNode(
-            f,
-            outputs=outputs,
-            kind=kind,
-            name=name,
-            placement=placement,
-            batch_policy=batch_policy,
-        )
-
+    wrap = functools.partial(FunctionNode, outputs=outputs, kind=kind, name=name,
+                             placement=placement, batch_policy=batch_policy)  # fmt: skip
     return wrap(fn) if fn is not None else wrap

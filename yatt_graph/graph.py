@@ -95,7 +95,44 @@ class Edge(msgspec.Struct, frozen=True, omit_defaults=True):
     """0: same step. 1: the value from step k feeds step k+1."""
 
 
-class Graph:
+class _Shown:
+    """What a graph and a plan share: JSON, equality by :meth:`spec`, a text listing, Mermaid
+    and pictures, each of :meth:`_drawn` (the graph, and the plan or None)."""
+
+    def to_json(self) -> bytes:
+        from yatt_graph.serialize import encode
+
+        return encode(self.spec())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, type(self)) and self.spec() == other.spec()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def to_text(self) -> str:
+        from yatt_graph.render import to_text
+
+        return to_text(*self._drawn())
+
+    def to_mermaid(self) -> str:
+        from yatt_graph.render import to_mermaid
+
+        return to_mermaid(*self._drawn())
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def draw(self, path: str | None = None, fmt: str | None = None) -> bytes:
+        """Render to SVG or PNG bytes (and write them to ``path`` if given)."""
+        from yatt_graph.render import draw
+
+        return draw(*self._drawn(), path=path, fmt=fmt)
+
+    def _repr_svg_(self) -> str:
+        return self.draw(fmt="svg").decode()
+
+
+class Graph(_Shown):
     """A typed dataflow graph, backed by a networkx ``MultiDiGraph`` (one edge per port pair)."""
 
     def __init__(self, name: str = "graph"):
@@ -312,43 +349,14 @@ class Graph:
 
         return graph_spec(self)
 
-    def to_json(self) -> bytes:
-        from yatt_graph.serialize import encode
-
-        return encode(self.spec())
-
     @classmethod
     def from_json(cls, data: bytes | str) -> Graph:
         from yatt_graph.serialize import graph_from_json
 
         return graph_from_json(data)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Graph) and self.spec() == other.spec()
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def to_mermaid(self) -> str:
-        from yatt_graph.render import to_mermaid
-
-        return to_mermaid(self)
-
-    def to_text(self) -> str:
-        from yatt_graph.render import to_text
-
-        return to_text(self)
-
-    def __str__(self) -> str:
-        return self.to_text()
+    def _drawn(self) -> tuple[Graph, Any]:
+        return self, None
 
     def __repr__(self) -> str:
         return f"<Graph {self.name!r}: {len(self.nodes)} nodes, {self.dag.number_of_edges()} edges>"
-
-    def draw(self, path: str | None = None, fmt: str | None = None) -> bytes:
-        """Render to SVG or PNG bytes (and write them to ``path`` if given)."""
-        from yatt_graph.render import draw
-
-        return draw(self, path=path, fmt=fmt)
-
-    def _repr_svg_(self) -> str:
-        return self.draw(fmt="svg").decode()

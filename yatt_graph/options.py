@@ -14,7 +14,6 @@ the valid options. Python values are checked the same way, without parsing.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import inspect
 import json
 import sys
@@ -28,11 +27,12 @@ from typing import Any
 
 import msgspec
 
-from yatt_graph.refs import load_module
+from yatt_graph.refs import load_module, module_file
 
 __all__ = [
     "REQUIRED",
     "Option",
+    "build_config",
     "check_config",
     "check_options",
     "config_options",
@@ -140,37 +140,41 @@ def signature_options(build: Callable[..., Any]) -> tuple[list[Option], bool]:
     return options, more
 
 
+def _typed_config(module: Any) -> type[msgspec.Struct] | None:
+    config = getattr(module, "CONFIG", None)
+    return config if isinstance(config, type) and issubclass(config, msgspec.Struct) else None
+
+
 def module_options(module: Any) -> tuple[list[Option], bool]:
     """A graph module's options (its ``CONFIG`` Struct, else ``build_graph``'s signature) and
     whether it takes other keys too. A module with no ``build_graph`` takes no options."""
-    config = getattr(module, "CONFIG", None)
-    if isinstance(config, type) and issubclass(config, msgspec.Struct):
+    config = _typed_config(module)
+    if config is not None:
         return config_options(config), False
     build = getattr(module, "build_graph", None)
     return signature_options(build) if callable(build) else ([], False)
 
 
+def build_config(config: type[Any], values: Mapping[str, Any], where: str) -> Any:
+    """``config(**values)`` (values checked already), its range and choice checks' ValueError
+    naming ``where``."""
+    try:
+        return config(**values)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
 def check_config(module: Any, values: Mapping[str, Any], where: str) -> None:
-    """Build the module's ``CONFIG`` from ``values`` (checked already) to run its range and
-    choice checks, which raise ValueError; nothing when the module has no typed config."""
-    config = getattr(module, "CONFIG", None)
-    if isinstance(config, type) and issubclass(config, msgspec.Struct):
-        try:
-            config(**values)
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
+    """Build the module's ``CONFIG`` from ``values`` (:func:`build_config`) to run its checks;
+    nothing when the module has no typed config."""
+    config = _typed_config(module)
+    if config is not None:
+        build_config(config, values, where)
 
 
 def format_options(options: list[Option]) -> str:
     """``batch_size (int), lr (float), ...``"""
     return ", ".join(f"{o.name} ({o.label})" for o in options) or "none"
-
-
-def _unknown(key: str, where: str, options: list[Option]) -> TypeError:
-    return TypeError(
-        f"unknown option {key!r} for {where}{_nearest(key, [o.name for o in options])}; "
-        f"valid: {format_options(options)}"
-    )
 
 
 def _nearest(name: str, known: list[str]) -> str:
@@ -193,13 +197,6 @@ def unknown_keywords(cls: type, unknown: Mapping[str, Any]) -> TypeError:
     ]
     parts = [f"{name!r}{_nearest(name, known)}" for name in sorted(unknown)]
     return TypeError(f"{cls.__name__}() got an unexpected keyword argument {', '.join(parts)}")
-
-
-def _wrong(option: Option, value: Any, where: str, options: list[Option]) -> TypeError:
-    return TypeError(
-        f"option {option.name!r} of {where}: {value!r} is not {option.label}; "
-        f"valid: {format_options(options)}"
-    )
 
 
 def _parse(option: Option, text: str) -> Any:
@@ -270,11 +267,17 @@ def _convert_all(
     for key, value in values.items():
         option = by_name.get(key, Option(key, Any) if more else None)
         if option is None:
-            raise _unknown(key, where, options)
+            near = _nearest(key, [o.name for o in options])
+            raise TypeError(
+                f"unknown option {key!r} for {where}{near}; valid: {format_options(options)}"
+            )
         try:
             converted[key] = convert(option, value)
         except (ValueError, msgspec.ValidationError):
-            raise _wrong(option, value, where, options) from None
+            raise TypeError(
+                f"option {option.name!r} of {where}: {value!r} is not {option.label}; "
+                f"valid: {format_options(options)}"
+            ) from None
     return converted
 
 
@@ -282,11 +285,7 @@ def graph_file(target: str) -> Path | None:
     """The file a graph reference (``graphs/toy.py`` or ``graphs.toy``) names, if any."""
     if target.endswith(".py") or Path(target).exists():
         return Path(target).resolve()
-    try:
-        spec = importlib.util.find_spec(target)
-    except (ImportError, ValueError):
-        return None
-    return Path(spec.origin).resolve() if spec is not None and spec.origin else None
+    return module_file(target)
 
 
 def located(target: str, exc: BaseException) -> str | None:

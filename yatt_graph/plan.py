@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from yatt_graph.graph import Edge, Graph
+from yatt_graph.graph import Edge, Graph, _Shown
 
 __all__ = ["Channel", "Plan", "Subgraph"]
 
@@ -39,7 +39,7 @@ class Channel(msgspec.Struct, frozen=True):
     dst_controller: int
 
 
-class Plan:
+class Plan(_Shown):
     """A graph plus an assignment of each node to a controller."""
 
     def __init__(
@@ -132,42 +132,14 @@ class Plan:
 
         return plan_spec(self)
 
-    def to_json(self) -> bytes:
-        from yatt_graph.serialize import encode
-
-        return encode(self.spec())
-
     @classmethod
     def from_json(cls, data: bytes | str) -> Plan:
         from yatt_graph.serialize import plan_from_json
 
         return plan_from_json(data)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Plan) and self.spec() == other.spec()
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def to_text(self) -> str:
-        from yatt_graph.render import to_text
-
-        return to_text(self.graph, self)
-
-    def to_mermaid(self) -> str:
-        from yatt_graph.render import to_mermaid
-
-        return to_mermaid(self.graph, self)
-
-    def draw(self, path: str | None = None, fmt: str | None = None) -> bytes:
-        from yatt_graph.render import draw
-
-        return draw(self.graph, self, path=path, fmt=fmt)
-
-    def _repr_svg_(self) -> str:
-        return self.draw(fmt="svg").decode()
-
-    def __str__(self) -> str:
-        return self.to_text()
+    def _drawn(self) -> tuple[Graph, Plan]:
+        return self.graph, self
 
     def __repr__(self) -> str:
         return f"<Plan {self.graph.name!r}: {self.controllers} controllers, {len(self.channels)} channels>"

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["import_ref", "import_roots", "load_graph", "load_module", "ref_of"]
+__all__ = ["import_ref", "import_roots", "load_graph", "load_module", "module_file", "ref_of"]
 
 
 def ref_of(obj: Any) -> str:
@@ -95,7 +95,7 @@ def load_module(target: str) -> Any:
             parts = rel.with_suffix("").parts
             if parts and all(part.isidentifier() for part in parts):
                 dotted = ".".join(parts)
-                if _origin(dotted) == resolved:  # the name must lead back to this very file
+                if module_file(dotted) == resolved:  # the name must lead back to this very file
                     return _import(dotted, target)
         name = path.stem
         stat = resolved.stat()
@@ -120,7 +120,7 @@ def load_module(target: str) -> Any:
     return _import(target, target)
 
 
-def _origin(dotted: str) -> Path | None:
+def module_file(dotted: str) -> Path | None:
     """The file a dotted module name would import, or None if it names no module here."""
     try:
         spec = importlib.util.find_spec(dotted)

@@ -173,9 +173,7 @@ def load_checkpoint(
     path, _ = find_checkpoint(source, identity)
     try:
         return path, torch.load(path / "state.pt", weights_only=False)
-    except (
-        Exception
-    ) as exc:  # it matched its checksum, so it was written damaged or by another torch
+    except Exception as exc:  # it matched its checksum: written damaged or by another torch
         raise CheckpointError(
             f"{path / 'state.pt'} does not load ({type(exc).__name__}: {exc})"
         ) from exc

@@ -136,16 +136,11 @@ def train_with_restarts(
     steps: int,
     out_dir: str | Path | None = None,
     *,
-    checkpoint_every: int = 0,
     resume: str | Path | None = None,
-    progress: bool = True,
     restart: str = "never",
     max_restarts: int = 3,
     on_done: Callable[[Any], None] | None = None,
-    meta: dict[str, Any] | None = None,
-    glance_every: int = 0,
-    samples_every: int = 0,
-    wandb: str | None = None,
+    **options: Any,
 ) -> tuple[list[dict[str, Any]], int]:
     """``train()`` that survives dead controllers; returns (metric rows of this run, restarts).
 
@@ -156,8 +151,9 @@ def train_with_restarts(
     then makes executors with the new one; the run moves over with its state, and the
     reason is printed and appended to ``OUT/events.jsonl``), or None.
     ``on_done(executor)`` runs after the last step, before the executor is closed.
-    ``glance_every``, ``samples_every``, ``wandb``: as :func:`runtime.train.loop.train`'s. A restart
-    resumes only from a checkpoint of this graph (see :func:`runtime.train.loop.train`).
+    ``options`` (``checkpoint_every``, ``progress``, ``meta``, ``glance_every``,
+    ``samples_every``, ``wandb``) go to :func:`runtime.train.loop.train`. A restart resumes
+    only from a checkpoint of this graph (see :func:`runtime.train.loop.train`).
     """
     from runtime.errors import ControllerError, HandshakeError
     from yatt_graph import NodeExecutionError
@@ -183,28 +179,20 @@ def train_with_restarts(
             elif restarts:
                 kept = [r for r in kept if r["step"] < start]
 
-            def train_to(ex: Any, n: int) -> list[dict[str, Any]]:
-                return train(
-                    ex, n, out, checkpoint_every=checkpoint_every, progress=progress, meta=meta,
-                    glance_every=glance_every, samples_every=samples_every, wandb=wandb,
-                )  # fmt: skip
-
             segment = steps
             if replan is not None:  # a few steps measured first, the rest on a better cut
                 segment = min(steps, executor.next_step + REPLAN_AFTER)
-            rows = train_to(executor, segment)
+            rows = train(executor, segment, out, **options)
             if segment < steps:
                 why, replan = replan(rows), None
                 if why:
                     executor = _moved(executor, make_executor, why, out)
-                rows += train_to(executor, steps)
+                rows += train(executor, steps, out, **options)
             if on_done is not None:
                 on_done(executor)
             return kept + rows, restarts
         except (ControllerError, NodeExecutionError) as exc:
-            if isinstance(
-                exc, NodeExecutionError
-            ):  # in-process: a replica or rank process it ran on
+            if isinstance(exc, NodeExecutionError):  # in-process: a replica or rank it ran on
                 cause = exc.__cause__
                 if not (isinstance(cause, ControllerError) or getattr(cause, "process_fault", 0)):
                     raise

@@ -23,10 +23,10 @@ from typing import Any
 from runtime.engine.calls import Executor
 from runtime.train import signals
 from runtime.train.checkpoint import checkpoints, load_checkpoint, save_checkpoint
-from runtime.train.errors import Terminated
 from runtime.train.identity import graph_identity
 from runtime.train.metrics import CURVES, MetricsWriter, curve_key, summarize, truncate_metrics
 from runtime.train.samples import ROLLOUT, SampleWriter, sample_rows
+from runtime.train.signals import Terminated
 from runtime.train.trace import Tracer
 
 __all__ = ["train", "utilization"]

@@ -56,9 +56,7 @@ def json_number(value: Any) -> Any:
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, int | float):
+    if isinstance(value, int | float):  # bool too
         return float(value)
     if getattr(value, "numel", None) is not None and value.numel() == 1:
         return float(value)

@@ -294,10 +294,7 @@ def _status(run: Path, summary: Any) -> str:
         )
     from runtime.pids import pid_alive
 
-    try:
-        held = json.loads((run / ".lock").read_text() or "{}")
-    except (OSError, ValueError):
-        held = {}
+    held = _read_json(run, ".lock", [], None)  # (empty between runs)
     pid = held.get("pid") if isinstance(held, dict) else None
     if isinstance(pid, int) and pid_alive(pid):
         return f"in progress (pid {pid} on {held.get('host', '?')})"

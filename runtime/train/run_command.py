@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from runtime.train.checkpoint import checkpoint_step, checkpoints, find_checkpoint, save_checkpoint
-from runtime.train.errors import Terminated
 from runtime.train.export import export_policy, policy_node
 from runtime.train.identity import graph_identity
 from runtime.train.run_flags import check_flags, same_folder
@@ -30,7 +29,7 @@ from runtime.train.run_folder import (
     record_run,
     run_folder_of,
 )
-from runtime.train.signals import sigterm_as_interrupt
+from runtime.train.signals import sigterm_as_interrupt, stopped_by
 from yatt_graph import UsageError
 
 __all__ = ["print_summary", "resume_point", "run_command", "run_summary"]
@@ -167,14 +166,14 @@ def resume_point(args: Any, graph: Any, here: Path | None) -> Path | None:
 def _interrupted(exc: KeyboardInterrupt, out: Path | None) -> int:
     """One line for Ctrl-C or SIGTERM, saying where the run stopped and what was kept."""
     step = getattr(exc, "step", None)
-    what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
+    what, code = stopped_by(exc)
     where = f" after step {step}" if step is not None else ""
     kept = f"; metrics and trace are in {out}" if out is not None else ""
     checkpoint = getattr(exc, "checkpoint", None)
     if checkpoint is not None:
         kept += f"; checkpoint {checkpoint} (continue with --resume {out})"
     print(f"yatt-graph run: stopped by {what}{where}{kept}", file=sys.stderr)
-    return 143 if isinstance(exc, Terminated) else 130
+    return code
 
 
 def run_summary(rows: list[dict], window: int, wall_s: float) -> dict[str, Any]:

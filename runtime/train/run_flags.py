@@ -14,6 +14,7 @@ from typing import Any
 from runtime.engine.switch import MODES as OFFLOAD_MODES
 from runtime.sched.placement import SIDES
 from runtime.train.run_folder import run_folder_of
+from runtime.train.wandb_log import NO_WANDB
 from yatt_graph import UsageError
 
 __all__ = ["add_run_arguments", "check_flags", "parse_devices", "parse_pins", "same_folder"]
@@ -27,10 +28,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--steps", type=int, default=30, help="total steps (a resumed run counts restored ones)"
     )
-    p.add_argument("--seed", type=int, default=None, help="passed to build_graph(seed=...)")
+    p.add_argument("--seed", type=int, help="passed to build_graph(seed=...)")
     p.add_argument(
         "--out",
-        default=None,
         help="the run folder: metrics.jsonl, trace.json, checkpoints/ (one run at a time; "
         "default with --resume: the folder it resumes)",
     )
@@ -45,7 +45,6 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--resume",
-        default=None,
         metavar="DIR",
         help="continue a run folder from its newest good checkpoint (or DIR/checkpoints/step_N); "
         "the checkpoint must be of this graph with the same options",
@@ -71,14 +70,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--devices",
-        default=None,
         metavar="N|auto",
         help="cut the calls of splittable nodes (vision, reference, critic) into micro-batches "
         "across N CPU slots per process (auto: $YATT_CPU_SLOTS or the cores); default: none",
     )
     p.add_argument(
         "--replicas",
-        default=None,
         metavar="NODE=R,...",
         help="run R copies of an inference node (rollout, vision, reference, critic, reward), "
         "each on its own core or GPU; each step's batch is cut across them by cost "
@@ -103,7 +100,6 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads",
         type=int,
-        default=None,
         metavar="N",
         help="torch threads of the process that runs the nodes (with controllers: of each one, "
         "fixed for the run); default: one per core that other processes leave free, measured "
@@ -127,7 +123,6 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--listen",
-        default=None,
         metavar="tcp://HOST:PORT",
         help="bind the driver on tcp so controllers on other hosts can join (opt-in)",
     )
@@ -141,7 +136,6 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--export",
-        default=None,
         metavar="DIR",
         help="save the trained policy there with save_pretrained",
     )
@@ -202,7 +196,6 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     faults.add_argument(
         "--on-bad-sample",
         choices=["raise", "skip"],
-        default=None,
         help="passed to a graph that has the on_bad_sample option: a NaN/inf/non-number "
         "reward stops the run (raise) or scores 0 and is counted (skip)",
     )
@@ -219,23 +212,17 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow --listen on a non-loopback address (other hosts can connect: use --keys)",
     )
-    security.add_argument(
-        "--keys", default=None, metavar="DIR", help="CURVE keys from `yatt-graph keys DIR`"
-    )
+    security.add_argument("--keys", metavar="DIR", help="CURVE keys from `yatt-graph keys DIR`")
 
 
 def _check_numbers(args: Any) -> None:
     """Numbers and flag pairs that cannot work, refused before anything is built."""
-    least = {"--steps": (args.steps, 1), "--controllers": (args.controllers, 1)}
-    least |= {"--checkpoint-every": (args.checkpoint_every, 0)}
-    least |= {"--max-staleness": (args.max_staleness, 0), "--max-restarts": (args.max_restarts, 0)}
-    least |= {"--window": (args.window, 1), "--glance-every": (args.glance_every, 0)}
-    least |= {"--samples-every": (args.samples_every, 0)}
-    if args.threads is not None:
-        least["--threads"] = (args.threads, 1)
-    for flag, (value, low) in least.items():
-        if value < low:
-            raise UsageError(f"{flag} must be {low} or more, got {value}")
+    least = {"steps": 1, "controllers": 1, "checkpoint_every": 0, "max_staleness": 0,
+             "max_restarts": 0, "window": 1, "glance_every": 0, "samples_every": 0, "threads": 1}  # fmt: skip
+    for name, low in least.items():
+        value = getattr(args, name)
+        if value is not None and value < low:  # (--threads: None is one per free core)
+            raise UsageError(f"--{name.replace('_', '-')} must be {low} or more, got {value}")
     for flag, value in (
         ("--node-timeout", args.node_timeout),
         ("--max-message-mb", args.max_message_mb),
@@ -292,10 +279,7 @@ def _check_run_flags(args: Any, distributed: bool) -> None:
         if not args.wandb.strip():
             raise UsageError("--wandb was given an empty project name (an unset shell variable?)")
         if importlib.util.find_spec("wandb") is None:
-            raise UsageError(
-                "--wandb needs the wandb package: pip install 'yatt-graph[wandb]' (or leave "
-                "--wandb out; metrics.jsonl and TensorBoard have the same scalars)"
-            )
+            raise UsageError(NO_WANDB)
     if args.pin and args.placement != "partial":
         raise UsageError(
             "--pin keeps a node on one side of --placement partial; add --placement partial "

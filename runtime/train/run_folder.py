@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 LOCK_NAME = ".lock"
+_EDGE_FIELDS = ("src", "src_port", "dst", "dst_port", "delay")
 
 
 def check_folder(path: Path, flag: str) -> None:
@@ -134,16 +135,7 @@ def graph_record(graph: Any) -> dict[str, Any]:
     return {
         "name": graph.name,
         "nodes": [{"name": name, "kind": node.kind} for name, node in graph.nodes.items()],
-        "edges": [
-            {
-                "src": e.src,
-                "src_port": e.src_port,
-                "dst": e.dst,
-                "dst_port": e.dst_port,
-                "delay": e.delay,
-            }
-            for e in graph.edges
-        ],  # fmt: skip
+        "edges": [{k: getattr(e, k) for k in _EDGE_FIELDS} for e in graph.edges],
     }
 
 

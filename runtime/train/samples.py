@@ -239,17 +239,9 @@ class SampleWriter:
     def due(self, step: int) -> bool:
         return self.every > 0 and (step + 1) % self.every == 0 and not self.full
 
-    def write(
-        self,
-        step: int,
-        outputs: dict[str, Any],
-        *,
-        staleness: Mapping[str, int | None] | None = None,
-        controllers: Mapping[str, int] | None = None,
-        replicas: Mapping[str, list[int]] | None = None,
-    ) -> Path | None:
+    def write(self, step: int, outputs: dict[str, Any], **lineage: Any) -> Path | None:
         """The path the step's samples go to once written (:meth:`flush`), or None where the
-        step is not kept."""
+        step is not kept; ``lineage``: :func:`lineage_columns`' keywords."""
         # The first step is checked whether or not it is kept: a misaligned output fails
         # the run at once, not at the first kept step.
         if not (self.due(step) or (self.every > 0 and not self._checked)):
@@ -258,9 +250,7 @@ class SampleWriter:
         cols = sample_rows(step, outputs)
         if cols is None:
             return None
-        images = lineage_columns(
-            step, outputs, cols, staleness=staleness, controllers=controllers, replicas=replicas
-        )
+        images = lineage_columns(step, outputs, cols, **lineage)
         if not self.due(step):
             return None
         self.flush()  # one step in flight: files in step order, memory bounded

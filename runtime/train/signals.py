@@ -1,8 +1,8 @@
 """SIGTERM handled like Ctrl-C, stopping at a step boundary where it can.
 
 ``timeout``, systemd and Slurm stop a job with SIGTERM. While :func:`sigterm_as_interrupt` is
-active, SIGTERM raises :class:`runtime.train.errors.Terminated` (a ``KeyboardInterrupt``) in the
-main thread, so the Ctrl-C paths run: controllers shut down, metrics and the trace are flushed.
+active, SIGTERM raises :class:`Terminated` (a ``KeyboardInterrupt``) in the main thread, so
+every path that handles Ctrl-C runs: controllers shut down, metrics and the trace are flushed.
 Inside :func:`at_step_boundary`, the training loop asks for the signal to wait for the end of
 the step in progress (:func:`check` raises it there), so that the state a checkpoint takes is
 a whole step's; a second SIGTERM stops at once.
@@ -16,9 +16,24 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from runtime.train.errors import Terminated
+__all__ = [
+    "Terminated",
+    "at_step_boundary",
+    "check",
+    "pending",
+    "sigterm_as_interrupt",
+    "stopped_by",
+]
 
-__all__ = ["at_step_boundary", "check", "pending", "sigterm_as_interrupt"]
+
+class Terminated(KeyboardInterrupt):
+    """The process received SIGTERM (from ``timeout``, systemd, Slurm, ``kill``)."""
+
+
+def stopped_by(exc: KeyboardInterrupt) -> tuple[str, int]:
+    """What stopped a run, ``SIGTERM`` or ``Ctrl-C``, and the exit code it ends with."""
+    return ("SIGTERM", 143) if isinstance(exc, Terminated) else ("Ctrl-C", 130)
+
 
 _state = {"active": False, "defer": False, "pending": False}
 
@@ -47,9 +62,9 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
 
 @contextmanager
-def at_step_boundary(enabled: bool = True) -> Iterator[None]:
+def at_step_boundary() -> Iterator[None]:
     """Within the block, a first SIGTERM waits for :func:`check` (called after each step)."""
-    if not enabled or not _state["active"]:
+    if not _state["active"]:
         yield
         return
     _state["defer"] = True

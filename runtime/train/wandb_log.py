@@ -18,7 +18,13 @@ from typing import Any
 
 from yatt_graph import UsageError
 
-__all__ = ["WandbLog", "wandb_mode"]
+__all__ = ["NO_WANDB", "WandbLog", "wandb_mode"]
+
+NO_WANDB = (
+    "--wandb needs the wandb package: pip install 'yatt-graph[wandb]' (or leave --wandb out; "
+    "metrics.jsonl and TensorBoard have the same scalars)"
+)
+"""What a run with ``--wandb`` says where the wandb package is not installed."""
 
 
 def wandb_mode() -> str | None:
@@ -42,10 +48,7 @@ class WandbLog:
         try:
             import wandb
         except ImportError as exc:
-            raise UsageError(
-                "--wandb needs the wandb package: pip install 'yatt-graph[wandb]' (or leave "
-                "--wandb out; metrics.jsonl and TensorBoard have the same scalars)"
-            ) from exc
+            raise UsageError(NO_WANDB) from exc
         self._wandb = wandb
         folder = Path(out) / "wandb"
         folder.mkdir(parents=True, exist_ok=True)
