@@ -23,13 +23,13 @@ from typing import Any
 __all__ = ["exit_text", "log_tail", "python_env", "start_python", "stop"]
 
 
-def python_env(threads: int = 0, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``base`` (default: this process's environment) with ``PYTHONPATH`` set so that a child
-    imports what this process imports, and ``OMP_NUM_THREADS`` when ``threads`` > 0."""
+def python_env(threads: int = 0) -> dict[str, str]:
+    """This process's environment with ``PYTHONPATH`` set so that a child imports what this
+    process imports, and ``OMP_NUM_THREADS`` when ``threads`` > 0."""
     from yatt_graph.refs import import_roots
 
     paths = [p or os.getcwd() for p in sys.path] + import_roots()
-    env = {**(os.environ if base is None else base), "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
     if threads > 0:
         env["OMP_NUM_THREADS"] = str(threads)
     return env

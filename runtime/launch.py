@@ -176,11 +176,8 @@ def _from_torchrun(env: Mapping[str, str]) -> dict[str, _Value] | None:
                 f"{have}={env[have]} is set but {missing} is not; a launch across hosts needs "
                 f"both (torchrun sets them), or pass --nnodes and --node-rank"
             )
-        found = {"nnodes": size, "node_rank": rank}
-        local = _int(env, "LOCAL_RANK")
-        if local is not None:
-            found["local_rank"] = local
-        return found
+        found = {"nnodes": size, "node_rank": rank, "local_rank": _int(env, "LOCAL_RANK")}
+        return {k: v for k, v in found.items() if v is not None}
     return None
 
 
@@ -211,10 +208,8 @@ def _from_slurm(env: Mapping[str, str]) -> dict[str, _Value] | None:
                     "run inside one allocation"
                 )
             break
-    local = _int(env, "SLURM_LOCALID")
-    if local is not None:
-        found["local_rank"] = local
-    return found
+    found["local_rank"] = _int(env, "SLURM_LOCALID")
+    return {k: v for k, v in found.items() if v is not None}
 
 
 def _master_from_env(env: Mapping[str, str], found: dict[str, _Value]) -> None:

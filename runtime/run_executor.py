@@ -50,7 +50,14 @@ def executor_factory(
 
     policy = setup.thread_policy
     print(f"yatt-graph run: threads: {policy.describe()}", file=sys.stderr, flush=True)
-    cut = _partial_cut(graph, args) if distributed and args.placement == "partial" else None
+    cut = None
+    if distributed and args.placement == "partial":
+        from runtime.sched.placement import PartialCut
+
+        try:
+            cut = PartialCut(graph, args.pins)
+        except ValueError as exc:
+            raise UsageError(f"--pin: {exc}") from None
 
     config = run_config(args, options, devices, distributed)
     if distributed and config.max_staleness and config.staleness == "fixed" and config.adaptive:
@@ -70,15 +77,12 @@ def executor_factory(
             from runtime.zmq.replicas import spawn_replica  # replica processes, when asked for
 
             torch.set_num_threads(policy.threads)
-            executor = Accounting(
-                LocalExecutor(graph, config, replica_factory=spawn_replica),
-                sched=policy.metrics(),
-            )
+            executor = LocalExecutor(graph, config, replica_factory=spawn_replica)
             # As on a controller: what is built now lives as long as the run, so the cyclic
             # collector need not walk it on each collection of a step's garbage (cmd_run thaws
             # it at the end, for a caller that goes on).
             gc.freeze()
-            return executor
+            return Accounting(executor, sched=policy.metrics())
         from runtime.sched.placement import controller_assignment
         from runtime.zmq.driver import ZmqExecutor
 
@@ -136,15 +140,6 @@ def run_config(args: argparse.Namespace, options: dict, devices: Any, distribute
         device=(options.get("device") or "auto") if distributed else "auto",
         adaptive=not args.no_adaptive,
     ).verify("yatt-graph run")
-
-
-def _partial_cut(graph: Any, args: argparse.Namespace) -> Any:
-    from runtime.sched.placement import PartialCut
-
-    try:
-        return PartialCut(graph, args.pins)
-    except ValueError as exc:
-        raise UsageError(f"--pin: {exc}") from None
 
 
 def thread_policy(args: argparse.Namespace) -> Any:

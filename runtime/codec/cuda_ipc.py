@@ -52,7 +52,7 @@ from typing import Any
 
 import msgspec
 
-from runtime.codec.wire import _CUDA_IPC, _MAX_DIMS, DecodeError
+from runtime.codec.wire import _CUDA_IPC, DecodeError, _dims_ok
 
 __all__ = [
     "ENV",
@@ -225,11 +225,7 @@ def rebuild_args(fields: Any, index: int, local: Any) -> dict[str, Any]:
         raise DecodeError(f"bad CUDA IPC header {fields!r:.80}")
     name, shape, stride, offset, physical, shares = fields
     for what, dims in (("shape", shape), ("stride", stride)):
-        if (
-            not isinstance(dims, list)
-            or len(dims) > _MAX_DIMS
-            or not all(type(d) is int and 0 <= d < 2**62 for d in dims)
-        ):
+        if not _dims_ok(dims):
             raise DecodeError(f"bad CUDA IPC {what} {dims!r:.80}")
     if len(shape) != len(stride) or type(offset) is not int or offset < 0:
         raise DecodeError("bad CUDA IPC shape/stride/offset")
@@ -289,14 +285,14 @@ def _release_counter(ref_counter: bytes, offset: int) -> None:
 
 
 class Collector:
-    """Calls ``torch.cuda.ipc_collect()`` at most every ``every_s`` once IPC tensors were sent
+    """Calls ``torch.cuda.ipc_collect()`` at most once a second once IPC tensors were sent
     (before that it would initialize CUDA in a process that may not use it)."""
 
-    def __init__(self, every_s: float = 1.0):
-        self.every_s, self._last = every_s, time.monotonic()
+    def __init__(self) -> None:
+        self._last = time.monotonic()
 
     def maybe(self, sent: int) -> None:
-        if sent and time.monotonic() - self._last >= self.every_s:
+        if sent and time.monotonic() - self._last >= 1.0:
             import torch
 
             torch.cuda.ipc_collect()

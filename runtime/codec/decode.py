@@ -33,6 +33,7 @@ from runtime.codec.wire import (
     _TUPLE,
     DecodeError,
     ShmReader,
+    _dims_ok,
     _plain_key,
     _structs,
     _torch_dtype,
@@ -50,11 +51,7 @@ def _buffer(frame: Any) -> memoryview:
 
 
 def _shape(shape: Any) -> tuple[int, ...]:
-    if (
-        not isinstance(shape, list)
-        or len(shape) > _MAX_DIMS
-        or not all(type(d) is int and 0 <= d < 2**62 for d in shape)
-    ):
+    if not _dims_ok(shape):
         raise DecodeError(f"bad shape {shape!r}")
     return tuple(shape)
 
@@ -150,13 +147,7 @@ class _Unpacker:
         nbytes = math.prod(dims) * dtype.itemsize
         if nbytes == 0:
             t = torch.empty(dims, dtype=dtype)
-        elif isinstance(where, bytes):  # inline: one copy into a fresh (aligned) buffer
-            if len(where) != nbytes:
-                raise DecodeError(f"buffer holds {len(where)} bytes, the header says {nbytes}")
-            t = torch.frombuffer(bytearray(where), dtype=dtype)
-            if len(dims) != 1:
-                t = t.reshape(dims)
-        else:
+        else:  # inline bytes are copied into a fresh buffer (raw), frames and shm are not
             if (
                 isinstance(where, list)
                 and self.shm is not None

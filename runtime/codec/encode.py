@@ -77,7 +77,7 @@ class _Packer:
                 raise _Unsupported(f"int {v} does not fit in 64 bits; send it as a str or a tensor")
             return v
         if t is list:
-            return [self._item(x, i) for i, x in enumerate(v)]
+            return [self._at(x, i) for i, x in enumerate(v)]
         if t is dict:
             return self._dict(v)
         if t is bytes:
@@ -93,10 +93,10 @@ class _Packer:
             return self._image(v)
         if isinstance(v, tuple):
             return msgspec.msgpack.Ext(
-                _TUPLE, _encoder.encode([self._item(x, i) for i, x in enumerate(v)])
+                _TUPLE, _encoder.encode([self._at(x, i) for i, x in enumerate(v)])
             )
         if isinstance(v, list):
-            return [self._item(x, i) for i, x in enumerate(v)]
+            return [self._at(x, i) for i, x in enumerate(v)]
         if isinstance(v, dict):
             return self._dict(v)
         for base in (int, float, str):
@@ -110,11 +110,12 @@ class _Packer:
             "bytes/list/tuple/dict with str keys"
         )
 
-    def _item(self, x: Any, index: int) -> Any:
+    def _at(self, x: Any, key: Any, form: str = "[{}]") -> Any:
+        """``pack(x)``; an unsupported value names ``form.format(key)`` in its path."""
         try:
             return self.pack(x)
         except _Unsupported as exc:
-            exc.path.append(f"[{index}]")
+            exc.path.append(form.format(key))
             raise
 
     def _dict(self, v: dict[Any, Any]) -> Any:
@@ -124,11 +125,7 @@ class _Packer:
         for k, x in v.items():
             if type(k) is not str:
                 raise _Unsupported(f"dict key {k!r} is a {type(k).__name__}; keys must be str")
-            try:
-                out[k] = self.pack(x)
-            except _Unsupported as exc:
-                exc.path.append(f"[{k!r}]")
-                raise
+            out[k] = self._at(x, k, "[{!r}]")
         return out
 
     def _map(self, v: dict[Any, Any]) -> Any:
@@ -139,11 +136,7 @@ class _Packer:
                     f"dict key {k!r:.40} is a {type(k).__name__}; keys must be None, bool, int, "
                     "float, str, bytes or tuples of those"
                 )
-            try:
-                pairs.append([self.pack(k), self.pack(x)])
-            except _Unsupported as exc:
-                exc.path.append(f"[{k!r}]")
-                raise
+            pairs.append([self._at(k, k, "[{!r}]"), self._at(x, k, "[{!r}]")])
         return msgspec.msgpack.Ext(_MAP, _encoder.encode(pairs))
 
     def _bytes(self, v: bytes) -> Any:
@@ -222,13 +215,7 @@ class _Packer:
             raise _Unsupported(
                 f"Struct {cls.__qualname__} is defined in a function; define it at module level"
             )
-        fields = {}
-        for f in cls.__struct_fields__:
-            try:
-                fields[f] = self.pack(getattr(v, f))
-            except _Unsupported as exc:
-                exc.path.append(f".{f}")
-                raise
+        fields = {f: self._at(getattr(v, f), f, ".{}") for f in cls.__struct_fields__}
         return msgspec.msgpack.Ext(
             _STRUCT, _encoder.encode([f"{cls.__module__}:{cls.__qualname__}", fields])
         )

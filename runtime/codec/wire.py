@@ -102,25 +102,27 @@ def register_struct(cls: type) -> type:
     return cls
 
 
-def _torch_dtypes() -> dict[str, Any]:
-    import torch
-
-    return {
-        n: getattr(torch, n)
-        for n in _TORCH_DTYPES
-        if isinstance(getattr(torch, n, None), torch.dtype)
-    }
-
-
 _dtype_cache: dict[str, Any] = {}
 
 
 def _torch_dtype(name: Any) -> Any:
     if not _dtype_cache:
-        _dtype_cache.update(_torch_dtypes())
+        import torch
+
+        dtypes = {n: getattr(torch, n, None) for n in _TORCH_DTYPES}
+        _dtype_cache.update({n: d for n, d in dtypes.items() if isinstance(d, torch.dtype)})
     if not isinstance(name, str) or name not in _dtype_cache:
         raise DecodeError(f"unknown tensor dtype {name!r}")
     return _dtype_cache[name]
+
+
+def _dims_ok(dims: Any) -> bool:
+    """A shape or strides the wire may carry: a list of at most _MAX_DIMS ints in [0, 2**62)."""
+    return (
+        isinstance(dims, list)
+        and len(dims) <= _MAX_DIMS
+        and all(type(d) is int and 0 <= d < 2**62 for d in dims)
+    )
 
 
 def _plain_key(k: Any) -> bool:

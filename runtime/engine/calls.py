@@ -211,27 +211,6 @@ def stream_node(
         raise _node_error(node, inputs, step, controller, exc) from exc
 
 
-def build_nodes(
-    nodes: Mapping[str, Any], order: Sequence[str], track: Callable[[str], None] | None = None
-) -> None:
-    """Build each node (``setup()``) in the plan's order, telling ``track`` which one is being
-    built; a library node that fails on what the user gave it raises a one-line
-    :class:`~yatt_graph.errors.NodeBuildError` (:func:`yatt_graph.errors.build_error`)."""
-    for name in order:
-        if name in nodes:
-            if track is not None:
-                track(name)
-            try:
-                nodes[name].setup()
-            except Exception as exc:
-                error = build_error(nodes[name], exc)
-                if error is None:
-                    raise
-                raise error from exc
-    if track is not None:
-        track("")
-
-
 @dataclass
 class NodeWorkers:
     """What runs a process's nodes besides the process itself: the other ranks of the nodes
@@ -261,15 +240,27 @@ def start_nodes(
     track: Callable[[str], None] | None = None,
 ) -> NodeWorkers:
     """Make ``nodes`` ready to run, in-process or on a controller: start the rank groups of
-    grouped nodes (before they build: the update joins its group), build the nodes in
-    ``order`` (:func:`build_nodes`), then the fan-outs for ``config.devices`` and
-    ``config.replicas`` (``spawn`` starts replica i of a node). A failure ends what started."""
+    grouped nodes (before they build: the update joins its group), build the nodes
+    (``setup()``) in ``order``, telling ``track`` which one is being built, then the fan-outs
+    for ``config.devices`` and ``config.replicas`` (``spawn`` starts replica i of a node). A
+    failure ends what started; a library node that fails on what the user gave it raises a
+    one-line :class:`~yatt_graph.errors.NodeBuildError` (:func:`yatt_graph.errors.build_error`)."""
     from runtime.ranks import start_groups
     from runtime.sched.fanout import device_pool, start_fanouts
 
     workers = NodeWorkers(None, start_groups(nodes))
     try:
-        build_nodes(nodes, order, track)
+        for name in [n for n in order if n in nodes]:
+            if track is not None:
+                track(name)
+            try:
+                nodes[name].setup()
+            except Exception as exc:
+                if (error := build_error(nodes[name], exc)) is None:
+                    raise
+                raise error from exc
+        if track is not None:
+            track("")
         mine = {n: r for n, r in config.replicas.items() if n in nodes}  # (the others' elsewhere)
         workers.fanouts = start_fanouts(nodes, device_pool(config.devices), mine, spawn)
     except BaseException:

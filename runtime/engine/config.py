@@ -15,8 +15,9 @@ import msgspec
 
 from runtime.engine.delayed import check_staleness_mode
 from runtime.engine.switch import check_offload
+from runtime.sched.devices import DEVICES, PLACEMENTS, check_choice
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "RunConfig", "check_staleness", "run_config"]
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "RunConfig", "run_config"]
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 30
 """The largest frame a runtime socket accepts by default (4 GiB)."""
@@ -84,7 +85,11 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     def verify(self, who: str = "RunConfig") -> RunConfig:
         """The config, or a ValueError naming the first field that is wrong and what it takes."""
-        check_staleness(self.max_staleness, who)
+        if not _count(self.max_staleness):
+            raise ValueError(
+                f"{who}: max_staleness must be an int >= 0 (how many weight versions a rollout "
+                f"may lag behind the update; 0 is on-policy), got {self.max_staleness!r}"
+            )
         check_staleness_mode(self.staleness, who)
         check_offload(self.offload, who)
         if self.devices not in (None, "auto") and not _count(self.devices):
@@ -108,12 +113,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                 f"{who}: spin_s must be between 0 and 1 second, got {spin!r} "
                 "(0.001 is the default; 0 never spins)"
             )
-        if self.placement not in ("colocated", "partial"):
-            raise ValueError(
-                f"{who}: placement must be 'colocated' or 'partial', got {self.placement!r}"
-            )
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"{who}: device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        check_choice(who, "placement", self.placement, PLACEMENTS)
+        check_choice(who, "device", self.device, DEVICES)
         return self
 
     @property
@@ -133,16 +134,6 @@ def run_config(config: RunConfig | None, options: dict[str, Any], who: str) -> R
         )
     config = msgspec.structs.replace(config or RunConfig(), **options)
     return config.verify(who)
-
-
-def check_staleness(max_staleness: Any, who: str) -> int:
-    """``max_staleness`` as an int >= 0, or a ValueError saying what it means."""
-    if not _count(max_staleness):
-        raise ValueError(
-            f"{who}: max_staleness must be an int >= 0 (how many weight versions a rollout may "
-            f"lag behind the update; 0 is on-policy), got {max_staleness!r}"
-        )
-    return max_staleness
 
 
 def _count(value: Any) -> bool:

@@ -92,6 +92,3 @@ class DelayedValues:
     def count(self) -> int:
         """How many values are kept (all ports), for tests of the memory bound."""
         return sum(len(v) for v in self._values.values())
-
-    def clear(self) -> None:
-        self._values.clear()

@@ -39,7 +39,7 @@ from runtime.engine.tensor_moves import TensorMoves, host_copy, node_devices
 from yatt_graph import NodeExecutionError
 from yatt_graph.stream import Piece
 
-__all__ = ["Outbox", "Running", "StateNotReady", "StepEngine"]
+__all__ = ["Outbox", "StateNotReady", "StepEngine"]
 
 
 class Outbox(Protocol):
@@ -170,21 +170,18 @@ class StepEngine(StreamSteps):
         """Steps ``< until`` may run."""
         self.until = max(self.until, until)
 
-    def _accepts(self, dst: str, target: int) -> bool:
-        return self.next_step[dst] <= target < self.until + self.lag + 2 * self.window
-
     def deliver(self, step: int, src: str, port: str, value: Any) -> list[str]:
         """Another process's output ``src.port`` of ``step``; returns why parts were dropped
         (a second copy, a step outside those being run, an edge no node here reads)."""
         edges = self.remote_in.get((src, port))
         if not edges:
             return [f"data for {src}.{port}, which no node here reads"]
-        dropped = []
+        dropped, end = [], self.until + self.lag + 2 * self.window
         for e in edges:
             if e.delay:
                 continue
             slot = self.pending.get((step, e.dst), {})
-            if not self._accepts(e.dst, step) or e.dst_port in slot:
+            if not self.next_step[e.dst] <= step < end or e.dst_port in slot:
                 why = "a second copy" if e.dst_port in slot else "outside the steps being run"
                 dropped.append(f"data {src}.{port} of step {step} for {e.dst}.{e.dst_port}: {why}")
                 continue

@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from runtime.engine.calls import OnStep, StepResult, Stop, describe, start_nodes
+from runtime.engine.calls import OnStep, StepResult, Stop, start_nodes
 from runtime.engine.config import RunConfig, run_config
 from runtime.engine.engine import StepEngine
 from runtime.engine.switch import switch_metrics
 from yatt_graph import Graph, Plan
 
-__all__ = ["LocalExecutor", "StepResult", "describe"]
+__all__ = ["LocalExecutor", "StepResult"]
 
 
 class LocalExecutor:

@@ -246,6 +246,3 @@ class StreamBook:
 
     def discard(self, step: int, src: str) -> None:
         self._streams.pop((step, src), None)
-
-    def clear(self) -> None:
-        self._streams.clear()

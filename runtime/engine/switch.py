@@ -27,6 +27,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from runtime.sched.devices import check_choice
 from yatt_graph import Node
 
 __all__ = [
@@ -76,8 +77,7 @@ class Switch:
     """Offloads and reloads the nodes of one process (see the module docstring)."""
 
     def __init__(self, nodes: Mapping[str, Any], mode: str, here: int = 0):
-        if mode not in ("phase", "roles"):
-            raise ValueError(f"Switch: mode must be 'phase' or 'roles', got {mode!r}")
+        check_choice("Switch", "mode", mode, ("phase", "roles"))
         self.mode, self.here = mode, here
         self.nodes = {n: node for n, node in nodes.items() if has_device_state(node)}
         self.resident = set(self.nodes)
@@ -131,16 +131,9 @@ def switch_metrics(
     """A step's switches as ``sched/*`` metrics: ``switch_s`` (offload + reload seconds, over
     every process), ``offload_s``, ``reload_s``, ``offload_bytes``, ``reload_bytes``,
     ``switches``, and ``switch_s/cN`` for each controller in ``controllers``."""
-    out = {
-        "sched/switch_s": 0.0,
-        "sched/offload_s": 0.0,
-        "sched/reload_s": 0.0,
-        "sched/offload_bytes": 0.0,
-        "sched/reload_bytes": 0.0,
-        "sched/switches": float(len(switches)),
-    }
-    for c in controllers:
-        out[f"sched/switch_s/c{c}"] = 0.0
+    kinds = ("switch_s", "offload_s", "reload_s", "offload_bytes", "reload_bytes")
+    out = {f"sched/{k}": 0.0 for k in kinds} | {"sched/switches": float(len(switches))}
+    out.update({f"sched/switch_s/c{c}": 0.0 for c in controllers})
     for what, _, seconds, moved, controller in switches:
         out["sched/switch_s"] += seconds
         out[f"sched/{what}_s"] += seconds

@@ -108,8 +108,7 @@ class _Ranks:
     def __init__(self, who: str, world: int, device: torch.device, timeout_s: float) -> None:
         self.who = who
         self.world = int(world)
-        self.device = device
-        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.set_device(device)
         self.timeout = datetime.timedelta(seconds=float(timeout_s))
 
     def set_device(self, device: torch.device) -> None:
@@ -220,8 +219,6 @@ class RankGroup(_Ranks):
         self.closed = False
         self.death = ""
         """The first rank found dead by the supervisor (as :meth:`_dead` says it), or ''."""
-        self.aborted = False
-        """Whether the supervisor aborted the process group."""
         self._next = 0
         self._joined = False
         self._lock = threading.Lock()  # the supervisor's abort against close()
@@ -272,7 +269,6 @@ class RankGroup(_Ranks):
                         return
                     self.death = dead
                     if self._joined:
-                        self.aborted = True
                         with contextlib.suppress(Exception):
                             _abort_collectives()
                 return

@@ -28,11 +28,14 @@ from typing import Any
 import msgspec
 
 __all__ = [
+    "DEVICES",
+    "PLACEMENTS",
     "Device",
     "DevicePool",
     "DeviceStats",
     "Resources",
     "assign_resources",
+    "check_choice",
     "cpu_slot_count",
     "cuda_visible_devices",
     "split_evenly",
@@ -42,6 +45,18 @@ __all__ = [
 ]
 
 CPU_SLOTS_ENV = "YATT_CPU_SLOTS"
+PLACEMENTS = ("colocated", "partial")
+"""How controllers share the host (:func:`assign_resources`)."""
+DEVICES = ("auto", "cpu", "cuda")
+"""What controllers compute on (:func:`assign_resources`)."""
+
+
+def check_choice(who: str, name: str, value: Any, choices: Sequence[str]) -> None:
+    """A ValueError ``{who}: {name} must be 'a', 'b' or 'c', got {value!r}`` unless ``value``
+    is one of ``choices``."""
+    if value not in choices:
+        *rest, last = map(repr, choices)
+        raise ValueError(f"{who}: {name} must be {', '.join(rest)} or {last}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -81,8 +96,8 @@ class DeviceStats:
     since: float = 0.0
 
 
-def cpu_slot_count(default: int | None = None) -> int:
-    """CPU worker slots: ``$YATT_CPU_SLOTS``, else ``default``, else the usable cores."""
+def cpu_slot_count() -> int:
+    """CPU worker slots: ``$YATT_CPU_SLOTS``, else the usable cores."""
     env = os.environ.get(CPU_SLOTS_ENV)
     if env:
         try:
@@ -92,8 +107,6 @@ def cpu_slot_count(default: int | None = None) -> int:
         if n < 1:
             raise ValueError(f"${CPU_SLOTS_ENV} must be >= 1, got {n}")
         return n
-    if default is not None:
-        return default
     return usable_cores()
 
 
@@ -174,14 +187,8 @@ def assign_resources(
     """
     if controllers < 1:
         raise ValueError(f"assign_resources: controllers must be >= 1, got {controllers}")
-    if placement not in ("colocated", "partial"):
-        raise ValueError(
-            f"assign_resources: placement must be 'colocated' or 'partial', got {placement!r}"
-        )
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(
-            f"assign_resources: device must be 'auto', 'cpu' or 'cuda', got {device!r}"
-        )
+    check_choice("assign_resources", "placement", placement, PLACEMENTS)
+    check_choice("assign_resources", "device", device, DEVICES)
     if device == "cuda" and gpus < 1:
         raise RuntimeError(
             "device=cuda, but no CUDA device is visible to the driver; use --device cpu "
@@ -247,10 +254,7 @@ class DevicePool:
         ``kind="cpu"`` forces CPU slots, ``kind="cuda"`` fails without a GPU. ``cpu_slots``
         sets the slot count (default: ``$YATT_CPU_SLOTS``, else the usable cores).
         """
-        if kind not in ("any", "cpu", "cuda"):
-            raise ValueError(
-                f"DevicePool.detect: kind must be 'any', 'cpu' or 'cuda', got {kind!r}"
-            )
+        check_choice("DevicePool.detect", "kind", kind, ("any", "cpu", "cuda"))
         n_cuda = 0
         if kind != "cpu":
             import torch
@@ -260,7 +264,7 @@ class DevicePool:
             return cls([Device("cuda", i) for i in range(n_cuda)])
         if kind == "cuda":
             raise RuntimeError("DevicePool.detect(kind='cuda'): no CUDA device is visible")
-        n = cpu_slot_count(cpu_slots) if cpu_slots is None else cpu_slots
+        n = cpu_slot_count() if cpu_slots is None else cpu_slots
         if n < 1:
             raise ValueError(f"DevicePool.detect: cpu_slots must be >= 1, got {n}")
         return cls([Device("cpu", i) for i in range(n)])

@@ -25,8 +25,8 @@ For each call:
    value that is not a tensor or list). A call whose per-sample values disagree in length
    (per-prompt inputs next to per-response ones) runs whole. The samples are cut by predicted
    cost with Karmarkar-Karp (:func:`~runtime.sched.batching.micro_batches`) into at least one
-   piece per worker (``pieces_per_replica`` per replica), each within the node's budget. The
-   cost of a prompt is its length in tokens (about 4 characters each) plus the mean response
+   piece per worker (:class:`Fanout`'s ``pieces_per_worker``), each within the node's budget.
+   The cost of a prompt is its length in tokens (about 4 characters each) plus the mean response
    seen so far times ``rows_per_input``; of anything else,
    :func:`~runtime.sched.batching.default_costs`.
 2. **Run.** The pieces wait in one queue, heaviest first; each worker takes the next one when
@@ -72,6 +72,7 @@ __all__ = [
     "device_pool",
     "replica_counts",
     "replicable",
+    "run_with_context",
     "shared_ports",
     "start_fanouts",
 ]
@@ -192,23 +193,25 @@ class NodeThread:
             self._thread = threading.get_ident()
         if self.pool is not None and self.slot is not None:
             with self.pool.busy(self.slot, node.name):
-                return self._run(node, inputs, context, rows)
-        return self._run(node, inputs, context, rows)
-
-    @staticmethod
-    def _run(
-        node: Any, inputs: dict[str, Any], context: Mapping[str, int] | None, rows: list[int]
-    ) -> dict[str, Any]:
-        if context is None:
-            return node.run(inputs)
-        node.begin_piece(context, rows)
-        try:
-            return node.run(inputs)
-        finally:
-            node.end_piece()
+                return run_with_context(node, inputs, context, rows)
+        return run_with_context(node, inputs, context, rows)
 
     def close(self) -> None:
         pass
+
+
+def run_with_context(
+    node: Any, inputs: dict[str, Any], context: Mapping[str, int] | None, rows: list[int]
+) -> dict[str, Any]:
+    """``node.run(inputs)`` on a piece: inside ``begin_piece(context, rows)`` /
+    ``end_piece()`` when the node has a piece context (a thread's or a replica's piece)."""
+    if context is None:
+        return node.run(inputs)
+    node.begin_piece(context, rows)
+    try:
+        return node.run(inputs)
+    finally:
+        node.end_piece()
 
 
 class Crew:
@@ -397,7 +400,6 @@ def start_fanouts(
     pool: DevicePool | None,
     replicas: Mapping[str, int] | None = None,
     spawn: Callable[[Any, int, int], Worker] | None = None,
-    pieces_per_replica: int = 1,
 ) -> Fanouts | None:
     """The fan-outs of ``nodes`` (None when no node fans out): slots over ``pool`` for the
     splittable nodes, replicas for those with ``replicas`` (replica 0 is the node itself,
@@ -419,7 +421,7 @@ def start_fanouts(
                 for w in workers:
                     w.close()
                 raise
-            fanouts[name] = Fanout(nodes[name], Crew(workers), "replicas", pieces_per_replica)
+            fanouts[name] = Fanout(nodes[name], Crew(workers), "replicas")
         split = [n for n, node in nodes.items() if n not in counts and _splittable(node)]
         if pool is not None and split:
             crew = Crew([NodeThread(d.name, pool=pool, slot=d) for d in pool])

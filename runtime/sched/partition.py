@@ -145,7 +145,6 @@ class Partitioner:
         self.share_cost = 2.0
         """How many times slower a controller runs beside one it shares a core with (learnt:
         raised by what an undone trial of shared cores measured)."""
-        self.last_overlap: dict[int, float] = {}
 
     @property
     def resources(self) -> list[Resources]:
@@ -220,7 +219,6 @@ class Partitioner:
         busy = [statistics.fmean(s.busy_s.get(c, 0.0) for s in steps) for c in range(n)]
         spans = [sp for s in steps for sp in s.spans]
         overlap = overlap_shares(spans)
-        self.last_overlap = overlap
         o = [overlap.get(c, 0.0) for c in range(n)]
         if sum(busy) <= 0 or wall <= 0:
             return None

@@ -1,7 +1,7 @@
 """A controller's IO thread: the control link to the driver, heartbeats, and the watchdog.
 
 The thread owns the control DEALER (heartbeats both ways, SHUTDOWN). It watches the node call
-in progress (the engine's :class:`~runtime.engine.engine.Running`): a call past its time limit
+in progress (the engine's :class:`~runtime.engine.calls.Running`): a call past its time limit
 is reported as an ERROR with the stack it is stuck in (the driver then stops the run); a call
 without a limit that runs far past its usual time gets one WARN with its stack (the run goes
 on). It ends the process if the driver goes silent or the parent process dies, and after
@@ -27,7 +27,7 @@ from typing import Any
 import zmq
 import zmq.utils.monitor
 
-from runtime.engine.engine import Running
+from runtime.engine.calls import Running
 from runtime.zmq import messages as m
 from runtime.zmq.transport import Drops, recv, send
 
@@ -76,10 +76,10 @@ class ControlLink:
     Args:
         ctx: the process's zmq context; driver: the control DEALER (owned by this thread once
             :meth:`start` is called).
-        running: returns the call in progress (or None), from the compute thread.
+        engine: the compute thread's :class:`~runtime.engine.engine.StepEngine` (its call in
+            progress, the steps it reported, its nodes and fan-outs), read from this thread;
+            compute: the compute thread's ident (for the stack a call is stuck in).
         longest: node -> its longest finished call so far, in seconds (None before the first).
-        describe: node -> a short description for messages (its class name).
-        stacks: node -> the stack of the compute thread (and its fan-out's workers).
         on_exit: called just before ``os._exit`` when the compute thread does not stop in time.
     """
 
@@ -90,18 +90,15 @@ class ControlLink:
         index: int,
         setup: m.Setup,
         *,
-        running: Callable[[], Running | None],
-        reported: Callable[[], int],
+        engine: Any,
+        compute: int,
         longest: Callable[[str], float | None],
-        stacks: Callable[[str], str],
-        describe: Callable[[str], str],
         parent_gone: Callable[[], bool],
         on_exit: Callable[[], None],
         drops: Drops,
     ):
         self.driver, self.index, self.setup = driver, index, setup
-        self.running, self.reported, self.longest = running, reported, longest
-        self.stacks, self.describe = stacks, describe
+        self.engine, self.compute, self.longest = engine, compute, longest
         self.parent_gone, self.on_exit = parent_gone, on_exit
         self.drops = drops
         self.events: collections.deque[ShutdownRequested | IoFailed] = collections.deque()
@@ -137,21 +134,18 @@ class ControlLink:
     def _watch(self) -> None:
         poller = zmq.Poller()
         poller.register(self.driver, zmq.POLLIN)
-        interval, timeout = (
-            self.setup.config.heartbeat_interval_s,
-            self.setup.config.heartbeat_timeout_s,
-        )
+        config = self.setup.config
+        interval, timeout = config.heartbeat_interval_s, config.heartbeat_timeout_s
         next_beat, last_driver = 0.0, time.monotonic()
-        exit_by: float | None = (
-            None  # after SHUTDOWN or a lost driver: the compute thread's deadline
-        )
+        # after SHUTDOWN or a lost driver: the compute thread's deadline
+        exit_by: float | None = None
         reported: set[Running] = set()  # calls already reported (timeout or warning)
         while not self._stopped.is_set():
             now = time.monotonic()
             if exit_by is not None and now > exit_by:
                 self.on_exit()
                 os._exit(0)  # the compute thread is stuck in a node; nobody waits for it
-            call = self.running()
+            call = self.engine.running
             if call is not None and call not in reported and exit_by is None:
                 self._check_call(call, now, reported)
             if now >= next_beat:
@@ -176,12 +170,10 @@ class ControlLink:
                     exit_by = time.monotonic() + EXIT_GRACE_S
 
     def _receive(self) -> bool:
-        """One message on the control link; True for SHUTDOWN."""
-        try:
-            _, kind, msg, _ = recv(self.driver)  # the control link carries no data limit
-        except m.ProtocolError as exc:
-            self.drops.drop("the driver link", exc)
+        """One message on the control link (which carries no data limit); True for SHUTDOWN."""
+        if (got := _next(self.driver, self.drops, wait_ms=0)) is None:
             return False
+        kind, msg = got
         if kind is m.Kind.SHUTDOWN:
             self._post(ShutdownRequested(msg.reason))
             return True
@@ -191,15 +183,30 @@ class ControlLink:
 
     def _heartbeat(self, call: Running | None, now: float) -> m.Heartbeat:
         if call is None:
-            return m.Heartbeat(self.index, self.reported())
-        return m.Heartbeat(self.index, self.reported(), call.node, now - call.started, call.step)
+            return m.Heartbeat(self.index, self.engine.reported)
+        return m.Heartbeat(
+            self.index, self.engine.reported, call.node, now - call.started, call.step
+        )
 
     def _check_call(self, call: Running, now: float, reported: set[Running]) -> None:
-        seconds = now - call.started
-        if call.limit_s > 0:
-            if seconds > call.limit_s:
+        """An ERROR (with the stack it is stuck in) for a call past its limit, which stops the
+        run; a WARN for a call without one that runs far past its usual time."""
+        seconds, limit = now - call.started, call.limit_s
+        if limit > 0:
+            if seconds > limit:
                 reported.add(call)
-                self._report_timeout(call, seconds)
+                own = self.setup.config.node_timeout_s != limit
+                source = "its BatchPolicy.timeout_s" if own else "the run's node_timeout_s"
+                why = (
+                    f", over {source} of {limit:g}s; the run was stopped. It is hung (a deadlock, "
+                    "a stuck collective, an endless generate) or needs more time: raise "
+                    "BatchPolicy(timeout_s=...) on the node, or --node-timeout / node_timeout_s"
+                )
+                message, stack = self._long_call(call, seconds, "was", why)
+                error = m.Error(
+                    self.index, message, call.node, call.step, stack, "timeout", seconds, limit
+                )
+                send(self.driver, error)
             return
         longest = self.longest(call.node)
         if seconds > hang_threshold(longest, self.setup.config.hang_warning_s):
@@ -209,36 +216,26 @@ class ControlLink:
                 if longest is not None
                 else "it is its first call"
             )
-            message = (
-                f"node {call.node!r} ({self.describe(call.node)}) on controller {self.index} has "
-                f"run step {call.step} for {seconds:.1f}s ({usual}); it may be hung. The run goes "
-                "on; to stop such a call instead, give the run a limit (yatt-graph run "
-                "--node-timeout SECONDS, or BatchPolicy(timeout_s=...) on the node)"
+            why = (
+                f" ({usual}); it may be hung. The run goes on; to stop such a call instead, give "
+                "the run a limit (yatt-graph run --node-timeout SECONDS, or "
+                "BatchPolicy(timeout_s=...) on the node)"
             )
-            stack = self.stacks(call.node)
-            if stack:
-                message += (
-                    f"\n--- where node {call.node!r} is, on controller {self.index} ---\n{stack}"
-                )
+            message, _ = self._long_call(call, seconds, "is", why)
             send(self.driver, m.Warn(self.index, message, call.node, call.step))
 
-    def _report_timeout(self, call: Running, seconds: float) -> None:
-        """Tell the driver a node call ran past its limit, with the stack it is stuck in."""
-        name, limit = call.node, call.limit_s
-        stack = self.stacks(name)
-        own = self.setup.config.node_timeout_s != limit
-        source = "its BatchPolicy.timeout_s" if own else "the run's node_timeout_s"
+    def _long_call(self, call: Running, seconds: float, verb: str, why: str) -> tuple[str, str]:
+        """The message about a call that has run ``seconds`` (``why`` goes on from there), with
+        the stack it ``verb`` in; and that stack."""
+        name, fanouts = call.node, self.engine.fanouts
+        stack = thread_stacks(self.compute, fanouts is not None and name in fanouts.split_nodes)
+        what = f"node {name!r} ({type(self.engine.nodes[name]).__name__})"
         message = (
-            f"node {name!r} ({self.describe(name)}) on controller {self.index} has run "
-            f"step {call.step} for {seconds:.1f}s, over {source} of {limit:g}s; the run was "
-            "stopped. It is hung (a deadlock, a stuck collective, an endless generate) or needs "
-            "more time: raise BatchPolicy(timeout_s=...) on the node, or --node-timeout / "
-            "node_timeout_s"
+            f"{what} on controller {self.index} has run step {call.step} for {seconds:.1f}s{why}"
         )
         if stack:
-            message += f"\n--- where node {name!r} was, on controller {self.index} ---\n{stack}"
-        error = m.Error(self.index, message, name, call.step, stack, "timeout", seconds, limit)
-        send(self.driver, error)
+            message += f"\n--- where node {name!r} {verb}, on controller {self.index} ---\n{stack}"
+        return message, stack
 
 
 def thread_stacks(ident: int | None, workers: bool) -> str:
@@ -314,9 +311,10 @@ def wait_for_setup(
     return None
 
 
-def _next(driver: zmq.Socket, drops: Drops) -> tuple[m.Kind, Any] | None:
-    """The next message on the driver link: None when none came in 200 ms or it was dropped."""
-    if not driver.poll(200):
+def _next(driver: zmq.Socket, drops: Drops, wait_ms: int = 200) -> tuple[m.Kind, Any] | None:
+    """The next message on the driver link: None when none came in ``wait_ms`` or it was
+    dropped."""
+    if not driver.poll(wait_ms):
         return None
     try:
         _, kind, msg, _ = recv(driver)

@@ -1,7 +1,5 @@
-"""A controller process: the step engine of the nodes a plan assigns it, plus sockets.
-
-    python -m runtime.zmq.controller_main --connect ipc:///tmp/yatt-x/driver   # started by the driver
-    yatt-graph controller --connect tcp://HOST:PORT                        # joining from another host
+"""A controller process (started as :mod:`runtime.zmq.controller_main` says): the step engine
+of the nodes a plan assigns it, plus sockets.
 
 The nodes run in a :class:`~runtime.engine.engine.StepEngine`, the one the in-process executor
 uses, so both runtimes decide alike what runs when. Around it, two threads:
@@ -49,7 +47,6 @@ from runtime.zmq.control_link import (
     ControlLink,
     IoFailed,
     ShutdownRequested,
-    thread_stacks,
     wait_for_setup,
     wait_for_shutdown,
 )
@@ -134,7 +131,6 @@ class Controller:
         )  # fmt: skip
         self.data_address = self.peers.address
         self.index = -1
-        self.fanouts: Any = None
         self.workers: Any = None  # what runs its nodes besides itself (engine_from_setup)
         self.link: ControlLink | None = None
         self._building = ""
@@ -202,7 +198,6 @@ class Controller:
             setup.resources or Resources(), pinned_threads=self.pinned_threads
         )
         self.engine, self.workers = engine_from_setup(setup, self.peers, self._track)
-        self.fanouts = self.workers.fanouts
         self.peers.connect(setup)
 
     # --- what arrives -----------------------------------------------------------------------
@@ -391,18 +386,9 @@ class Controller:
             # it out of the cyclic collector's generations, so a collection scans only what
             # the steps allocate.
             gc.freeze()
-            compute = threading.get_ident()
-            fanouts = self.fanouts
-            nodes = self.engine.nodes
             self.link = ControlLink(
-                self.ctx, self.driver, self.index, setup,
-                running=lambda: self.engine.running,
-                reported=lambda: self.engine.reported,
-                longest=self._longest.get,
-                stacks=lambda name: thread_stacks(
-                    compute, fanouts is not None and name in fanouts.split_nodes
-                ),
-                describe=lambda name: type(nodes[name]).__name__,
+                self.ctx, self.driver, self.index, setup, engine=self.engine,
+                compute=threading.get_ident(), longest=self._longest.get,
                 parent_gone=self._parent_gone,
                 on_exit=lambda: self._close_resources(destroy=False),
                 drops=self.drops,
@@ -424,18 +410,13 @@ class Controller:
         self._building = name  # the node being made, for the error if that fails
 
     def _report_setup_error(self, setup: m.Setup, exc: Exception) -> None:
-        node = self._building
+        c, node, what = setup.controller, self._building, f"{type(exc).__name__}: {exc}"
+        text, during = f"controller {c} could not build its nodes: {what}", "setup"
         if isinstance(exc, NodeBuildError):  # the user's input: one line (controller.py: build)
-            text = f"{exc} (on controller {setup.controller})"
-            error = m.Error(setup.controller, text, exc.node, -1, traceback.format_exc(), "build")
-            send(self.driver, error)
-            return
-        what = f"{type(exc).__name__}: {exc}"
-        text = f"controller {setup.controller} could not build its nodes: {what}"
-        if node:
-            text = f"node {node!r} could not be built on controller {setup.controller}: {what}"
-        error = m.Error(setup.controller, text, node, -1, traceback.format_exc(), "setup")
-        send(self.driver, error)
+            text, node, during = f"{exc} (on controller {c})", exc.node, "build"
+        elif node:
+            text = f"node {node!r} could not be built on controller {c}: {what}"
+        send(self.driver, m.Error(c, text, node, -1, traceback.format_exc(), during))
 
     def _close_resources(self, destroy: bool = True) -> None:
         if self.workers is not None:

@@ -17,15 +17,7 @@ from runtime.sched.threads import openmp_env
 from runtime.zmq import STARTUP_TIMEOUT_S
 from runtime.zmq.transport import DEFAULT_MAX_MESSAGE_BYTES
 
-__all__ = ["build_parser", "main"]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="yatt-graph controller", description="run one controller of a ZeroMQ run"
-    )
-    add_arguments(p)
-    return p
+__all__ = ["add_arguments", "main", "serve"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,7 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return serve(build_parser().parse_args(argv))
+    p = argparse.ArgumentParser(
+        prog="yatt-graph controller", description="run one controller of a ZeroMQ run"
+    )
+    add_arguments(p)
+    return serve(p.parse_args(argv))
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -144,16 +144,14 @@ class ZmqExecutor:
         self.graph.validate()
         self.order = self.graph.topological_order()
         self.pipeline_depth = config.window
-        self.startup_timeout_s = startup_timeout_s
-        self.shutdown_grace_s = shutdown_grace_s
         self.state_timeout_s = state_timeout_s
         self.next_step = 0
         self._epoch = 0
         self._until = 0
         self._partial: dict[int, dict[int, tuple[m.StepDone, dict[str, Any]]]] = {}
         self._closed = False
-        self._setup_kw = setup_fields(self.plan, self.order, graph_ref, graph_options, rebuild)
-        self._setup_kw.update(config=config, offload_controllers=self.offload)
+        setup_kw = setup_fields(self.plan, self.order, graph_ref, graph_options, rebuild)
+        setup_kw.update(config=config, offload_controllers=self.offload)
         owned = [
             [n for n in self.order if plan.assignment[n] == c] for c in range(plan.controllers)
         ]
@@ -179,7 +177,7 @@ class ZmqExecutor:
                 lambda c: m.Setup(
                     controller=c.index, peers=[x.data_address for x in self.controllers],
                     run_id=self.group.res.run_id, resources=start[c.index],
-                    cuda_ipc_gpus=ipc_gpus, **self._setup_kw,
+                    cuda_ipc_gpus=ipc_gpus, **setup_kw,
                 )
             )  # fmt: skip
         except BaseException:
@@ -305,32 +303,23 @@ class ZmqExecutor:
             if msg.resources is not None:  # it applied a RESOURCES
                 self.controllers[index].resources = msg.resources
         self._wait_s = time.perf_counter() - t0
-        parts = self._partial.pop(step)
-        seconds: dict[str, float] = {}
-        starts: dict[str, float] = {}
-        staleness: dict[str, int | None] = {}
-        outputs: dict[str, Any] = {}
-        switches: list[tuple[str, float, float, int, int]] = []
-        replicas: dict[str, list[int]] = {}
-        ipc_bytes = 0
-        for done, out in parts.values():
-            ipc_bytes += done.ipc_bytes
-            switches += done.switches
-            replicas.update(done.replicas)
-            seconds.update(done.node_seconds)
-            starts.update(done.node_start)
-            staleness.update(done.staleness)
-            outputs.update(out)
+        parts = self._partial.pop(step).values()  # each controller's (StepDone, outputs)
+        merged = {
+            f: {k: v for done, _ in parts for k, v in getattr(done, f).items()}
+            for f in ("node_seconds", "node_start", "staleness", "replicas")
+        }
+        outputs = {k: v for _, out in parts for k, v in out.items()}
+        seconds, starts = merged["node_seconds"], merged["node_start"]
         return StepResult(
             step,
             {k: outputs[k] for k in self.graph.graph_outputs if k in outputs},
             {n: seconds[n] for n in self.order if n in seconds},
             {n: starts[n] for n in self.order if n in starts},
             dict(self.plan.assignment),
-            dict(sorted(staleness.items())),
-            sched={"sched/ipc_bytes": float(ipc_bytes)},
-            switches=sorted(switches, key=lambda s: s[1]),
-            replicas=replicas,
+            dict(sorted(merged["staleness"].items())),
+            sched={"sched/ipc_bytes": float(sum(done.ipc_bytes for done, _ in parts))},
+            switches=sorted((s for done, _ in parts for s in done.switches), key=lambda s: s[1]),
+            replicas=merged["replicas"],
         )
 
     def _other_event(self, event: Received, during: str = "") -> None:

@@ -17,7 +17,7 @@ from runtime.codec import DecodeError, UnsupportedValueError, decode_value, enco
 from runtime.engine.local import delayed_entries
 from runtime.errors import ControllerError
 
-__all__ = ["merge_replies", "split_state", "state_frames"]
+__all__ = ["merge_replies", "state_frames"]
 
 
 def merge_replies(
@@ -50,33 +50,37 @@ def merge_replies(
     }
 
 
-def split_state(
-    state: dict[str, Any],
-    nodes_of: Sequence[Sequence[str]],
-    delayed_read_by: Sequence[set[tuple[str, str]]],
-    lag: int,
+def state_frames(
+    state: dict[str, Any], graph: Any, owned: list[list[str]], keep: int
 ) -> list[list[Any]]:
-    """A state (of a ZeroMQ run or a LocalExecutor) as each controller's STATE_LOAD value frames.
+    """A ``state_dict()`` of ``graph`` (of a ZeroMQ run or a LocalExecutor) as each controller's
+    STATE_LOAD value frames; a ValueError when the state lacks a node of the graph.
 
-    ``nodes_of[c]``: controller c's nodes; ``delayed_read_by[c]``: the (src, port) of the
-    delayed edges its nodes read. Only the delayed values the next ``lag`` steps read are sent.
-    A state without per-controller RNG states gives every controller the same ones.
+    ``owned[c]``: controller c's nodes. Only the delayed values its nodes read in the next
+    ``keep`` steps are sent. A state without per-controller RNG states gives every controller
+    the same ones.
     """
+    missing = sorted(set(graph.nodes) - set(state.get("nodes", {})))
+    if missing:
+        raise ValueError(
+            f"checkpoint has no state for node(s) {missing}; was it written by this graph?"
+        )
     step = int(state["step"])
     entries = [
         (s, p, int(k), v)
         for s, p, k, v in delayed_entries(state, step) + state.get("delayed_history", [])
-        if step - lag <= int(k) < step
+        if step - keep <= int(k) < step
     ]
     rng = dict(state.get("rng") or {})
     per_controller = rng.pop("controllers", None)
-    if not per_controller or len(per_controller) != len(nodes_of):
-        per_controller = [rng] * len(nodes_of)
+    if not per_controller or len(per_controller) != len(owned):
+        per_controller = [rng] * len(owned)
     out = []
-    for c, names in enumerate(nodes_of):
+    for c, names in enumerate(owned):
+        read = {(e.src, e.src_port) for e in graph.edges if e.delay and e.dst in names}
         payload = {
             "nodes": {n: state["nodes"][n] for n in names},
-            "delayed": [[s, p, k, v] for s, p, k, v in entries if (s, p) in delayed_read_by[c]],
+            "delayed": [[s, p, k, v] for s, p, k, v in entries if (s, p) in read],
             "rng": per_controller[c],
         }
         where = f"the checkpoint's state for controller {c}"
@@ -85,20 +89,3 @@ def split_state(
         except UnsupportedValueError as exc:
             raise ValueError(str(exc)) from None
     return out
-
-
-def state_frames(
-    state: dict[str, Any], graph: Any, owned: list[list[str]], keep: int
-) -> list[list[Any]]:
-    """Each controller's STATE_LOAD value frames for a ``state_dict()`` of ``graph`` (``owned``:
-    each controller's nodes; ``keep``: how many steps of delayed values it reads); a
-    ValueError when the state lacks a node of the graph."""
-    missing = sorted(set(graph.nodes) - set(state.get("nodes", {})))
-    if missing:
-        raise ValueError(
-            f"checkpoint has no state for node(s) {missing}; was it written by this graph?"
-        )
-    read_by = [
-        {(e.src, e.src_port) for e in graph.edges if e.delay and e.dst in nodes} for nodes in owned
-    ]
-    return split_state(state, owned, read_by, keep)

@@ -121,9 +121,6 @@ class HostShare:
         """Controller index -> process id."""
         return {i: p.pid for i, p in self.procs.items()}
 
-    def _failure(self, index: int, code: int) -> str:
-        return f"controller {index} (pid {self.procs[index].pid}{self.label}) {exit_text(code)}"
-
     def terminate(self) -> None:
         """SIGTERM to every controller still running (and start no more)."""
         self._stopping = True
@@ -139,7 +136,9 @@ class HostShare:
             for index, proc in self.procs.items():
                 code = proc.wait()
                 if code != 0:
-                    failed.append(self._failure(index, code))
+                    failed.append(
+                        f"controller {index} (pid {proc.pid}{self.label}) {exit_text(code)}"
+                    )
         finally:
             self.stop(grace_s=0)
             self._restore_sigterm()
@@ -172,10 +171,6 @@ class HostRun:
         return self.launch.node_rank == 0
 
 
-def _is_loopback_text(host: str) -> bool:
-    return host == "localhost" or host.startswith("127.") or host == "::1"
-
-
 def start_host(args: argparse.Namespace, env: Mapping[str, str]) -> HostRun | None:
     """For ``yatt-graph run``: read the launch (flags, else ``env``), say it in one line, check
     it, and start this host's controllers; on node 0 set ``args`` so that the driver listens
@@ -204,7 +199,7 @@ def start_host(args: argparse.Namespace, env: Mapping[str, str]) -> HostRun | No
     shares = controller_shares(args.controllers, launch.nnodes)
     try:
         ip = resolve_ipv4(launch.host, "the master")
-        if ip.startswith("127.") and not _is_loopback_text(launch.host):
+        if ip.startswith("127.") and not is_loopback(f"tcp://{launch.host}:0"):
             raise ValueError(
                 f"the master {launch.host!r} resolves to {ip} here, a loopback address, so the "
                 "other nodes cannot reach the driver; give node 0's address on the network the "

@@ -12,7 +12,7 @@ import msgspec
 from runtime.codec.cuda_ipc import peer_gpus
 from runtime.engine.tensor_moves import node_devices
 from runtime.sched.affinity import start_cores
-from runtime.sched.devices import Resources, assign_resources, visible_gpus
+from runtime.sched.devices import Resources, assign_resources, check_choice, visible_gpus
 from runtime.zmq import messages as m
 from runtime.zmq.keys import check_address
 from yatt_graph import Plan
@@ -35,8 +35,7 @@ def check_options(
     allow_remote: bool,
 ) -> None:  # fmt: skip
     """The ZmqExecutor arguments that are not run options (those are RunConfig.verify's)."""
-    if rebuild not in ("auto", "plan", "graph"):
-        raise ValueError(f"ZmqExecutor: rebuild must be 'auto', 'plan' or 'graph', got {rebuild!r}")
+    check_choice("ZmqExecutor", "rebuild", rebuild, ("auto", "plan", "graph"))
     if controller_output not in ("capture", "inherit"):
         raise ValueError("ZmqExecutor: controller_output must be 'capture' or 'inherit'")
     if not spawn and address is None:

@@ -80,11 +80,9 @@ class Peers:
         """After SETUP: this controller's index, the run's limit, shared memory, a PUSH per peer."""
         self.index = setup.controller
         self._where = f"controller {self.index}'s data socket"
-        if setup.config.max_message_bytes:
+        if setup.config.max_message_bytes:  # before the peers connect
             self.max_message_bytes = setup.config.max_message_bytes
-            self.inbox.setsockopt(
-                zmq.MAXMSGSIZE, setup.config.max_message_bytes
-            )  # peers connect later
+            self.inbox.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         if setup.config.shm_threshold > 0 and setup.run_id and os.path.isdir("/dev/shm"):
             self.pool = ShmPool(setup.run_id, self.index, setup.config.shm_threshold)
             self.reader = ShmReader(setup.run_id, self._queue_release)
@@ -106,30 +104,20 @@ class Peers:
         }
 
     # --- out: the engine's outbox -----------------------------------------------------------
-    def value(self, step: int, src: str, port: str, value: Any, dests: list[int]) -> None:
-        self._send(step, src, port, value, dests)
-
     def piece(
         self, step: int, src: str, port: str, index: int, piece: Piece, dests: list[int]
     ) -> None:
-        self._send(step, src, port, piece.outputs[port], dests, index, piece.rows, piece.size)
+        self.value(step, src, port, piece.outputs[port], dests, index, piece.rows, piece.size)
 
     def end(self, step: int, src: str, port: str, count: int, dests: list[int]) -> None:
         header = m.Data(step, src, port, self.index, self.epoch, count, end=True)
         for c in dests:
             send(self.out[c], header)
 
-    def _send(
-        self,
-        step: int,
-        src: str,
-        port: str,
-        value: Any,
-        dests: list[int],
-        piece: int = -1,
-        rows: list[int] | None = None,
-        size: int | None = None,
-    ) -> None:
+    def value(
+        self, step: int, src: str, port: str, value: Any, dests: list[int], piece: int = -1,
+        rows: list[int] | None = None, size: int | None = None,
+    ) -> None:  # fmt: skip
         """Send a value (or piece ``piece`` of a stream, with its ``rows`` and batch ``size``)."""
 
         def where() -> str:  # only for errors: hot path

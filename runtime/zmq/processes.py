@@ -148,13 +148,10 @@ def spawn_controllers(
     first CUDA call and first thread pool already see its own share.
     """
     # A controller imports the user's graph module and node classes whatever the working folder.
-    env = openmp_env(
-        python_env(num_threads), spin=None
-    )  # the run's choice (runtime.sched.threads), else sleep
+    # OpenMP as the run chose (runtime.sched.threads), else sleeping; children inherit SIG_IGN
+    env = openmp_env(python_env(num_threads), spin=None)
     main = threading.current_thread() is threading.main_thread()
-    old = (
-        signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-    )  # children inherit 'ignore'
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
         for c in controllers:
             args = [

@@ -63,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
     _pin(args.cores, args.threads)
     from runtime.codec import decode_value, encode_value
+    from runtime.sched.fanout import run_with_context
     from yatt_graph.serialize import NodeSpec, build_node
 
     sock = zmq.Context.instance().socket(zmq.PAIR)
@@ -89,14 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fault(calls)
         try:
             inputs = decode_value(list(frames[1:]), where="piece inputs")
-            context = header.get("context")
-            if context is not None:
-                node.begin_piece(context, header["rows"])
-            try:
-                out = node.run(inputs)
-            finally:
-                if context is not None:
-                    node.end_piece()
+            out = run_with_context(node, inputs, header.get("context"), header.get("rows"))
             reply = encode_value(out, where=f"node {node.name!r} outputs")
         except BaseException as exc:
             sock.send(_error(exc))

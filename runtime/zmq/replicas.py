@@ -45,16 +45,11 @@ class ReplicaDied(ControllerError):
 
 
 class ReplicaProcess:
-    """Replica ``index`` of ``node`` in a process of its own (see the module doc)."""
+    """Replica ``index`` of ``node`` in a process of its own, with one torch thread, on
+    ``cores`` or GPU ``gpu`` (see the module doc)."""
 
     def __init__(
-        self,
-        node: Any,
-        index: int,
-        cores: Sequence[int] | None = None,
-        threads: int = 1,
-        gpu: str | None = None,
-        startup_timeout_s: float = 300.0,
+        self, node: Any, index: int, cores: Sequence[int] | None = None, gpu: str | None = None
     ):
         self.name, self.index = node.name, index
         try:
@@ -70,11 +65,11 @@ class ReplicaProcess:
         self.sock = zmq.Context.instance().socket(zmq.PAIR)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(address)
-        env = passive_env(python_env(threads))  # it computes while the node's own copy does
+        env = passive_env(python_env(1))  # it computes while the node's own copy does
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         args = [
-            "--connect", address, "--parent-pid", str(os.getpid()), "--threads", str(threads),
+            "--connect", address, "--parent-pid", str(os.getpid()), "--threads", "1",
             *(["--cores", ",".join(map(str, cores))] if cores else []),
         ]  # fmt: skip
         self.popen = start_python("runtime.zmq.replica_main", args, env, self.log_path)
@@ -83,7 +78,7 @@ class ReplicaProcess:
         self._sent: Any = {}  # shared port -> the last value sent (a weight update is sent once)
         try:
             self.sock.send(spec)
-            header, _ = self._reply(startup_timeout_s, "starting")
+            header, _ = self._reply(300.0, "starting")
             if header.get("op") != "ready":
                 raise ReplicaDied(self._why("did not start", header.get("message", "")))
         except BaseException:
@@ -163,4 +158,4 @@ def spawn_replica(node: Any, index: int, count: int) -> ReplicaProcess:
         return ReplicaProcess(node, index, gpu=gpus[index])
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     core = [cores[index % len(cores)]] if cores else None
-    return ReplicaProcess(node, index, cores=core, threads=1)
+    return ReplicaProcess(node, index, cores=core)

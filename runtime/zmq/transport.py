@@ -187,14 +187,13 @@ def split(
 
 
 class Drops:
-    """Counts messages a receiver drops and logs them: the first few, then one in a hundred.
+    """Counts messages a receiver drops and logs them: the first 10, then one in a hundred.
 
     A stranger flooding a socket cannot flood the log, and nothing it sends stops the run.
     """
 
-    def __init__(self, owner: str, first: int = 10, every: int = 100):
-        self.owner, self.first, self.every = owner, first, every
-        self.count = 0
+    def __init__(self, owner: str):
+        self.owner, self.count = owner, 0
         self.last = ""
         self._lock = threading.Lock()
 
@@ -203,17 +202,13 @@ class Drops:
             self.count += 1
             count = self.count
             self.last = f"{where}: {why}"
-        if count <= self.first or count % self.every == 0:
+        if count <= 10 or count % 100 == 0:
             log.warning(
                 "%s dropped a message on %s: %s (%d dropped so far)", self.owner, where, why, count
             )
 
 
 # --- shared memory ----------------------------------------------------------------------------
-def _round_up(n: int, to: int = 1 << 20) -> int:
-    return max(to, (n + to - 1) // to * to)
-
-
 class _Segment:
     def __init__(self, name: str, size: int, create: bool):
         import torch
@@ -262,7 +257,8 @@ class ShmPool:
                 seg = min(fits, key=lambda s: s.size)
                 self._free.remove(seg)
             else:
-                seg = _Segment(f"{self.prefix}{self._count}", _round_up(nbytes), create=True)
+                size = max(1, -(-nbytes >> 20)) << 20  # rounded up to whole MiB, 1 at least
+                seg = _Segment(f"{self.prefix}{self._count}", size, create=True)
                 self._count += 1
             seg.refs = self.refs
             self._busy[seg.name] = seg
@@ -344,9 +340,7 @@ def remove_run_segments(run_id: str) -> int:
     """Unlink every shared-memory segment of a run (after a crash); returns how many."""
     count = 0
     for path in glob.glob(os.path.join(SHM_DIR, glob.escape(run_id) + "-*")):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
             count += 1
-        except FileNotFoundError:
-            pass
     return count
