@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import torch
 
+from nodes.models.policy_base import load_checked
 from yatt_graph import ANY, Node, Port
 
 __all__ = ["WeightInput", "WeightSync", "WeightUpdate", "apply_weights", "decode_weights"]
@@ -75,18 +76,13 @@ def apply_weights(
     """Load ``weights`` into ``module`` unless they are not newer than ``last_version``.
 
     Returns the version now loaded (``last_version`` when skipped). A complete update loads
-    strictly; a partial one (``complete=False``) loads only its keys, and an unknown key is
-    still an error.
+    strictly; a partial one (``complete=False``) loads only its keys (:func:`load_checked`).
     """
     update = decode_weights(weights)
     if last_version is not None and update.version <= last_version:
         return last_version
-    missing, unexpected = module.load_state_dict(update.weights, strict=False)
-    if unexpected or (update.complete and missing):
-        raise ValueError(
-            f"apply_weights: weights version {update.version} do not fit the module: unexpected "
-            f"keys {sorted(unexpected)[:8]}, missing keys {sorted(missing)[:8] if update.complete else []}"
-        )
+    who = f"apply_weights: weights version {update.version}"
+    load_checked(module, update.weights, strict=update.complete, who=who)
     return update.version
 
 

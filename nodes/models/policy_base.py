@@ -25,6 +25,7 @@ __all__ = [
     "PromptBatch",
     "ResponseForward",
     "char_tokenizer",
+    "load_checked",
     "word_tokenizer",
 ]
 
@@ -340,32 +341,8 @@ class Policy(nn.Module):
         strict: bool = False,
         who: str = "Policy.load_weights",
     ) -> None:
-        """Load a state dict (a weight-sync payload): names must exist and shapes match; with
-        ``strict=False`` it may be partial. Tensors are copied in place, so the model's dtype
-        and device are kept."""
-        if not isinstance(weights, Mapping):
-            raise ValueError(
-                f"{who}: weights must be a state dict (name -> tensor), got {type(weights).__name__}"
-            )
-        own = self.state_dict()
-        unknown = sorted(set(weights) - set(own))
-        if unknown:
-            raise ValueError(
-                f"{who}: {len(unknown)} weight name(s) not in this policy, e.g. {unknown[:3]}; "
-                f"its names look like {sorted(own)[:3]}"
-            )
-        missing = sorted(set(own) - set(weights))
-        if strict and missing:
-            raise ValueError(
-                f"{who}: a complete update lacks {len(missing)} weight(s), e.g. {missing[:3]}"
-            )
-        for key, value in weights.items():
-            if not isinstance(value, Tensor) or tuple(value.shape) != tuple(own[key].shape):
-                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                raise ValueError(
-                    f"{who}: weight {key!r} is {got}; expected shape {tuple(own[key].shape)}"
-                )
-        self.load_state_dict(dict(weights), strict=False)
+        """:func:`load_checked` into this policy."""
+        load_checked(self, weights, strict=strict, who=who)
 
     def forward_logits(
         self, batch: PromptBatch, response_ids: Tensor, response_mask: Tensor
@@ -439,3 +416,34 @@ def _check_response(
         raise ValueError(
             f"{fn}: {response_ids.shape[0]} responses for {len(batch)} prompts; rows must match"
         )
+
+
+def load_checked(
+    module: nn.Module, weights: Mapping[str, Tensor], *, strict: bool, who: str
+) -> None:
+    """Load a state dict (a weight-sync payload) into ``module``: names must exist and shapes
+    match; with ``strict=False`` it may be partial. Tensors are copied in place, so the
+    module's dtype and device are kept."""
+    if not isinstance(weights, Mapping):
+        raise ValueError(
+            f"{who}: weights must be a state dict (name -> tensor), got {type(weights).__name__}"
+        )
+    own = module.state_dict()
+    unknown = sorted(set(weights) - set(own))
+    if unknown:
+        raise ValueError(
+            f"{who}: {len(unknown)} weight name(s) not in this model, e.g. {unknown[:3]}; "
+            f"its names look like {sorted(own)[:3]}"
+        )
+    missing = sorted(set(own) - set(weights))
+    if strict and missing:
+        raise ValueError(
+            f"{who}: a complete update lacks {len(missing)} weight(s), e.g. {missing[:3]}"
+        )
+    for key, value in weights.items():
+        if not isinstance(value, Tensor) or tuple(value.shape) != tuple(own[key].shape):
+            got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(
+                f"{who}: weight {key!r} is {got}; expected shape {tuple(own[key].shape)}"
+            )
+    module.load_state_dict(dict(weights), strict=False)

@@ -195,7 +195,7 @@ def test_load_weights_checks_names_and_shapes(prefix):
     part = {k: v for k, v in prefix.state_dict().items() if k.startswith("projector.")}
     other.load_weights(part)  # a partial sync
     assert torch.equal(other.projector.weight, prefix.projector.weight)
-    with pytest.raises(ValueError, match="not in this policy"):
+    with pytest.raises(ValueError, match="not in this model"):
         other.load_weights({"nope.weight": torch.zeros(1)})
     with pytest.raises(ValueError, match="expected shape"):
         other.load_weights({"projector.bias": torch.zeros(3)})

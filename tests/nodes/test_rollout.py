@@ -173,7 +173,7 @@ def test_weights_input_is_loaded_before_sampling(embeds):
     )
     assert torch.equal(out["response_ids"], expected["response_ids"])
     assert torch.allclose(out["logprobs"], expected["logprobs"])
-    with pytest.raises(ValueError, match="input 'weights'.*not in this policy"):
+    with pytest.raises(ValueError, match="input 'weights'.*not in this model"):
         synced.run(prompts=PROMPTS, image_embeds=embeds, weights={"bogus": torch.zeros(1)})
     with pytest.raises(ValueError, match="input 'weights'.*cannot read weights from a str"):
         synced.run(prompts=PROMPTS, image_embeds=embeds, weights="latest")
