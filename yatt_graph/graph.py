@@ -30,7 +30,6 @@ import networkx as nx
 
 from yatt_graph import checks
 from yatt_graph.errors import (
-    CycleError,
     DuplicateNodeError,
     GraphError,
     GraphValidationError,
@@ -282,22 +281,9 @@ class Graph(_Shown):
 
     # --- validation -----------------------------------------------------------------------
     def _check_acyclic(self) -> None:
-        try:
-            cycle = nx.find_cycle(self.step_dag())
-        except nx.NetworkXNoCycle:
-            return
-        names = [u for u, *_ in cycle] + [cycle[0][0]]
-        ports = " -> ".join(
-            f"{e['edge'].src}.{e['edge'].src_port}"
-            for u, v, k in cycle
-            for e in [self.dag.get_edge_data(u, v, k)]
-        )
-        raise CycleError(
-            f"graph {self.name!r} has a cycle: {' -> '.join(names)} (through {ports}). "
-            "Fix: remove one edge, or mark the feedback edge as delayed: "
-            "g.connect(handle, node, port, delay=1)",
-            names,
-        )
+        cycles = checks.find_cycles(self)
+        if cycles:
+            raise cycles[0]
 
     @property
     def _declaring(self) -> bool:
