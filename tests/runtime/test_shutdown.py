@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -84,9 +85,22 @@ def test_sigint_to_the_driver_stops_everything():
         proc.wait()
 
 
+@pytest.fixture
+def own_temp_dir(monkeypatch):
+    """A temp folder of this test's for the runs' socket folders, in the driver it starts and
+    in this process: a run that starts in another test at the same time (a second pytest
+    worker) sweeps the default temp folder and would remove the killed driver's folder first."""
+    parent = tempfile.mkdtemp(prefix="yt-")  # short: socket paths have a length limit
+    monkeypatch.setenv("TMPDIR", parent)
+    monkeypatch.setattr(tempfile, "tempdir", parent)
+    yield parent
+    shutil.rmtree(parent, ignore_errors=True)
+
+
 @pytest.mark.timeout(60)
-def test_controllers_exit_on_their_own_when_the_driver_is_killed():
+def test_controllers_exit_on_their_own_when_the_driver_is_killed(own_temp_dir):
     proc, info = _start_driver()
+    assert os.path.dirname(info["run_dir"]) == own_temp_dir
     try:
         proc.kill()  # SIGKILL: no clean-up runs in the driver
         proc.wait()
