@@ -1,7 +1,7 @@
 """The front half every ready graph declares: data, (vision), rollout, reward, reference and
 validation (:func:`sample_and_score`), and how its results reach the update and the samples
-file (:func:`update_inputs`, :func:`sample_columns`, :func:`connect_weights`). How each option becomes a node or a
-spec is :mod:`graphs.common`'s."""
+file (:func:`update_inputs`, :func:`sample_columns`, :func:`connect_weights`). How each
+option becomes a node or a spec is :mod:`graphs.common`'s."""
 
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ def cmd_viz(args: argparse.Namespace) -> int:
         raise UsageError(f"viz: -o {args.output!r} {what}; name a file in an existing folder")
     with graph_input(args.graph):
         graph = load(args)
-    target = planned(graph, args.controllers, graph.name)
+    target = planned(graph, args.controllers)
     target.draw(args.output)
     print(f"wrote {args.output} ({len(graph.nodes)} nodes, {len(graph.edges)} edges)")
     return 0
@@ -78,7 +78,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         options = graph_options(args)
         graph = load(args, options)
     if args.memory:
-        plan = memory_plan(args.graph, options, graph, args.controllers, graph.name)
+        plan = memory_plan(args.graph, options, graph, args.controllers)
         if plan is None:
             raise UsageError(
                 f"show --memory: {args.graph} has no typed config that plans memory (a module "
@@ -86,7 +86,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             )
         print("\n".join(plan.lines()))
         return 0
-    target = planned(graph, args.controllers, graph.name)
+    target = planned(graph, args.controllers)
     print(target.to_mermaid() if args.mermaid else target.to_text())
     return 0
 

@@ -322,9 +322,9 @@ def _resolved_config(target: str, options: dict[str, Any], method: str) -> Any:
     return None if config is None else config.from_options(target, options)
 
 
-def planned(graph: Any, controllers: int, name: str) -> Any:
+def planned(graph: Any, controllers: int) -> Any:
     """The graph, or its plan as ``yatt-graph run --controllers N`` (colocated) makes it."""
-    check_controller_count(controllers, graph, name)
+    check_controller_count(controllers, graph, graph.name)
     if controllers < 2:
         return graph
     from runtime.sched.placement import controller_assignment
@@ -332,13 +332,11 @@ def planned(graph: Any, controllers: int, name: str) -> Any:
     return graph.plan(controllers, placement=controller_assignment(graph, controllers))
 
 
-def memory_plan(
-    target: str, options: dict[str, Any], graph: Any, controllers: int = 1, name: str = ""
-) -> Any:
+def memory_plan(target: str, options: dict[str, Any], graph: Any, controllers: int = 1) -> Any:
     """The memory plan (``nodes.memory_plan.MemoryPlan``) of a graph whose typed config plans
-    (``CONFIG.memory_plan``), its nodes placed on ``controllers`` (checked, the graph called
-    ``name``) as a run places them; None for a graph without one."""
-    plan = planned(graph, controllers, name)
+    (``CONFIG.memory_plan``), its nodes placed on ``controllers`` (checked) as a run places
+    them; None for a graph without one."""
+    plan = planned(graph, controllers)
     config = _resolved_config(target, options, "memory_plan")
     if config is None:
         return None

@@ -218,7 +218,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 def _check_numbers(args: Any) -> None:
     """Numbers and flag pairs that cannot work, refused before anything is built."""
     least = {"steps": 1, "controllers": 1, "checkpoint_every": 0, "max_staleness": 0,
-             "max_restarts": 0, "window": 1, "glance_every": 0, "samples_every": 0, "threads": 1}  # fmt: skip
+             "max_restarts": 0, "window": 1, "glance_every": 0, "samples_every": 0,
+             "threads": 1}  # fmt: skip
     for name, low in least.items():
         value = getattr(args, name)
         if value is not None and value < low:  # (--threads: None is one per free core)

@@ -37,6 +37,8 @@ from yatt_graph.serialize import node_spec
 __all__ = ["ReplicaDied", "ReplicaProcess", "spawn_replica"]
 
 _POLL_MS = 200
+_START_TIMEOUT_S = 300.0
+"""How long a replica may take to start and build its node (a model load)."""
 
 
 class ReplicaDied(ControllerError):
@@ -78,7 +80,7 @@ class ReplicaProcess:
         self._sent: Any = {}  # shared port -> the last value sent (a weight update is sent once)
         try:
             self.sock.send(spec)
-            header, _ = self._reply(300.0, "starting")
+            header, _ = self._reply(_START_TIMEOUT_S, "starting")
             if header.get("op") != "ready":
                 raise ReplicaDied(self._why("did not start", header.get("message", "")))
         except BaseException:

@@ -257,7 +257,8 @@ class ShmPool:
                 seg = min(fits, key=lambda s: s.size)
                 self._free.remove(seg)
             else:
-                size = max(1, -(-nbytes >> 20)) << 20  # rounded up to whole MiB, 1 at least
+                mib = 1 << 20
+                size = max(1, -(-nbytes // mib)) * mib  # whole MiB (rounded up), 1 at least
                 seg = _Segment(f"{self.prefix}{self._count}", size, create=True)
                 self._count += 1
             seg.refs = self.refs
