@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from nodes.chat import chat_messages
 from nodes.models.flat import nbytes
 from nodes.models.offload import Offload
 from nodes.models.policy import (
@@ -255,10 +256,15 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
     def _check(self, prompts: Any, images: Any, image_embeds: Tensor | None) -> int:
         where = f"node {self.name!r}"
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-            raise ValueError(f"{where}: input 'prompts' must be a non-empty list of str")
+            raise ValueError(
+                f"{where}: input 'prompts' must be a non-empty list of prompts (text, or "
+                "chat messages)"
+            )
         for i, p in enumerate(prompts):
-            if not isinstance(p, str):
-                raise ValueError(f"{where}: prompts[{i}] is a {type(p).__name__}, not a str")
+            try:
+                chat_messages(p)
+            except ValueError as exc:
+                raise ValueError(f"{where}: prompts[{i}]: {exc}") from None
         N = len(prompts)
         if images is not None and (not isinstance(images, Sequence) or len(images) != N):
             got = len(images) if isinstance(images, Sequence) else type(images).__name__

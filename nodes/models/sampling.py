@@ -201,7 +201,7 @@ class _Setup:
             do_sample=not greedy,
             temperature=1.0 if greedy else float(temperature),
             top_p=1.0 if greedy else float(top_p),
-            top_k=0 if greedy else int(top_k),
+            top_k=None if greedy else int(top_k),  # (greedy reads none; a value warns)
             max_new_tokens=int(max_new_tokens),
             eos_token_id=eos,
             pad_token_id=policy.pad_token_id,

@@ -235,7 +235,9 @@ def test_bad_inputs_and_config(policy, embeds):
     node = Rollout(model=policy, max_new_tokens=4)
     with pytest.raises(ValueError, match="'rollout': input 'prompts' must be a non-empty list"):
         node.run(prompts="hello")
-    with pytest.raises(ValueError, match=r"prompts\[1\] is a int"):
+    with pytest.raises(
+        ValueError, match=r"prompts\[1\]: a prompt is text or a list of chat messages.*got 3"
+    ):
         node.run(prompts=["a", 3])
     with pytest.raises(ValueError, match="reads 'image_embeds'"):
         node.run(prompts=["a"], images=[Image.new("RGB", (8, 8))])
