@@ -151,9 +151,10 @@ def checkpoint_size(path: str | Path, dtype: str = "float32") -> ModelSize:
     """The size of the transformers checkpoint in ``path``, from its safetensors headers and
     ``config.json`` (nothing is loaded)."""
     from nodes.models.families import _safetensors_summary
+    from nodes.models.files import _read_json
 
     root = Path(path)
-    dims = _dims(json.loads((root / "config.json").read_text()))
+    dims = _dims(_read_json("memory plan", root / "config.json", "model checkpoint"))
     summary = _safetensors_summary(sorted(root.glob("*.safetensors")))
     params = summary[0] if summary else _estimate_params(dims)
     return ModelSize(params=params, trainable=params, bytes_per_param=_BYTES.get(dtype, 4), **dims)
@@ -248,13 +249,17 @@ def prompt_tokens(spec: Any, prompts: list[Any], images: list[Any] | None = None
 
 def _dir_prompt_tokens(root: Path, family: str, spec: Mapping[str, Any], prompts: list[Any],
                        images: list[Any] | None) -> int:  # fmt: skip
-    from transformers import AutoProcessor, AutoTokenizer
+    from transformers import AutoProcessor
 
     from nodes.chat import chat_messages
+    from nodes.models.families import check_model_dir
+    from nodes.models.files import _load_tokenizer, _loading
 
+    check_model_dir(root, "memory plan")
     template = spec.get("chat_template", True) is not False
     if family == "vlm":
-        processor = AutoProcessor.from_pretrained(root, local_files_only=True)
+        with _loading("memory plan", root):
+            processor = AutoProcessor.from_pretrained(root, local_files_only=True)
         lengths = []
         for i, prompt in enumerate(prompts):
             image = images[i] if images else None
@@ -270,7 +275,8 @@ def _dir_prompt_tokens(root: Path, family: str, spec: Mapping[str, Any], prompts
     if family == "prefix-vlm":
         meta = json.loads((root / "prefix_vlm.json").read_text())
         prefix, root = int(meta.get("num_prefix_tokens", 0)) if images else 0, root / "lm"
-    tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+    with _loading("memory plan", root):
+        tokenizer = _load_tokenizer(root)
     lengths = []
     for prompt in prompts:
         messages = chat_messages(prompt)

@@ -17,12 +17,17 @@ An environment is a plain class, one instance per trajectory (built with no argu
 ``step`` returns ``(observation, reward, done)``; the rewards of a trajectory's turns add up
 to its score. A trajectory also ends after ``max_turns`` turns of the policy.
 
+The rollout calls ``reset`` and ``step`` through :func:`call_with_limit`: one that raises, or
+runs past the class's ``time_limit_s``, ends that trajectory with ``failure_reward`` and the
+reason, and the run goes on (a :class:`~yatt_graph.UsageError` is the exception: it stops
+the run with its message, for a data row the environment cannot take at all).
+
 :class:`ToolEnv` is the common case of tools: plain Python functions by name, called when the
 policy writes a tool call (:func:`parse_tool_call`); a tool's return value (text, or an image)
 is the next observation, and an action that calls no tool is the final answer, scored by
 :meth:`ToolEnv.score`. A tool that raises, runs past ``time_limit_s`` or returns something
 that is neither text nor an image ends the trajectory with ``failure_reward`` and its reason
-(in :attr:`ToolEnv.calls`); the run goes on.
+(in :attr:`ToolEnv.calls`), by the same :func:`call_with_limit`; the run goes on.
 """
 
 from __future__ import annotations
@@ -35,7 +40,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Environment", "Observation", "ToolCall", "ToolEnv", "parse_tool_call"]
+__all__ = [
+    "Environment",
+    "Failure",
+    "Observation",
+    "ToolCall",
+    "ToolEnv",
+    "call_with_limit",
+    "parse_tool_call",
+]
 
 
 @dataclass
@@ -55,6 +68,12 @@ class Environment:
     words: tuple[str, ...] = ()
     """Words the environment's actions use beyond the data's (a tool's name): a tiny policy
     built in code with a word-level tokenizer gets them in its vocabulary."""
+    time_limit_s: float = 60.0
+    """The longest one ``reset`` or ``step`` may run; a longer one ends its trajectory with
+    ``failure_reward`` (its thread is left to finish alone)."""
+    failure_reward: float = 0.0
+    """The score of a trajectory that a failure ended (a ``reset`` or ``step`` that raised or
+    ran past ``time_limit_s``)."""
 
     def reset(self, row: Mapping[str, Any]) -> Observation:
         """The first observation (the prompt) for a data row."""
@@ -113,9 +132,8 @@ class ToolEnv(Environment):
     tools: Mapping[str, Callable[..., Any]] = {}  # noqa: RUF012
     """Tool name -> function."""
     time_limit_s: float = 10.0
-    """A call running longer ends the trajectory (its thread is left to finish alone)."""
-    failure_reward: float = 0.0
-    """The score of a trajectory whose tool failed."""
+    """The longest one tool call may run (and one ``reset`` or ``step``); a call running
+    longer ends the trajectory (its thread is left to finish alone)."""
 
     def reset(self, row: Mapping[str, Any]) -> Observation:
         self.row = row
@@ -131,7 +149,10 @@ class ToolEnv(Environment):
         if call is None:
             return None, float(self.score(action)), True
         name, args, kwargs = call
-        result, error, seconds = _call_with_limit(self.tools[name], args, kwargs, self.time_limit_s)
+        result, failure, seconds = call_with_limit(
+            self.tools[name], args, kwargs, self.time_limit_s, f"tool {name!r}"
+        )
+        error = None if failure is None else failure.reason
         observation = None if error else _as_observation(result)
         if error is None and observation is None:
             error = f"returned a {type(result).__name__}, neither text nor an image"
@@ -141,26 +162,42 @@ class ToolEnv(Environment):
         return observation, 0.0, False
 
 
-def _call_with_limit(
-    fn: Callable[..., Any], args: list[Any], kwargs: dict, limit: float
-) -> tuple[Any, str | None, float]:
-    """``fn(*args, **kwargs)`` in a thread: (result, why it failed or None, seconds)."""
+@dataclass
+class Failure:
+    """Why a call of an environment's (or a tool's) code failed."""
+
+    reason: str
+    """``raised ValueError: ...`` or ``ran past its time limit of 10 s``."""
+    error: BaseException | None = None
+    """The exception it raised (None: it ran too long)."""
+
+
+def call_with_limit(
+    fn: Callable[..., Any], args: list[Any], kwargs: dict, limit: float, what: str = "call"
+) -> tuple[Any, Failure | None, float]:
+    """``fn(*args, **kwargs)`` in a thread of its own, waited for at most ``limit`` seconds:
+    ``(result, failure or None, seconds)``. The one way environments' code is called, by the
+    rollout (``reset``, ``step``) and by :class:`ToolEnv` (its tools). A call past the limit
+    is left to finish alone (a daemon thread, ``what`` in its name)."""
     box: dict[str, Any] = {}
 
     def run() -> None:
         try:
             box["result"] = fn(*args, **kwargs)
-        except Exception as exc:  # a tool's failure ends its trajectory, not the run
-            box["error"] = f"raised {type(exc).__name__}: {exc}"
+        except BaseException as exc:  # (SystemExit too) its failure ends a trajectory
+            box["error"] = exc
 
     start = time.perf_counter()
-    worker = threading.Thread(target=run, daemon=True, name="yatt-tool")
+    worker = threading.Thread(target=run, daemon=True, name=f"yatt-env {what}")
     worker.start()
     worker.join(limit)
     seconds = time.perf_counter() - start
     if worker.is_alive():
-        return None, f"ran past its time limit of {limit:g} s", seconds
-    return box.get("result"), box.get("error"), seconds
+        return None, Failure(f"ran past its time limit of {limit:g} s"), seconds
+    exc = box.get("error")
+    if exc is not None:
+        return None, Failure(f"raised {type(exc).__name__}: {exc}", exc), seconds
+    return box.get("result"), None, seconds
 
 
 def _as_observation(result: Any) -> Observation | None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from nodes.agents.env import Observation, ToolEnv
 from nodes.data import COUNTS, answer_reward
+from yatt_graph import UsageError
 
 __all__ = ["LookEnv", "LookImageEnv"]
 
@@ -35,8 +36,8 @@ class LookEnv(ToolEnv):
 
     def reset(self, row: Mapping[str, Any]) -> Observation:
         for key in ("color", "shape", "count", "answer"):
-            if key not in row:
-                raise ValueError(
+            if key not in row:  # the data, not one trajectory: the run stops
+                raise UsageError(
                     f"LookEnv: the data row has no {key!r} column; it runs on the shapes task "
                     "(no --data), whose rows have color, shape, count and answer"
                 )
@@ -59,8 +60,8 @@ class LookImageEnv(LookEnv):
     own image, which shows them. The answer is scored as :class:`LookEnv`'s."""
 
     def reset(self, row: Mapping[str, Any]) -> Observation:
-        if "image" not in row:
-            raise ValueError(
+        if "image" not in row:  # the data, not one trajectory: the run stops
+            raise UsageError(
                 "LookImageEnv: the data row has no image; it runs on the shapes task with "
                 "images (mm_agent, no --data)"
             )

@@ -20,14 +20,17 @@ update and the reference; a policy that reads none, and vLLM, refuse them with a
 
 from __future__ import annotations
 
+import logging
+import math
 import time
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from nodes.agents.env import Observation, ToolEnv
+from nodes.agents.env import Environment, Failure, Observation, ToolEnv, call_with_limit
 from nodes.agents.observe import observation_ids, reads_images
 from nodes.models.policy import Policy
 from nodes.rollout import Rollout
@@ -37,6 +40,13 @@ from yatt_graph import Tensor as TensorPort
 from yatt_graph.refs import import_ref, ref_of
 
 __all__ = ["AgentRollout", "AgentStats", "load_env"]
+
+log = logging.getLogger(__name__)
+
+GRACE_S = 1.0
+"""How long past an environment's ``time_limit_s`` the rollout waits for a ``reset`` or
+``step``: time for one that limits its own parts (a :class:`ToolEnv` its tools, to the same
+limit) to end a call that ran too long and say which, before the rollout abandons it."""
 
 
 def load_env(env: str | type, who: str) -> type:
@@ -53,7 +63,23 @@ def load_env(env: str | type, who: str) -> type:
             f"{who}: env {env!r} is not an environment class; give a class with reset(row) "
             "and step(action) (nodes.agents.Environment), as 'file.py:Class'"
         )
+    limit = getattr(cls, "time_limit_s", Environment.time_limit_s)
+    if not _number(limit) or not limit > 0:
+        raise UsageError(
+            f"{who}: {cls.__name__}.time_limit_s = {limit!r}; give the seconds one reset or "
+            "step may run, a number > 0"
+        )
+    failure = getattr(cls, "failure_reward", Environment.failure_reward)
+    if not _number(failure):
+        raise UsageError(
+            f"{who}: {cls.__name__}.failure_reward = {failure!r}; give a finite number (the "
+            "score of a trajectory a failure ended)"
+        )
     return cls
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class _Trajectory:
@@ -77,6 +103,12 @@ class _Trajectory:
         self.turn_times: list[list[float]] = []
         """Per turn: when its sampling began (``time.time()``), the seconds the batch's
         sampling took, and the seconds this trajectory's environment step took."""
+        self.error: str | None = None
+        """Why the environment ended it: its ``reset`` or ``step`` raised or ran too long."""
+        self.failure: Failure | None = None
+        """That failure, with the exception it raised."""
+        self.tool_calls: list[Any] | None = None
+        """A :class:`ToolEnv`'s calls when a failure ended it (its thread may go on)."""
 
     @property
     def context(self) -> list[int]:
@@ -176,6 +208,7 @@ class AgentRollout(Rollout):
                 f"{where}: max_turns={turns!r}; give an int >= 1 (or set max_turns on the env)"
             )
         self.max_turns = turns
+        self._env_error_said = False  # (the first failure of an environment is printed)
 
     def forward(self, prompts, meta, images, weights) -> dict[str, Any]:
         call, batch, trajectories = self._begin(prompts, meta, images, weights)
@@ -224,6 +257,14 @@ class AgentRollout(Rollout):
         ]
         rows_b = [row for row in rows for _ in range(self.n)]  # B = N * n, grouped
         trajectories = [self._start(row) for row in rows_b]
+        if all(t.error is not None for t in trajectories):  # no turn to train on
+            raise UsageError(
+                f"node {self.name!r}: the environment's reset failed for every trajectory of "
+                f"the call ({len(trajectories)}), which leaves nothing to train on; the first: "
+                f"{trajectories[0].error}. Fix the environment (a reset that fails for some rows "
+                "ends only their trajectories)"
+            )
+        self._say_first_failure(trajectories)
         firsts = trajectories[:: self.n]  # one a prompt
         counts = {len(t.images) for t in firsts}
         if counts == {0, 1}:
@@ -265,16 +306,62 @@ class AgentRollout(Rollout):
 
     def _start(self, row: Mapping[str, Any]) -> _Trajectory:
         env = self.env_class()
-        first = self._observe(env.reset(row), env, "reset")
+        t = _Trajectory(env)
+        obs, failure = self._env_call(env, "reset", row)
+        if failure is not None:  # ended before its first turn; the row's prompt stands in
+            t.transcript.append(str(row.get("prompt", "")))
+            self._fail(t, "reset", failure, cut=False)
+            return t
+        first = self._observe(obs, env, "reset")
         if len(first.images) > 1:
             raise UsageError(
                 f"node {self.name!r}: {type(env).__name__}.reset returned "
                 f"{len(first.images)} images; a first observation (the prompt) takes one"
             )
-        t = _Trajectory(env)
         t.transcript.append(first.text)
         t.images = list(first.images)
         return t
+
+    def _env_call(self, env: Any, method: str, arg: Any) -> tuple[Any, Failure | None]:
+        """``env.<method>(arg)`` under the environment's time limit (:func:`call_with_limit`):
+        its result, or why it failed. A UsageError it raises stops the run as it is."""
+        limit = float(getattr(env, "time_limit_s", Environment.time_limit_s))
+        what = f"{type(env).__name__}.{method}"
+        result, failure, _ = call_with_limit(getattr(env, method), [arg], {}, limit + GRACE_S, what)
+        if failure is not None and isinstance(failure.error, UsageError):
+            raise failure.error
+        if failure is not None and failure.error is None:  # (said with the limit it has)
+            failure = Failure(f"ran past its time limit of {limit:g} s")
+        return result, failure
+
+    def _fail(self, t: _Trajectory, method: str, failure: Failure, cut: bool) -> None:
+        """End ``t`` on a failure of its environment: ``failure_reward``, and the reason kept
+        for the metrics (``agent/env_errors``) and the samples."""
+        env = t.env
+        t.error, t.failure = f"{type(env).__name__}.{method} {failure.reason}", failure
+        t.reward += float(getattr(env, "failure_reward", Environment.failure_reward))
+        t.done, t.cut = True, cut
+        if isinstance(env, ToolEnv):  # what it called up to now; its thread may go on
+            t.tool_calls = list(getattr(env, "calls", []))
+
+    def _say_first_failure(self, trajectories: list[_Trajectory]) -> None:
+        """The node's first failure of an environment, on stderr once, with its exception and
+        the line it was raised at."""
+        t = next((t for t in trajectories if t.failure is not None), None)
+        if t is None or self._env_error_said:
+            return
+        self._env_error_said = True
+        where, error = "", t.failure.error
+        if error is not None and error.__traceback__ is not None:
+            last = traceback.extract_tb(error.__traceback__)[-1]
+            where = f" (at {last.filename}:{last.lineno} in {last.name})"
+        log.warning(
+            "node %r: %s%s; its trajectory ended with failure_reward %g and the run goes on. "
+            "Each such failure is counted in agent/env_errors and kept in the samples' "
+            "env_error column; only this first one is printed",
+            self.name, t.error, where,
+            float(getattr(t.env, "failure_reward", Environment.failure_reward)),
+        )  # fmt: skip
 
     def _observe(self, obs: Any, env: Any, what: str) -> Observation:
         if isinstance(obs, str):
@@ -321,17 +408,22 @@ class AgentRollout(Rollout):
             t0 = time.perf_counter()
             self._step(t, gen.texts[i], bool(gen.truncated[i]), last)
             t.turn_times.append([start, sampling, time.perf_counter() - t0])
+        self._say_first_failure(live)
 
     def _step(self, t: _Trajectory, action: str, cut: bool, last: bool) -> None:
+        result, failure = self._env_call(t.env, "step", action)
+        if failure is not None:
+            self._fail(t, "step", failure, cut)
+            return
         try:
-            result = t.env.step(action)
             obs, reward, done = result
+            reward = float(reward)
         except (TypeError, ValueError) as exc:
             raise UsageError(
                 f"node {self.name!r}: {type(t.env).__name__}.step must return "
                 f"(observation or None, reward, done): {exc}"
             ) from exc
-        t.reward += float(reward)
+        t.reward += reward
         if done or obs is None:  # the trajectory ended (its last turn may have been cut)
             t.done, t.cut = True, cut
             return
@@ -383,20 +475,25 @@ def _record(t: _Trajectory) -> dict[str, Any]:
     """What a trajectory did, as plain values (it travels between controllers and joins
     with the other rows of a call cut across replicas)."""
     calls = t.env.calls if isinstance(t.env, ToolEnv) else []
+    if t.tool_calls is not None:
+        calls = t.tool_calls
     return {
+        "prompt": t.transcript[0],
         "turns": t.turns,
         "observation_tokens": t.observation_tokens,
         "tool_calls": [c.name for c in calls],
         "tool_errors": [f"{c.name}: {c.error}" for c in calls if c.error is not None],
         "tool_seconds": sum(c.seconds for c in calls),
         "uses_tools": isinstance(t.env, ToolEnv),
+        "env_error": t.error,
         "turn_times": t.turn_times,
     }
 
 
 class AgentStats(Node):
     """A step's trajectory records (:class:`AgentRollout`'s ``trajectories``) as metrics:
-    ``turns_mean``, ``observation_tokens_mean`` and, for tool environments,
+    ``turns_mean``, ``observation_tokens_mean``, ``env_errors`` (the trajectories a failure
+    of their environment's ``reset`` or ``step`` ended) and, for tool environments,
     ``tool_use_rate`` (the share that called a tool), ``tool_calls_per_trajectory``,
     ``tool_calls/<name>``, ``tool_errors`` and ``tool_seconds``."""
 
@@ -409,6 +506,7 @@ class AgentStats(Node):
         stats = {
             "turns_mean": sum(r["turns"] for r in records) / B,
             "observation_tokens_mean": sum(r["observation_tokens"] for r in records) / B,
+            "env_errors": float(sum(r.get("env_error") is not None for r in records)),
         }
         if any(r["uses_tools"] for r in records):
             names = [n for r in records for n in r["tool_calls"]]

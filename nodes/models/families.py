@@ -19,19 +19,21 @@ from typing import Any, Literal
 
 import torch
 
-from nodes.models.files import _local_dir, _read_json
+from nodes.models.files import _check_checkpoint_dir, _found, _local_dir, _read_json
 from nodes.models.hf_causal import HFCausalPolicy
 from nodes.models.hf_vlm import HFVisionLanguagePolicy
 from nodes.models.lora import apply_lora, check_lora_spec
 from nodes.models.policy_base import _PREFIX_MARKER, TINY_MARK, Policy
-from nodes.models.prefix_vlm import PrefixVLM
+from nodes.models.prefix_vlm import PrefixVLM, check_prefix_files
 from nodes.seeding import seeded
+from yatt_graph import UsageError
 
 __all__ = [
     "DTYPES",
     "FAMILIES",
     "OPTION_KEYS",
     "Family",
+    "check_model_dir",
     "check_options",
     "check_path_options",
     "configure_policy",
@@ -87,12 +89,34 @@ def model_family(path: str | Path) -> Family:
         return "vlm"
     if is_causal:
         return "causal-lm"
+    if not isinstance(model_type, str) or not model_type:
+        raise UsageError(
+            f"{fn}: {str(path / 'config.json')!r} names no model_type, so it is not a "
+            "transformers config; give a directory written by save_pretrained"
+        )
     arch = f" ({', '.join(architectures)})" if architectures else ""
-    raise ValueError(
+    raise UsageError(
         f"{fn}: {str(path)!r} holds a {model_type!r} model{arch}; yatt-graph loads causal LMs "
         "(AutoModelForCausalLM: gpt2, llama, qwen2, ...), image-text-to-text VLMs "
         "(AutoModelForImageTextToText: qwen2_vl, qwen2_5_vl, ...) and saved prefix-VLMs"
     )
+
+
+def check_model_dir(path: str | Path, who: str = "load_policy") -> Family:
+    """The family of a local model directory (:func:`model_family`), after checking that it
+    holds everything loading it needs, reading only its JSON files and safetensors headers:
+    ``config.json``, the weights (every shard an index names), the tokenizer's files (and the
+    package that reads them), a VLM's image processor, a prefix-VLM's ``prefix_vlm.json``,
+    ``projector.safetensors`` and ``lm/``. Whatever is missing is one UsageError naming the
+    folder, what is missing and the fix, before any model loads."""
+    family = model_family(path)
+    path = Path(path)
+    if family == "prefix-vlm":
+        check_prefix_files(who, path)
+        _check_checkpoint_dir(who, path / "lm", "tokenizer")
+    else:
+        _check_checkpoint_dir(who, path, "processor" if family == "vlm" else "tokenizer")
+    return family
 
 
 def is_tiny_dir(path: str | Path) -> bool:
@@ -125,9 +149,8 @@ def has_chat_template(path: str | Path) -> bool:
 
 def _config(fn: str, path: Path) -> dict[str, Any]:
     if not (path / "config.json").is_file():
-        found = sorted(p.name for p in path.iterdir())[:6]
-        raise ValueError(
-            f"{fn}: {str(path)!r} has no config.json (it holds {found or 'nothing'}); give a "
+        raise UsageError(
+            f"{fn}: {str(path)!r} has no config.json (it holds {_found(path)}); give a "
             "directory written by save_pretrained (a transformers checkpoint or a saved policy)"
         )
     return _read_json(fn, path / "config.json", "model checkpoint")

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from nodes.chat import chat_messages
-from nodes.models.files import _load_pretrained, _load_tokenizer
+from nodes.models.files import _load_pretrained, _load_tokenizer, save_tokenizer
 from nodes.models.policy_base import (
     TINY_MARK,
     Policy,
@@ -140,10 +140,12 @@ class HFCausalPolicy(Policy):
     # --- files -------------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:
         """``model.save_pretrained`` + ``tokenizer.save_pretrained`` into one directory, which
-        ``AutoModelForCausalLM`` loads and :func:`load_policy` reads back (a LoRA policy is
-        saved merged)."""
+        ``AutoModelForCausalLM`` and ``AutoTokenizer`` load and :func:`load_policy` reads back
+        (a LoRA policy is saved merged; a tiny policy's tokenizer, built in code, loads as it
+        is: :func:`nodes.models.files.save_tokenizer`)."""
         self._export_model().save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        tiny = bool(getattr(self.model.config, TINY_MARK, False))
+        save_tokenizer(self.tokenizer, path, built_in_code=tiny)
 
     @classmethod
     def from_pretrained(

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from nodes.chat import chat_messages
-from nodes.models.files import _load_pretrained
+from nodes.models.files import _load_pretrained, _pin_tokenizer_json
 from nodes.models.policy_base import (
     _QWEN_VISION_TOKENS,
     _TINY_CHAT_TEMPLATE,
@@ -210,9 +210,12 @@ class HFVisionLanguagePolicy(Policy):
     # --- files -------------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:
         """``model.save_pretrained`` + ``processor.save_pretrained`` into one directory (a LoRA
-        policy is saved merged, so ``AutoModelForImageTextToText`` loads it)."""
+        policy is saved merged, so ``AutoModelForImageTextToText`` loads it; a tiny policy's
+        tokenizer, built in code, loads as it is: :func:`nodes.models.files.save_tokenizer`)."""
         self._export_model().save_pretrained(path)
         self.processor.save_pretrained(path)
+        if getattr(self.model.config, TINY_MARK, False):  # a tokenizer built in code
+            _pin_tokenizer_json(Path(path))
 
     @classmethod
     def from_pretrained(
@@ -224,7 +227,7 @@ class HFVisionLanguagePolicy(Policy):
         fn = "HFVisionLanguagePolicy.from_pretrained"
         model, processor = _load_pretrained(
             fn, path, "AutoModelForImageTextToText", dtype,
-            lambda p: AutoProcessor.from_pretrained(p, local_files_only=True),
+            lambda p: AutoProcessor.from_pretrained(p, local_files_only=True), "processor",
         )  # fmt: skip
         return cls(model, processor, use_chat_template=use_chat_template)
 

@@ -52,6 +52,7 @@ from typing import Any
 
 from nodes.models.families import (
     OPTION_KEYS,
+    check_model_dir,
     check_options,
     check_path_options,
     configure_policy,
@@ -88,6 +89,7 @@ __all__ = [
     "ResponseForward",
     "build_policy",
     "char_tokenizer",
+    "check_model_dir",
     "check_policy_spec",
     "describe_model_dir",
     "load_policy",
@@ -165,7 +167,7 @@ def check_policy_spec(spec: str | Mapping[str, Any]) -> None:
                 f"{sorted(_PATH_KEYS)}"
             )
         check_path_options(kwargs, "build_policy")
-        model_family(kwargs["path"])  # a local directory of a family we load
+        check_model_dir(kwargs["path"], "build_policy")  # a whole folder of a family we load
     else:
         module, sep, qualname = str(kwargs["builder"]).partition(":")
         if not (sep and module and qualname):

@@ -142,7 +142,8 @@ def word_tokenizer(words: Sequence[str], extra_special_tokens: Sequence[str] = (
         vocab.setdefault(word, len(vocab))
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    # joins words with spaces, and no more: text it decodes encodes back to the same ids
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     return _fast_tokenizer(backend, specials)
 
 

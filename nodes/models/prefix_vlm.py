@@ -14,10 +14,17 @@ import torch
 from torch import Tensor, nn
 
 from nodes.chat import chat_messages
-from nodes.models.files import _load_pretrained, _load_tokenizer, _loading, _read_json
+from nodes.models.files import (
+    _load_pretrained,
+    _load_tokenizer,
+    _loading,
+    _read_json,
+    save_tokenizer,
+)
 from nodes.models.hf_causal import _tiny_config
 from nodes.models.policy_base import (
     _PREFIX_MARKER,
+    TINY_MARK,
     Policy,
     PromptBatch,
     _check_response,
@@ -26,8 +33,9 @@ from nodes.models.policy_base import (
     word_tokenizer,
 )
 from nodes.seeding import seeded
+from yatt_graph import UsageError
 
-__all__ = ["PrefixVLM", "tiny_prefix_vlm"]
+__all__ = ["PrefixVLM", "check_prefix_files", "tiny_prefix_vlm"]
 
 
 class PrefixVLM(Policy):
@@ -141,6 +149,8 @@ class PrefixVLM(Policy):
         * ``lm/``: the causal LM (``model.save_pretrained``, LoRA adapters merged into a copy)
           and its tokenizer, a plain transformers checkpoint that ``AutoModelForCausalLM``
           loads on its own (the text LM without the image prefix);
+        * the tokenizer's files again, so that ``AutoTokenizer.from_pretrained(path)`` gives
+          it (:func:`nodes.models.files.save_tokenizer`);
         * ``projector.safetensors``: the Linear from image features to prefix embeddings
           (``weight`` float[k*H, D], ``bias`` float[k*H]);
         * ``prefix_vlm.json``: ``{"image_dim": D, "num_prefix_tokens": k}``, the marker that
@@ -151,7 +161,9 @@ class PrefixVLM(Policy):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self._export_model().save_pretrained(path / "lm")
-        self.tokenizer.save_pretrained(path / "lm")
+        tiny = bool(getattr(self.lm.config, TINY_MARK, False))
+        save_tokenizer(self.tokenizer, path / "lm", built_in_code=tiny)
+        save_tokenizer(self.tokenizer, path, built_in_code=tiny)
         save_file(
             {k: v.contiguous() for k, v in self.projector.state_dict().items()},
             path / "projector.safetensors",
@@ -169,17 +181,8 @@ class PrefixVLM(Policy):
 
         fn = "PrefixVLM.from_pretrained"
         path = Path(path)
-        marker = path / _PREFIX_MARKER
-        meta = _read_json(fn, marker, "saved PrefixVLM")
-        for key in ("image_dim", "num_prefix_tokens"):
-            if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool):
-                raise ValueError(
-                    f"{fn}: {str(marker)!r} needs an integer {key!r} (got {meta.get(key)!r}); "
-                    "it is written by PrefixVLM.save_pretrained"
-                )
+        meta = check_prefix_files(fn, path)
         projector = path / "projector.safetensors"
-        if not projector.is_file():
-            raise ValueError(f"{fn}: {str(projector)!r} is missing; save the policy again")
         policy = cls.from_lm(path / "lm", meta["image_dim"], meta["num_prefix_tokens"], dtype=dtype)
         with _loading(fn, projector):
             policy.projector.load_state_dict(load_file(projector))
@@ -202,6 +205,37 @@ class PrefixVLM(Policy):
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         return cls(lm, tokenizer, image_dim, num_prefix_tokens)
+
+
+def check_prefix_files(fn: str, path: Path) -> dict[str, Any]:
+    """What a saved prefix-VLM's own files hold (``prefix_vlm.json``'s integers), checked with
+    ``projector.safetensors`` (present, its header readable) before anything loads; each
+    failure is one UsageError naming the file. The ``lm/`` checkpoint is checked on its own."""
+    from safetensors import safe_open
+
+    marker = path / _PREFIX_MARKER
+    meta = _read_json(fn, marker, "saved PrefixVLM")
+    for key in ("image_dim", "num_prefix_tokens"):
+        if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool):
+            raise UsageError(
+                f"{fn}: {str(marker)!r} needs an integer {key!r} (got {meta.get(key)!r}); "
+                "it is written by PrefixVLM.save_pretrained"
+            )
+    projector = path / "projector.safetensors"
+    if not projector.is_file():
+        raise UsageError(
+            f"{fn}: {str(projector)!r} is missing (the image projector of the prefix-VLM in "
+            f"{str(path)!r}); copy it there too, or save the policy again"
+        )
+    try:
+        with safe_open(str(projector), "pt"):
+            pass
+    except Exception as exc:  # safetensors raises its own error class
+        raise UsageError(
+            f"{fn}: {str(projector)!r} cannot be read ({exc}); the file is truncated or "
+            "corrupt: save the policy again"
+        ) from exc
+    return meta
 
 
 def tiny_prefix_vlm(

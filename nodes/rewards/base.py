@@ -262,12 +262,19 @@ class RewardNode(Node):
         return self._finish(raw, n, response_mask)
 
     # --- raw scores -> outputs ----------------------------------------------------------------
+    def scorer(self) -> str:
+        """What made the scores, for messages about a bad one: ``" from reward function
+        m:f"`` for a user's function; empty for a model the node runs itself."""
+        return ""
+
     def _bad(self, i: int, what: str, value: Any) -> None:
         if self.on_bad_sample == "raise":
+            shown = repr(value)
+            shown = shown if len(shown) <= 80 else shown[:76] + " ..."
             raise UsageError(
-                f"node {self.name!r}: sample {i} got {what} {value!r}; a reward must be a finite "
-                "number. Fix the reward, or pass on_bad_sample='skip' to score such samples 0 "
-                "and count them"
+                f"node {self.name!r}: sample {i} got {what} {shown}{self.scorer()}; a reward "
+                "must be a finite number (or a dict {'score': x, ...}). Fix the reward, or pass "
+                "on_bad_sample='skip' to score such samples 0 and count them"
             )
 
     def _finish(self, raw: Any, n: int, response_mask: torch.Tensor | None) -> dict[str, Any]:
@@ -284,10 +291,9 @@ class RewardNode(Node):
             per_token = None
             if isinstance(value, Mapping):
                 if "score" not in value:
-                    raise ValueError(
-                        f"node {self.name!r}: sample {i} returned a dict without 'score' "
-                        f"(keys {sorted(value)}); return a number or {{'score': x, ...}}"
-                    )
+                    self._bad(i, f"a dict without 'score' (keys {sorted(map(str, value))})", value)
+                    bad[i] = True
+                    continue
                 per_token = value.get("token_rewards")
                 value = value["score"]
             number = _as_number(value)

@@ -34,11 +34,18 @@ from typing import Any
 import torch
 
 from nodes.batches import length_parts
-from nodes.models.files import _check_checkpoint_dir, _read_json, config_positions
+from nodes.models.files import (
+    _check_checkpoint_dir,
+    _check_reader_files,
+    _load_tokenizer,
+    _loading,
+    _read_json,
+    config_positions,
+)
 from nodes.models.offload import Offload
 from nodes.models.policy_base import _positions
 from nodes.rewards.base import RewardNode
-from nodes.rewards.models import _TORCH_DTYPES, _loading_as, _set_pad_token
+from nodes.rewards.models import _TORCH_DTYPES, _set_pad_token
 from nodes.seeding import seeded
 from yatt_graph import ANY, Port
 from yatt_graph.node import Built
@@ -75,17 +82,6 @@ def tiny_judge(words: Sequence[str], seed: int = 0) -> tuple[Any, Any]:
     with seeded(seed):
         model = GPT2LMHeadModel(config)
     return model, tokenizer
-
-
-def _family(path: str) -> str | None:
-    """``"vlm"``/``"causal-lm"``/... for a directory, or None where it cannot tell (build()
-    then reports what is wrong with the directory)."""
-    from nodes.models.families import model_family
-
-    try:
-        return model_family(path)
-    except ValueError:
-        return None
 
 
 class JudgeReward(Offload, RewardNode):
@@ -168,7 +164,7 @@ class JudgeReward(Offload, RewardNode):
         self.model_source, self.score_words = model, words
         self.chat_template = bool(chat_template)
         self.max_batch, self.max_length, self.seed, self.dtype = max_batch, max_length, seed, dtype
-        self.needs_images = model != "tiny" and _family(model) == "vlm"
+        self.needs_images = model != "tiny" and self._check_dir(model)
         if self.needs_prompts:
             self.inputs["prompts"] = Port(ANY, doc="list[str]: the B prompts ({prompt})")
         self.word_ids: list[int] = []
@@ -209,21 +205,35 @@ class JudgeReward(Offload, RewardNode):
         literal = [w for text, *_ in string.Formatter().parse(self.template) for w in text.split()]
         return tiny_judge([*self.score_words, *literal], self.seed)
 
-    def _load(self, path: str) -> tuple[Any, Any]:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def _check_dir(self, path: str) -> bool:
+        """What the folder must hold, checked when the node is made (before any step): a
+        causal LM with its tokenizer, or a VLM with its processor. Whether it is a VLM."""
+        from nodes.models.families import model_family
 
         fn = f"node {self.name!r}"
-        _check_checkpoint_dir(fn, Path(path))
+        _check_checkpoint_dir(fn, Path(path), reader=None)
         config = _read_json(fn, Path(path) / "config.json", "judge model")
+        try:
+            vlm = model_family(path) == "vlm"
+        except ValueError:
+            vlm = False  # (what it is instead is said below)
         archs = [str(a) for a in config.get("architectures") or []]
-        if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        if not vlm and archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
             raise ValueError(
                 f"{fn}: {path!r} holds a {', '.join(archs)} (model_type "
                 f"{config.get('model_type')!r}), not a causal LM; a judge needs a model that "
                 "predicts the next token (a sequence classifier is 'model:DIR')"
             )
-        with _loading_as(fn, path, "a causal LM judge"):
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        _check_reader_files(fn, Path(path), "processor" if vlm else "tokenizer")
+        return vlm
+
+    def _load(self, path: str) -> tuple[Any, Any]:
+        from transformers import AutoModelForCausalLM
+
+        fn = f"node {self.name!r}"
+        self._check_dir(path)  # (the folder may have changed since the node was made)
+        with _loading(fn, Path(path), "a causal LM judge"):
+            tokenizer = _load_tokenizer(Path(path))
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=_TORCH_DTYPES[self.dtype], local_files_only=True
             )

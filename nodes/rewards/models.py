@@ -6,16 +6,21 @@ The CLIP score lives in :mod:`nodes.rewards.clip` (re-exported here for plans th
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from nodes.batches import length_parts
-from nodes.models.files import _check_checkpoint_dir, _loading, _read_json
+from nodes.models.files import (
+    _check_checkpoint_dir,
+    _check_reader_files,
+    _load_tokenizer,
+    _loading,
+    _read_json,
+)
 from nodes.models.offload import Offload
 from nodes.models.policy_base import char_tokenizer
 from nodes.rewards.base import RewardNode
@@ -31,22 +36,6 @@ __all__ = ["RewardModel"]
 
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@contextlib.contextmanager
-def _loading_as(fn: str, path: str, what: str) -> Iterator[None]:
-    """:func:`nodes.models.files._loading`, and a loader's own ValueError (transformers raises
-    them for unknown model types) said as one line naming ``path`` and ``what`` was wanted."""
-    try:
-        with _loading(fn, Path(path)):
-            yield
-    except ValueError as exc:
-        if str(exc).startswith(fn):
-            raise
-        why = (str(exc).strip().splitlines() or [""])[0]
-        raise ValueError(
-            f"{fn}: {str(path)!r} could not be loaded as {what} (ValueError: {why})"
-        ) from exc
 
 
 def _set_pad_token(fn: str, tokenizer: Any) -> None:
@@ -139,6 +128,8 @@ class RewardModel(Offload, RewardNode):
                     f"node {self.name!r}: config vocab_size={config['vocab_size']} is smaller "
                     f"than the character tokenizer's {vocab}"
                 )
+        if path is not None:
+            self._check_dir(path)
         self.path, self.model_config, self.seed, self.dtype = path, config, int(seed), dtype
         self._given = (model, tokenizer) if model is not None else None
         if model is not None:
@@ -166,11 +157,11 @@ class RewardModel(Offload, RewardNode):
         self.model = model.to(device=self.device, dtype=_TORCH_DTYPES[self.dtype]).eval()
         self.tokenizer = tokenizer
 
-    def _load(self, path: str) -> tuple[Any, Any]:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
+    def _check_dir(self, path: str) -> None:
+        """What the folder must hold, checked when the node is made (before any step): a
+        sequence classifier with one logit, its weights and its tokenizer."""
         fn = f"node {self.name!r}"
-        _check_checkpoint_dir(fn, Path(path))
+        _check_checkpoint_dir(fn, Path(path), reader=None)
         config = _read_json(fn, Path(path) / "config.json", "reward model")
         architectures = config.get("architectures") or []
         if architectures and not any(
@@ -188,8 +179,15 @@ class RewardModel(Offload, RewardNode):
                 f"{fn}: {path!r} is a sequence classifier with {n} labels; a reward model "
                 "needs a single-logit head (num_labels=1)"
             )
-        with _loading_as(fn, path, "a sequence classifier"):
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        _check_reader_files(fn, Path(path), "tokenizer")
+
+    def _load(self, path: str) -> tuple[Any, Any]:
+        from transformers import AutoModelForSequenceClassification
+
+        fn = f"node {self.name!r}"
+        self._check_dir(path)  # (the folder may have changed since the node was made)
+        with _loading(fn, Path(path), "a sequence classifier"):
+            tokenizer = _load_tokenizer(Path(path))
             model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
         return model, tokenizer
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from nodes.rewards.base import RewardNode
+from yatt_graph import UsageError
 from yatt_graph.refs import import_ref
 
 __all__ = ["RuleReward", "contains_answer", "exact_match", "regex_format"]
+
+log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # rule rewards
@@ -157,19 +161,46 @@ class RuleReward(RewardNode):
                 f"node {self.name!r}: the data has columns named {clash}, which a TRL-style reward "
                 "takes as its own arguments; rename those columns"
             )
+        prompts = list(prompts or [""] * len(texts))
+        # As TRL: where a prompt is chat messages, its completion is one assistant message.
+        completions = [
+            [{"role": "assistant", "content": text}] if isinstance(p, list | tuple) else text
+            for p, text in zip(prompts, texts)
+        ]
         try:
-            got = self.fn(
-                prompts=list(prompts or [""] * len(texts)), completions=list(texts), **columns, **self.params
-            )  # fmt: skip
+            got = self.fn(prompts=prompts, completions=completions, **columns, **self.params)
         except (Exception, SystemExit) as exc:
             raise ValueError(
                 f"node {self.name!r}: reward function {self._fn_name} failed on the batch: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        if not isinstance(got, list | tuple) or len(got) != len(texts):
-            what = f"{len(got)} values" if isinstance(got, list | tuple) else type(got).__name__
-            raise ValueError(
-                f"node {self.name!r}: reward function {self._fn_name} returned {what} for "
-                f"{len(texts)} completions; a TRL-style reward returns one score per completion"
+        if _is_vector(got):  # a 1-D numpy array or tensor: its numbers, as a list
+            got = got.tolist()
+        if isinstance(got, list | tuple) and len(got) == len(texts):
+            return list(got)
+        if isinstance(got, list | tuple):
+            what = f"a {type(got).__name__} of {len(got)} score(s)"
+        else:
+            shown = repr(got)
+            what = f"a {type(got).__name__} ({shown if len(shown) <= 60 else shown[:56] + ' ...'})"
+        message = (
+            f"node {self.name!r}: reward function {self._fn_name} returned {what} for "
+            f"{len(texts)} completions; a TRL-style reward returns a list of one score per "
+            "completion, in their order (a number, or None for a bad sample)"
+        )
+        if self.on_bad_sample == "raise":
+            raise UsageError(
+                f"{message}. Fix the reward, or pass on_bad_sample='skip' to score the batch's "
+                "samples 0 and count them"
             )
-        return list(got)
+        log.warning("%s; its %d samples are scored 0 and counted as bad", message, len(texts))
+        return [None] * len(texts)
+
+    def scorer(self) -> str:
+        return f" from reward function {self._fn_name}"
+
+
+def _is_vector(value: Any) -> bool:
+    """A 1-D numpy array or torch tensor (what a batched reward may return for a list)."""
+    shape = getattr(value, "shape", None)
+    return shape is not None and len(shape) == 1 and callable(getattr(value, "tolist", None))

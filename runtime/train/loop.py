@@ -205,7 +205,7 @@ def train(
         left = remaining
         # A SIGTERM waits for a step boundary (run() finishes the steps in flight and returns),
         # so the state a checkpoint takes is whole, in one process or on controllers.
-        with signals.at_step_boundary():
+        with signals.at_step_boundary(lambda: signals.node_call_in_progress(executor)):
             while left > 0:
                 # Whole stretches between checkpoints go to run(), which keeps steps in flight
                 # (ZmqExecutor pipelines them); a checkpoint needs the executor between steps.

@@ -12,7 +12,10 @@ Per response: ``texts`` (one a response), ``scores`` (its reward), ``response_le
 ``truncated`` (1.0: cut at ``max_new_tokens``; the ``stop_reason`` column), and
 ``reward_components`` (a dict of name -> one number a response: a ``reward/<name>`` column
 each) and, from a multi-turn rollout, ``trajectories`` (one record a response: its ``turns``,
-and the names of the ``tool_calls`` it made and its ``tool_errors``, each a column). Per prompt: ``prompts``, ``data_rows`` (``{"file", "row"}``: the ``data_file`` and
+and the names of the ``tool_calls`` it made and its ``tool_errors``, each a column; its
+``prompt``, the first observation its environment's ``reset`` showed the policy, is the
+``prompt`` column in place of the data row's, and its ``env_error``, why a failure of its
+environment ended it, a column). Per prompt: ``prompts``, ``data_rows`` (``{"file", "row"}``: the ``data_file`` and
 ``data_row`` columns) and ``images`` (PIL images: a PNG thumbnail of each, its hash in the
 ``image`` column; see below). ``sample_stats``
 (:class:`nodes.sample_stats.SampleStats`: ``sample``, the row of each trained response, and
@@ -94,6 +97,16 @@ def _rows(name: str, value: Any, want: int, per: str) -> list[Any]:
     return value
 
 
+def prompt_text(prompt: Any) -> str:
+    """A prompt as people read it: text as it is; chat messages (a list of ``{"role",
+    "content"}``) one ``role: content`` line each."""
+    if isinstance(prompt, list | tuple) and all(
+        isinstance(m, Mapping) and "role" in m for m in prompt
+    ):
+        return "\n".join(f"{m['role']}: {m.get('content', '')}" for m in prompt)
+    return str(prompt)
+
+
 def sample_rows(step: int, outputs: dict[str, Any]) -> dict[str, list[Any]] | None:
     """A step's samples as columns (text, reward, length, stop reason), or None where the graph
     does not output them; a misaligned output is a :class:`SampleAlignmentError`."""
@@ -111,10 +124,16 @@ def sample_rows(step: int, outputs: dict[str, Any]) -> dict[str, list[Any]] | No
         "step": [step] * B,
         "sample": list(range(B)),
         "prompt_index": [i // n for i in range(B)],
-        "prompt": [str(prompts[i // n]) for i in range(B)],
+        "prompt": [prompt_text(prompts[i // n]) for i in range(B)],
         "response": [str(t) for t in texts],
         "reward": [float(x) for x in _rows("scores", scores, B, "response")],
     }
+    trajectories = outputs.get("trajectories")  # a multi-turn rollout's, one a response
+    if trajectories is not None:  # what each was shown first: its environment's reset
+        records = _rows("trajectories", trajectories, B, "response")
+        for i, record in enumerate(records):
+            if isinstance(record, Mapping) and isinstance(record.get("prompt"), str):
+                cols["prompt"][i] = record["prompt"]
     lengths = outputs.get("response_lengths")
     cols["length"] = (
         [int(x) for x in _rows("response_lengths", lengths, B, "response")]
@@ -204,6 +223,8 @@ def lineage_columns(
         cols["turns"] = [int(r.get("turns", 0)) for r in records]
         cols["tool_calls"] = [" ".join(r.get("tool_calls", ())) for r in records]
         cols["tool_errors"] = ["; ".join(r.get("tool_errors", ())) for r in records]
+        if any("env_error" in r for r in records):  # why its environment ended it, if it did
+            cols["env_error"] = [r.get("env_error") or "" for r in records]
     if staleness and f"{ROLLOUT}.weights" in staleness:
         age = staleness[f"{ROLLOUT}.weights"]  # None: it read no update yet
         version = 0 if age is None else step - int(age)

@@ -120,7 +120,11 @@ def test_trajectories_keep_the_sampled_tokens_and_mask_the_observations():
     assert torch.equal(out["truncated"], torch.ones(B))  # out of turns, the env still waiting
     assert [r["turns"] for r in out["trajectories"]] == [3] * B
     stats = AgentStats().run(trajectories=out["trajectories"])["stats"]
-    assert stats == {"turns_mean": 3.0, "observation_tokens_mean": 2.0 * len(observed)}
+    assert stats == {
+        "turns_mean": 3.0,
+        "observation_tokens_mean": 2.0 * len(observed),
+        "env_errors": 0.0,
+    }
 
 
 def test_the_trainer_sees_what_each_turn_was_sampled_in():
@@ -214,6 +218,7 @@ def test_the_stats_count_every_trajectorys_tools():
     assert stats == {
         "turns_mean": 2.0,
         "observation_tokens_mean": 4.0,
+        "env_errors": 0.0,
         "tool_use_rate": 2 / 3,
         "tool_calls_per_trajectory": 1.0,
         "tool_errors": 1.0,

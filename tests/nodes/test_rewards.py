@@ -626,5 +626,5 @@ def test_a_trl_style_reward_is_taken_as_it_is():
     meta = [{"answer": "red", "id": 1}, {"answer": "red", "id": 2}, {"answer": "blue", "id": 3}]
     out = node.run(texts=["red it is", "blue", "?"], meta=meta, prompts=["q1", "q2", "q3"])
     assert out["scores"].tolist() == [1.0, 0.0, 0.0] and out["bad_samples"].tolist() == [0, 0, 1]
-    with pytest.raises(ValueError, match="returned 1 values for 3 completions"):
+    with pytest.raises(ValueError, match=r"returned a list of 1 score\(s\) for 3 completions"):
         RuleReward(trl_reward_short).run(texts=["a", "b", "c"], meta=meta, prompts=["", "", ""])
