@@ -21,8 +21,12 @@ the README's figures were measured with.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import os
+from collections.abc import Collection
+from pathlib import Path
 from typing import Any, Literal, Self
 
 import msgspec
@@ -67,6 +71,39 @@ def users_model(policy: str | dict[str, Any]) -> bool:
     tiny = policy in ("tiny", "tiny-qwen2-vl", *TINY_TEXT_LMS)
     path = policy.get("path") if isinstance(policy, dict) else None if tiny else policy
     return path is not None and not is_tiny_dir(path)
+
+
+def model_positions(policy: str | dict[str, Any]) -> int | None:
+    """Positions one sequence may take in a model folder's config.json (its text part's
+    ``max_position_embeddings`` or ``n_positions``; a prefix-VLM's ``lm/``), or None."""
+    path = policy.get("path") if isinstance(policy, dict) else policy
+    if not isinstance(path, str):
+        return None
+    for config in (Path(path) / "config.json", Path(path) / "lm" / "config.json"):
+        try:
+            read = json.loads(config.read_text())
+        except (OSError, ValueError):
+            continue
+        for part in (read.get("text_config") or {}, read):
+            n = part.get("max_position_embeddings") or part.get("n_positions")
+            if isinstance(n, int) and n > 0:
+                return n
+    return None
+
+
+def fitted_new_tokens(policy: str | dict[str, Any], default: int) -> tuple[int, str]:
+    """``max_new_tokens`` for a model of the user's when left to its default: the default
+    where it leaves at least as many positions for the prompt, else half the model's context,
+    with the note the run prints (empty where nothing was fitted)."""
+    positions = model_positions(policy)
+    if positions is None or 2 * default <= positions:
+        return default, ""
+    fitted = max(1, positions // 2)
+    return fitted, (
+        f"max_new_tokens={fitted}: the model takes {positions} positions, too few for the "
+        f"default {default} beside a prompt, so half of them go to the response "
+        "(--set max_new_tokens=N to choose)"
+    )
 
 
 class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -276,20 +313,26 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.recompute_logprobs and self.stream:
             raise ValueError(
                 "recompute_logprobs=true and stream=true cannot go together: a streamed "
-                "response leaves before a recompute could see it; set one of them to false"
+                "response leaves before a recompute could see it; set recompute_logprobs=false "
+                "or set stream=false"
             )
         if self.tis_cap > 0 and not self.recompute_logprobs:
             raise ValueError(
                 f"tis_cap={self.tis_cap} needs recompute_logprobs=true (the trainer's logprobs "
-                "beside the sampler's), which stream=true rules out; set tis_cap=0 or stream=false"
+                "beside the sampler's), which stream=true rules out; set tis_cap=0 or set "
+                "stream=false"
             )
 
     def _resolve(self, names: tuple[str, ...]) -> None:
-        """Give each of ``names`` left None its :data:`AUTO` default for this policy."""
+        """Give each of ``names`` left None its :data:`AUTO` default for this policy; a
+        default ``max_new_tokens`` that cannot fit the model's context is fitted to it
+        (:func:`fitted_new_tokens`)."""
         which = int(users_model(self.policy))
         for name in names:
             if getattr(self, name) is None:
                 value = AUTO[name][which]
+                if name == "max_new_tokens" and which:
+                    value = fitted_new_tokens(self.policy, int(value))[0]
                 setattr(self, name, type(value)(value))
 
     @property
@@ -322,6 +365,9 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             return []
         chosen = ", ".join(f"{k}={getattr(self, k)}" for k in AUTO if hasattr(self, k))
         notes = [f"defaults for a model of your own (each --set overrides): {chosen}"]
+        fitted, why = fitted_new_tokens(self.policy, int(AUTO["max_new_tokens"][1]))
+        if why and self.max_new_tokens == fitted:
+            notes.append(why)
         path = self.policy["path"] if isinstance(self.policy, dict) else self.policy
         if has_chat_template(path):
             notes.append(
@@ -330,14 +376,37 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         return notes
 
+    def run_notes(self, steps: int, given: Collection[str] = ()) -> list[str]:
+        """What a run of ``steps`` steps (counted from 0, restored ones too) should say before
+        its first: :meth:`notes`, each option in ``given`` (those the user set) that does
+        nothing with these settings, and a learning rate that reaches 0 before the last step."""
+        notes = self.notes()
+        idle = self.idle_options()
+        for name in sorted(set(given) & set(idle)):
+            notes.append(f"{name} does nothing with these settings: it needs {idle[name]}")
+        end = self.lr_warmup_steps + self.lr_decay_steps
+        if self.lr_schedule != "constant" and end < steps:
+            still = f"step {end}" if end == steps - 1 else f"steps {end}-{steps - 1}"
+            notes.append(
+                f"warning: lr_schedule={self.lr_schedule} brings the learning rate to 0 at step "
+                f"{end} (lr_warmup_steps {self.lr_warmup_steps} + lr_decay_steps "
+                f"{self.lr_decay_steps}), so {still} of this run will not train; set "
+                f"lr_decay_steps={steps - self.lr_warmup_steps} to decay over the whole run, or "
+                f"stop the run there with --steps {end}"
+            )
+        return notes
+
     def memory_plan(self, graph: Any, processes: dict[str, str] | None = None) -> Any:
         """The :class:`nodes.memory.MemoryPlan` of ``graph`` (built from this config) for one
         step: its batch, samples per prompt and response length, and its longest prompt,
-        ``max_prompt_tokens`` or, without it, the longest of the first batch of the data."""
+        ``max_prompt_tokens`` or, without it, the longest of the first batch of the data; where
+        a device does not fit, it says what to change (:mod:`graphs.memory_advice`)."""
         from graphs.common import step_load
+        from graphs.memory_advice import memory_fixes
         from nodes.memory_plan import plan_memory
 
-        return plan_memory(graph, step_load(self, graph), processes)
+        advice = functools.partial(memory_fixes, self)
+        return plan_memory(graph, step_load(self, graph), processes, advice)
 
     @classmethod
     def from_options(cls, graph: str, options: dict[str, Any]) -> Self:
@@ -402,7 +471,7 @@ class TextGRPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
         if self.dynamic_sampling and self.stream:
             raise ValueError(
                 "dynamic_sampling and stream=true cannot go together: a group is kept or "
-                "dropped once all its rewards are in; set one of them off"
+                "dropped once all its rewards are in; set dynamic_sampling=0 or set stream=false"
             )
 
     @property

@@ -9,7 +9,7 @@ A process's nodes run one at a time, so a process peaks at what its nodes hold b
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,9 @@ class MemoryPlan:
     """Bytes each device has (the host: MemAvailable plus this process's; a GPU: its total)."""
     processes: int = 1
     """Processes of the run on the host (with controllers: theirs and the driver)."""
+    advice: Callable[[MemoryPlan, str], list[str]] | None = None
+    """``advice(plan, device)``: the changes of the settings that would make ``device`` fit
+    (a ready graph's config gives them: ``graphs.memory_advice``); without it, none is said."""
 
     def peaks(self) -> dict[tuple[str, str], tuple[int, int, str]]:
         """Per (process, device): (bytes held between calls, the largest call's working
@@ -85,10 +88,11 @@ class MemoryPlan:
             if room is None:
                 text += "; its room is unknown here"
             elif total > room:
-                text += (
-                    f"; WILL NOT FIT in {_mb(room)}: lower micro_batch_tokens or batch_size, "
-                    "or set lora_r or gradient_checkpointing"
-                )
+                text += f"; WILL NOT FIT in {_mb(room)}"
+                fixes = self.advice(self, device) if self.advice is not None else []
+                if fixes:
+                    last = f"or {fixes[-1]}" if len(fixes) > 1 else fixes[-1]
+                    text += ": " + "; ".join([*fixes[:-1], last])
             else:
                 text += f"; fits in {_mb(room)}"
             out.append(text)
@@ -137,14 +141,20 @@ def _room(devices: Iterable[str], runtime: int) -> dict[str, int]:
     return room
 
 
-def plan_memory(graph: Any, load: Load, processes: Mapping[str, str] | None = None) -> MemoryPlan:
+def plan_memory(
+    graph: Any,
+    load: Load,
+    processes: Mapping[str, str] | None = None,
+    advice: Callable[[MemoryPlan, str], list[str]] | None = None,
+) -> MemoryPlan:
     """The memory plan of ``graph``'s nodes for ``load``; ``processes`` maps a node to the
-    process (controller) that runs it (all in one, "0", by default).
+    process (controller) that runs it (all in one, "0", by default); ``advice``: what to
+    change where a device does not fit (:attr:`MemoryPlan.advice`).
 
     A node's ``weights`` part belongs to its share key (``node.share``); ``weights@KEY`` to the
     key KEY, ``weights@`` to none: the weights of one key in one process count once."""
     count = len(set(processes.values())) + 1 if processes else 1  # the controllers and a driver
-    plan = MemoryPlan(load, runtime=_runtime_bytes(), processes=count)
+    plan = MemoryPlan(load, runtime=_runtime_bytes(), processes=count, advice=advice)
     seen: set[tuple[str, str, str]] = set()  # (process, device, share) whose weights are counted
     for name, node in graph.nodes.items():
         process = (processes or {}).get(name, "0")

@@ -24,6 +24,7 @@ from typing import Any
 
 from runtime.launch import add_launch_arguments
 from runtime.run_setup import (
+    OptionError,
     RunSetup,
     graph_input,
     graph_options,
@@ -32,6 +33,7 @@ from runtime.run_setup import (
     planned,
     resolve_graph,
     typed_config,
+    typed_words,
 )
 from runtime.train.export import export_checkpoint
 from runtime.train.run_flags import add_run_arguments
@@ -84,7 +86,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                 f"show --memory: {args.graph} has no typed config that plans memory (a module "
                 "CONFIG with memory_plan(), as the ready graphs have)"
             )
-        print("\n".join(plan.lines()))
+        print("\n".join(typed_words(line, args.graph) for line in plan.lines()))
         return 0
     target = planned(graph, args.controllers)
     print(target.to_mermaid() if args.mermaid else target.to_text())
@@ -334,17 +336,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     from runtime.errors import ControllerError
 
+    def said(exc: BaseException) -> str:
+        """The message, the node keywords of its first line as the user types them
+        (``typed_words``); the lines after it (a traceback) and a place in the graph's own
+        code (a GraphError, an ImportError) are left as they are."""
+        graph, text = getattr(args, "graph", None), str(exc)
+        if not graph or isinstance(exc, GraphError | ImportError):
+            return text
+        head, sep, rest = text.partition("\n")
+        return typed_words(head, graph) + sep + rest
+
     try:
         if getattr(args, "graph", None):
             args.graph = resolve_graph(args.graph)
         return args.func(args)
+    except OptionError as exc:  # "unknown option ...": the line says what it is
+        print(f"yatt-graph {args.command}: {exc}", file=sys.stderr)
+        return 2
     except (NodeBuildError, NodeUsageError, UsageError, GraphError, ImportError, FileNotFoundError,
             FileExistsError) as exc:  # fmt: skip
-        print(f"yatt-graph {args.command}: error: {exc}", file=sys.stderr)  # the user's to fix
+        print(f"yatt-graph {args.command}: error: {said(exc)}", file=sys.stderr)  # the user's
         return 2
     except (NodeExecutionError, ControllerError) as exc:
         # The run stopped cleanly (every controller is gone); say what failed, where, once.
-        print(f"yatt-graph {args.command}: the run stopped: {exc}", file=sys.stderr)
+        print(f"yatt-graph {args.command}: the run stopped: {said(exc)}", file=sys.stderr)
         return 1
     except PermissionError as exc:  # the folder or file the user named, not a bug
         print(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
+import shlex
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -18,17 +20,20 @@ from runtime.run_executor import executor_factory, run_config, start_controllers
 from yatt_graph import GraphError, UsageError
 from yatt_graph.options import (
     Option,
+    UnknownOptionError,
     check_config,
-    format_options,
+    did_you_mean,
     graph_file,
     load_graph_module,
     located,
     module_options,
+    nearest,
     parse_options,
 )
 from yatt_graph.refs import load_graph, module_file
 
 __all__ = [
+    "OptionError",
     "RunSetup",
     "check_controller_count",
     "graph_input",
@@ -38,16 +43,20 @@ __all__ = [
     "planned",
     "ready_graphs",
     "resolve_graph",
+    "shown_graph",
     "typed_config",
+    "typed_words",
 ]
 
 
-def _set_options(
-    pairs: Sequence[str], options: list[Option], more: bool, target: str
-) -> dict[str, Any]:
-    """``--set key=value`` pairs, each value parsed by the option's declared type (the graph's
-    ``CONFIG`` or ``build_graph`` signature, see yatt_graph/options.py); an unknown key or a
-    value of the wrong type is a TypeError naming the key, the value and the valid options."""
+class OptionError(UsageError):
+    """A key the graph takes no option for, worded for how the user gave it: its message is
+    the whole line after ``yatt-graph COMMAND:`` (``unknown option ...`` says what it is)."""
+
+
+def _set_texts(pairs: Sequence[str]) -> dict[str, str]:
+    """``--set key=value`` pairs as key -> text; a pair without ``=``, or a key given twice
+    with two values, is refused."""
     texts: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -61,13 +70,13 @@ def _set_options(
                 f"--set gives {key!r} twice ({texts[key]!r} and {value!r}); give it once"
             )
         texts[key] = value
-    return parse_options(texts, options, more, target)
+    return texts
 
 
 #: flags that name a graph option (``--val-data`` is the option ``val_data``)
 _NAMED_OPTIONS = (
     "policy", "vision", "reward", "env", "seed", "data", "val_data", "rollout", "device",
-    "train_ranks", "train_backend",
+    "train_ranks", "train_backend", "on_bad_sample",
 )  # fmt: skip
 
 
@@ -83,42 +92,163 @@ def _reward_flags(args: argparse.Namespace) -> None:
         args.reward = f"judge:{given['judge']}"
 
 
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _given(args: argparse.Namespace, key: str, typed: str) -> str:
+    """The flag and value the user typed for the option ``key`` (``--reward-model DIR`` and
+    ``--judge DIR`` give the option ``reward``), else ``typed``."""
+    for flag in ("reward_model", "judge"):
+        if key == "reward" and getattr(args, flag, None) is not None:
+            return f"{_flag(flag)} {getattr(args, flag)}"
+    return typed
+
+
 def graph_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``--set`` pairs plus the named model options, for the graph's ``build_graph``, checked
-    against its options before anything is built (a bad value of a typed config included);
-    ``--on-bad-sample`` joins them where the graph has that option."""
+    """``--set`` pairs plus the named model options (``--on-bad-sample`` too), for the graph's
+    ``build_graph``, checked against its options before anything is built (a bad value of a
+    typed config included); a key it has no option for is an :class:`OptionError`."""
     module = load_graph_module(args.graph)
     known, more = module_options(module)
-    values = _set_options(args.set, known, more, args.graph)
+    texts = _set_texts(args.set)
+    try:
+        values = parse_options(texts, known, more, args.graph)
+    except UnknownOptionError as exc:
+        raise unknown_option(args, exc.key, known, f"--set {exc.key}={texts[exc.key]}") from None
     names = {o.name for o in known}
     _reward_flags(args)
     for key in _NAMED_OPTIONS:
         value = getattr(args, key, None)
         if value is None:
             continue
-        flag = "--" + key.replace("_", "-")
+        flag = _flag(key)
         if key in values:
             raise UsageError(f"{flag} and --set {key}=... both give {key!r}; give it once")
         if isinstance(value, str) and not value.strip():
             raise UsageError(f"{flag} was given an empty value (an unset shell variable?)")
-        if key not in names and not more:
-            raise TypeError(
-                f"{flag}: {args.graph} takes no {key!r} option; valid: {format_options(known)}"
-            )
+        if key not in names and (not more or key == "on_bad_sample"):  # (a flag of the run's)
+            if key == "on_bad_sample" and value == "raise":
+                continue  # what a graph without the option does: its reward nodes raise
+            raise unknown_option(args, key, known, _given(args, key, f"{flag} {value}"))
         values[key] = value
     if getattr(args, "offload", None) == "off" and "vllm_sleep" in names:
         values.setdefault("vllm_sleep", False)  # a run that never offloads keeps vLLM awake
     check_config(module, values, args.graph)  # ranges and choices, before models are built
-    bad_sample = getattr(args, "on_bad_sample", None)  # run's --on-bad-sample
-    if bad_sample is not None and "on_bad_sample" in names:
-        values["on_bad_sample"] = bad_sample
-    elif bad_sample == "skip":
-        raise SystemExit(
-            f"run: --on-bad-sample skip: the build_graph() of {args.graph!r} takes no "
-            "on_bad_sample option, so its reward nodes decide (a bad score raises by default); "
-            "add the option to the graph, or set it on the reward node (on_bad_sample='skip')"
-        )
     return values
+
+
+_NOT_FLAGS = ("set", "graph", "func", "command")
+"""Names in the parsed flags that are no flag a user types."""
+
+
+def shown_graph(target: str) -> str:
+    """How a message names the graph ``target``: a ready graph by its name (``text_ppo``, as
+    ``yatt-graph run text_ppo`` takes it from any folder), another as given."""
+    path = graph_file(target)
+    return path.stem if path is not None and _ready_graph(target) else target
+
+
+def _ready_graphs_with(key: str, text: str, but: str) -> list[str]:
+    """The ready graphs other than ``but`` that have the option ``key``, read from each one's
+    options (its typed ``CONFIG``, or its ``build_graph`` signature): those that take the
+    value ``text`` for it where any does (an agent graph has ``dynamic_sampling`` only to
+    refuse it), else all that have it."""
+    found, taking = [], []
+    for name in ready_graphs():
+        if name == but:
+            continue
+        target = f"graphs.{name}"
+        try:
+            module = load_graph_module(target)
+        except ImportError:  # a ready graph whose extra is not installed takes nothing here
+            continue
+        options, more = module_options(module)
+        if not any(o.name == key for o in options):
+            continue
+        found.append(name)
+        try:
+            check_config(module, parse_options({key: text}, options, more, target), target)
+        except (TypeError, ValueError):
+            continue
+        taking.append(name)
+    return taking or found
+
+
+def _listed(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def unknown_option(
+    args: argparse.Namespace, key: str, known: list[Option], given: str
+) -> OptionError:
+    """The one line for ``key``, which the graph of ``args`` takes no option for, given as
+    ``given`` (``--set key=value`` or a flag such as ``--vision tiny``): the ready graphs that
+    have it, or the flag of this command it is, or the nearest of the graph's options; and
+    the command that lists them."""
+    graph = shown_graph(args.graph)
+    line = f"unknown option {key!r} for {graph}"
+    if not given.startswith("--set "):
+        line += f" (given by {given})"
+    value = given.partition("=")[2] if given.startswith("--set ") else given.partition(" ")[2]
+    others = [] if key == "on_bad_sample" else _ready_graphs_with(key, value, graph)
+    if key == "on_bad_sample":
+        line += (
+            ": its reward nodes decide what a bad score does (they raise unless built with "
+            "on_bad_sample='skip'); give its build_graph() an on_bad_sample option to take the flag"
+        )
+    elif others:
+        line += f": it is an option of {_listed(others)}, not of {graph}"
+    elif given.startswith("--set ") and key in vars(args) and key not in _NOT_FLAGS:
+        switch = isinstance(getattr(args, key), bool)  # a flag without a value (--quiet)
+        line += f": it is not a graph option but a flag of yatt-graph {args.command}: "
+        line += _flag(key) if switch or not value else f"{_flag(key)} {value}"
+    else:
+        docs = {o.name: o.doc for o in known}
+        line += did_you_mean(nearest(key, [o.name for o in known], docs))
+    return OptionError(f"{line}; `yatt-graph show {graph} --options` lists the options of {graph}")
+
+
+def typed_words(text: str, target: str) -> str:
+    """``text`` (a message of a node or of the graph's config) with the keywords of the graph
+    ``target``'s options written as a ``yatt-graph`` user types them: a flag's option with
+    its flag (``on_bad_sample='skip'``: ``--on-bad-sample skip``, ``rollout=hf``: ``--rollout
+    hf``), another with ``--set`` where it is spelled as Python (``stream=True``: ``--set
+    stream=true``) or follows "set" (``set tis_cap=0``: ``use --set tis_cap=0``). Other mentions
+    (``max_new_tokens=2 more``) are left as they are, and so is ``text`` if the graph does
+    not load."""
+    try:
+        options, _ = module_options(load_graph_module(target))
+    except Exception:  # the message is about that: say it as it is
+        return text
+    keys = sorted((o.name for o in options), key=len, reverse=True)
+    if not keys:
+        return text
+    pattern = re.compile(
+        r"(?<![\w.=-])(?P<verb>set )?(?P<key>" + "|".join(map(re.escape, keys)) + r")="
+        r"(?P<value>'[^']*'|\"[^\"]*\"|[^\s,;)]+)"
+    )
+
+    def typed(match: re.Match[str]) -> str:
+        key, raw = match["key"], match["value"]
+        if text[: match.start()].endswith("--set "):
+            return match[0]  # typed already
+        python = raw[0] in "'\"" or raw in ("True", "False", "None")
+        if raw[0] in "'\"":
+            value, tail = raw[1:-1], ""
+        elif python:
+            value, tail = raw.lower(), ""
+        else:  # a sentence's full stop is no part of the value
+            value = raw.rstrip(".")
+            tail = raw[len(value) :]
+        use = "use " if match["verb"] else ""
+        if key in _NAMED_OPTIONS:
+            return f"{use}{_flag(key)} {shlex.quote(value)}{tail}"
+        if python or use:
+            return f"{use}--set {shlex.quote(f'{key}={value}')}{tail}"
+        return match[0]
+
+    return pattern.sub(typed, text)
 
 
 def _graphs_folder() -> Path | None:
@@ -242,10 +372,20 @@ class RunSetup:
         return options, graph
 
     def notes(self, options: dict[str, Any]) -> list[str]:
-        """What the graph's typed config says about the settings it resolved (its ``notes()``:
-        defaults chosen for the model given, a chat template applied), for the run's first lines."""
-        config = _resolved_config(self.args.graph, options, "notes")
-        return [] if config is None else list(config.notes())
+        """What the graph's typed config says about the settings it resolved, for the run's
+        first lines: its ``run_notes(steps, given)`` (the ready graphs': defaults chosen for
+        the model given, a chat template applied, options set that do nothing, a learning rate
+        that reaches 0 before the last step), else its ``notes()``; keywords as typed."""
+        args = self.args
+        config = _resolved_config(args.graph, options, "notes")
+        if config is None:
+            return []
+        if hasattr(config, "run_notes"):
+            given = {*_set_texts(args.set), *(k for k in _NAMED_OPTIONS if k in options)}
+            notes = config.run_notes(args.steps, given & set(options))
+        else:
+            notes = config.notes()
+        return [typed_words(line, args.graph) for line in notes]
 
     def settings(self, options: dict[str, Any], devices: Any, distributed: bool) -> dict[str, Any]:
         """The run's effective settings, as JSON values, for ``OUT/settings.json`` (what
@@ -279,7 +419,8 @@ class RunSetup:
             return [f"`yatt-graph show {args.graph} --memory --controllers {args.controllers}` "
                     "with this run's options prints it"]  # fmt: skip
         plan = memory_plan(args.graph, options, graph)
-        return plan.device_lines() if plan is not None else []
+        lines = plan.device_lines() if plan is not None else []
+        return [typed_words(line, args.graph) for line in lines]
 
     def executor_factory(self, graph: Any, options: dict, devices: Any, distributed: bool) -> Any:
         """``make_executor()`` for the run (see :func:`runtime.run_executor.executor_factory`)."""

@@ -110,7 +110,10 @@ def test_run_on_three_controllers_matches_the_in_process_run(tmp_path, capsys):
         ),
         (["--controllers", "2", "--restart", "on-failure"], "needs --out DIR"),
         (["--node-timeout", "5"], "apply to controller processes"),
-        (["--on-bad-sample", "skip"], "takes no on_bad_sample option"),
+        (
+            ["--on-bad-sample", "skip"],
+            "unknown option 'on_bad_sample' for toy (given by --on-bad-sample skip)",
+        ),
         (["--devices", "0"], "--devices takes a CPU slot count"),
         (["--steps", "0"], "--steps must be 1 or more, got 0"),
         (["--steps", "-3"], "--steps must be 1 or more, got -3"),
@@ -233,7 +236,7 @@ def test_a_model_folder_that_does_not_load_is_the_users_error_in_one_line(
     assert main([*args, "--controllers", controllers]) == 2
     err = capsys.readouterr().err
     line = next(x for x in err.splitlines() if x.startswith("yatt-graph run: error:"))
-    assert "error: node 'rollout' (Rollout) could not be built: ValueError:" in line
+    assert "error: node 'rollout' (Rollout) could not be built: UsageError:" in line
     assert str(folder) in line
     assert "this is a bug in yatt-graph" not in err
     if controllers != "1":  # (the check below is the node's, the same in every process)

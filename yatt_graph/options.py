@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import inspect
 import json
+import re
 import sys
 import textwrap
 import traceback
@@ -32,16 +33,19 @@ from yatt_graph.refs import load_module, module_file
 __all__ = [
     "REQUIRED",
     "Option",
+    "UnknownOptionError",
     "build_config",
     "check_config",
     "check_options",
     "config_options",
+    "did_you_mean",
     "field_docs",
     "format_options",
     "graph_file",
     "load_graph_module",
     "located",
     "module_options",
+    "nearest",
     "option_table",
     "unknown_keywords",
     "parse_options",
@@ -177,16 +181,63 @@ def format_options(options: list[Option]) -> str:
     return ", ".join(f"{o.name} ({o.label})" for o in options) or "none"
 
 
-def _nearest(name: str, known: list[str]) -> str:
+def nearest(name: str, known: list[str], docs: Mapping[str, str] | None = None) -> list[str]:
+    """The names in ``known`` that ``name`` was likely meant to be, best first (at most 3): the
+    closest spellings (``batch_sise``: ``batch_size``), else those holding each of its words
+    (``kl``: ``kl_coef``, ``kl_estimator``), else those whose doc in ``docs`` says its words
+    (``learning_rate``: ``lr``, whose doc says "learning rate", as does a slip such as
+    ``lerning_rate``); empty if none."""
     import difflib
 
-    near = difflib.get_close_matches(name, known, n=1)
-    return f" (did you mean {near[0]!r}?)" if near else ""
+    scored = sorted(
+        ((difflib.SequenceMatcher(None, name, k).ratio(), k) for k in known), reverse=True
+    )
+    close = [k for r, k in scored if r >= 0.6 and r >= scored[0][0] - 0.1]
+    if close:
+        return close[:3]
+    words = [w for w in name.lower().split("_") if w]
+    parts = [k for k in known if words and all(w in k.split("_") for w in words)]
+    if parts:
+        return parts[:3]
+    phrase, n = " ".join(words), len(words)
+
+    def says(doc: str) -> bool:  # the phrase, or one spelled a letter or two apart
+        said = re.findall(r"[a-z0-9]+", doc.lower())
+        spans = (" ".join(said[i : i + n]) for i in range(len(said) - n + 1))
+        return any(difflib.SequenceMatcher(None, phrase, span).ratio() >= 0.85 for span in spans)
+
+    return [k for k in known if words and says((docs or {}).get(k, ""))][:3]
+
+
+def did_you_mean(near: list[str]) -> str:
+    """`` (did you mean 'a'?)``, `` (did you mean 'a' or 'b'?)``; empty for no name."""
+    if not near:
+        return ""
+    names = [repr(n) for n in near]
+    said = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+    return f" (did you mean {said}?)"
+
+
+class UnknownOptionError(TypeError):
+    """A key that no option of a graph has. It keeps the ``key``, the graph (``where``), its
+    ``options`` and the ``near`` ones, so that a caller can word it for how the key was given
+    (``yatt-graph`` names the flag and ``show --options``); the message lists the options."""
+
+    def __init__(self, key: str, where: str, options: list[Option]):
+        self.key, self.where, self.options = key, where, list(options)
+        self.near = nearest(key, [o.name for o in options], {o.name: o.doc for o in options})
+        super().__init__(
+            f"unknown option {key!r} for {where}{did_you_mean(self.near)}; "
+            f"valid: {format_options(options)}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.key, self.where, self.options)
 
 
 def unknown_keywords(cls: type, unknown: Mapping[str, Any]) -> TypeError:
     """The TypeError for keywords no ``__init__`` of ``cls`` (or of its bases) takes, named
-    for ``cls`` with the nearest known keyword: for a class whose ``__init__`` comes from a
+    for ``cls`` with the nearest known keywords: for a class whose ``__init__`` comes from a
     shared base that takes ``**unknown`` to say so."""
     known = [
         p.name
@@ -195,7 +246,7 @@ def unknown_keywords(cls: type, unknown: Mapping[str, Any]) -> TypeError:
         for p in inspect.signature(klass.__init__).parameters.values()
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"
     ]
-    parts = [f"{name!r}{_nearest(name, known)}" for name in sorted(unknown)]
+    parts = [f"{name!r}{did_you_mean(nearest(name, known))}" for name in sorted(unknown)]
     return TypeError(f"{cls.__name__}() got an unexpected keyword argument {', '.join(parts)}")
 
 
@@ -237,7 +288,8 @@ def parse_options(
     pairs: Mapping[str, str], options: list[Option], more: bool, where: str
 ) -> dict[str, Any]:
     """Text values (``--set key=value``) parsed by each option's type; TypeError naming the
-    key, the value and the type for an unknown key or a value of the wrong type."""
+    key, the value and the type for a value of the wrong type; :class:`UnknownOptionError` (a
+    TypeError) for an unknown key."""
     return _convert_all(pairs, options, more, where, _parse)
 
 
@@ -267,10 +319,7 @@ def _convert_all(
     for key, value in values.items():
         option = by_name.get(key, Option(key, Any) if more else None)
         if option is None:
-            near = _nearest(key, [o.name for o in options])
-            raise TypeError(
-                f"unknown option {key!r} for {where}{near}; valid: {format_options(options)}"
-            )
+            raise UnknownOptionError(key, where, options)
         try:
             converted[key] = convert(option, value)
         except (ValueError, msgspec.ValidationError):

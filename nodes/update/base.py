@@ -144,7 +144,7 @@ class _Update(_Options, _Loop, Offload, _Ranked, Sharing, Node):
             why = "ranks > 1" if packed is not None else f"a {type(self.policy).__name__} policy"
             raise ValueError(
                 f"node {self.name!r}: pack_sequences=True needs a text causal LM trained in one "
-                f"process; it is not built for {why} (set pack_sequences=false)"
+                f"process; it is not built for {why} (set pack_sequences=False)"
             )
         return packed
 

@@ -15,6 +15,13 @@ from typing import Any
 from runtime.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
 from runtime.train.identity import graph_identity, identity_differences
 from yatt_graph import UsageError
+from yatt_graph.options import (
+    UnknownOptionError,
+    check_options,
+    did_you_mean,
+    load_graph_module,
+    module_options,
+)
 
 __all__ = ["export_checkpoint", "export_policy", "policy_node"]
 
@@ -52,6 +59,17 @@ def export_checkpoint(source: str | Path, path: Path) -> tuple[Path, str]:
             "yatt-graph, or not by `yatt-graph run`); load it with the graph in Python "
             "(runtime.train.checkpoint.load_checkpoint) and call save_pretrained"
         )
+    try:  # the options it records, against those the graph takes today
+        check_options(options, *module_options(load_graph_module(ref)), ref)
+    except UnknownOptionError as exc:
+        raise CheckpointError(
+            f"{checkpoint / 'meta.json'} records the option {exc.key!r}={options[exc.key]!r} for "
+            f"{ref}, which takes no such option today{did_you_mean(exc.near)}; rename it in the "
+            "file's graph_options if the option was renamed, or export with the version of the "
+            "graph that wrote the checkpoint"
+        ) from None
+    except TypeError as exc:  # a value of a type the option no longer takes
+        raise CheckpointError(f"{checkpoint / 'meta.json'}: {exc}") from None
     graph = load_graph(ref, **options)
     diffs = identity_differences(meta.get("graph"), graph_identity(graph))
     if diffs:

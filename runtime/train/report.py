@@ -288,8 +288,10 @@ def _graph(
 
 def _status(run: Path, summary: Any) -> str:
     if isinstance(summary, dict) and summary.get("steps") is not None:
+        resumed = summary.get("resumed_at")
+        part = f" (resumed at step {resumed})" if resumed else ""
         return (
-            f"finished: {summary['steps']} steps in {summary.get('wall_s', 0):.1f} s, "
+            f"finished: {summary['steps']} steps{part} in {summary.get('wall_s', 0):.1f} s, "
             f"{summary.get('samples_per_s', 0):.1f} samples/s"
         )
     from runtime.pids import pid_alive

@@ -19,6 +19,7 @@ from typing import Any
 from runtime.train.checkpoint import checkpoint_step, checkpoints, find_checkpoint, save_checkpoint
 from runtime.train.export import export_policy, policy_node
 from runtime.train.identity import graph_identity
+from runtime.train.metrics import read_metrics
 from runtime.train.run_flags import check_flags, same_folder
 from runtime.train.run_folder import (
     RunLock,
@@ -86,6 +87,10 @@ def _run_in_folder(args: Any, out: Path | None, devices: Any, distributed: bool,
     if out is not None:  # what `yatt-graph report` shows of the run, even if it stops early
         record_run(out, setup.settings(options, devices, distributed), graph)
     resume = resume_point(args, graph, out if resuming_here else None)
+    start = (checkpoint_step(resume) or 0) if resume is not None else 0
+    earlier_s = 0.0  # the wall time of the steps before ``start``, for the summary
+    if resume is not None and out is not None:
+        earlier_s = _continue_record(out, run_folder_of(Path(args.resume)), start)
     meta = {"graph_ref": args.graph, "graph_options": options}
 
     make_executor = setup.executor_factory(graph, options, devices, distributed)
@@ -137,8 +142,44 @@ def _run_in_folder(args: Any, out: Path | None, devices: Any, distributed: bool,
     code = 0
     if export is not None:
         code = _export(graph, export, out, final, {**meta, "graph": graph_identity(graph)})
-    print_summary(args, rows, device_lines, out, wall_s=time.perf_counter() - started)
+    wall_s = time.perf_counter() - started
+    if out is not None and start > 0:  # the summary covers the run from step 0, not this part
+        rows, wall_s = read_metrics(out), wall_s + earlier_s
+    print_summary(args, rows, device_lines, out, wall_s=wall_s, resumed_at=start)
     return code
+
+
+def _continue_record(out: Path, source: Path, start: int) -> float:
+    """Before a run resumed at step ``start`` (from the run folder ``source``) goes on in
+    ``out``: where ``out`` is another folder (``--resume A --out B``) holding no rows yet, the
+    metric rows of steps 0 to ``start - 1`` are carried over, so that it records the whole run;
+    the summary of the earlier part goes (the run writes one of the whole at its end). Returns
+    the earlier steps' wall time: that summary's, where it ended at ``start``, else the sum of
+    their ``time/step``."""
+    earlier = _read_summary(source)
+    (out / "summary.json").unlink(missing_ok=True)
+    rows = read_metrics(source) if (source / "metrics.jsonl").is_file() else []
+    rows = [r for r in rows if r["step"] < start]
+    if not same_folder(str(out), str(source)) and not (out / "metrics.jsonl").is_file():
+        (out / "metrics.jsonl").write_text(
+            "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows), encoding="utf-8"
+        )
+    if earlier.get("last_step") == start - 1 and isinstance(earlier.get("wall_s"), int | float):
+        return float(earlier["wall_s"])
+    return sum(_number(r.get("time/step")) for r in rows)
+
+
+def _read_summary(folder: Path) -> dict[str, Any]:
+    try:
+        summary = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
+def _number(value: Any) -> float:
+    """A metric's value as a float; 0 for one a row does not hold (None: not finite)."""
+    return float(value) if isinstance(value, int | float) else 0.0
 
 
 def resume_point(args: Any, graph: Any, here: Path | None) -> Path | None:
@@ -176,11 +217,15 @@ def _interrupted(exc: KeyboardInterrupt, out: Path | None) -> int:
     return code
 
 
-def run_summary(rows: list[dict], window: int, wall_s: float) -> dict[str, Any]:
-    """What the closing JSON line says: steps run, wall time, samples/s, the mean reward of
-    the first and the last ``window`` steps (None without a reward), the last val/reward."""
-    rewards = [r["scores/mean"] for r in rows if "scores/mean" in r]
-    samples = sum(r.get("samples_per_s", 0.0) * r.get("time/step", 0.0) for r in rows)
+def run_summary(
+    rows: list[dict], window: int, wall_s: float, resumed_at: int = 0
+) -> dict[str, Any]:
+    """What the closing JSON line says of the run's ``rows`` (from step 0, restored steps
+    too): steps, wall time, samples/s, the mean reward of the first and the last ``window``
+    steps (None without a reward), the last val/reward, and ``resumed_at``, the step this
+    part of a resumed run started at (absent for a run from step 0)."""
+    rewards = [r["scores/mean"] for r in rows if isinstance(r.get("scores/mean"), int | float)]
+    samples = sum(_number(r.get("samples_per_s")) * _number(r.get("time/step")) for r in rows)
     summary: dict[str, Any] = {
         "steps": len(rows),
         "last_step": rows[-1]["step"] if rows else None,
@@ -190,25 +235,35 @@ def run_summary(rows: list[dict], window: int, wall_s: float) -> dict[str, Any]:
         "reward_last": None,
         "window": 0,
     }
+    if resumed_at:
+        summary["resumed_at"] = resumed_at
     if rewards:
         window = max(1, min(window, len(rewards) // 2))
         summary["window"] = window
         summary["reward_first"] = round(sum(rewards[:window]) / window, 6)
         summary["reward_last"] = round(sum(rewards[-window:]) / window, 6)
-    val = [r["val/reward"] for r in rows if "val/reward" in r]
+    val = [r["val/reward"] for r in rows if isinstance(r.get("val/reward"), int | float)]
     if val:
         summary["val_reward_last"] = round(val[-1], 6)
     return summary
 
 
 def print_summary(
-    args: Any, rows: list[dict], device_lines: list[str], out: Any, wall_s: float = 0.0
+    args: Any,
+    rows: list[dict],
+    device_lines: list[str],
+    out: Any,
+    wall_s: float = 0.0,
+    resumed_at: int = 0,
 ) -> None:
-    """The closing lines: reward, utilization, devices, skipped samples, where the files are,
-    and last a one-line JSON summary (:func:`run_summary`; also ``OUT/summary.json``)."""
-    summary = run_summary(rows, args.window, wall_s)
+    """The closing lines of the run's ``rows`` (from step 0; ``wall_s`` its time, the earlier
+    part's steps counted by their ``time/step`` when it was resumed at step ``resumed_at``):
+    reward, utilization, devices, skipped samples, where the files are, and last a one-line
+    JSON summary (:func:`run_summary`; also ``OUT/summary.json``)."""
+    summary = run_summary(rows, args.window, wall_s, resumed_at)
+    part = f" (resumed at step {resumed_at})" if resumed_at else ""
     print(
-        f"{summary['steps']} steps in {summary['wall_s']:.1f} s: "
+        f"{summary['steps']} steps{part} in {summary['wall_s']:.1f} s: "
         f"{summary['samples_per_s']:.1f} samples/s"
     )
     if summary["reward_first"] is not None:
@@ -218,9 +273,9 @@ def print_summary(
         print(f"validation reward (greedy), last pass: {summary['val_reward_last']:.3f}")
     util_keys = sorted({k for r in rows for k in r if k.startswith("util/")})
     if util_keys:
+        busy = {k: sum(_number(r.get(k)) for r in rows) / len(rows) for k in util_keys}
         shares = [
-            f"{k.removeprefix('util/').replace('_', ' ')} {100 * sum(r.get(k, 0.0) for r in rows) / len(rows):.0f}%"
-            for k in util_keys
+            f"{k.removeprefix('util/').replace('_', ' ')} {100 * b:.0f}%" for k, b in busy.items()
         ]
         print("utilization (busy share of each step): " + ", ".join(shares))
     for line in device_lines:

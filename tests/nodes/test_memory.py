@@ -84,7 +84,7 @@ def test_one_module_of_a_share_key_counts_once_and_a_plan_says_what_will_not_fit
                                               ("weights", "optimizer", "snapshots")))  # fmt: skip
     small = MemoryPlan(plan.load, plan.rows, runtime=plan.runtime, room={"cpu": plan.runtime})
     assert not small.fits()
-    assert any("WILL NOT FIT" in line and "micro_batch_tokens" in line for line in small.lines())
+    assert any("WILL NOT FIT" in line for line in small.lines())  # (a config says what to do)
     # two controllers: a module per process, and each process has its runtime
     split = plan_memory(graph, LOAD, {"rollout": "0", "reference": "1", "grpo": "1"})
     rows = {name: parts for name, _, _, parts in split.rows}
