@@ -138,7 +138,7 @@ def sample_and_score(
         g.discard(sample.rollout_logprobs)  # the sampler's logprobs are the ones the update takes
     reward = reward_from_option(
         config.reward, on_bad_sample=config.on_bad_sample, name="reward",
-        micro_batch_tokens=config.micro_batch_tokens,
+        micro_batch_tokens=config.micro_batch_tokens, device=device,
     )  # fmt: skip
     _check_meta(source, reward)
     extra: dict[str, Handle] = {}
@@ -257,6 +257,8 @@ def _validation(
         batch_size=config.batch_size,
         max_new_tokens=config.max_new_tokens,
         max_prompt_tokens=config.max_prompt_tokens,
+        stop=config.stop,
+        micro_batch_tokens=config.micro_batch_tokens,
         image_input=image_input,
         vision=tower if image_input == "image_embeds" else None,
         keys=data_keys(config),

@@ -76,6 +76,8 @@ class AgentConfig(TextGRPOConfig, kw_only=True, forbid_unknown_fields=True):
         idle = super().idle_options()
         for name in (*self._unsupported(), "val_every", "val_rows"):
             idle[name] = "a graph without an environment (text_grpo)"
+        if self.data is None:  # the environment scores; only a row of --data can be bad
+            idle["on_bad_sample"] = "data (it skips bad rows of --data)"
         return idle
 
 

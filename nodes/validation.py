@@ -12,7 +12,7 @@ it samples nothing, so its figures are the same for the same weights.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,6 +40,8 @@ class GreedyValidation(Node):
         batch_size: rows decoded together.
         max_new_tokens: the longest response.
         max_prompt_tokens: as the rollout's (a longer prompt keeps its last this many tokens).
+        stop: stop strings, as the rollout's (a response ends with the token that completes one).
+        micro_batch_tokens: the reward's token budget, as the run's reward node has it.
         image_input: ``"none"`` (text), ``"images"`` (an HF VLM reads them) or
             ``"image_embeds"`` (a prefix-VLM: ``vision`` encodes them).
         vision: :class:`nodes.vision.VisionEncoder` keyword arguments (with image_embeds).
@@ -65,6 +67,8 @@ class GreedyValidation(Node):
         batch_size: int = 16,
         max_new_tokens: int = 16,
         max_prompt_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        micro_batch_tokens: int = 0,
         image_input: str = "none",
         vision: Mapping[str, Any] | None = None,
         keys: Mapping[str, str] | None = None,
@@ -85,6 +89,9 @@ class GreedyValidation(Node):
         self.every, self.rows, self.batch_size = every, rows, batch_size
         self.max_new_tokens, self.image_input = max_new_tokens, image_input
         self.max_prompt_tokens = max_prompt_tokens
+        if isinstance(stop, str):
+            raise ValueError(f"node {self.name!r}: stop must be a list of strings, got {stop!r}")
+        self.stop = [str(x) for x in stop]
         self.vision = dict(vision or {})
         self.device = device
         self.calls = 0
@@ -102,8 +109,9 @@ class GreedyValidation(Node):
             **dict(keys or {}),
         )
         self.reward = reward_from_option(
-            reward, on_bad_sample=on_bad_sample, name=f"{self.name}_reward"
-        )
+            reward, on_bad_sample=on_bad_sample, name=f"{self.name}_reward",
+            micro_batch_tokens=micro_batch_tokens, device=device,
+        )  # fmt: skip
 
     def build(self) -> None:
         self.policy = build_policy(self.policy_spec).to(self.device).eval()
@@ -150,7 +158,10 @@ class GreedyValidation(Node):
                 self.policy, batch, prompts[part], max_new_tokens=self.max_new_tokens,
                 max_prompt_tokens=self.max_prompt_tokens, who=f"node {self.name!r}",
             )  # fmt: skip
-            out = self.policy.generate(batch, max_new_tokens=self.max_new_tokens, temperature=0.0)
+            out = self.policy.generate(
+                batch, max_new_tokens=self.max_new_tokens, temperature=0.0,
+                stop_strings=self.stop,
+            )  # fmt: skip
             texts += out.texts
             lengths += out.response_lengths.tolist()
         score_kwargs: dict[str, Any] = {"texts": texts, "meta": meta}

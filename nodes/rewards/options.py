@@ -91,9 +91,17 @@ def _bad(value: str, why: str) -> ValueError:
 BUDGETED = ("model", "judge")
 """The kinds whose node reads every response with a model: they take ``micro_batch_tokens``."""
 
+ON_DEVICE = ("clip", "model", "judge")
+"""The kinds whose node runs a model: they take the run's ``device``."""
+
 
 def reward_from_option(
-    value: str, *, on_bad_sample: str = "raise", name: str = "reward", micro_batch_tokens: int = 0
+    value: str,
+    *,
+    on_bad_sample: str = "raise",
+    name: str = "reward",
+    micro_batch_tokens: int = 0,
+    device: str = "cpu",
 ) -> RewardNode:
     """The reward node that the option string ``value`` names (see the module's table).
 
@@ -104,6 +112,7 @@ def reward_from_option(
         name: the node's name in the graph.
         micro_batch_tokens: for the kinds in :data:`BUDGETED`, at most this many padded tokens
             a forward pass (0: rows only); the others read no model.
+        device: where the kinds in :data:`ON_DEVICE` run their model (a rule runs in Python).
 
     Raises:
         ValueError: a spelling that is none of the above (the message lists them), or a rule
@@ -123,6 +132,8 @@ def reward_from_option(
     kind, colon, rest = value.partition(":")
     if kind in BUDGETED and micro_batch_tokens:
         options["micro_batch_tokens"] = int(micro_batch_tokens)
+    if kind in ON_DEVICE:
+        options["device"] = device
     if kind in REWARD_KINDS:
         return REWARD_KINDS[kind](rest if colon else None, options)
     if not rest or not kind:

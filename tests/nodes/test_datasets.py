@@ -464,3 +464,22 @@ def test_a_prompt_of_chat_messages_is_read_as_messages(tmp_path):
         Exception, match=r"row 2, column 'prompt': a prompt is text or a list of chat"
     ):
         DatasetSource(str(_jsonl(tmp_path / "d.jsonl", rows)), shuffle=False, batch_size=2).run()
+
+
+def test_validation_decodes_with_the_stop_strings(tmp_path):
+    """Greedy validation ends a response at a stop string, as the rollout does: with every
+    printable character a stop string, each response is its first token."""
+    import string
+
+    from nodes.validation import GreedyValidation
+
+    data = str(_jsonl(tmp_path / "v.jsonl", [{"prompt": p, "answer": "x"} for p in ("red", "a")]))
+    (tmp_path / "lengths.py").write_text("def score(text, meta):\n    return float(len(text))\n")
+    kwargs = {"every": 1, "rows": 2, "max_new_tokens": 12}
+    reward = f"{tmp_path / 'lengths.py'}:score"
+    free = GreedyValidation("tiny-gpt2", data, reward, **kwargs).run()["val"]
+    stopped = GreedyValidation(
+        "tiny-gpt2", data, reward, stop=list(string.printable), **kwargs
+    ).run()["val"]
+    assert free["response_length"] > 2, free
+    assert stopped["response_length"] == 1, stopped
