@@ -122,7 +122,6 @@ def _check_model_type(fn: str, path: Path, config: dict[str, Any]) -> None:
 def _check_weights(fn: str, path: Path) -> None:
     """Weight files ``from_pretrained`` reads, every shard an index names, and safetensors
     headers that read."""
-    from safetensors import safe_open
 
     present = [name for name in WEIGHT_FILES if (path / name).is_file()]
     if not present:
@@ -153,14 +152,22 @@ def _check_weights(fn: str, path: Path) -> None:
                 "copy every file it lists (a download or copy stopped part way?)"
             )
     for weights in sorted(path.glob("*.safetensors")):
-        try:
-            with safe_open(str(weights), "pt"):
-                pass
-        except Exception as exc:  # safetensors raises its own error class
-            raise UsageError(
-                f"{fn}: {str(weights)!r} cannot be read ({exc}); the file is truncated or "
-                "corrupt: save the model again"
-            ) from exc
+        _check_safetensors(fn, weights, "model")
+
+
+def _check_safetensors(fn: str, file: Path, what: str) -> None:
+    """A safetensors file whose header reads; else one UsageError saying to save ``what``
+    again."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), "pt"):
+            pass
+    except Exception as exc:  # safetensors raises its own error class
+        raise UsageError(
+            f"{fn}: {str(file)!r} cannot be read ({exc}); the file is truncated or "
+            f"corrupt: save the {what} again"
+        ) from exc
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")

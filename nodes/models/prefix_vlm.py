@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from nodes.chat import chat_messages
 from nodes.models.files import (
+    _check_safetensors,
     _load_pretrained,
     _load_tokenizer,
     _loading,
@@ -211,8 +212,6 @@ def check_prefix_files(fn: str, path: Path) -> dict[str, Any]:
     """What a saved prefix-VLM's own files hold (``prefix_vlm.json``'s integers), checked with
     ``projector.safetensors`` (present, its header readable) before anything loads; each
     failure is one UsageError naming the file. The ``lm/`` checkpoint is checked on its own."""
-    from safetensors import safe_open
-
     marker = path / _PREFIX_MARKER
     meta = _read_json(fn, marker, "saved PrefixVLM")
     for key in ("image_dim", "num_prefix_tokens"):
@@ -227,14 +226,7 @@ def check_prefix_files(fn: str, path: Path) -> dict[str, Any]:
             f"{fn}: {str(projector)!r} is missing (the image projector of the prefix-VLM in "
             f"{str(path)!r}); copy it there too, or save the policy again"
         )
-    try:
-        with safe_open(str(projector), "pt"):
-            pass
-    except Exception as exc:  # safetensors raises its own error class
-        raise UsageError(
-            f"{fn}: {str(projector)!r} cannot be read ({exc}); the file is truncated or "
-            "corrupt: save the policy again"
-        ) from exc
+    _check_safetensors(fn, projector, "policy")
     return meta
 
 
