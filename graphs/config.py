@@ -22,18 +22,16 @@ the README's figures were measured with.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from collections.abc import Collection
-from pathlib import Path
 from typing import Any, Literal, Self
 
 import msgspec
 
 from graphs.checks import at_least, check_choices, positive, refuse, within
 from nodes.data import TASKS
-from nodes.models.families import has_chat_template, is_tiny_dir
+from nodes.models.families import has_chat_template, is_tiny_dir, model_positions
 from nodes.models.sampling import MIN_TEMPERATURE, temperature_problem
 from nodes.rl.advantages import GROUP_ESTIMATORS
 from nodes.rl.advantages import KLKind as KLEstimator
@@ -73,29 +71,17 @@ def users_model(policy: str | dict[str, Any]) -> bool:
     return path is not None and not is_tiny_dir(path)
 
 
-def model_positions(policy: str | dict[str, Any]) -> int | None:
-    """Positions one sequence may take in a model folder's config.json (its text part's
-    ``max_position_embeddings`` or ``n_positions``; a prefix-VLM's ``lm/``), or None."""
+def _positions(policy: str | dict[str, Any]) -> int | None:
+    """The context of a policy given as a folder (:func:`model_positions`), else None."""
     path = policy.get("path") if isinstance(policy, dict) else policy
-    if not isinstance(path, str):
-        return None
-    for config in (Path(path) / "config.json", Path(path) / "lm" / "config.json"):
-        try:
-            read = json.loads(config.read_text())
-        except (OSError, ValueError):
-            continue
-        for part in (read.get("text_config") or {}, read):
-            n = part.get("max_position_embeddings") or part.get("n_positions")
-            if isinstance(n, int) and n > 0:
-                return n
-    return None
+    return model_positions(path) if isinstance(path, str) else None
 
 
 def fitted_new_tokens(policy: str | dict[str, Any], default: int) -> tuple[int, str]:
     """``max_new_tokens`` for a model of the user's when left to its default: the default
     where it leaves at least as many positions for the prompt, else half the model's context,
     with the note the run prints (empty where nothing was fitted)."""
-    positions = model_positions(policy)
+    positions = _positions(policy)
     if positions is None or 2 * default <= positions:
         return default, ""
     fitted = max(1, positions // 2)

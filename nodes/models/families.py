@@ -19,7 +19,14 @@ from typing import Any, Literal
 
 import torch
 
-from nodes.models.files import _check_checkpoint_dir, _found, _local_dir, _read_json
+from nodes.models.files import (
+    _check_checkpoint_dir,
+    _check_model_type,
+    _found,
+    _local_dir,
+    _read_json,
+    config_positions,
+)
 from nodes.models.hf_causal import HFCausalPolicy
 from nodes.models.hf_vlm import HFVisionLanguagePolicy
 from nodes.models.lora import apply_lora, check_lora_spec
@@ -41,6 +48,7 @@ __all__ = [
     "load_policy",
     "has_chat_template",
     "is_tiny_dir",
+    "model_positions",
     "model_family",
 ]
 
@@ -89,11 +97,7 @@ def model_family(path: str | Path) -> Family:
         return "vlm"
     if is_causal:
         return "causal-lm"
-    if not isinstance(model_type, str) or not model_type:
-        raise UsageError(
-            f"{fn}: {str(path / 'config.json')!r} names no model_type, so it is not a "
-            "transformers config; give a directory written by save_pretrained"
-        )
+    _check_model_type(fn, path, config)  # a config transformers knows, at the least
     arch = f" ({', '.join(architectures)})" if architectures else ""
     raise UsageError(
         f"{fn}: {str(path)!r} holds a {model_type!r} model{arch}; yatt-graph loads causal LMs "
@@ -117,6 +121,21 @@ def check_model_dir(path: str | Path, who: str = "load_policy") -> Family:
     else:
         _check_checkpoint_dir(who, path, "processor" if family == "vlm" else "tokenizer")
     return family
+
+
+def model_positions(path: str | Path) -> int | None:
+    """Positions one sequence may take in a model folder (:func:`config_positions` of its
+    ``config.json``; a prefix-VLM's ``lm/``), read from the file alone; None where it names
+    none or cannot be read."""
+    folder = Path(path)
+    for config in (folder / "config.json", folder / "lm" / "config.json"):
+        try:
+            read = json.loads(config.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(read, dict) and (n := config_positions(read)):
+            return n
+    return None
 
 
 def is_tiny_dir(path: str | Path) -> bool:

@@ -238,11 +238,18 @@ def _loading(fn: str, path: Path, what: str = "") -> Iterator[None]:
 
 
 def config_positions(config: Any) -> int | None:
-    """Positions one sequence may take under a transformers config (its text part's
-    ``max_position_embeddings`` or ``n_positions``); None if it names none."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 0)
-    return int(n) if n else None
+    """Positions one sequence may take under a transformers config, or a ``config.json``
+    read as a dict (its text part's ``max_position_embeddings`` or ``n_positions``); None if
+    it names none."""
+    if isinstance(config, dict):
+        text = config.get("text_config")
+        parts = [text, config] if isinstance(text, dict) else [config]
+        found = [p.get("max_position_embeddings") or p.get("n_positions") for p in parts]
+        n = next((x for x in found if isinstance(x, int) and not isinstance(x, bool)), 0)
+    else:
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 0)
+    return int(n) if n and n > 0 else None
 
 
 def _load_pretrained(

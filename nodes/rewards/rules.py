@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from nodes.chat import chat_messages
 from nodes.rewards.base import RewardNode
 from yatt_graph import UsageError
 from yatt_graph.refs import import_ref
@@ -164,7 +165,7 @@ class RuleReward(RewardNode):
         prompts = list(prompts or [""] * len(texts))
         # As TRL: where a prompt is chat messages, its completion is one assistant message.
         completions = [
-            [{"role": "assistant", "content": text}] if isinstance(p, list | tuple) else text
+            [{"role": "assistant", "content": text}] if chat_messages(p) is not None else text
             for p, text in zip(prompts, texts)
         ]
         try:
