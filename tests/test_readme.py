@@ -18,15 +18,14 @@ import json
 import re
 import shlex
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cli_helpers import yatt
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
-YATT = str(Path(sys.executable).with_name("yatt-graph"))
 STEPS = {"500": "4", "1000": "6", "300": "2"}
 """--steps of the README -> the steps run here (a resumed run continues past the first)."""
 EVERY = {"50": "2", "20": "2"}
@@ -103,8 +102,7 @@ def user_folder(tmp_path_factory) -> Path:
 
 
 def _yatt(cwd: Path, command: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    done = subprocess.run([YATT, *shlex.split(command)], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    done = yatt(cwd, *shlex.split(command), timeout=timeout)
     assert done.returncode == 0, f"{command}: exit {done.returncode}\n{done.stderr[-4000:]}"
     return done
 

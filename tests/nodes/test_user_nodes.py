@@ -12,25 +12,19 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import YATT, yatt
 
 from nodes.agents import ToolEnv
 from nodes.data import task_vocabulary
 from yatt_graph import UsageError
 
-YATT = str(Path(sys.executable).with_name("yatt-graph"))
-SMOLLM2 = Path.home() / ".cache" / "yatt-graph" / "SmolLM2-135M-Instruct"
 PROMPT = "what color is the shape ?"  # a task prompt (the shapes task's colour question)
-
-
-def yatt(cwd: Path, *argv: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([YATT, *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def one_error_line(done: subprocess.CompletedProcess) -> str:
@@ -171,15 +165,14 @@ def test_every_part_a_model_folder_can_lack_is_named_with_its_fix(saved, tmp_pat
     assert check_model_dir(saved / "vlm") == "vlm"  # a whole folder passes
 
 
-@pytest.mark.skipif(not SMOLLM2.is_dir(), reason="the prepared SmolLM2-135M-Instruct")
 @pytest.mark.timeout(300)
-def test_the_real_model_without_its_tokenizer_is_one_line_not_a_bug(tmp_path):
+def test_the_real_model_without_its_tokenizer_is_one_line_not_a_bug(real_model, tmp_path):
     """The report: SmolLM2's config.json and weights, no tokenizer. The weights are linked,
     not copied; nothing loads them."""
     folder = tmp_path / "smol"
     folder.mkdir()
-    shutil.copy(SMOLLM2 / "config.json", folder / "config.json")
-    os.symlink(SMOLLM2 / "model.safetensors", folder / "model.safetensors")
+    shutil.copy(real_model / "config.json", folder / "config.json")
+    os.symlink(real_model / "model.safetensors", folder / "model.safetensors")
     done = yatt(tmp_path, "run", "text_grpo", "--policy", "smol", "--steps", "1", "--quiet")
     line = one_error_line(done)
     assert "'smol' holds no tokenizer (none of tokenizer.json" in line, line
