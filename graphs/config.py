@@ -32,11 +32,12 @@ import msgspec
 from graphs.checks import at_least, check_choices, positive, refuse, within
 from nodes.data import TASKS
 from nodes.models.families import has_chat_template, is_tiny_dir, model_positions
+from nodes.models.precision import PRECISIONS, native_bf16
 from nodes.models.sampling import MIN_TEMPERATURE, temperature_problem
 from nodes.rl.advantages import GROUP_ESTIMATORS
 from nodes.rl.advantages import KLKind as KLEstimator
 from nodes.rl.aggregate import Aggregation
-from nodes.update.schedule import LR_SCHEDULES, PRECISIONS
+from nodes.update.schedule import LR_SCHEDULES
 from yatt_graph.options import build_config, check_options, config_options
 
 __all__ = ["GRPOConfig", "MultimodalPPOConfig", "PPOConfig", "RLConfig", "TextGRPOConfig"]
@@ -48,15 +49,42 @@ Schedule = Literal[LR_SCHEDULES]  # type: ignore[valid-type]
 Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
 
 
-AUTO: dict[str, tuple[float, float]] = {
+CPU_BUDGET = 1024
+"""A model's default ``micro_batch_tokens`` on the CPU: the measured fastest and smallest of the
+budgets tried on SmolLM2-135M (docs/PERFORMANCE.md, "A real pretrained model")."""
+
+
+def _model_device(config: RLConfig) -> str:
+    """Where ``config``'s model nodes run: ``cuda`` or ``cpu`` (``device=auto`` resolved)."""
+    if config.device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return config.device
+
+
+def _model_precision(config: RLConfig) -> str:
+    """bf16 autocast where the model nodes' device does bf16 math in hardware, else float32."""
+    return "bf16" if native_bf16(_model_device(config)) else "no"
+
+
+def _model_budget(config: RLConfig) -> int:
+    """:data:`CPU_BUDGET` on the CPU; on CUDA the whole batch at once (0)."""
+    return CPU_BUDGET if _model_device(config) == "cpu" else 0
+
+
+AUTO: dict[str, tuple[Any, Any]] = {
     "lr": (1e-3, 1e-6),
     "max_new_tokens": (2, 256),
     "epochs": (2, 1),
     "entropy_coef": (0.01, 0.0),
     "kl_coef": (0.05, 0.001),
     "critic_lr": (1e-3, 1e-5),
+    "mixed_precision": ("no", _model_precision),
+    "micro_batch_tokens": (0, _model_budget),
 }
-"""Option -> (its default with a tiny policy, with a model of the user's), for options left None."""
+"""Option -> (its default with a tiny policy, with a model of the user's), for options left
+None; a function of the config stands for a model's default that depends on its device."""
 
 
 TINY_TEXT_LMS = ("tiny-gpt2", "tiny-llama", "tiny-qwen2")
@@ -139,10 +167,11 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Optimizer passes over each step's batch (>= 1); none: 2 with the tiny policy, 1 a model."""
     mini_batches: int = 1
     """Optimizer steps per pass (>= 1), each on that share of the batch (whole prompts)."""
-    micro_batch_tokens: int = 0
-    """Budget (padded tokens) of one forward of the update, reference, critic, reward model, judge.
+    micro_batch_tokens: int | None = None
+    """Padded tokens of one forward (0: all at once); none: 1024 with a model on the CPU, else 0.
 
-    0: the whole batch at once (a reward model or judge: its rows). Rows are sorted by length
+    It bounds the update's, reference's, critic's, reward model's and judge's forwards; 0 takes
+    the whole batch at once (a reward model or judge: its rows). Rows are sorted by length
     and the update accumulates gradients, so the step is the unsplit one up to float rounding,
     and memory stays bounded whatever the batch size."""
     pack_sequences: bool = False
@@ -164,8 +193,12 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tis_cap: float | None = None
     """Truncated importance sampling: weigh each token's loss by min(pi_trainer / pi_sampler,
     tis_cap) (>= 0; 0: off); none: 2 with rollout=vllm, 0 otherwise."""
-    mixed_precision: Precision = "no"
-    """bf16: the update's forward passes in bfloat16 autocast, float32 weights and AdamW state."""
+    mixed_precision: Precision | None = None
+    """bf16: the update's forwards in bf16 autocast; none: bf16 with a model on bf16 hardware, else no.
+
+    The weights and the AdamW state stay float32. bf16 hardware is a CUDA GPU with bf16 or a CPU
+    with AVX512-BF16 or AMX (elsewhere bf16 is emulated and no faster); on such a CPU bf16 made
+    SmolLM2-135M's update 1.5x faster (docs/PERFORMANCE.md)."""
     weight_decay: float = 0.0
     """AdamW weight decay (>= 0) of the trained models."""
     max_grad_norm: float = 1.0
@@ -256,7 +289,7 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """With train_ranks > 1: fsdp (FSDP2: weights, gradients, Adam state 1/K per rank) or ddp."""
 
     def __post_init__(self) -> None:
-        self._resolve(("lr", "max_new_tokens", "epochs", "entropy_coef", "kl_coef"))
+        self._resolve()
         check_choices(self)
         if self.task not in TASKS:
             refuse("task", self.task, f"one of {', '.join(TASKS)}")
@@ -309,17 +342,19 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 "stream=false"
             )
 
-    def _resolve(self, names: tuple[str, ...]) -> None:
-        """Give each of ``names`` left None its :data:`AUTO` default for this policy; a
+    def _resolve(self) -> None:
+        """Give each :data:`AUTO` option of this config left None its default for this policy; a
         default ``max_new_tokens`` that cannot fit the model's context is fitted to it
         (:func:`fitted_new_tokens`)."""
         which = int(users_model(self.policy))
-        for name in names:
-            if getattr(self, name) is None:
+        for name in AUTO:
+            if getattr(self, name, 0) is None:
                 value = AUTO[name][which]
-                if name == "max_new_tokens" and which:
+                if callable(value):
+                    value = value(self)
+                elif name == "max_new_tokens" and which:
                     value = fitted_new_tokens(self.policy, int(value))[0]
-                setattr(self, name, type(value)(value))
+                setattr(self, name, value)
 
     @property
     def prompts_drawn(self) -> int:
@@ -344,15 +379,20 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         }
         return {name: need for name, (need, active) in when.items() if not active}
 
-    def notes(self) -> list[str]:
+    def notes(self, given: Collection[str] = ()) -> list[str]:
         """What a run should say about these settings before its first step: the defaults
-        chosen for a model of the user's, and whether its chat template formats the prompts."""
+        chosen for a model of the user's (of the options not in ``given``, those the user
+        set), and whether its chat template formats the prompts."""
         if not users_model(self.policy):
             return []
-        chosen = ", ".join(f"{k}={getattr(self, k)}" for k in AUTO if hasattr(self, k))
-        notes = [f"defaults for a model of your own (each --set overrides): {chosen}"]
+        chosen = [f"{k}={getattr(self, k)}" for k in AUTO if hasattr(self, k) and k not in given]
+        notes = []
+        if chosen:
+            notes.append(
+                f"defaults for a model of your own (each --set overrides): {', '.join(chosen)}"
+            )
         fitted, why = fitted_new_tokens(self.policy, int(AUTO["max_new_tokens"][1]))
-        if why and self.max_new_tokens == fitted:
+        if why and "max_new_tokens" not in given and self.max_new_tokens == fitted:
             notes.append(why)
         path = self.policy["path"] if isinstance(self.policy, dict) else self.policy
         if has_chat_template(path):
@@ -366,7 +406,7 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """What a run of ``steps`` steps (counted from 0, restored ones too) should say before
         its first: :meth:`notes`, each option in ``given`` (those the user set) that does
         nothing with these settings, and a learning rate that reaches 0 before the last step."""
-        notes = self.notes()
+        notes = self.notes(given)
         idle = self.idle_options()
         for name in sorted(set(given) & set(idle)):
             notes.append(f"{name} does nothing with these settings: it needs {idle[name]}")
@@ -412,7 +452,6 @@ class PPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._resolve(("critic_lr",))
         positive("critic_lr", self.critic_lr)
         within("gamma", self.gamma, 0.0, 1.0)
         within("lam", self.lam, 0.0, 1.0)

@@ -44,7 +44,7 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
         critic_spec = {**s.spec, "seed": seed + 1} if "seed" in s.spec else s.spec
         critic = Critic(
             critic=critic_spec, head_seed=seed, share="critic", device=s.device, name="critic",
-            micro_batch_tokens=config.micro_batch_tokens,
+            micro_batch_tokens=config.micro_batch_tokens, precision=config.mixed_precision,
         )  # fmt: skip
         values = critic(**s.tensors, **s.image_port)
         adv = GAEAdvantage(gamma=config.gamma, lam=config.lam, kl_coef=config.kl_coef, name="gae")(

@@ -130,6 +130,7 @@ def sample_and_score(
         stream=config.stream,
         device=device,
         vllm_options=vllm_options(config) if config.rollout == "vllm" else None,
+        precision=config.mixed_precision,
         name="rollout",
     )
     sample = rollout(prompts=data.prompts, **image_port)
@@ -167,7 +168,7 @@ def sample_and_score(
     if reference:
         node = ReferenceLogprobs(
             policy=spec, temperature=config.temperature, device=device, name="reference",
-            micro_batch_tokens=config.micro_batch_tokens,
+            micro_batch_tokens=config.micro_batch_tokens, precision=config.mixed_precision,
         )  # fmt: skip
         ref = node(**tensors, **image_port)
     validation = None

@@ -120,7 +120,7 @@ def build_agent(name: str, config: AgentConfig, spec: dict[str, Any], *, images:
             stop=config.stop, seed=config.seed, device=device, name="rollout",
             backend=config.rollout, recompute_logprobs=config.recompute_logprobs,
             vllm_options=vllm_options(config) if config.rollout == "vllm" else None,
-            stream=config.stream,
+            stream=config.stream, precision=config.mixed_precision,
         )  # fmt: skip
         set_share(rollout, "policy")
         shown = {"images": data.images} if images else {}
@@ -140,7 +140,7 @@ def build_agent(name: str, config: AgentConfig, spec: dict[str, Any], *, images:
         if config.kl_coef > 0:
             reference = ReferenceLogprobs(
                 policy=spec, temperature=config.temperature, device=device, name="reference",
-                micro_batch_tokens=config.micro_batch_tokens,
+                micro_batch_tokens=config.micro_batch_tokens, precision=config.mixed_precision,
             )  # fmt: skip
             set_share(reference, "policy")
             ref["ref_logprobs"] = reference(**tensors, **seen)

@@ -26,6 +26,7 @@ from torch import Tensor
 from nodes.batches import View, read_mask, token_budget_parts
 from nodes.models.offload import Offload
 from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
+from nodes.models.precision import PRECISIONS, autocast
 from nodes.models.sampling import temperature_problem
 from nodes.models.value import ValueModel, build_value_model
 from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
@@ -136,7 +137,9 @@ class _ResponseScores:
 
     Options (keywords, the same on both): ``device`` (where the model runs and its output
     is), ``share`` (a share key), ``micro_batch_tokens`` (0: the whole batch in one
-    forward), ``name``, ``placement``, ``batch_policy``. A mixin before the node's others."""
+    forward), ``precision`` (``"bf16"``: the forwards under bf16 autocast, as a
+    mixed-precision update computes; :mod:`nodes.models.precision`), ``name``, ``placement``,
+    ``batch_policy``. A mixin before the node's others."""
 
     name: str
     outputs: dict[str, Any]
@@ -150,6 +153,7 @@ class _ResponseScores:
         name: str | None = None,
         share: str | None = None,
         micro_batch_tokens: int = 0,
+        precision: str = "no",
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
         **unknown: Any,
@@ -159,6 +163,11 @@ class _ResponseScores:
         super().__init__(name, placement=placement, batch_policy=batch_policy)  # type: ignore[call-arg]
         self.share = check_share_key(share, f"node {self.name!r}")
         self.micro_batch_tokens = _budget(micro_batch_tokens, self.name)
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"node {self.name!r}: precision={precision!r}; choose one of {PRECISIONS}"
+            )
+        self.precision = precision
         self.device = torch.device(device)
 
     def _scoring(self) -> contextlib.AbstractContextManager[tuple[Policy, Callable[..., Tensor]]]:
@@ -178,7 +187,7 @@ class _ResponseScores:
         context_mask=None,
     ) -> dict[str, Tensor]:
         reads = read_mask(f"node {self.name!r}", response_mask, context_mask)
-        with self._scoring() as (policy, score):
+        with self._scoring() as (policy, score), autocast(self.device, self.precision):
 
             def part(prompt_ids, prompt_mask, response_ids, response_mask, embeds, imgs):
                 batch = _prompt_batch(self, policy, prompt_ids, prompt_mask, embeds, imgs)

@@ -54,6 +54,7 @@ from nodes.models.policy import (
     PrefixVLM,
     check_policy_spec,
 )
+from nodes.models.precision import PRECISIONS, autocast
 from nodes.models.prompts import fit_prompts
 from nodes.models.sampling import sampling_problem
 from nodes.models.vllm_engine import VLLMEngine
@@ -124,6 +125,9 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
         stream: hand out finished rows as they end (HF backend; not with ``recompute_logprobs``).
         stream_every: with ``stream``, how many decode steps a piece gathers finished rows.
         vllm_options: with ``backend="vllm"``, engine options (:mod:`nodes.models.vllm_options`).
+        precision: ``"bf16"``: the HF backend samples (and recomputes logprobs) under bf16
+            autocast, as a ``mixed_precision="bf16"`` update computes; ``"no"``: in the weights'
+            dtype (:mod:`nodes.models.precision`).
         share: a share key (e.g. ``"policy"``): on an on-policy executor, nodes with the same
             key use one module (:mod:`nodes.shared_models`); HF backend only, ignored with
             ``model``.
@@ -184,11 +188,14 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
         vllm_options: Mapping[str, Any] | None = None,
         share: str | None = None,
         *,
+        precision: str = "no",
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
     ) -> None:
         super().__init__(name, placement=placement, batch_policy=batch_policy)
         where = f"node {self.name!r}"
+        if precision not in PRECISIONS:
+            raise ValueError(f"{where}: precision={precision!r}; choose one of {PRECISIONS}")
         if backend not in _BACKENDS:
             raise ValueError(f"{where}: backend={backend!r}; choose one of {_BACKENDS}")
         if n < 1 or max_new_tokens < 1 or (max_prompt_tokens is not None and max_prompt_tokens < 1):
@@ -224,6 +231,7 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
             "stop_token_ids": [int(t) for t in stop_token_ids],
             "stop_strings": [str(s) for s in stop],
         }
+        self.precision = precision
         self.max_prompt_tokens = None if max_prompt_tokens is None else int(max_prompt_tokens)
         self.seed = int(seed)
         self.stream, self.stream_every = bool(stream), int(stream_every)
@@ -388,7 +396,7 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
             self._vllm.sleep()  # with enable_sleep_mode: the device is free until the next call
         else:
             with self._seeded(call.seed):
-                gen = self.policy.generate(batch, **self.sampling)
+                gen = self.policy.generate(batch, **self.sampling, precision=self.precision)
         logprobs = sampled = gen.logprobs
         own = self._vllm is None or self._vllm.own_logprobs  # the sampler reported its logprobs
         if self.recompute_logprobs or not own:
@@ -403,14 +411,20 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
         """The responses' logprobs recomputed teacher-forced, reading the tokens of ``reads``
         (exactly what an update sees): float[B, R]."""
         temperature = self.sampling["temperature"] or 1.0
-        return self.policy.response_logprobs(batch, response_ids, reads, temperature=temperature)
+        with autocast(self.device, self.precision):
+            return self.policy.response_logprobs(
+                batch, response_ids, reads, temperature=temperature
+            )
 
     def forward_stream(self, prompts, images, image_embeds, weights) -> Iterator[Any]:
         """Yield ``(rows, outputs)`` as responses end (see the class docstring)."""
         call = self._prepare(prompts, images, image_embeds, weights)
         with self._seeded(call.seed):
             every = self.stream_every
-            for rows, gen in self.policy.generate_stream(call.batch, every=every, **self.sampling):
+            stream = self.policy.generate_stream(
+                call.batch, every=every, **self.sampling, precision=self.precision
+            )
+            for rows, gen in stream:
                 rows_t = torch.tensor(rows)
                 outputs = self._outputs(call.batch, gen, gen.logprobs, rows_t, gen.logprobs)
                 yield rows, outputs, len(call.batch)  # B: consumers may take per-sample inputs

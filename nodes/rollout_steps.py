@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from nodes.models.sampling import NotFiniteError
 from nodes.seeding import seeded, step_seed
 from yatt_graph import UsageError
 
@@ -61,9 +62,7 @@ class _Steps:
         try:
             with seeded(seed, self.device):
                 yield
-        except RuntimeError as exc:
-            if "probability tensor contains" not in str(exc):
-                raise
+        except NotFiniteError as exc:
             cause = (
                 f"its weights (version {self.weights_version}, the newest the update sent) have "
                 "diverged: lower the learning rate or set max_grad_norm, and resume from a "

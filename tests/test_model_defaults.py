@@ -43,6 +43,13 @@ def test_a_default_max_new_tokens_is_fitted_to_a_short_context(short_context_mod
     assert "max_new_tokens=16: the model takes 32 positions" in done.stderr, done.stderr
     settings = json.loads((tmp_path / "run" / "settings.json").read_text())
     assert json.dumps(settings).count('"max_new_tokens": 16') >= 1, settings
+    # the precision and token budget measured for this CPU, said at the start and used
+    from nodes.models.precision import native_bf16
+
+    precision = "bf16" if native_bf16("cpu") else "no"
+    assert f"mixed_precision={precision}, micro_batch_tokens=1024" in done.stderr, done.stderr
+    config = settings["config"]
+    assert (config["mixed_precision"], config["micro_batch_tokens"]) == (precision, 1024)
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["response_lengths/mean"] <= 16
 

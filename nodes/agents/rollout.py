@@ -191,13 +191,14 @@ class AgentRollout(Rollout):
         vllm_options: Mapping[str, Any] | None = None,
         stream: bool = False,
         *,
+        precision: str = "no",
         placement: str | int | None = None,
         batch_policy: BatchPolicy | None = None,
     ) -> None:
         super().__init__(
             policy, backend, n, temperature, top_p, top_k, max_new_tokens, max_prompt_tokens,
             stop, (), seed, recompute_logprobs, device, model, name, stream, 1, vllm_options,
-            share, placement=placement, batch_policy=batch_policy,
+            share, precision=precision, placement=placement, batch_policy=batch_policy,
         )  # fmt: skip
         where = f"node {self.name!r}"
         self.env_class = load_env(env, where)
@@ -398,7 +399,7 @@ class AgentRollout(Rollout):
             gen = self._vllm.generate([""] * len(live), None, seed, batch)
         else:
             with self._seeded(seed):
-                gen = self.policy.generate(batch, **self.sampling)
+                gen = self.policy.generate(batch, **self.sampling, precision=self.precision)
         sampling = time.perf_counter() - t0
         for i, t in enumerate(live):
             n = int(gen.response_lengths[i])

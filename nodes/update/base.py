@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from nodes.batches import read_mask
 from nodes.models.offload import Offload
 from nodes.models.policy import Policy, PromptBatch, build_policy
+from nodes.models.precision import autocast
 from nodes.reference import _prompt_batch, _responses_per_row
 from nodes.rl.losses import _tis_weights, logprobs_from_logits, token_entropy_from_logits
 from nodes.rl.masked import _check_finite
@@ -22,7 +23,6 @@ from nodes.update.loop import MicroLoss, _Loop, _NonFinite
 from nodes.update.micro import Micro, View, plan_micro_batches, token_micro_batches
 from nodes.update.options import _Options
 from nodes.update.ranked import NonFiniteError, _Ranked
-from nodes.update.schedule import autocast
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built

@@ -10,10 +10,11 @@ from typing import Any
 import torch
 
 from nodes.models.policy import check_policy_spec
+from nodes.models.precision import PRECISIONS
 from nodes.models.sampling import temperature_problem
 from nodes.rl.advantages import KL_ESTIMATORS
 from nodes.shared_models import check_share_key
-from nodes.update.schedule import PRECISIONS, schedule_problem
+from nodes.update.schedule import schedule_problem
 from yatt_graph import BatchPolicy
 from yatt_graph.options import unknown_keywords
 

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from nodes.models.policy import check_policy_spec
+from nodes.models.precision import autocast
 from nodes.reference import _value_model
 from nodes.rl.aggregate import _aggregate
 from nodes.rl.losses import _kl_loss, _ppo_policy_loss, _value_loss
@@ -17,7 +18,6 @@ from nodes.sync import WeightUpdate
 from nodes.update.base import _INPUTS, _TOKENS, MicroLoss, _item, _require_finite, _Update
 from nodes.update.micro import View
 from nodes.update.options import _FLOAT32_MAX
-from nodes.update.schedule import autocast
 from yatt_graph import ANY, Port
 from yatt_graph.node import Built
 

@@ -1,29 +1,19 @@
-"""How an update steps: its learning-rate schedule and its mixed precision.
+"""How an update steps: its learning-rate schedule.
 
 The schedule counts the update's calls (one a training step, whatever its epochs and
 mini-batches): ``lr_warmup_steps`` steps rising linearly from ``lr / warmup`` to ``lr``, then
 ``constant``, or ``linear`` / ``cosine`` decay to 0 over ``lr_decay_steps`` more steps (and 0
 after them). The count is the node's checkpointed ``updates``, so a resumed run goes on where it
 stopped.
-
-``mixed_precision="bf16"`` is mixed precision done the standard way: the weights and the AdamW
-state stay in their own dtype (float32: the master copy), the forward passes of the trained
-models run under ``torch.autocast`` in bfloat16, and the log-softmax of the logits is taken in
-float32. ``"no"`` computes in the weights' dtype (pure bfloat16 with ``dtype=bfloat16``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
-import torch
-
-__all__ = ["LR_SCHEDULES", "PRECISIONS", "autocast", "lr_factor", "schedule_problem"]
+__all__ = ["LR_SCHEDULES", "lr_factor", "schedule_problem"]
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
-PRECISIONS = ("no", "bf16")
 
 
 def schedule_problem(schedule: str, warmup: int, decay: int) -> str | None:
@@ -47,13 +37,3 @@ def lr_factor(step: int, schedule: str, warmup: int, decay: int) -> float:
         return 1.0
     done = min(1.0, (step - warmup) / decay)
     return 1.0 - done if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
-
-
-@contextlib.contextmanager
-def autocast(device: torch.device, precision: str) -> Iterator[None]:
-    """The forward passes of a trained model, in ``precision`` (see the module doc)."""
-    if precision == "bf16":
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
-            yield
-    else:
-        yield

@@ -113,6 +113,41 @@ def test_a_model_directory_gets_defaults_a_real_model_can_live_with(tmp_path):
     assert PPOConfig().notes() == []  # the tiny policy's defaults are the documented ones
 
 
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [("fpu avx512f avx512_bf16 avx512vl", True), ("fpu amx_bf16 amx_tile", True),
+     ("fpu avx2 avx512f avx512bw", False), (None, False)],
+)  # fmt: skip
+def test_bf16_hardware_is_read_from_the_cpu_flags(tmp_path, flags, native):
+    from nodes.models.precision import native_bf16
+
+    cpuinfo = tmp_path / "cpuinfo"
+    if flags is not None:  # None: no such file (not Linux)
+        cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\nbugs\t\t: spectre\n")
+    assert native_bf16("cpu", str(cpuinfo)) is native
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_model_gets_the_precision_and_budget_measured_for_its_device(
+    tmp_path, monkeypatch, native
+):
+    import graphs.config
+
+    monkeypatch.setattr(graphs.config, "native_bf16", lambda device: native)
+    model = TextGRPOConfig(policy=str(tmp_path), device="cpu")
+    assert model.mixed_precision == ("bf16" if native else "no")
+    assert model.micro_batch_tokens == graphs.config.CPU_BUDGET == 1024
+    assert f"mixed_precision={model.mixed_precision}, micro_batch_tokens=1024" in model.notes()[0]
+    cuda = TextGRPOConfig(policy=str(tmp_path), device="cuda")
+    assert (cuda.mixed_precision, cuda.micro_batch_tokens) == ("bf16" if native else "no", 0)
+    assert (TextGRPOConfig().mixed_precision, TextGRPOConfig().micro_batch_tokens) == ("no", 0)
+    given = TextGRPOConfig(policy=str(tmp_path), mixed_precision="no", micro_batch_tokens=0)
+    assert (given.mixed_precision, given.micro_batch_tokens) == ("no", 0)  # what is given stays
+    # the run's note names only the defaults it chose, not what the user set
+    note = given.notes({"mixed_precision", "micro_batch_tokens"})[0]
+    assert "lr=1e-06" in note and "mixed_precision" not in note and "micro_batch" not in note
+
+
 def test_a_saved_tiny_model_keeps_the_shapes_defaults(tmp_path):
     from nodes.models.hf_causal import tiny_causal_lm
 

@@ -85,7 +85,7 @@ def test_a_streaming_rollout_feeds_reward_reference_and_critic_piece_by_piece(mo
         return call_piece(call, node, *args, **kwargs)
 
     monkeypatch.setattr(runtime.engine.stream_steps, "call_piece", counting)
-    options = {"batch_size": 8, "max_new_tokens": 6}
+    options = {"batch_size": 32, "max_new_tokens": 6}  # rows ending at several steps
     whole = LocalExecutor(load_graph("graphs.mm_ppo", **options)).run(2)
     graph = load_graph("graphs.mm_ppo", stream=True, **options)
     for name in ("reward", "reference", "critic"):  # in process a call fuses what its budget

@@ -412,6 +412,15 @@ def check_micro_batch_tokens(b: Built, v: int) -> None:
         assert reward.micro_batch_tokens == v, reward.name
 
 
+def check_mixed_precision(b: Built, v: str) -> None:
+    """The update trains, and the rollout samples and the reference and critic score, in it."""
+    assert update(b).mixed_precision == v
+    assert b.nodes["rollout"].precision == v
+    for name in ("reference", "critic"):
+        if name in b.nodes:
+            assert b.nodes[name].precision == v, name
+
+
 def model_rewards(b: Built) -> list[Any]:
     """The reward nodes that run a model: the run's and the validation's own."""
     from nodes.rewards import ClipScoreReward, JudgeReward, RewardModel
@@ -598,7 +607,7 @@ CHECKS: dict[str, Callable[[Built, Any], None]] = {
     "mask_truncated": update_attribute("mask_truncated"),
     "recompute_logprobs": check_recompute_logprobs,
     "tis_cap": update_attribute("tis_cap"),
-    "mixed_precision": update_attribute("mixed_precision"),
+    "mixed_precision": check_mixed_precision,
     "weight_decay": update_attribute("weight_decay"),
     "max_grad_norm": update_attribute("max_grad_norm"),
     "clip_eps": check_clip(0),
