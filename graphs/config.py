@@ -50,8 +50,9 @@ Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
 
 
 CPU_BUDGET = 1024
-"""A model's default ``micro_batch_tokens`` on the CPU: the measured fastest and smallest of the
-budgets tried on SmolLM2-135M (docs/PERFORMANCE.md, "A real pretrained model")."""
+"""A model's default ``micro_batch_tokens`` on the CPU: of the budgets measured on SmolLM2-135M
+(none, 1024, 2048) the one with the smallest peak, at the same step time within the runs'
+noise (docs/PERFORMANCE.md, "A real pretrained model against TRL's GRPOTrainer")."""
 
 
 def _model_device(config: RLConfig) -> str:
@@ -194,11 +195,12 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Truncated importance sampling: weigh each token's loss by min(pi_trainer / pi_sampler,
     tis_cap) (>= 0; 0: off); none: 2 with rollout=vllm, 0 otherwise."""
     mixed_precision: Precision | None = None
-    """bf16: the update's forwards in bf16 autocast; none: bf16 with a model on bf16 hardware, else no.
+    """bf16: the model nodes compute in bf16 autocast; none: bf16 with a model on bf16 hardware.
 
-    The weights and the AdamW state stay float32. bf16 hardware is a CUDA GPU with bf16 or a CPU
+    The update trains, the rollout samples and the reference and critic score under it; the
+    weights and the AdamW state stay float32. bf16 hardware is a CUDA GPU with bf16 or a CPU
     with AVX512-BF16 or AMX (elsewhere bf16 is emulated and no faster); on such a CPU bf16 made
-    SmolLM2-135M's update 1.5x faster (docs/PERFORMANCE.md)."""
+    SmolLM2-135M's step 1.6-1.8x faster (docs/PERFORMANCE.md)."""
     weight_decay: float = 0.0
     """AdamW weight decay (>= 0) of the trained models."""
     max_grad_norm: float = 1.0
