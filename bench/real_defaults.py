@@ -1,10 +1,11 @@
 """Benchmark: the precision and budget a real model gets by default, measured on it.
 
 ``yatt-graph run text_grpo`` on SmolLM2-135M-Instruct (``bench/smollm2.py``) with chat-message
-sums to answer, once per setting, side by side in one run, each in a fresh process: weights
-in float32, weights in bfloat16 (``dtype=bfloat16``: the rollout samples in bf16 and recomputes
-its logprobs), and float32 weights with the update in bf16 autocast
-(``mixed_precision=bf16``), each with and without a token budget (``micro_batch_tokens``).
+sums to answer, once per setting, side by side in one run, each in a fresh process: float32
+weights computing in float32 or in bf16 autocast (``mixed_precision``: the update, the
+rollout's sampling and the reference alike), each with the whole batch in one forward or a
+token budget (``micro_batch_tokens``), weights in bfloat16 (``dtype=bfloat16``: the rollout
+samples in bf16 and recomputes its logprobs), and the defaults a model gets on this machine.
 Reported per setting: the rollout's and the update's seconds a step (the median of the steps
 after the first), the step's, its peak RSS, and the sampler/trainer logprob gap where one is
 measured.
@@ -24,11 +25,17 @@ from bench import smollm2
 from bench._util import machine, peak_run, table
 
 SETTINGS = {
-    "float32": [],
-    "bf16 weights": ["dtype=bfloat16"],
-    "bf16 autocast": ["mixed_precision=bf16"],
-    "float32, budget 1024": ["micro_batch_tokens=1024"],
+    "float32, whole batch (the old default)": ["mixed_precision=no", "micro_batch_tokens=0"],
+    "float32, budget 1024": ["mixed_precision=no", "micro_batch_tokens=1024"],
+    "bf16 autocast, whole batch": ["mixed_precision=bf16", "micro_batch_tokens=0"],
     "bf16 autocast, budget 1024": ["mixed_precision=bf16", "micro_batch_tokens=1024"],
+    "bf16 autocast, budget 2048": ["mixed_precision=bf16", "micro_batch_tokens=2048"],
+    "bf16 weights, budget 1024": [
+        "dtype=bfloat16",
+        "mixed_precision=no",
+        "micro_batch_tokens=1024",
+    ],
+    "defaults": [],
 }
 
 

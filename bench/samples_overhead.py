@@ -1,6 +1,6 @@
 """What keeping the samples costs a step (runtime/train/samples.py): the demo's graph with
 ``--samples-every 0`` (off), ``10`` (the default) and ``1`` (every step: the worst case),
-side by side in one run (figures in docs/PERFORMANCE.md, "Samples file overhead").
+side by side in one run (figures in docs/PERFORMANCE.md, "Small costs").
 
     .venv/bin/python -m bench.samples_overhead --steps 150 --rounds 3
 

@@ -202,6 +202,15 @@ def _ends(rewards: list[float], n: int = 5) -> tuple[float, float]:
     return sum(rewards[:n]) / len(rewards[:n]), sum(rewards[-n:]) / len(rewards[-n:])
 
 
+def curve_table(curves: dict[str, list[float]], window: int = 5) -> str:
+    """The reward curves as a table: each run's mean reward over windows of ``window`` steps."""
+    longest = max(len(c) for c in curves.values())
+    spans = [(a, min(a + window, longest)) for a in range(0, longest, window)]
+    rows = [[name, *(f"{sum(c[a:b]) / len(c[a:b]):.2f}" if c[a:b] else "-" for a, b in spans)]
+            for name, c in curves.items()]  # fmt: skip
+    return table(["run (reward, mean of steps)", *(f"{a}-{b - 1}" for a, b in spans)], rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.trl_grpo")
     p.add_argument("--model", default="", help="a chat model's folder (else SmolLM2-135M)")
@@ -269,10 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         tokens = [completions * (prompt_tokens + length) for length in r["length"][later]]
         rollout = statistics.median(2 * n * t / s for t, s in zip(tokens, r["rollout_s"][later]))
         update = statistics.median(6 * n * t / s for t, s in zip(tokens, r["update_s"][later]))
-        precision = r["settings"]["config"]["mixed_precision"]
-        flops_rows.append([key, f"{rollout / 1e9:.0f}", f"{rollout / peak['float32']:.0%}",
-                           f"{update / 1e9:.0f} ({precision})",
-                           f"{update / peak['bf16' if precision == 'bf16' else 'float32']:.0%}"])  # fmt: skip
+        precision = r["settings"]["config"]["mixed_precision"]  # the rollout's and the update's
+        of = peak["bf16" if precision == "bf16" else "float32"]
+        flops_rows.append([key, precision, f"{rollout / 1e9:.0f}", f"{rollout / of:.0%}",
+                           f"{update / 1e9:.0f}", f"{update / of:.0%}"])  # fmt: skip
 
     print(machine())
     print(f"SmolLM2-135M-Instruct ({n / 1e6:.1f}M parameters), {args.prompts} prompts x "
@@ -285,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"matmul peak: float32 {peak['float32'] / 1e9:.0f} GFLOP/s, bf16 {peak['bf16'] / 1e9:.0f}"
     )
-    print(table(["our run", "rollout GFLOP/s", "of fp32 peak", "update GFLOP/s", "of its peak"],
-                flops_rows))  # fmt: skip
+    print(table(["our run", "precision", "rollout GFLOP/s", "of peak", "update GFLOP/s",
+                 "of peak"], flops_rows))  # fmt: skip
+    print(curve_table({k: v["reward"] for k, v in runs.items()}))
     if args.curves:
         Path(args.curves).write_text(json.dumps(
             {k: {"reward": v["reward"], "step_s": v["step_s"]} for k, v in runs.items()}, indent=1))  # fmt: skip
