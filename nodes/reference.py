@@ -26,7 +26,7 @@ from torch import Tensor
 from nodes.batches import View, read_mask, token_budget_parts
 from nodes.models.offload import Offload
 from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
-from nodes.models.precision import PRECISIONS, autocast
+from nodes.models.precision import autocast, check_precision
 from nodes.models.sampling import temperature_problem
 from nodes.models.value import ValueModel, build_value_model
 from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
@@ -163,11 +163,7 @@ class _ResponseScores:
         super().__init__(name, placement=placement, batch_policy=batch_policy)  # type: ignore[call-arg]
         self.share = check_share_key(share, f"node {self.name!r}")
         self.micro_batch_tokens = _budget(micro_batch_tokens, self.name)
-        if precision not in PRECISIONS:
-            raise ValueError(
-                f"node {self.name!r}: precision={precision!r}; choose one of {PRECISIONS}"
-            )
-        self.precision = precision
+        self.precision = check_precision(precision, f"node {self.name!r}")
         self.device = torch.device(device)
 
     def _scoring(self) -> contextlib.AbstractContextManager[tuple[Policy, Callable[..., Tensor]]]:

@@ -54,7 +54,7 @@ from nodes.models.policy import (
     PrefixVLM,
     check_policy_spec,
 )
-from nodes.models.precision import PRECISIONS, autocast
+from nodes.models.precision import autocast, check_precision
 from nodes.models.prompts import fit_prompts
 from nodes.models.sampling import sampling_problem
 from nodes.models.vllm_engine import VLLMEngine
@@ -194,8 +194,7 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
     ) -> None:
         super().__init__(name, placement=placement, batch_policy=batch_policy)
         where = f"node {self.name!r}"
-        if precision not in PRECISIONS:
-            raise ValueError(f"{where}: precision={precision!r}; choose one of {PRECISIONS}")
+        self.precision = check_precision(precision, where)
         if backend not in _BACKENDS:
             raise ValueError(f"{where}: backend={backend!r}; choose one of {_BACKENDS}")
         if n < 1 or max_new_tokens < 1 or (max_prompt_tokens is not None and max_prompt_tokens < 1):
@@ -231,7 +230,6 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
             "stop_token_ids": [int(t) for t in stop_token_ids],
             "stop_strings": [str(s) for s in stop],
         }
-        self.precision = precision
         self.max_prompt_tokens = None if max_prompt_tokens is None else int(max_prompt_tokens)
         self.seed = int(seed)
         self.stream, self.stream_every = bool(stream), int(stream_every)

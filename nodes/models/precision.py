@@ -15,11 +15,18 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["PRECISIONS", "autocast", "native_bf16"]
+__all__ = ["PRECISIONS", "autocast", "check_precision", "native_bf16"]
 
 PRECISIONS = ("no", "bf16")
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 """The x86 CPU flags (Linux ``/proc/cpuinfo``) of bfloat16 dot products in hardware."""
+
+
+def check_precision(precision: str, where: str) -> str:
+    """``precision``, or a ValueError naming ``where``, the value and the choices."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"{where}: precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
+    return precision
 
 
 def native_bf16(device: str, cpuinfo: str = "/proc/cpuinfo") -> bool:

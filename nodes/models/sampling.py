@@ -30,7 +30,7 @@ from torch import Tensor
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from nodes.models.policy_base import Generation, Policy, PromptBatch
-from nodes.models.precision import PRECISIONS, autocast
+from nodes.models.precision import autocast, check_precision
 
 __all__ = [
     "MIN_TEMPERATURE",
@@ -253,9 +253,7 @@ class _Setup:
             raise ValueError(f"generate: max_new_tokens is {max_new_tokens}; it must be >= 1")
         if why := sampling_problem(temperature, top_p, top_k):
             raise ValueError(f"generate: {why}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"generate: precision={precision!r}; choose one of {PRECISIONS}")
-        self.precision = precision
+        self.precision = check_precision(precision, "generate")
         greedy = temperature == 0
         eos = [policy.eos_token_id]
         eos += [int(t) for t in stop_token_ids if int(t) != policy.eos_token_id]

@@ -415,3 +415,17 @@ def test_stop_strings_work_with_a_word_level_tokenizer():
     for text, cut in zip(out["texts"], out["truncated"].tolist()):
         if "." in text:  # it ended at the stop string, which it keeps
             assert text.index(".") == len(text) - 1 and cut == 0.0, text
+
+
+def test_a_precision_that_is_not_one_of_the_choices_is_refused_naming_the_node(policy):
+    from nodes.models.sampling import generate
+    from nodes.reference import Critic, ReferenceLogprobs
+
+    for make, where in (
+        (lambda: Rollout(model=policy, precision="fp8"), "node 'rollout'"),
+        (lambda: ReferenceLogprobs(precision="fp8"), "node 'reference"),
+        (lambda: Critic(precision="fp8"), "node 'critic"),
+        (lambda: generate(policy, policy.encode_prompts(["a"]), precision="fp8"), "generate"),
+    ):
+        with pytest.raises(ValueError, match=rf"{where}.*precision='fp8'; choose one of no, bf16"):
+            make()
