@@ -275,7 +275,7 @@ def rank_rows(row: Row, device: str) -> None:
         return
     from nodes.rollout import Rollout
     from nodes.update import GRPOUpdate
-    from runtime.ranks import start_groups
+    from runtime.ranks.group import start_groups
 
     row = _Rows(row, RANK_ROWS)
     backend = "NCCL" if device == "cuda" else "gloo"
@@ -298,7 +298,7 @@ def rank_rows(row: Row, device: str) -> None:
         ok = sorted(one) == sorted(many) and diff <= tol
         row(FSDP_ROW, "ok" if ok else "FAILED (the weights differ)",
             f"{backend}: step {step:.2f} s, max abs weight diff {diff:.1e} (tolerance {tol:g})")  # fmt: skip
-        proc = group._ranks.procs[0]
+        proc = group.rank_group.procs[0]
         os.kill(proc.pid, signal.SIGKILL)
         t0, error = time.perf_counter(), None
         try:

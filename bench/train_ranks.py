@@ -83,8 +83,8 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from nodes.update import GRPOUpdate
-    from nodes.update.ranked import _snapshot
-    from runtime.ranks import start_groups
+    from nodes.update.trainer import snapshot
+    from runtime.ranks.group import start_groups
 
     torch.set_num_threads(args.threads)
     spec = {"name": "tiny-prefix-vlm", "seed": 0, "n_layer": args.layers, "n_embd": 768}
@@ -115,7 +115,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
             gathers.append(out["metrics"]["time/weight_gather"])
         else:
             t0 = time.perf_counter()
-            _snapshot(node.policy)
+            snapshot(node.policy)
             snapshots.append(time.perf_counter() - t0)
     optim = [v for s in node.optimizer.state.values() for v in s.values() if v.dim() > 0]
     result = {
@@ -127,7 +127,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         "adam_bytes": _bytes(optim),
         "publish_s": statistics.median(gathers or snapshots),
         "rss0_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "rss1_mib": _hwm_mib(node._ranks.procs[0].pid) if args.ranks > 1 else None,
+        "rss1_mib": _hwm_mib(node.trainer.group.procs[0].pid) if args.ranks > 1 else None,
         "loss": out["metrics"]["loss"],
     }
     node.close()

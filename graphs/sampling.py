@@ -20,7 +20,6 @@ from graphs.config import RLConfig
 from nodes.reference import ReferenceLogprobs
 from nodes.rewards import RewardNode, reward_from_option
 from nodes.rollout import Rollout
-from nodes.sync import WeightSync
 from nodes.vision import VisionEncoder
 from yatt_graph import Graph, Handle, Node
 
@@ -272,10 +271,8 @@ def _validation(
 
 
 def connect_weights(g: Graph, s: Sampled, weights: Handle) -> None:
-    """The update's ``weights`` into the rollout (and the validation), one step later, through
-    a WeightSync that takes no second snapshot: the update already publishes one (or, sharing,
-    the live tensors)."""
-    synced = WeightSync(snapshot=False, name="sync")(weights)
-    g.connect(synced, s.rollout, "weights", delay=1)
+    """The update's ``weights`` (its versioned snapshot, or, sharing, the live tensors) into
+    the rollout (and the validation), one step later."""
+    g.connect(weights, s.rollout, "weights", delay=1)
     if s.validation is not None:
-        g.connect(synced, s.validation, "weights", delay=1)
+        g.connect(weights, s.validation, "weights", delay=1)

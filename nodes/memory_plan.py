@@ -32,7 +32,7 @@ class MemoryPlan:
     """Processes of the run on the host (with controllers: theirs and the driver)."""
     advice: Callable[[MemoryPlan, str], list[str]] | None = None
     """``advice(plan, device)``: the changes of the settings that would make ``device`` fit
-    (a ready graph's config gives them: ``graphs.memory_advice``); without it, none is said."""
+    (a ready graph's config gives them: ``graphs.advice``); without it, none is said."""
 
     def peaks(self) -> dict[tuple[str, str], tuple[int, int, str]]:
         """Per (process, device): (bytes held between calls, the largest call's working

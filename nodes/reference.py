@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -34,7 +35,7 @@ from nodes.sync import WeightInput, apply_weights
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built
-from yatt_graph.options import unknown_keywords
+from yatt_graph.options import did_you_mean, nearest
 
 __all__ = ["Critic", "ReferenceLogprobs", "value_model_fingerprint"]
 
@@ -65,13 +66,9 @@ def _responses_per_row(where: str, port: str, value: Any, B: int) -> int:
 
 
 def _prompt_batch(
-    node: Node,
-    policy: Policy,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    image_embeds: Tensor | None,
-    images: Sequence[Any] | None,
-) -> PromptBatch:
+    node: Node, policy: Policy, prompt_ids: Tensor, prompt_mask: Tensor,
+    image_embeds: Tensor | None, images: Sequence[Any] | None,
+) -> PromptBatch:  # fmt: skip
     """The policy's batch for B rows, repeating per-prompt image inputs (N rows) B // N times."""
     B = prompt_ids.shape[0]
     for port, value in (("image_embeds", image_embeds), ("images", images)):
@@ -97,15 +94,9 @@ def _budget(tokens: Any, name: str) -> int:
 
 
 def _in_parts(
-    fn: Any,
-    budget: int,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    response_ids: Tensor,
-    response_mask: Tensor,
-    image_embeds: Tensor | None,
-    images: Sequence[Any] | None,
-) -> Tensor:
+    fn: Any, budget: int, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+    response_mask: Tensor, image_embeds: Tensor | None, images: Sequence[Any] | None,
+) -> Tensor:  # fmt: skip
     """``fn(prompt_ids, prompt_mask, response_ids, response_mask, image_embeds, images)``
     -> float[b, R'] over the whole batch, or, with a ``budget`` of padded tokens, over its parts
     (:mod:`nodes.batches`), put back in the batch's order: float32[B, R] where ``fn`` computes."""
@@ -130,74 +121,54 @@ def _in_parts(
     return out if out is not None else torch.zeros(B, R)
 
 
-class _ResponseScores:
+def _init_scorer(
+    node: Node, *, device: str = "cpu", name: str | None = None, share: str | None = None,
+    micro_batch_tokens: int = 0, precision: str = "no", placement: str | int | None = None,
+    batch_policy: BatchPolicy | None = None, **unknown: Any,
+) -> None:  # fmt: skip
+    """``Node.__init__`` and the options the reference and the critic share (keywords, the
+    same on both): ``device`` (where the model runs and its output is), ``share`` (a share
+    key), ``micro_batch_tokens`` (0: the whole batch in one forward), ``precision``
+    (``"bf16"``: the forwards under bf16 autocast, as a mixed-precision update computes;
+    :mod:`nodes.models.precision`), ``name``, ``placement``, ``batch_policy``."""
+    if unknown:  # worded as yatt_graph.options.unknown_keywords, with these keywords known
+        sigs = (inspect.signature(f).parameters for f in (type(node), _init_scorer, Node.__init__))
+        known = [k for ps in sigs for k in ps if k not in ("self", "node", "options", "unknown")]
+        said = ", ".join(f"{k!r}{did_you_mean(nearest(k, known))}" for k in sorted(unknown))
+        raise TypeError(f"{type(node).__name__}() got an unexpected keyword argument {said}")
+    Node.__init__(node, name, placement=placement, batch_policy=batch_policy)
+    node.share = check_share_key(share, f"node {node.name!r}")
+    node.micro_batch_tokens = _budget(micro_batch_tokens, node.name)
+    node.precision = check_precision(precision, f"node {node.name!r}")
+    node.device = torch.device(device)
+
+
+def _scores(
+    node: Any, scoring: contextlib.AbstractContextManager[tuple[Policy, Callable[..., Tensor]]],
+    prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
+    image_embeds: Tensor | None, images: Sequence[Any] | None, context_mask: Tensor | None = None,
+) -> dict[str, Tensor]:  # fmt: skip
     """What the reference and the critic share: a model run teacher-forced over the rollout's
-    responses, in parts of at most ``micro_batch_tokens`` padded tokens, gives the one output,
-    float32[B, R] (0 off the policy's turns).
+    responses, in parts of at most ``node.micro_batch_tokens`` padded tokens, gives the node's
+    one output, float32[B, R] (0 off the policy's turns). ``scoring`` gives, for the call, the
+    policy that prepares the batches and ``score(batch, response_ids, response_mask) ->
+    float[b, R']``."""
+    reads = read_mask(f"node {node.name!r}", response_mask, context_mask)
+    with scoring as (policy, score), autocast(node.device, node.precision):
 
-    Options (keywords, the same on both): ``device`` (where the model runs and its output
-    is), ``share`` (a share key), ``micro_batch_tokens`` (0: the whole batch in one
-    forward), ``precision`` (``"bf16"``: the forwards under bf16 autocast, as a
-    mixed-precision update computes; :mod:`nodes.models.precision`), ``name``, ``placement``,
-    ``batch_policy``. A mixin before the node's others."""
+        def part(prompt_ids, prompt_mask, response_ids, response_mask, embeds, imgs):
+            batch = _prompt_batch(node, policy, prompt_ids, prompt_mask, embeds, imgs)
+            return score(batch, response_ids, response_mask)  # (b, R')
 
-    name: str
-    outputs: dict[str, Any]
-    inputs = _INPUTS
-    batch_policy = BatchPolicy(max_batch_size=64)
-
-    def __init__(
-        self,
-        *,
-        device: str = "cpu",
-        name: str | None = None,
-        share: str | None = None,
-        micro_batch_tokens: int = 0,
-        precision: str = "no",
-        placement: str | int | None = None,
-        batch_policy: BatchPolicy | None = None,
-        **unknown: Any,
-    ) -> None:
-        if unknown:  # named for the node, not this mixin
-            raise unknown_keywords(type(self), unknown)
-        super().__init__(name, placement=placement, batch_policy=batch_policy)  # type: ignore[call-arg]
-        self.share = check_share_key(share, f"node {self.name!r}")
-        self.micro_batch_tokens = _budget(micro_batch_tokens, self.name)
-        self.precision = check_precision(precision, f"node {self.name!r}")
-        self.device = torch.device(device)
-
-    def _scoring(self) -> contextlib.AbstractContextManager[tuple[Policy, Callable[..., Tensor]]]:
-        """For one call: the policy that prepares the batches, and ``score(batch,
-        response_ids, response_mask) -> float[b, R']``."""
-        raise NotImplementedError
-
-    @torch.no_grad()
-    def forward(
-        self,
-        prompt_ids,
-        prompt_mask,
-        response_ids,
-        response_mask,
-        image_embeds,
-        images,
-        context_mask=None,
-    ) -> dict[str, Tensor]:
-        reads = read_mask(f"node {self.name!r}", response_mask, context_mask)
-        with self._scoring() as (policy, score), autocast(self.device, self.precision):
-
-            def part(prompt_ids, prompt_mask, response_ids, response_mask, embeds, imgs):
-                batch = _prompt_batch(self, policy, prompt_ids, prompt_mask, embeds, imgs)
-                return score(batch, response_ids, response_mask)  # (b, R')
-
-            out = _in_parts(
-                part, self.micro_batch_tokens, prompt_ids, prompt_mask, response_ids, reads,
-                image_embeds, images,
-            )  # fmt: skip
-        (port,) = self.outputs
-        return {port: torch.where(response_mask.to(out.device) > 0, out, 0.0)}  # 0 off the turns
+        out = _in_parts(
+            part, node.micro_batch_tokens, prompt_ids, prompt_mask, response_ids, reads,
+            image_embeds, images,
+        )  # fmt: skip
+    (port,) = node.outputs
+    return {port: torch.where(response_mask.to(out.device) > 0, out, 0.0)}  # 0 off the turns
 
 
-class ReferenceLogprobs(_ResponseScores, Offload, Sharing, Node):
+class ReferenceLogprobs(Offload, Sharing, Node):
     """``ref_logprobs: float32[B, R]`` from a frozen copy of the policy (0 at padding).
 
     Args:
@@ -209,11 +180,13 @@ class ReferenceLogprobs(_ResponseScores, Offload, Sharing, Node):
             on-policy executor (:mod:`nodes.shared_models`) has LoRA adapters
             (``policy.has_lora`` and ``policy.adapter_disabled()``), the reference reads its
             frozen base instead of holding a copy; otherwise it keeps a frozen copy of its own.
-        options: ``device``, ``share``, ``micro_batch_tokens``, ... (:class:`_ResponseScores`).
+        options: ``device``, ``share``, ``micro_batch_tokens``, ... (:func:`_init_scorer`).
     """
 
     kind = "reference"
+    inputs = _INPUTS
     outputs = {"ref_logprobs": TensorPort("float32", "B", "R")}  # noqa: RUF012
+    batch_policy = BatchPolicy(max_batch_size=64)
     policy = Built("the frozen reference policy, built by setup()")
 
     def __init__(
@@ -224,7 +197,7 @@ class ReferenceLogprobs(_ResponseScores, Offload, Sharing, Node):
         model: Policy | None = None,
         **options: Any,
     ) -> None:
-        super().__init__(**options)
+        _init_scorer(self, **options)
         self.base_shared = False
         self._base_lock = threading.Lock()
         if why := temperature_problem(temperature, greedy=False):
@@ -254,6 +227,10 @@ class ReferenceLogprobs(_ResponseScores, Offload, Sharing, Node):
             self._release(self.share)  # no adapters: the base trains, keep a frozen copy
         reference = self._model if self._model is not None else build_policy(self.policy_spec)
         self.policy = reference.to(self.device).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def forward(self, **inputs: Any) -> dict[str, Tensor]:
+        return _scores(self, self._scoring(), **inputs)
 
     @contextlib.contextmanager
     def _scoring(self) -> Iterator[tuple[Policy, Callable[..., Tensor]]]:
@@ -306,7 +283,7 @@ def _value_model(
     return node._acquire(key, fp, build)
 
 
-class Critic(_ResponseScores, Offload, Sharing, WeightInput, Node):
+class Critic(Offload, Sharing, Node):
     """``values: float32[B, R]`` from a value head on a policy trunk (0 at padding).
 
     Args:
@@ -319,7 +296,7 @@ class Critic(_ResponseScores, Offload, Sharing, WeightInput, Node):
         share: a share key (e.g. ``"critic"``, as ``PPOUpdate(critic_share=...)``): on an
             on-policy executor the nodes of that key use one value model
             (:mod:`nodes.shared_models`); ignored with ``model``.
-        options: ``device``, ``share``, ``micro_batch_tokens``, ... (:class:`_ResponseScores`).
+        options: ``device``, ``share``, ``micro_batch_tokens``, ... (:func:`_init_scorer`).
 
     The node's ``forward`` runs without grad (values for advantage estimation); an update
     node trains ``critic.value_model`` directly, which is differentiable, or trains its own
@@ -337,6 +314,7 @@ class Critic(_ResponseScores, Offload, Sharing, WeightInput, Node):
         ),
     }
     outputs = {"values": TensorPort("float32", "B", "R")}  # noqa: RUF012
+    batch_policy = BatchPolicy(max_batch_size=64)
     value_model = Built("the ValueModel (trunk and head), built by setup()")
 
     def __init__(
@@ -347,12 +325,24 @@ class Critic(_ResponseScores, Offload, Sharing, WeightInput, Node):
         head_seed: int = 0,
         **options: Any,
     ) -> None:
-        super().__init__(**options)
+        _init_scorer(self, **options)
         if model is None:
             check_policy_spec(critic)
         self.shared = model is not None
         self.critic_spec, self._model = critic, model
         self.detach_trunk, self.head_seed = bool(detach_trunk), int(head_seed)
+        self.weights_in = WeightInput()
+
+    @property
+    def weights_version(self) -> int:
+        """The newest value-model weights version loaded (0: as built)."""
+        return self.weights_in.version
+
+    def renamed(self, name: str) -> Critic:
+        """A copy under another name, with loaded weights of its own."""
+        other = super().renamed(name)
+        other.weights_in = copy.copy(self.weights_in)
+        return other
 
     def build(self) -> None:
         key = self.share if self._model is None else None  # a live trunk is this node's own
@@ -363,7 +353,7 @@ class Critic(_ResponseScores, Offload, Sharing, WeightInput, Node):
     def _load(self, weights: Any) -> None:
         """Load a weight-sync payload into the value model (``PPOUpdate``'s ``critic_weights``),
         as the rollout loads its ``weights`` (:class:`nodes.sync.WeightInput`)."""
-        update = self._newer_weights(weights)
+        update = self.weights_in.newer(weights, self.name)
         if update is None:
             return
         if not (self.share is not None and same_storage(self.value_model, update.weights)):
@@ -371,7 +361,7 @@ class Critic(_ResponseScores, Offload, Sharing, WeightInput, Node):
                 apply_weights(self.value_model, update)
             except (TypeError, ValueError, RuntimeError) as err:
                 raise ValueError(f"node {self.name!r}: input 'weights': {err}") from err
-        self._loaded_weights(weights, update)
+        self.weights_in.loaded(weights, update)
 
     def memory(self, load: Any) -> dict[str, int]:
         """The value model's trunk and its largest forward within ``micro_batch_tokens``."""
@@ -384,7 +374,12 @@ class Critic(_ResponseScores, Offload, Sharing, WeightInput, Node):
     @torch.no_grad()
     def forward(self, weights=None, **inputs: Any) -> dict[str, Tensor]:
         self._load(weights)
-        return super().forward(**inputs)
+        return _scores(self, self._scoring(), **inputs)
+
+    def offload(self) -> int:
+        """The value model off the device; the last unversioned weights payload let go."""
+        self.weights_in.release()
+        return super().offload()
 
     @contextlib.contextmanager
     def _scoring(self) -> Iterator[tuple[Policy, Callable[..., Tensor]]]:
@@ -418,4 +413,4 @@ class Critic(_ResponseScores, Offload, Sharing, WeightInput, Node):
         if "trunk" in state:
             self.value_model.trunk.load_state_dict(state["trunk"])
         # the restored weights replace whatever version was loaded: accept the next one
-        self._forget_weights()
+        self.weights_in.forget()

@@ -37,6 +37,8 @@ top-p/top-k) they are the recomputed ones.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -56,7 +58,7 @@ from nodes.models.policy import (
 )
 from nodes.models.precision import autocast, check_precision
 from nodes.models.prompts import fit_prompts
-from nodes.models.sampling import sampling_problem
+from nodes.models.sampling import NotFiniteError, sampling_problem
 from nodes.models.vllm_engine import VLLMEngine
 from nodes.models.vllm_options import (
     check_vllm_options,
@@ -65,10 +67,10 @@ from nodes.models.vllm_options import (
     refuse_quantized,
     vllm_unavailable_reason,
 )
-from nodes.rollout_steps import _Steps
+from nodes.seeding import seeded, step_seed
 from nodes.shared_models import Sharing, check_share_key, same_storage
 from nodes.sync import WeightInput
-from yatt_graph import ANY, BatchPolicy, Node, Port
+from yatt_graph import ANY, BatchPolicy, Node, Port, UsageError
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built
 
@@ -87,7 +89,48 @@ class _Call(NamedTuple):
     seed: int
 
 
-class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
+class _StepCounter:
+    """A rollout's calls in order: the seed each samples with, the group labels it gives, and
+    the pieces of a step that replicas sample (:mod:`runtime.sched.fanout`).
+
+    A call draws from one random stream seeded by the rollout's ``seed`` and its call count
+    (``step``), and labels its prompts' groups from ``next_group`` on. A replica's piece of a
+    step is seeded from the step and its first row instead, so that it samples the same tokens
+    on whichever replica runs it, and its groups keep the step's labels.
+    """
+
+    def __init__(self, seed: int, n: int) -> None:
+        self.seed, self.n = seed, n
+        self.step = 0
+        """Calls so far (the pieces of a step count once): the next call's seed."""
+        self.next_group = 0
+        """The group label of the next call's first prompt."""
+        self.piece: tuple[dict[str, int], list[int]] | None = None
+        """While a replica samples a piece: the step's context and the piece's prompt rows."""
+
+    def seed_of(self, prompts: int, who: str) -> int:
+        """The seed of this call of ``prompts`` prompts: the step's, or its piece's."""
+        if self.piece is None:
+            return step_seed(self.seed, self.step)
+        ctx, rows = self.piece  # a replica's piece: its own seed, from its first row
+        if len(rows) != prompts:
+            raise ValueError(f"{who}: begin_piece was given {len(rows)} rows for {prompts} prompts")
+        return step_seed(step_seed(self.seed, ctx["step"]), 1 + rows[0])
+
+    def group_ids(self, rows: Tensor) -> Tensor:
+        prompt = rows // self.n  # the prompt of each response row, in this call
+        if self.piece is None:
+            return self.next_group + prompt
+        ctx, piece_rows = self.piece  # prompt i of the piece is prompt piece_rows[i] of the step
+        return ctx["next_group"] + torch.tensor(piece_rows, dtype=torch.int64)[prompt]
+
+    def done(self, prompts: int) -> None:
+        if self.piece is None:  # a piece leaves the counters to end_pieces
+            self.step += 1
+            self.next_group += prompts
+
+
+class Rollout(Offload, Sharing, Node):
     """Prompts (+ images or image embeddings) -> sampled responses and their logprobs.
 
     With ``n`` samples per prompt, outputs have B = N * n rows, the n samples of a prompt in
@@ -239,10 +282,35 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
         self.policy_spec = policy
         self._model = model
         self.share = check_share_key(share, where)
-        self.step = self.next_group = 0
+        self.counter = _StepCounter(self.seed, self.n)
+        self.weights_in = WeightInput()
         self._vllm: VLLMEngine | None = None
         self._sync: dict[str, float] = {"seconds": 0.0, "bytes": 0, "hf_seconds": 0.0}
-        self._piece: tuple[dict[str, int], list[int]] | None = None
+
+    @property
+    def step(self) -> int:
+        """Calls so far, the next call's seed (:class:`_StepCounter`; ``Node.begin_step`` sets it)."""
+        return self.counter.step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self.counter.step = step
+
+    @property
+    def next_group(self) -> int:
+        """The group label of the next call's first prompt."""
+        return self.counter.next_group
+
+    @property
+    def weights_version(self) -> int:
+        """The newest weights version loaded (0: the built weights, or a plain state dict)."""
+        return self.weights_in.version
+
+    def renamed(self, name: str) -> Rollout:
+        """A copy under another name, with counters and loaded weights of its own."""
+        other = super().renamed(name)
+        other.counter, other.weights_in = copy.copy(self.counter), copy.copy(self.weights_in)
+        return other
 
     def build(self) -> None:
         if self._model is not None:
@@ -297,7 +365,7 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
         """Load a weight-sync payload (:class:`nodes.sync.WeightInput`: once, only when newer),
         timed for the ``weight_sync`` output."""
         self._sync = {"seconds": 0.0, "bytes": 0, "hf_seconds": 0.0}
-        update = self._newer_weights(weights)
+        update = self.weights_in.newer(weights, self.name)
         if update is None:
             return
         who = f"node {self.name!r}: input 'weights'"
@@ -311,7 +379,7 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
         self._sync["bytes"] = sum(map(nbytes, update.weights.values()))
         if self._vllm is not None:
             self._vllm.load_weights(update.weights, complete=update.complete)
-        self._loaded_weights(weights, update)
+        self.weights_in.loaded(weights, update)
 
     def _weight_sync(self) -> dict[str, float]:
         """The call's ``weight_sync`` output (made once a call: every piece holds the same)."""
@@ -342,7 +410,8 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
             self.policy, batch, prompts_b, max_new_tokens=self.sampling["max_new_tokens"],
             max_prompt_tokens=self.max_prompt_tokens, who=f"node {self.name!r}",
         )  # fmt: skip
-        return _Call(N, prompts_b, images_b, batch.to(self.device), self._call_seed(N))
+        seed = self.counter.seed_of(N, f"node {self.name!r}")
+        return _Call(N, prompts_b, images_b, batch.to(self.device), seed)
 
     def _outputs(
         self, batch: Any, gen: Generation, logprobs: Tensor, rows: Tensor, sampled: Tensor
@@ -358,7 +427,7 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
             "rollout_logprobs": sampled.float(),
             "response_lengths": gen.response_lengths,
             "texts": gen.texts,
-            "group_ids": self._group_ids(rows),
+            "group_ids": self.counter.group_ids(rows),
             "truncated": gen.truncated.float(),
             "weight_sync": self._weight_sync(),
         }
@@ -401,8 +470,33 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
             logprobs = self._teacher_logprobs(batch, gen.response_ids, gen.response_mask)
             sampled = sampled if own else logprobs
         out = self._outputs(batch, gen, logprobs, torch.arange(len(batch)), sampled)
-        self._done(call)
+        self.counter.done(call.N)
         return out
+
+    @contextlib.contextmanager
+    def _seeded(self, seed: int) -> Iterator[None]:
+        """Draw from the global generator seeded with ``seed``; its state is restored after.
+        A sampler that meets non-finite probabilities says whose weights are to blame."""
+        try:
+            with seeded(seed, self.device):
+                yield
+        except NotFiniteError as exc:
+            cause = (
+                f"its weights (version {self.weights_version}, the newest the update sent) have "
+                "diverged: lower the learning rate or set max_grad_norm, and resume from a "
+                "checkpoint written before that version"
+                if self.weights_version
+                else "its weights as built are not finite: check the model folder"
+            )
+            raise UsageError(
+                f"node {self.name!r}: the policy's next-token probabilities are not finite, so "
+                f"it cannot sample; {cause}"
+            ) from exc
+
+    def _on_device(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        """A call's ``outputs`` with their tensors on the node's device (its readers off that
+        device get host copies: ``runtime/engine/calls.py``)."""
+        return {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in outputs.items()}
 
     @torch.no_grad()
     def _teacher_logprobs(self, batch: Any, response_ids: Tensor, reads: Tensor) -> Tensor:
@@ -426,13 +520,35 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
                 rows_t = torch.tensor(rows)
                 outputs = self._outputs(call.batch, gen, gen.logprobs, rows_t, gen.logprobs)
                 yield rows, outputs, len(call.batch)  # B: consumers may take per-sample inputs
-        self._done(call)
+        self.counter.done(call.N)
+
+    # --- replicas (runtime.sched.fanout) ---------------------------------------------------
+    def piece_context(self) -> dict[str, int]:
+        """What every replica needs to sample its piece of this step as the step's own: the
+        call count (for the seed) and the first group label."""
+        return {"step": self.counter.step, "next_group": self.counter.next_group}
+
+    def begin_piece(self, context: Mapping[str, int], rows: Sequence[int]) -> None:
+        """The next call is the piece of a step holding prompts ``rows`` (their positions in
+        the step's batch): it is seeded from ``context["step"]`` and ``rows[0]``, so a piece
+        samples the same tokens on whichever replica runs it, and its ``group_ids`` are the
+        step's. :meth:`end_piece` ends the piece."""
+        self.counter.piece = ({k: int(v) for k, v in context.items()}, [int(r) for r in rows])
+
+    def end_piece(self) -> None:
+        self.counter.piece = None
+
+    def end_pieces(self, context: Mapping[str, int], prompts: int) -> None:
+        """All pieces of the step that ``context`` began are in: count it as one call."""
+        self.counter.step = int(context["step"]) + 1
+        self.counter.next_group = int(context["next_group"]) + int(prompts)
 
     # --- the device, when roles take turns on it ----------------------------------------------
     def offload(self) -> int:
         """The HF policy off the device (:mod:`nodes.models.offload`) and a vLLM engine asleep
         (with ``enable_sleep_mode``; its memory is not counted in the bytes)."""
         moved = super().offload()
+        self.weights_in.release()
         if self._vllm is not None:
             self._vllm.sleep()
         return moved
@@ -447,11 +563,8 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
     def state_dict(self) -> dict[str, Any]:
         """The step and group counters and the loaded weights' version. Weights are not
         included: they come from ``policy`` (rebuilt from the config) and the ``weights`` port."""
-        return {
-            "step": self.step,
-            "next_group": self.next_group,
-            "weights_version": self.weights_version,
-        }
+        c = self.counter
+        return {"step": c.step, "next_group": c.next_group, "weights_version": self.weights_version}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         keys = {"step", "next_group", "weights_version"}
@@ -459,5 +572,5 @@ class Rollout(_Steps, Offload, Sharing, WeightInput, Node):
             raise ValueError(
                 f"node {self.name!r}: expected state keys {sorted(keys)}, got {sorted(state)}"
             )
-        self.step, self.next_group = int(state["step"]), int(state["next_group"])
-        self._forget_weights(int(state.get("weights_version", 0)))
+        self.counter.step, self.counter.next_group = int(state["step"]), int(state["next_group"])
+        self.weights_in.forget(int(state.get("weights_version", 0)))

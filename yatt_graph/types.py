@@ -32,6 +32,7 @@ __all__ = [
     "StructSpec",
     "TensorSpec",
     "Tensor",
+    "WeightUpdate",
     "compatible",
     "spec_of",
     "DTYPES",
@@ -121,6 +122,25 @@ PortSpec = TensorSpec | StructSpec | AnySpec
 
 #: The port type that accepts anything.
 ANY = AnySpec()
+
+
+class WeightUpdate(msgspec.Struct, frozen=True):
+    """A published state dict with its version: a typed value, so that the data-plane codec
+    carries ``version`` and ``complete`` exactly between controllers, and the runtime knows a
+    weight update when it sees one (a replica receives each version once)."""
+
+    weights: dict[str, Any]
+    """name -> tensor (``torch.Tensor``), the keys that were sent."""
+    version: int
+    """1, 2, ... per publish; a consumer skips anything not newer than what it has."""
+    complete: bool = True
+    """False when only some keys were sent: the consumer loads them with ``strict=False``."""
+
+    def __repr__(self) -> str:
+        return (
+            f"WeightUpdate(version={self.version}, complete={self.complete}, "
+            f"{len(self.weights)} tensors)"
+        )
 
 
 def Tensor(dtype: str, *shape: Dim) -> TensorSpec:

@@ -227,7 +227,7 @@ class AgentRollout(Rollout):
             logprobs = torch.where(out["response_mask"] > 0, logprobs, 0.0)  # the turns'
             out["rollout_logprobs"] = out["logprobs"] if own else logprobs
             out["logprobs"] = logprobs
-        self._done(call)
+        self.counter.done(call.N)
         return out
 
     def forward_stream(self, prompts, meta, images, weights) -> Iterator[Any]:
@@ -237,7 +237,7 @@ class AgentRollout(Rollout):
             ended = [trajectories[i] for i in rows]
             out = self._on_device(self._pack(batch, ended, torch.tensor(rows)))
             yield rows, out, len(trajectories)
-        self._done(call)
+        self.counter.done(call.N)
 
     def _begin(self, prompts, meta, images, weights) -> tuple[Any, Any, list[_Trajectory]]:
         """Each trajectory's first observation, from its data row, encoded as the policy's
@@ -463,7 +463,7 @@ class AgentRollout(Rollout):
             "rollout_logprobs": logprobs,  # the sampler's: the same ones, unless recomputed
             "response_lengths": lengths,
             "texts": [" | ".join(t.transcript[1:]) for t in trajectories],
-            "group_ids": self._group_ids(rows),
+            "group_ids": self.counter.group_ids(rows),
             "truncated": torch.tensor([float(t.cut) for t in trajectories]),
             "images": [list(t.images) for t in trajectories],
             "scores": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),

@@ -1,5 +1,5 @@
-"""What every policy family shares: the :class:`Policy` interface, the batch and result
-types, the offline tokenizers and the helpers for generation. :mod:`nodes.models.policy` is the
+"""What every policy family shares: the :class:`Policy` interface (its batch and result types
+in :mod:`nodes.models.policy_types`), the offline tokenizers and the helpers for generation. :mod:`nodes.models.policy` is the
 public face (it also builds policies from specs); the families live in
 :mod:`nodes.models.prefix_vlm`, :mod:`nodes.models.hf_causal` and :mod:`nodes.models.hf_vlm`.
 """
@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import string
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from nodes.models.files import config_positions
+from nodes.models.policy_types import Generation, PromptBatch, ResponseForward
 from nodes.rl.losses import logprobs_from_logits
 
 __all__ = [
@@ -40,62 +40,6 @@ _TINY_CHAT_TEMPLATE = (
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endfor %}"
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# data passed between the interface's methods
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PromptBatch:
-    """Tokenized prompts plus whatever else the model needs to read them (image inputs)."""
-
-    prompt_ids: Tensor
-    """int64[B, P], left-padded with the pad id."""
-    prompt_mask: Tensor
-    """int64[B, P], 1 on real prompt tokens."""
-    model_inputs: dict[str, Tensor] = field(default_factory=dict)
-    """Model-specific extras: ``image_embeds`` (PrefixVLM) or ``pixel_values``,
-    ``image_grid_thw``, ``mm_token_type_ids`` (HF VLMs)."""
-
-    def __len__(self) -> int:
-        return self.prompt_ids.shape[0]
-
-    def to(self, device: torch.device | str) -> PromptBatch:
-        return PromptBatch(
-            self.prompt_ids.to(device),
-            self.prompt_mask.to(device),
-            {k: v.to(device) for k, v in self.model_inputs.items()},
-        )
-
-
-class ResponseForward(NamedTuple):
-    """Teacher-forced outputs at the response positions."""
-
-    logits: Tensor | None
-    """float[B, R, V]: ``logits[:, t]`` is the next-token distribution that scores
-    ``response_ids[:, t]``; None when not asked for."""
-    hidden: Tensor | None
-    """float[B, R, H]: the trunk's last hidden state at the same positions; None unless asked."""
-
-
-class Generation(NamedTuple):
-    """Finished responses, following the rollout's data conventions."""
-
-    response_ids: Tensor
-    """int64[B, R], right-padded with the pad id."""
-    response_mask: Tensor
-    """float32[B, R], 1.0 on real tokens including the EOS/stop token."""
-    logprobs: Tensor
-    """float32[B, R], log-prob of each sampled token under the temperature-scaled policy; 0 at
-    padding."""
-    response_lengths: Tensor
-    """int64[B]."""
-    texts: list[str]
-    """Decoded responses (special tokens skipped; a stop string is kept)."""
-    truncated: Tensor
-    """bool[B]: the response was cut at ``max_new_tokens`` (it met no end token or stop string)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,7 +322,7 @@ class Policy(nn.Module):
     @torch.no_grad()
     def generate(self, batch: PromptBatch, **sampling: Any) -> Generation:
         """Sample responses for the whole batch: :func:`nodes.models.sampling.generate`."""
-        from nodes.models.sampling import generate
+        from nodes.models.sampling import generate  # (on use: it loads transformers)
 
         return generate(self, batch, **sampling)
 

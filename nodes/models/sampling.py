@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from nodes.models.policy_base import Generation, Policy, PromptBatch
+from nodes.models.policy_types import Generation, PromptBatch
 from nodes.models.precision import autocast, check_precision
 
 __all__ = [
@@ -238,7 +238,7 @@ class _Setup:
 
     def __init__(
         self,
-        policy: Policy,
+        policy: Any,
         max_new_tokens: int = 32,
         temperature: float = 1.0,
         top_p: float = 1.0,
@@ -276,7 +276,7 @@ class _Setup:
             use_cache=True,
         )
 
-    def finish(self, policy: Policy, new_tokens: Tensor, step_logprobs: Tensor) -> Generation:
+    def finish(self, policy: Any, new_tokens: Tensor, step_logprobs: Tensor) -> Generation:
         return _finish_responses(
             new_tokens,
             step_logprobs,
@@ -286,7 +286,7 @@ class _Setup:
             policy.pad_token_id,
         )
 
-    def run(self, policy: Policy, batch: PromptBatch, recorder: Any, **kwargs: Any) -> Tensor:
+    def run(self, policy: Any, batch: PromptBatch, recorder: Any, **kwargs: Any) -> Tensor:
         """``generate`` in eval mode (restored after); the new tokens, int64[B, R]."""
         was_training = policy.training
         policy.eval()
@@ -305,9 +305,9 @@ class _Setup:
             policy.train(was_training)
 
 
-def generate(policy: Policy, batch: PromptBatch, **sampling: Any) -> Generation:
-    """Sample responses with HF ``generate`` (KV cache); ``sampling``: the options of
-    :class:`_Setup` (see the module docstring)."""
+def generate(policy: Any, batch: PromptBatch, **sampling: Any) -> Generation:
+    """Sample responses of ``policy`` (a ``Policy``) with HF ``generate`` (KV cache);
+    ``sampling``: the options of :class:`_Setup` (see the module docstring)."""
     setup = _Setup(policy, **sampling)
     recorder = _StepLogprobRecorder(setup.logprob_temperature)
     new_tokens = setup.run(policy, batch, recorder)  # (B, R)
@@ -392,7 +392,7 @@ class _FinishWatch(StoppingCriteria):
 
 
 def generate_stream(
-    policy: Policy, batch: PromptBatch, *, every: int = 1, **sampling: Any
+    policy: Any, batch: PromptBatch, *, every: int = 1, **sampling: Any
 ) -> Iterator[tuple[list[int], Generation]]:
     """:func:`generate` (the same ``sampling`` options), handed out as ``(rows, Generation of
     those rows)`` while it runs, a piece every ``every`` decode steps that ended rows.

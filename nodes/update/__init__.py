@@ -12,7 +12,7 @@ each on its share of the batch (whole prompts' rows, shuffled with the step's se
 whole batch, as it came). Each step's mini-batch is cut into micro-batches whose gradients are
 accumulated before the step: by ``micro_batch_tokens``, a budget of padded tokens (rows times
 the longest prompt plus the longest response of the micro-batch), rows sorted longest first
-and each micro-batch trimmed of the padding it does not use (:mod:`nodes.update.micro`), so the
+and each micro-batch trimmed of the padding it does not use (:mod:`nodes.update.trainer`), so the
 forward's memory is bounded whatever the batch; else by ``micro_batch_size`` rows (0: whole).
 Every micro-batch loss is weighted by its share of the mini-batch's real tokens (token-mean
 terms) or of its non-empty samples (seq-mean terms), so the accumulated gradient equals the

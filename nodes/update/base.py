@@ -1,36 +1,40 @@
-"""What the PPO and GRPO updates share: input checks, micro-batches, the guarded step and
-the published weights (see :mod:`nodes.update` for the behaviour they have in common)."""
+"""What the PPO and GRPO update nodes share (see :mod:`nodes.update`): ports and options, the
+trained policy and its forward pass, and the weights they publish. Their training is a
+:class:`~nodes.update.trainer.Trainer` each node owns, built with its models."""
 
 from __future__ import annotations
 
-import logging
+import re
+import time
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from nodes.batches import read_mask
 from nodes.models.offload import Offload
-from nodes.models.policy import Policy, PromptBatch, build_policy
+from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
 from nodes.models.precision import autocast
-from nodes.reference import _prompt_batch, _responses_per_row
-from nodes.rl.losses import _tis_weights, logprobs_from_logits, token_entropy_from_logits
-from nodes.rl.masked import _check_finite
-from nodes.seeding import step_seed
-from nodes.shared_models import Sharing
-from nodes.update.loop import MicroLoss, _Loop, _NonFinite
-from nodes.update.micro import Micro, View, plan_micro_batches, token_micro_batches
-from nodes.update.options import _Options
-from nodes.update.ranked import NonFiniteError, _Ranked
-from yatt_graph import ANY, BatchPolicy, Node, Port
+from nodes.reference import _prompt_batch
+from nodes.rl.losses import logprobs_from_logits, token_entropy_from_logits
+from nodes.shared_models import Sharing, check_share_key, live_weights
+from nodes.update.options import TRAIN_BACKENDS, UpdateHyper
+from nodes.update.trainer import (
+    MicroLoss,
+    NonFiniteError,
+    Trained,
+    Trainer,
+    View,
+    _NonFinite,
+    join_group,
+    snapshot,
+)
+from yatt_graph import ANY, BatchPolicy, Node, Port, WeightUpdate
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built
+from yatt_graph.options import unknown_keywords
 
 __all__ = ["MicroLoss", "NonFiniteError"]  # the updates themselves are public in nodes.update
-
-log = logging.getLogger(__name__)
-
 
 _TOKENS = TensorPort("float32", "B", "R")
 
@@ -88,18 +92,110 @@ def _require_finite(what: str, x: Tensor, real: Tensor) -> None:
         raise _NonFinite(what)
 
 
-class _Update(_Options, _Loop, Offload, _Ranked, Sharing, Node):
-    """What PPO and GRPO updates share: their options (:mod:`nodes.update.options`), input
-    checks, micro-batches, the guarded step, weights, and the rank group (``ranks > 1``:
-    ``runtime.ranks``)."""
+class _Update(Offload, Sharing, Node):
+    """What PPO and GRPO updates share: their options (``hp``, a :class:`UpdateHyper`), the
+    trained policy, the published weights and the node's side of the :class:`Trainer`."""
 
     kind = "update"
+    Hyper: ClassVar[type[UpdateHyper]] = UpdateHyper
+    """The node's hyper-parameters, filled from its keywords."""
     _metric_keys: tuple[str, ...] = ()
+    _version_keys: tuple[str, ...] = ("version",)
+    """The state keys of the published weights' version (the count of calls, ``updates``)."""
     # an update must see its whole batch: two halves on two devices would be two updates
     batch_policy = BatchPolicy(splittable=False)
+    execution_options: tuple[str, ...] = (
+        "ranks",
+        "train_backend",
+        "rank_timeout_s",
+        "share",
+        "critic_share",
+    )
+    """Options that choose how the node runs, not what it computes: its checkpoints are in
+    one layout whatever they are, so a run may resume with other values of them."""
     policy = Built("the policy this node trains, built from the ``policy`` spec by setup()")
     optimizer = Built("the policy's AdamW")
-    _trained = Built("(metric name, what it is in messages, parameters, optimizer) per model")
+    trainer = Built("the node's Trainer: its models, their optimizers and the rank group")
+
+    def __init__(
+        self,
+        policy: str | Mapping[str, Any] = "tiny-prefix-vlm",
+        own: Mapping[str, Any] | None = None,
+        /,
+        *,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        clip_eps: float = 0.2,
+        clip_eps_high: float | None = None,
+        dual_clip: float | None = None,
+        kl_estimator: str = "k3",
+        entropy_coef: float = 0.0,
+        kl_coef: float = 0.0,
+        epochs: int = 1,
+        micro_batch_size: int = 0,
+        micro_batch_tokens: int = 0,
+        mask_truncated: bool = False,
+        tis_cap: float = 0.0,
+        pack_sequences: bool = False,
+        mini_batches: int = 1,
+        mixed_precision: str = "no",
+        lr_schedule: str = "constant",
+        lr_warmup_steps: int = 0,
+        lr_decay_steps: int = 0,
+        max_grad_norm: float | None = 1.0,
+        temperature: float = 1.0,
+        seed: int = 0,
+        on_nonfinite: str = "skip",
+        device: str = "cpu",
+        name: str | None = None,
+        share: str | None = None,
+        ranks: int = 1,
+        train_backend: str = "fsdp",
+        rank_timeout_s: float = 300.0,
+        weights_include: Sequence[str] | None = None,
+        weights_dtype: str | None = None,
+        placement: str | int | None = None,
+        batch_policy: BatchPolicy | None = None,
+        **unknown: Any,
+    ) -> None:
+        if unknown:  # named for the node, not this base, with the nearest option
+            raise unknown_keywords(type(self), unknown)
+        shared = {k: v for k, v in locals().items() if k in UpdateHyper.__struct_fields__}
+        super().__init__(name, placement=placement, batch_policy=batch_policy)
+        where = f"node {self.name!r}"
+        self.hp = self.Hyper.checked(where, **shared, **(own or {}))
+        dtype = getattr(torch, weights_dtype, None) if isinstance(weights_dtype, str) else None
+        checks = [
+            (
+                isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 1,
+                f"ranks={ranks!r}; it must be an int >= 1 (the processes that train together)",
+            ),
+            (
+                train_backend in TRAIN_BACKENDS,
+                f"train_backend={train_backend!r}; choose one of {', '.join(TRAIN_BACKENDS)}",
+            ),
+            (rank_timeout_s > 0, f"rank_timeout_s={rank_timeout_s}; it must be > 0"),
+            (
+                weights_dtype is None
+                or (isinstance(dtype, torch.dtype) and dtype.is_floating_point),
+                f"weights_dtype={weights_dtype!r} is not a floating torch dtype",
+            ),
+        ]
+        for ok, why in checks:
+            if not ok:
+                raise ValueError(f"{where}: {why}")
+        try:
+            self.weights_include = [re.compile(p) for p in weights_include or ()]
+        except (re.error, TypeError) as err:
+            raise ValueError(f"{where}: weights_include={weights_include!r}: {err}") from None
+        self.weights_dtype = dtype
+        self.device = torch.device(device)
+        check_policy_spec(policy)
+        self.policy_spec = policy
+        self.share = check_share_key(share, where)
+        self.ranks = int(ranks)
+        self.train_backend = train_backend
+        self.rank_timeout_s = float(rank_timeout_s)
 
     # --- the memory plan (nodes/memory.py) -----------------------------------------------------
     def memory(self, load: Any) -> dict[str, int]:
@@ -115,10 +211,10 @@ class _Update(_Options, _Loop, Offload, _Ranked, Sharing, Node):
     def _memory_options(self, share: str | None) -> dict[str, Any]:
         fsdp = self.ranks > 1 and self.train_backend == "fsdp"
         return {
-            "budget": self.micro_batch_tokens,
-            "rows": self.micro_batch_size,
-            "mini_batches": self.mini_batches,
-            "mixed": self.mixed_precision != "no",
+            "budget": self.hp.micro_batch_tokens,
+            "rows": self.hp.micro_batch_size,
+            "mini_batches": self.hp.mini_batches,
+            "mixed": self.hp.mixed_precision != "no",
             "live": share is not None and self.ranks == 1,  # a group gathers a snapshot
             "shards": self.ranks if fsdp else 1,
         }
@@ -126,16 +222,68 @@ class _Update(_Options, _Loop, Offload, _Ranked, Sharing, Node):
     # --- the device, when roles take turns on it (nodes/models/offload.py) -------------------
     def offload(self) -> int:
         """Off the device. A rank group (``ranks > 1``) moves every rank's shards
-        (:meth:`_switch_group`): its parameters are FSDP2 DTensors, which a move of ``.data``
-        would break."""
-        return self._switch_group(off=True) if self.ranks > 1 else super().offload()
+        (:meth:`Trainer.switch`)."""
+        return self._switch(off=True) if self.ranks > 1 else super().offload()
 
     def reload(self) -> int:
-        return self._switch_group(off=False) if self.ranks > 1 else super().reload()
+        return self._switch(off=False) if self.ranks > 1 else super().reload()
+
+    def _switch(self, off: bool) -> int:
+        trainer = self.__dict__.get("trainer")  # (a node not built has nothing to move)
+        return 0 if trainer is None else trainer.switch(off)
 
     def claim(self) -> None:
         if self.ranks == 1:
             super().claim()
+
+    # --- building ----------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Build the node (:meth:`yatt_graph.Node.setup`); a group whose build failed on
+        rank 0 is ended, not left waiting for it."""
+        try:
+            super().setup()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """End the rank group (no-op alone); the node cannot train afterwards."""
+        group = self.rank_group
+        if group is not None and group.rank == 0:
+            group.close()
+
+    def build(self) -> None:
+        group = None
+        if self.ranks > 1:
+            group = self.rank_group
+            self.device = join_group(f"node {self.name!r}", group, self.ranks, self.device)
+            policy = build_policy(self.policy_spec).to(self.device).eval()
+            group.join()
+            self.policy = policy
+            self._policy_logits = group.shard(
+                policy, self.train_backend, "forward_response", lambda out: out.logits
+            )
+        else:
+            self.policy = self._shared_policy(self.share, self.policy_spec).eval()
+            self._policy_logits = lambda *args: self.policy.forward_response(*args).logits
+        if self.hp.pack_sequences:
+            self._policy_logits = self._packed_logits()
+        if any(p.dtype == torch.float16 for p in self.policy.parameters() if p.requires_grad):
+            raise ValueError(
+                f"node {self.name!r}: the policy to train has float16 weights; AdamW on float16 "
+                "weights with no loss scaler overflows (its eps, 1e-8, is 0 in float16) and "
+                "every step would be undone: train in bfloat16 or float32 (float16 serves "
+                "inference: the rollout and the reference)"
+            )
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=self.hp.lr, weight_decay=self.hp.weight_decay
+        )
+        self.trainer = Trainer(
+            self.name, self.hp, self.device, self._metric_keys, group, self.train_backend
+        )
+        params = list(self.policy.parameters())
+        self.trainer.trained.append(Trained("policy", "optimizer", "grad_norm", "policy",
+                                            self.policy, params, self.optimizer))  # fmt: skip
 
     def _packed_logits(self) -> Any:
         """The policy's logits from one packed sequence a micro-batch (``pack_sequences``)."""
@@ -148,151 +296,19 @@ class _Update(_Options, _Loop, Offload, _Ranked, Sharing, Node):
             )
         return packed
 
-    def build(self) -> None:
-        if self.ranks > 1:
-            self._join_ranks()
-            policy = build_policy(self.policy_spec).to(self.device).eval()
-            self._ranks.join()
-            self.policy = policy
-            self._policy_logits = self._shard(policy, "forward_response", lambda out: out.logits)
-        else:
-            self.policy = self._shared_policy(self.share, self.policy_spec).eval()
-            self._policy_logits = lambda *args: self.policy.forward_response(*args).logits
-        if self.pack_sequences:
-            self._policy_logits = self._packed_logits()
-        if any(p.dtype == torch.float16 for p in self.policy.parameters() if p.requires_grad):
-            raise ValueError(
-                f"node {self.name!r}: the policy to train has float16 weights; AdamW on float16 "
-                "weights with no loss scaler overflows (its eps, 1e-8, is 0 in float16) and "
-                "every step would be undone: train in bfloat16 or float32 (float16 serves "
-                "inference: the rollout and the reference)"
-            )
-        self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=self.lr, weight_decay=self.weight_decay
-        )
-        # stepped in this order
-        self._trained: list[tuple[str, str, list[nn.Parameter], torch.optim.Optimizer]] = [
-            ("grad_norm", "policy", list(self.policy.parameters()), self.optimizer)
-        ]
+    # --- the call ----------------------------------------------------------------------------
+    def forward(self, **inputs: Any) -> dict[str, Any]:
+        return self.trainer.call(inputs, self.step, self._step)
 
-    # --- inputs ----------------------------------------------------------------------------
-    def _check_inputs(
-        self, tensors: dict[str, Tensor | None], image_embeds: Tensor | None, images: Any
-    ) -> tuple[dict[str, Tensor], Tensor, int]:
-        """Move the token tensors to the device and check them.
+    def serve_rank(self, op: str, values: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Run rank 0's call ``op`` on this rank (``python -m runtime.ranks.worker``)."""
+        if op == "step":
+            self.begin_step(int(meta["step"]))
+        self.trainer.serve(op, values, meta, self._step)
 
-        Returns the tensors, the real-token mask (bool[B, R]) and the number of responses per
-        image row (``B // N`` when image inputs come one per prompt, else 1).
-        """
-        where = f"node {self.name!r}"
-        if self.kl_coef > 0 and tensors.get("ref_logprobs") is None:
-            raise ValueError(
-                f"{where}: kl_coef={self.kl_coef} needs the 'ref_logprobs' input connected "
-                "(from a ReferenceLogprobs node), or set kl_coef=0"
-            )
-        if self.tis_cap > 0 and tensors.get("rollout_logprobs") is None:
-            raise ValueError(
-                f"{where}: tis_cap={self.tis_cap} needs the 'rollout_logprobs' input connected "
-                "(the Rollout's, with recompute_logprobs=True), or set tis_cap=0"
-            )
-        out = {k: v.to(self.device) for k, v in tensors.items() if v is not None}
-        B, R = out["response_ids"].shape
-        if B == 0:
-            raise ValueError(f"{where}: input 'response_ids' is empty (B = 0); nothing to train on")
-        if R == 0:
-            raise ValueError(f"{where}: input 'response_ids' has no tokens (R = 0)")
-        mask = out["response_mask"]
-        if not bool(((mask == 0) | (mask == 1)).all()):
-            raise ValueError(
-                f"{where}: input 'response_mask' must hold only 0.0 (padding) and 1.0 (real token)"
-            )
-        real = mask > 0  # (B, R)
-        if not bool(real.any()):
-            raise ValueError(
-                f"{where}: input 'response_mask' has no real token; every response is empty"
-            )
-        for port, x in out.items():
-            if x.is_floating_point() and port != "response_mask":
-                _check_finite(where, f"input {port!r}", x, real)
-        group = 1
-        for port, value in (("image_embeds", image_embeds), ("images", images)):
-            if value is None:
-                continue
-            if isinstance(value, str) or not isinstance(value, Sequence | Tensor):
-                raise ValueError(
-                    f"{where}: input {port!r} must be a list or tensor, got {type(value).__name__}"
-                )
-            group = _responses_per_row(where, port, value, B)
-        return out, real, group
-
-    def _checked_view(self, inputs: Mapping[str, Any]) -> View:
-        """The call's inputs, checked, as the whole batch's :class:`View`; with
-        ``mask_truncated`` the responses the rollout cut leave the loss."""
-        image_embeds, images = inputs.get("image_embeds"), inputs.get("images")
-        skip = ("image_embeds", "images", "truncated")
-        tensors = {k: v for k, v in inputs.items() if k not in skip}
-        t, real, group = self._check_inputs(tensors, image_embeds, images)
-        self._response_stats = {}
-        cut = inputs.get("truncated")
-        if cut is not None:
-            cut = cut.to(real.device).reshape(-1) > 0  # (B,)
-            if cut.shape[0] != real.shape[0]:
-                raise ValueError(
-                    f"node {self.name!r}: input 'truncated' has {cut.shape[0]} rows for "
-                    f"{real.shape[0]} responses"
-                )
-            lengths = real.sum(1).float()  # (B,)
-            ended = lengths[~cut]
-            self._response_stats = {
-                "truncated": float(cut.float().mean()),
-                "ended_length": float(ended.mean()) if len(ended) else 0.0,
-            }
-            if self.mask_truncated and bool((real & ~cut[:, None]).any()):
-                real = real & ~cut[:, None]  # (B, R) (all cut: trained on as they are, and said)
-            elif self.mask_truncated:
-                log.warning("node %r: every response was cut at max_new_tokens; they are "
-                            "trained on this step (raise max_new_tokens)", self.name)  # fmt: skip
-        read_mask(f"node {self.name!r}", t["response_mask"], t.get("context_mask"))  # checked
-        sampled = t.pop("rollout_logprobs", None)
-        if sampled is not None:
-            gap = (t["logprobs"] - sampled).abs()[real]  # (n,) |log pi_old - log pi_rollout|
-            self._response_stats["logprob_gap_mean"] = float(gap.mean()) if len(gap) else 0.0
-            self._response_stats["logprob_gap_max"] = float(gap.max()) if len(gap) else 0.0
-            if self.tis_cap > 0:
-                t["tis_weights"] = _tis_weights(t["logprobs"], sampled, real, self.tis_cap)
-                self._response_stats["tis_weight_mean"] = float(t["tis_weights"][real].mean())
-        return View(t, real, image_embeds, images, group)
-
-    def _slices(self, B: int, group: int) -> list[slice]:
-        """Micro-batch row ranges; with per-prompt image rows they hold whole groups."""
-        size = self.micro_batch_size or B
-        size = -(-size // group) * group  # round up to a multiple of the group
-        return [slice(i, min(i + size, B)) for i in range(0, B, max(size, 1))]
-
-    def _cut(self, view: View) -> list[tuple[View, slice]]:
-        """Micro-batches of ``view``: by ``micro_batch_tokens`` when set, else by rows."""
-        if self.micro_batch_tokens:
-            subs = token_micro_batches(
-                view, self.micro_batch_tokens, self.micro_batch_size, self.pack_sequences
-            )
-            return [(sub, slice(0, sub.real.shape[0])) for sub in subs]
-        return [(view, rows) for rows in self._slices(view.real.shape[0], view.group)]
-
-    def _micro_batches(self, full: View) -> tuple[list[Micro], Micro | None]:
-        """This rank's micro-batches (the whole batch's, alone) and the group's filler."""
-        rank, world = (0, 1) if self._ranks is None else (self._ranks.rank, self._ranks.world)
-        return plan_micro_batches(full, self._cut, rank, world)
-
-    def _mini_batches(self, full: View, epoch: int) -> list[View]:
-        """The epoch's ``mini_batches`` parts of the batch, whole units shuffled with the step's
-        seed (the whole batch, in order, with one)."""
-        if self.mini_batches == 1:
-            return [full]
-        units = full.real.shape[0] // full.group
-        gen = torch.Generator().manual_seed(step_seed(self.seed, self.updates) + epoch)
-        order = torch.randperm(units, generator=gen).tolist()
-        m = min(self.mini_batches, units)
-        return [full.take(sorted(order[i::m])) for i in range(m)]
+    def _step(self, full: View) -> dict[str, Any]:
+        """Train on the batch ``full`` (:meth:`Trainer.train`) and publish: the outputs."""
+        raise NotImplementedError
 
     def _prompt_batch(self, policy: Policy, view: View, rows: slice) -> PromptBatch:
         """The policy's batch for rows ``rows`` (image inputs repeated as reference.py does)."""
@@ -310,7 +326,6 @@ class _Update(_Options, _Loop, Offload, _Ranked, Sharing, Node):
             imgs,
         )
 
-    # --- model terms ---------------------------------------------------------------------
     def _policy_terms(self, view: View, rows: slice) -> _PolicyTerms | None:
         """Rows ``rows`` of ``view`` through the policy, teacher-forced (None when they hold no
         token to train on); the forward reads the tokens of ``view.reads`` (observations too)."""
@@ -318,19 +333,86 @@ class _Update(_Options, _Loop, Offload, _Ranked, Sharing, Node):
         tokens = int(real.sum())
         if tokens == 0:
             return None
+        hp = self.hp
         batch = self._prompt_batch(self.policy, view, rows)
         reads = view.reads[rows]  # bool[b, R]: observations too, in a multi-turn trajectory
-        with autocast(self.device, self.mixed_precision):
+        with autocast(self.device, hp.mixed_precision):
             logits = self._policy_logits(batch, ids, reads)  # (b, R, V)
-        if self.mixed_precision != "no":
+        if hp.mixed_precision != "no":
             logits = logits.float()  # the log-softmax in float32
-        if self.temperature != 1.0:
-            logits = logits / self.temperature  # (b, R, V)
+        if hp.temperature != 1.0:
+            logits = logits / hp.temperature  # (b, R, V)
         logprobs = logprobs_from_logits(logits, ids, real).float()  # (b, R)
         _require_finite("policy logprobs", logprobs, real)
-        if self.entropy_coef > 0:
+        if hp.entropy_coef > 0:
             entropy = token_entropy_from_logits(logits, real)  # (b, R)
         else:
             with torch.no_grad():
                 entropy = token_entropy_from_logits(logits.detach(), real)  # (b, R)
         return _PolicyTerms(real, tokens, ids, reads, logprobs, entropy.float())
+
+    # --- the published weights -----------------------------------------------------------------
+    def _publish(
+        self, module: nn.Module, share: str | None, metrics: dict[str, float], *, filtered: bool
+    ) -> WeightUpdate:
+        """``module``'s weights as version ``updates`` (the count of calls): a snapshot, or the
+        live tensors when the module is shared with its consumers in this process (they skip
+        loading their own storage); in a group, the full state gathered on rank 0
+        (``metrics["time/weight_gather"]`` sums its seconds). ``filtered``: only the keys
+        matching ``weights_include`` are sent (a partial update), cast to ``weights_dtype``."""
+        trainer = self.trainer
+        if trainer.group is None:
+            weights = live_weights(module) if self._is_shared(share) else snapshot(module)
+        else:
+            start = time.perf_counter()
+            weights = trainer.group.full_weights(module)
+            key = "time/weight_gather"
+            metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - start
+        if not filtered or not (self.weights_include or self.weights_dtype):
+            return WeightUpdate(weights, trainer.updates)
+        out = {
+            k: t
+            for k, t in weights.items()
+            if not self.weights_include or any(p.search(k) for p in self.weights_include)
+        }
+        if self.weights_dtype is not None:
+            cast = self.weights_dtype
+            out = {k: t.to(cast) if t.is_floating_point() else t for k, t in out.items()}
+        return WeightUpdate(out, trainer.updates, complete=len(out) == len(weights))
+
+    def save_policy(self, path: Any, state: Mapping[str, Any] | None = None) -> None:
+        """Save the trained policy with ``save_pretrained`` (a LoRA policy merged): the weights
+        of ``state`` (this node's :meth:`state_dict`, written with any K) when given, else the
+        node's own. Built alone in this process, the node saves its own policy; otherwise (a
+        rank group, whose sharded parameters only the whole group could gather, or a node not
+        built here) a fresh one-process copy is built from the spec and loaded, so nothing
+        waits on a collective."""
+        if self.ranks == 1 and self.is_set_up:
+            policy = self.policy  # its own weights, unless ``state`` says otherwise
+        else:
+            policy = build_policy(self.policy_spec)
+            if state is None:
+                state = self.state_dict()  # in a group, gathered on rank 0
+        if state is not None:
+            policy.load_state_dict(state["policy"])
+        policy.save_pretrained(path)
+
+    # --- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Each model and optimizer (unsharded, in the 1-rank layout: any K loads it), the
+        published versions and ``updates``."""
+        self.setup()  # a group exists only once built; its state calls are group operations
+        state = self.trainer.state()
+        updates = state.pop("updates")
+        return {**state, **dict.fromkeys(self._version_keys, updates), "updates": updates}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.setup()
+        trained = self.trainer.trained
+        keys = {k for m in trained for k in (m.key, m.optim_key)}
+        keys |= {*self._version_keys, "updates"}
+        if set(state) != keys:
+            raise ValueError(
+                f"node {self.name!r}: expected state keys {sorted(keys)}, got {sorted(state)}"
+            )
+        self.trainer.load(state)

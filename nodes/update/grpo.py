@@ -10,7 +10,8 @@ from torch import Tensor
 from nodes.rl.aggregate import AGGREGATIONS, _aggregate
 from nodes.rl.losses import _grpo_loss
 from nodes.update.base import _INPUTS, MicroLoss, _item, _Update
-from nodes.update.micro import View
+from nodes.update.options import GRPOHyper
+from nodes.update.trainer import View
 from yatt_graph import ANY, Port
 
 __all__ = ["GRPOUpdate"]
@@ -27,18 +28,14 @@ class GRPOUpdate(_Update):
     clip_fraction, approx_kl, kl_ref (with kl_coef > 0), grad_norm, lr, skipped_nonfinite; with
     ``ranks > 1`` also time/weight_gather, the seconds spent gathering the published weights).
 
-    Args:
-        aggregation: a registered aggregation (``nodes.rl.aggregate.AGGREGATIONS``):
-            ``"seq-mean-token-mean"`` (the paper's ``1/G sum_i 1/|o_i| sum_t``, the default),
-            ``"token-mean"``, ``"seq-mean-token-sum"`` or ``"seq-mean-token-sum-norm"``
-            (Dr.GRPO's); it also aggregates the entropy term.
-        horizon: the constant token count of ``"seq-mean-token-sum-norm"``: the generation
-            budget (``max_new_tokens``); 0: the width of each mini-batch's responses.
-        kl_coef: GRPO's beta (the paper uses 0.04; 0 disables the term and the input).
-        The others (keywords, :mod:`nodes.update.options`: ``share``, ``ranks``, ...) are as
-            in :class:`PPOUpdate`.
+    Args: ``aggregation``, ``horizon`` and the options of every update, as
+        :class:`~nodes.update.options.GRPOHyper` declares them (``kl_coef`` is GRPO's beta: the
+        paper uses 0.04), and the node's own as in :class:`PPOUpdate` (``policy``, ``device``,
+        ``share``, ``ranks``, ``weights_include``, ...).
     """
 
+    Hyper = GRPOHyper
+    hp: GRPOHyper
     _metric_keys = ("loss", "pg_loss", "entropy", "clip_fraction", "approx_kl", "grad_norm")
     inputs = _INPUTS
     outputs = {  # noqa: RUF012
@@ -54,25 +51,19 @@ class GRPOUpdate(_Update):
         horizon: int = 0,
         **options: Any,
     ) -> None:
-        super().__init__(policy, **options)
-        self.aggregation = AGGREGATIONS.check(aggregation, f"node {self.name!r}: aggregation")
-        if not (isinstance(horizon, int) and not isinstance(horizon, bool) and horizon >= 0):
-            raise ValueError(
-                f"node {self.name!r}: horizon={horizon!r}; it must be an int >= 0 (the "
-                "generation budget, max_new_tokens; 0: the responses' padded width)"
-            )
-        self.horizon = horizon
+        super().__init__(policy, {"aggregation": aggregation, "horizon": horizon}, **options)
 
     def _step(self, full: View) -> dict[str, Any]:
-        metrics = self._train(full, self._loss_over)
-        weights = self._publish(metrics)
+        metrics = self.trainer.train(full, self._loss_over)
+        weights = self._publish(self.policy, self.share, metrics, filtered=True)
         return {"weights": weights, "metrics": metrics}
 
     def _loss_over(self, full: View) -> MicroLoss:
         """The loss of a micro-batch as its share of the mini-batch ``full``'s."""
+        hp = self.hp
         n_tokens = int(full.real.sum())  # of the whole mini-batch, also in a rank group
-        mean = AGGREGATIONS[self.aggregation]
-        horizon = self.horizon or int(full.real.shape[1])  # of the whole mini-batch
+        mean = AGGREGATIONS[hp.aggregation]
+        horizon = hp.horizon or int(full.real.shape[1])  # of the whole mini-batch
         count = int(mean.count(full.real, horizon))  # what the loss averages over
 
         def micro_loss(view: View, rows: slice) -> tuple[Tensor, dict[str, float]] | None:
@@ -83,22 +74,22 @@ class GRPOUpdate(_Update):
             w_tok = policy.tokens / n_tokens  # share of the batch's tokens (token-mean stats)
             w = int(mean.count(r, horizon)) / count  # share of the loss
             # the inputs were checked once for the call, the logprobs by _policy_terms
-            ref = t["ref_logprobs"][rows] if self.kl_coef > 0 else policy.logprobs.detach()
+            ref = t["ref_logprobs"][rows] if hp.kl_coef > 0 else policy.logprobs.detach()
             loss, stats = _grpo_loss(
                 policy.logprobs,
                 t["logprobs"][rows],
                 ref,
                 t["advantages"][rows],
                 r,
-                *self._clip,
-                beta=self.kl_coef,
-                aggregation=self.aggregation,
-                kl_estimator=self.kl_estimator,
+                *hp.clip,
+                beta=hp.kl_coef,
+                aggregation=hp.aggregation,
+                kl_estimator=hp.kl_estimator,
                 is_weights=t["tis_weights"][rows] if "tis_weights" in t else None,
                 horizon=horizon,
             )
-            entropy = _aggregate("entropy", policy.entropy, r, self.aggregation, horizon)  # ()
-            loss = loss - self.entropy_coef * entropy  # ()
+            entropy = _aggregate("entropy", policy.entropy, r, hp.aggregation, horizon)  # ()
+            loss = loss - hp.entropy_coef * entropy  # ()
             out = {
                 "loss": w * _item(loss),
                 "pg_loss": w * _item(stats["pg_loss"]),
@@ -106,7 +97,7 @@ class GRPOUpdate(_Update):
                 "clip_fraction": w_tok * _item(stats["clip_fraction"]),
                 "approx_kl": w_tok * _item(stats["approx_kl"]),
             }
-            if self.kl_coef > 0:
+            if hp.kl_coef > 0:
                 out["kl_ref"] = w * _item(stats["ref_kl"])
             return loss * w, out
 

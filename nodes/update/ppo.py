@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from nodes.models.policy import check_policy_spec
 from nodes.models.precision import autocast
@@ -14,10 +14,9 @@ from nodes.reference import _value_model
 from nodes.rl.aggregate import _aggregate
 from nodes.rl.losses import _kl_loss, _ppo_policy_loss, _value_loss
 from nodes.shared_models import check_share_key
-from nodes.sync import WeightUpdate
 from nodes.update.base import _INPUTS, _TOKENS, MicroLoss, _item, _require_finite, _Update
-from nodes.update.micro import View
-from nodes.update.options import _FLOAT32_MAX
+from nodes.update.options import PPOHyper
+from nodes.update.trainer import Trained, View
 from yatt_graph import ANY, Port
 from yatt_graph.node import Built
 
@@ -46,38 +45,8 @@ class PPOUpdate(_Update):
         critic: a spec for the critic trunk, the same as the Critic node's ``critic``.
         detach_trunk, head_seed: as in :class:`nodes.reference.Critic` (with ``detach_trunk``
             only the value head is trained).
-        lr, critic_lr: AdamW learning rates (``critic_lr=None``: ``lr``).
-        weight_decay: AdamW weight decay of both optimizers.
-        clip_eps, clip_eps_high: policy ratio clip range (``clip_eps_high``: DAPO's upper one).
-        value_clip_eps: value clip range around the old values; None disables it.
-        vf_coef, entropy_coef: weights of the value loss and the entropy bonus.
-        kl_coef: weight of the k3 KL-to-reference loss term; 0 disables it (KL in the reward
-            is GAEAdvantage's ``kl_coef``).
-        epochs: passes over the batch per call.
-        mini_batches: optimizer steps per pass, each on 1/M of the batch's units (a prompt's
-            responses, or a row), shuffled with the step's seed.
-        micro_batch_size: samples per gradient-accumulation micro-batch; 0 = whole batch.
-        micro_batch_tokens: a budget of padded prompt + response tokens per micro-batch (rows
-            sorted longest first, each micro-batch trimmed of unused padding); 0 = none. The
-            step equals the unsplit one up to float rounding.
-        mask_truncated: leave the responses the rollout cut at max_new_tokens (the
-            ``truncated`` input) out of the loss.
-        tis_cap: truncated importance sampling: weigh each token's policy loss by
-            ``min(exp(logprobs - rollout_logprobs), tis_cap)`` (needs the ``rollout_logprobs``
-            input); 0 = off. With the input connected the metrics report the gap
-            (logprob_gap_mean, logprob_gap_max) either way.
-        pack_sequences: a micro-batch's rows packed into one sequence with no padding for the
-            policy's forward (a text causal LM; position ids restart at each row), the same
-            loss as padded rows up to float rounding.
-        mixed_precision: ``"no"`` or ``"bf16"`` (autocast; weights and AdamW state stay
-            float32).
-        lr_schedule, lr_warmup_steps, lr_decay_steps: ``"constant"``, ``"linear"`` or
-            ``"cosine"`` after a linear warmup, counted in update calls.
-        max_grad_norm: clip each model's gradient norm to this; 0 or None = no clipping.
-        temperature: the rollout's sampling temperature (logprobs are of ``logits / T``).
-        seed: seeds randomness inside a step (dropout, if a model has any); the global RNG is
-            left as it was.
-        on_nonfinite: ``"skip"`` or ``"raise"`` (see the module docstring).
+        lr, critic_lr, clip_eps, vf_coef, epochs, micro_batch_tokens, ...: the
+            hyper-parameters, as :class:`~nodes.update.options.PPOHyper` declares them.
         device: where the models train; outputs come back on the CPU.
         share, critic_share: share keys for the policy (e.g. ``"policy"``, as on the Rollout)
             and the value model (e.g. ``"critic"``, as on the Critic): on an on-policy executor
@@ -87,8 +56,15 @@ class PPOUpdate(_Update):
             processes (``runtime.ranks``), sharded by ``"fsdp"`` (FSDP2) or replicated
             by ``"ddp"``; ``rank_timeout_s`` bounds the ranks' start and each collective. The
             metrics then also hold time/weight_gather (seconds gathering both weights).
+        weights_include, weights_dtype: what ``weights`` sends of the policy: only the keys
+            matching one of these regexes (``re.search``; e.g. ``[r"lora_"]``, the LoRA
+            adapters), a partial update (``complete=False``); floating tensors cast to this
+            dtype (e.g. ``"bfloat16"``, half the bytes). None: every key, in its own dtype.
     """
 
+    Hyper = PPOHyper
+    hp: PPOHyper
+    _version_keys = ("version", "critic_version")
     _metric_keys = (
         "loss",
         "pg_loss",
@@ -126,28 +102,12 @@ class PPOUpdate(_Update):
         critic_share: str | None = None,
         **options: Any,
     ) -> None:
-        super().__init__(policy, **options)
-        where = f"node {self.name!r}"
-        if critic_lr is not None and not 0 < critic_lr <= _FLOAT32_MAX:
-            raise ValueError(
-                f"{where}: critic_lr={critic_lr}; it must be > 0 and fit float32 (or None: lr)"
-            )
-        if value_clip_eps is not None and not value_clip_eps > 0:
-            raise ValueError(
-                f"{where}: value_clip_eps={value_clip_eps}; it must be > 0 (or None: no clip)"
-            )
-        if vf_coef < 0:
-            raise ValueError(f"{where}: vf_coef={vf_coef}; it must be >= 0")
+        own = {"critic_lr": critic_lr, "value_clip_eps": value_clip_eps, "vf_coef": vf_coef}
+        super().__init__(policy, own, **options)
         check_policy_spec(critic)
-        self.value_clip_eps = None if value_clip_eps is None else float(value_clip_eps)
-        self.vf_coef = float(vf_coef)
         self.critic_spec = critic
-        self.critic_share = check_share_key(critic_share, where)
+        self.critic_share = check_share_key(critic_share, f"node {self.name!r}")
         self.detach_trunk, self.head_seed = bool(detach_trunk), int(head_seed)
-        self.critic_lr = float(critic_lr if critic_lr is not None else self.lr)
-        self.critic_version = 0
-
-    _counters = ("version", "critic_version", "updates")
 
     def build(self) -> None:
         super().build()
@@ -156,20 +116,19 @@ class PPOUpdate(_Update):
             self, key, self.critic_spec, self.detach_trunk, self.head_seed
         ).eval()
         self._values = self.value_model
-        if self.ranks > 1:  # the group was formed by super().build()
-            self._values = self._shard(self.value_model, "forward", lambda out: out)
+        group = self.trainer.group  # formed by super().build()
+        if group is not None:
+            self._values = group.shard(
+                self.value_model, self.train_backend, "forward", lambda out: out
+            )
         model = self.value_model
         critic_params = list((model.head if self.detach_trunk else model).parameters())
         self.critic_optimizer = torch.optim.AdamW(
-            critic_params, lr=self.critic_lr, weight_decay=self.weight_decay
+            critic_params, lr=self.hp.critic_lr, weight_decay=self.hp.weight_decay
         )
-        self._trained.append(
-            ("critic_grad_norm", "value model", critic_params, self.critic_optimizer)
-        )
-
-    def _models(self) -> list[tuple[str, str, nn.Module, torch.optim.Optimizer]]:
-        value = ("value_model", "critic_optimizer", self.value_model, self.critic_optimizer)
-        return [*super()._models(), value]
+        self.trainer.trained.append(Trained("value_model", "critic_optimizer", "critic_grad_norm",
+                                            "value model", model, critic_params,
+                                            self.critic_optimizer))  # fmt: skip
 
     def memory(self, load: Any) -> dict[str, int]:
         """The policy's part (as GRPO's) plus the value model's, trained beside it."""
@@ -184,16 +143,15 @@ class PPOUpdate(_Update):
         return {k: held.get(k, 0) + critic.get(k, 0) for k in {*held, *critic}}
 
     def _step(self, full: View) -> dict[str, Any]:
-        metrics = self._train(full, self._loss_over)
-        metrics["critic_lr"] = float(self.critic_optimizer.param_groups[0]["lr"])
-        weights = self._publish(metrics)
-        self.critic_version += 1
-        critic = self._weights_of(self.value_model, self.critic_share, metrics)
-        critic_weights = WeightUpdate(critic, self.critic_version)
-        return {"weights": weights, "critic_weights": critic_weights, "metrics": metrics}
+        metrics = self.trainer.train(full, self._loss_over)
+        metrics["critic_lr"] = self.trainer.lr(1)
+        weights = self._publish(self.policy, self.share, metrics, filtered=True)
+        critic = self._publish(self.value_model, self.critic_share, metrics, filtered=False)
+        return {"weights": weights, "critic_weights": critic, "metrics": metrics}
 
     def _loss_over(self, full: View) -> MicroLoss:
         """The loss of a micro-batch as its share of the mini-batch ``full``'s."""
+        hp = self.hp
         n_tokens = int(full.real.sum())  # of the whole mini-batch, also in a rank group
 
         def micro_loss(view: View, rows: slice) -> tuple[Tensor, dict[str, float]] | None:
@@ -205,19 +163,19 @@ class PPOUpdate(_Update):
             # the inputs were checked once for the call, the model outputs just above and below
             is_weights = t["tis_weights"][rows] if "tis_weights" in t else None
             pg_loss, pg_stats = _ppo_policy_loss(
-                policy.logprobs, t["logprobs"][rows], t["advantages"][rows], r, *self._clip,
+                policy.logprobs, t["logprobs"][rows], t["advantages"][rows], r, *hp.clip,
                 is_weights=is_weights,
             )  # fmt: skip
             entropy = _aggregate("entropy", policy.entropy, r, "token-mean")  # ()
             critic_batch = self._prompt_batch(self.value_model.trunk, view, rows)
-            with autocast(self.device, self.mixed_precision):
+            with autocast(self.device, hp.mixed_precision):
                 new_values = self._values(critic_batch, policy.ids, policy.reads)  # (b, R)
             new_values = new_values.float()
             _require_finite("values of the value model", new_values, r)
             vf_loss, vf_stats = _value_loss(
-                new_values, t["values"][rows], t["returns"][rows], r, self.value_clip_eps
+                new_values, t["values"][rows], t["returns"][rows], r, hp.value_clip_eps
             )
-            loss = pg_loss + self.vf_coef * vf_loss - self.entropy_coef * entropy  # ()
+            loss = pg_loss + hp.vf_coef * vf_loss - hp.entropy_coef * entropy  # ()
             stats = {
                 "pg_loss": _item(pg_loss),
                 "vf_loss": _item(vf_loss),
@@ -226,11 +184,11 @@ class PPOUpdate(_Update):
                 "approx_kl": _item(pg_stats["approx_kl"]),
                 "value_clip_fraction": _item(vf_stats["value_clip_fraction"]),
             }
-            if self.kl_coef > 0:
+            if hp.kl_coef > 0:
                 kl_ref = _kl_loss(
-                    policy.logprobs, t["ref_logprobs"][rows], r, self.kl_estimator, "token-mean"
+                    policy.logprobs, t["ref_logprobs"][rows], r, hp.kl_estimator, "token-mean"
                 )
-                loss = loss + self.kl_coef * kl_ref  # ()
+                loss = loss + hp.kl_coef * kl_ref  # ()
                 stats["kl_ref"] = _item(kl_ref)
             stats["loss"] = _item(loss)
             return loss * w, {k: w * v for k, v in stats.items()}

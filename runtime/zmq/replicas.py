@@ -7,7 +7,7 @@ torch thread, or on its own GPU (``CUDA_VISIBLE_DEVICES``) when the node runs on
 rebuilds the node from its :class:`~yatt_graph.serialize.NodeSpec` (the same seeded build as
 every other copy) and serves pieces over a zmq PAIR socket on ``ipc://``: a msgpack header
 plus the value codec's frames (:mod:`runtime.codec`), nothing pickled. A weight update
-(a shared input with a ``version``) reaches each process once per version.
+(a shared :class:`~yatt_graph.WeightUpdate` input) reaches each process once per version.
 
 A replica process that exits is an error naming the node, the replica, its pid and exit code,
 with the tail of its log, raised from the call that was waiting on it; so a run with
@@ -31,7 +31,8 @@ import zmq
 from runtime.children import exit_text, log_tail, python_env, start_python, stop
 from runtime.codec import decode_value, encode_value
 from runtime.errors import ControllerError
-from runtime.sched.threads import passive_env
+from runtime.sched.devices import passive_env
+from yatt_graph import WeightUpdate
 from yatt_graph.serialize import node_spec
 
 __all__ = ["ReplicaDied", "ReplicaProcess", "spawn_replica"]
@@ -104,15 +105,16 @@ class ReplicaProcess:
         return decode_value(frames, where=f"node {self.name!r} replica {self.index} outputs")
 
     def _once_per_version(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """A shared input with a ``version`` (a WeightUpdate) that this process already has
-        is sent as None (the node keeps what it loaded)."""
+        """A shared :class:`~yatt_graph.WeightUpdate` input that this process already has is
+        sent as None (the node keeps what it loaded)."""
         out = dict(inputs)
         for port, value in inputs.items():
-            version = getattr(value, "version", None)
-            if version is None:
+            if not isinstance(value, WeightUpdate):
                 continue
             last = self._sent.get(port)
-            if last is value or (version and getattr(last, "version", None) == version):
+            if last is value or (
+                value.version and last is not None and last.version == value.version
+            ):
                 out[port] = None
             else:
                 self._sent[port] = value

@@ -100,7 +100,7 @@ def test_show_memory_prints_the_plan_and_a_run_prints_its_device_lines(tmp_path,
         assert f"\n  {node} " in out
     assert "cpu: " in out and "fits in" in out
     assert main(["show", "graphs.toy", "--memory"]) == 2
-    assert "has no typed config that plans memory" in capsys.readouterr().err
+    assert "does not plan its memory" in capsys.readouterr().err
     argv = ["run", "text_grpo", "--steps", "1", "--quiet", "--out", str(tmp_path / "run")]
     assert main([*argv, "--set", "batch_size=2"]) == 0
     assert "yatt-graph run: memory plan: cpu: " in capsys.readouterr().err

@@ -179,9 +179,12 @@ def test_weights_input_is_loaded_before_sampling(embeds):
         synced.run(prompts=PROMPTS, image_embeds=embeds, weights="latest")
 
 
-def test_weights_from_weight_sync_node_are_versioned(embeds):
-    from nodes.sync import WeightSync
+def test_published_weights_are_versioned(embeds):
     from runtime.codec import decode_value, encode_value
+    from yatt_graph import WeightUpdate
+
+    def published(model, version):
+        return WeightUpdate({k: v.clone() for k, v in model.state_dict().items()}, version)
 
     def ship(update, mode):
         if mode == "local":
@@ -193,18 +196,17 @@ def test_weights_from_weight_sync_node_are_versioned(embeds):
         prompts=PROMPTS, image_embeds=embeds
     )
     for mode in ("local", "across the codec"):
-        sync = WeightSync()
         node = Rollout(model=tiny_prefix_vlm(seed=0), max_new_tokens=8, seed=0)
-        v1 = ship(sync.run(state=target.state_dict())["weights"], mode)
+        v1 = ship(published(target, 1), mode)
         out = node.run(prompts=PROMPTS, image_embeds=embeds, weights=v1)
         assert torch.equal(out["response_ids"], expected["response_ids"]), mode
         assert node.weights_version == 1
         # resumed at version 2: version 2 arriving again is skipped, version 3 is loaded
-        v2 = ship(sync.run(state=stale.state_dict())["weights"], mode)
+        v2 = ship(published(stale, 2), mode)
         node.load_state_dict({"step": 0, "next_group": 0, "weights_version": 2})
         again = node.run(prompts=PROMPTS, image_embeds=embeds, weights=v2)
         assert torch.equal(again["response_ids"], expected["response_ids"]), mode
-        v3 = ship(sync.run(state=stale.state_dict())["weights"], mode)
+        v3 = ship(published(stale, 3), mode)
         node.load_state_dict({"step": 0, "next_group": 0, "weights_version": 2})
         newer = node.run(prompts=PROMPTS, image_embeds=embeds, weights=v3)
         assert node.weights_version == 3

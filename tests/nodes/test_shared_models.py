@@ -11,7 +11,7 @@ import graphs.mm_grpo as mm_grpo
 import graphs.mm_ppo as mm_ppo
 import graphs.text_grpo as text_grpo
 from nodes.shared_models import Sharing, same_storage
-from runtime.engine.local import LocalExecutor
+from runtime.engine.engine import LocalExecutor
 
 
 def _run(module, steps: int, *, share: bool, max_staleness: int = 0, **options):

@@ -1,4 +1,5 @@
-"""Weight sync: versions, partial updates, loading, and exact round trips through the codec."""
+"""Weight sync, the consumer's side: versions, partial updates, loading, and exact round trips
+through the codec (what an update publishes: tests/nodes/test_update.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from nodes.sync import WeightSync, WeightUpdate, apply_weights
+from nodes.sync import WeightUpdate, apply_weights
 from runtime.codec import decode_value, encode_value
 
 
@@ -41,6 +42,11 @@ def _exact(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def _published(net: nn.Module, version: int = 1) -> WeightUpdate:
+    """What an update node publishes of ``net``: a snapshot of its state dict."""
+    return WeightUpdate({k: v.detach().clone() for k, v in net.state_dict().items()}, version)
+
+
 def _across_controllers(value, **kw):
     """What a consumer on another controller receives: the data-plane codec, frames as bytes."""
     return decode_value([bytes(memoryview(f).cast("B")) for f in encode_value(value, **kw)])
@@ -68,7 +74,7 @@ def test_loading_the_round_trip_into_a_fresh_model_reproduces_outputs():
     trained, fresh = make_net(0), make_net(1)
     ids = torch.randint(0, 11, (4, 6))
     assert not torch.allclose(trained(ids), fresh(ids))
-    update = _across_controllers(WeightSync().run(state=trained)["weights"])
+    update = _across_controllers(_published(trained))
     assert apply_weights(fresh, update) == 1
     assert torch.equal(fresh(ids), trained(ids))
     assert fresh.norm.num_batches_tracked.item() == 7
@@ -77,95 +83,35 @@ def test_loading_the_round_trip_into_a_fresh_model_reproduces_outputs():
 def test_bf16_model_round_trip_reproduces_outputs():
     trained, fresh = make_net(0).to(torch.bfloat16), make_net(1).to(torch.bfloat16)
     ids = torch.randint(0, 11, (2, 3))
-    apply_weights(fresh, _across_controllers(WeightSync().run(state=trained)["weights"]))
+    apply_weights(fresh, _across_controllers(_published(trained)))
     assert fresh.head.weight.dtype == torch.bfloat16
     assert torch.equal(fresh(ids), trained(ids))
 
 
-def test_weight_sync_local_mode_versions_and_snapshot():
+def test_a_consumer_loads_newer_versions_only_and_a_partial_update_only_its_keys():
     net = make_net(0)
-    sync = WeightSync(name="sync")
-    first = sync.run(state=net.state_dict())["weights"]
-    assert isinstance(first, WeightUpdate) and first.version == 1 and first.complete
-    before = first.weights["head.weight"].clone()
+    first = _published(net, 1)
     with torch.no_grad():
         net.head.weight.add_(1.0)  # an optimizer step after publishing
-    assert torch.equal(first.weights["head.weight"], before)  # the published version did not move
-    second = sync.run(state=net.state_dict())["weights"]
-    assert second.version == 2 and torch.equal(second.weights["head.weight"], net.head.weight)
+    second = _published(net, 2)
     consumer = make_net(1)
     assert apply_weights(consumer, second) == 2
     assert apply_weights(consumer, first, last_version=2) == 2  # stale: skipped
     assert torch.equal(consumer.head.weight, net.head.weight)
-    shared = WeightSync(snapshot=False).run(state=net.state_dict())["weights"]
-    assert shared.weights["head.weight"].data_ptr() == net.head.weight.data_ptr()
-
-
-def test_weight_sync_takes_a_key_a_module_or_an_update_nodes_output():
-    net = make_net(0)
-    with pytest.raises(ValueError, match="entry 'optimizer' is a dict; only tensors"):
-        WeightSync().run(state={"optimizer": {}})
-    by_key = WeightSync(key="model").run(state={"model": net.state_dict(), "step": 3})["weights"]
-    by_module = WeightSync().run(state=net)["weights"]
-    published = WeightUpdate(dict(net.state_dict()), version=9)
-    by_update = WeightSync().run(state=published)["weights"]
-    for update in (by_key, by_module, by_update):
-        assert update.complete and list(update.weights) == list(net.state_dict())
-    assert by_key.version == by_module.version == 1
-    assert by_update.version == 9  # an update's version goes on as it is: one count
-    partial = WeightUpdate({"head.bias": net.head.bias}, version=10, complete=False)
-    relayed = WeightSync().run(state=partial)["weights"]
-    assert relayed.version == 10 and not relayed.complete  # a partial update stays partial
-    fresh = make_net(1)
-    assert apply_weights(fresh, by_update) == 9
-    ids = torch.randint(0, 11, (3, 4))
-    assert torch.equal(fresh(ids), net(ids))
-
-
-def test_weight_sync_include_and_only_changed_send_partial_updates():
-    net = make_net(0)
-    head_only = WeightSync(include=[r"^head\."]).run(state=net)["weights"]
-    assert sorted(head_only.weights) == ["head.bias", "head.weight"] and not head_only.complete
-    sync = WeightSync(only_changed=True)
-    assert sync.run(state=net.state_dict())["weights"].complete
     with torch.no_grad():
         net.embed.weight[0, 0] += 1.0
-    delta = sync.run(state=net.state_dict())["weights"]
-    assert list(delta.weights) == ["embed.weight"] and not delta.complete and delta.version == 2
-    consumer = make_net(1)
-    consumer.load_state_dict(net.state_dict())
-    with torch.no_grad():
         consumer.embed.weight.zero_()
-    apply_weights(consumer, delta)  # partial: loads only its keys
+    delta = WeightUpdate({"embed.weight": net.embed.weight.clone()}, 3, complete=False)
+    assert apply_weights(consumer, _across_controllers(delta)) == 3  # loads only its keys
     assert torch.equal(consumer.embed.weight, net.embed.weight)
-    assert list(sync.run(state=net.state_dict())["weights"].weights) == []  # nothing changed
-    strided = WeightSync(only_changed=True)
-    w = torch.randn(4, 6)[:, ::2]  # not contiguous
-    assert list(strided.run(state={"w": w})["weights"].weights) == ["w"]
-    assert list(strided.run(state={"w": w})["weights"].weights) == []
+    assert torch.equal(consumer.head.weight, net.head.weight)
 
 
-def test_weight_sync_dtype_cast_and_checkpointed_version():
-    net = make_net(0)
-    sync = WeightSync(dtype="bfloat16")
-    update = sync.run(state=net.state_dict())["weights"]
-    assert update.weights["head.weight"].dtype == torch.bfloat16
-    assert update.weights["norm.num_batches_tracked"].dtype == torch.int64  # only floats are cast
-    sync.run(state=net.state_dict())
-    resumed = WeightSync()
-    resumed.load_state_dict(sync.state_dict())
-    assert resumed.run(state=net.state_dict())["weights"].version == 3
-
-
-def test_weight_sync_errors():
-    with pytest.raises(ValueError, match="not a floating torch dtype"):
-        WeightSync(dtype="int8")
-    with pytest.raises(ValueError, match="node 'ws': input 'state' has no key 'model'"):
-        WeightSync(key="model", name="ws").run(state={"policy": {}})
-    with pytest.raises(ValueError, match="node 'ws': input 'state' must be a state dict"):
-        WeightSync(name="ws").run(state=[1, 2])
+def test_apply_weights_errors():
     with pytest.raises(TypeError, match="cannot read weights from a list"):
         apply_weights(make_net(0), [torch.ones(1)])
+    with pytest.raises(ValueError, match="entry 'optimizer' is a dict; only tensors"):
+        apply_weights(make_net(0), {"optimizer": {}})
     with pytest.raises(
         ValueError, match="1 weight name\\(s\\) not in this model, e.g. \\['extra'\\]"
     ):
@@ -175,19 +121,6 @@ def test_weight_sync_errors():
         apply_weights(make_net(0), incomplete)
 
 
-def test_a_partial_update_keeps_version_complete_and_keys_across_the_codec():
-    net = make_net(0)
-    sync = WeightSync(include=[r"^head\."])
-    sync.run(state=net)
-    partial = sync.run(state=net)["weights"]
-    back = _across_controllers(partial)
-    assert isinstance(back, WeightUpdate)
-    assert back.version == 2 and back.complete is False
-    assert sorted(back.weights) == ["head.bias", "head.weight"]
-    for k, t in partial.weights.items():
-        assert _exact(back.weights[k], t), k
-
-
 def test_a_rollout_loads_a_partial_update_that_crossed_the_codec():
     from nodes.models.policy import tiny_prefix_vlm
     from nodes.rollout import Rollout
@@ -195,7 +128,7 @@ def test_a_rollout_loads_a_partial_update_that_crossed_the_codec():
     target = tiny_prefix_vlm(seed=4)
     node = Rollout(model=tiny_prefix_vlm(seed=0), max_new_tokens=4, seed=0)
     name = next(iter(target.state_dict()))
-    update = WeightSync(include=[f"^{name}$"]).run(state=target)["weights"]
+    update = WeightUpdate({name: target.state_dict()[name].clone()}, 1, complete=False)
     node.run(prompts=["hi"], image_embeds=torch.zeros(1, 32), weights=_across_controllers(update))
     assert node.weights_version == 1
     assert torch.equal(node.policy.state_dict()[name], target.state_dict()[name])
@@ -215,11 +148,11 @@ def test_a_loaded_update_is_not_held_after_it_is_loaded():
     update = WeightUpdate(state, version=1)
     watched = weakref.ref(next(iter(state.values())))
     node.run(prompts=["hi"], image_embeds=torch.zeros(1, 32), weights=update)
-    again = node._newer_weights(update)
+    again = node.weights_in.newer(update, node.name)
     assert node.weights_version == 1 and again is None  # the same version: not loaded again
     del update, state, again
     gc.collect()
     assert watched() is None
     plain = {k: v.clone() for k, v in tiny_prefix_vlm(seed=5).state_dict().items()}
     node.run(prompts=["hi"], image_embeds=torch.zeros(1, 32), weights=plain)
-    assert node._newer_weights(plain) is None  # an unversioned dict: known by identity
+    assert node.weights_in.newer(plain, node.name) is None  # an unversioned dict: by identity

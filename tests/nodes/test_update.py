@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import msgspec
 import pytest
 import torch
 
@@ -201,7 +202,7 @@ def test_grpo_micro_batches_equal_full_batch_seq_mean(batch):
     kw = {"lr": LR, "kl_coef": 0.04, "max_grad_norm": 0}
     split = GRPOUpdate(micro_batch_size=6, **kw)
     # per-prompt embeddings (4 responses each): micro-batches round up to whole groups (8 rows)
-    assert split._slices(16, 4) == [slice(0, 8), slice(8, 16)]
+    assert split.trainer.slices(16, 4) == [slice(0, 8), slice(8, 16)]
     inputs = _grpo_inputs(
         batch, adv, ref_logprobs=batch["ref_logprobs"], image_embeds=batch["image_embeds"]
     )
@@ -210,7 +211,7 @@ def test_grpo_micro_batches_equal_full_batch_seq_mean(batch):
 
 def _padded_sizes(node, inputs):
     """Each micro-batch's rows and padded width (prompt + response columns) for ``inputs``."""
-    micros, _ = node._micro_batches(node._checked_view(inputs))
+    micros, _ = node.trainer.micro_batches(node.trainer.view(inputs))
     return [(m.view.real.shape[0], m.view.t["prompt_ids"].shape[1] + m.view.real.shape[1]) for m in micros]  # fmt: skip
 
 
@@ -305,7 +306,7 @@ def test_mini_batches_are_that_many_optimizer_steps_on_parts_of_the_batch(batch)
     inputs = _grpo_inputs(batch, adv, image_embeds=per_row)
     kw = {"lr": 1e-3, "max_grad_norm": 0, "kl_coef": 0.0}
     node = GRPOUpdate(mini_batches=2, **kw)
-    parts = node._mini_batches(node._checked_view(inputs), 0)
+    parts = node.trainer.mini_batches(node.trainer.view(inputs), 0)
     rows = [p.t["response_ids"] for p in parts]
     assert len(parts) == 2 and sum(len(r) for r in rows) == 16
     steps = GRPOUpdate(**kw)  # the same two steps, one call each
@@ -492,7 +493,7 @@ def test_nan_parameter_skips_grpo_step_and_names_logprobs(batch):
     assert out["metrics"]["skipped_nonfinite"] == 1.0
     after = _params(node.policy)
     assert all(torch.allclose(before[k], after[k], rtol=0, atol=0, equal_nan=True) for k in before)
-    node.on_nonfinite = "raise"
+    node.trainer.hp = msgspec.structs.replace(node.hp, on_nonfinite="raise")
     with pytest.raises(ValueError, match=r"node 'grpo': non-finite policy logprobs"):
         node.run(_grpo_inputs(batch, adv, image_embeds=batch["image_embeds"]))
 
@@ -520,7 +521,7 @@ def test_a_step_that_makes_the_policy_diverge_is_undone_and_names_the_lr(batch, 
     assert _same_params(before, _params(node.policy))
     assert _same_params(before, out["weights"].weights)
     assert f"{found}; the optimizer step that led to it (lr {lr:g}) was undone" in caplog.text
-    node.on_nonfinite = "raise"
+    node.trainer.hp = msgspec.structs.replace(node.hp, on_nonfinite="raise")
     with pytest.raises(UsageError, match=found.replace("update 1", "update 2")):
         node.run(inputs)
     assert _same_params(before, _params(node.policy))
@@ -597,6 +598,35 @@ def test_grpo_state_round_trip(batch):
     assert wa.version == wb.version == 2 and _same_params(wa.weights, wb.weights)
 
 
+def test_weights_include_and_dtype_send_a_partial_cast_update_a_rollout_loads(batch):
+    from runtime.codec import decode_value, encode_value
+
+    adv = broadcast_to_tokens(batch["scores"], batch["response_mask"])
+    inputs = _grpo_inputs(batch, adv, image_embeds=batch["image_embeds"])
+    node = GRPOUpdate(lr=1e-3, weights_include=[r"^projector\."], weights_dtype="bfloat16")
+    sent = node.run(inputs)["weights"]
+    trained = node.policy.state_dict()
+    assert sorted(sent.weights) == sorted(k for k in trained if k.startswith("projector."))
+    assert sent.version == 1 and not sent.complete
+    back = decode_value([bytes(memoryview(f).cast("B")) for f in encode_value(sent)])
+    assert isinstance(back, WeightUpdate) and back.version == 1 and back.complete is False
+    for k, t in back.weights.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, trained[k].to(torch.bfloat16)), k
+    rollout = Rollout(n=N_SAMPLES, max_new_tokens=8, seed=0)
+    rollout.run(prompts=PROMPTS, image_embeds=batch["image_embeds"], weights=back)
+    assert rollout.weights_version == 1
+    loaded = rollout.policy.state_dict()
+    assert all(torch.equal(loaded[k], back.weights[k].float()) for k in back.weights)
+    untouched = next(k for k in trained if not k.startswith("projector."))
+    assert not torch.equal(loaded[untouched], trained[untouched])  # not sent: not loaded
+    whole = GRPOUpdate(lr=1e-3, weights_dtype="bfloat16").run(inputs)["weights"]
+    assert whole.complete and list(whole.weights) == list(trained)
+    with pytest.raises(ValueError, match="weights_dtype='int8' is not a floating torch dtype"):
+        GRPOUpdate(weights_dtype="int8")
+    with pytest.raises(ValueError, match=r"node 'p': weights_include=\['\('\]"):
+        PPOUpdate(weights_include=["("], name="p")
+
+
 # --- input errors and config ----------------------------------------------------------------
 
 
@@ -640,7 +670,7 @@ def test_config_is_json_and_rebuilds():
     config = node.config()
     json.dumps(config)
     again = type(node)(**config)
-    assert again.name == "g" and again.aggregation == "token-mean" and again.lr == 3e-4
+    assert again.name == "g" and again.hp.aggregation == "token-mean" and again.hp.lr == 3e-4
     assert _same_params(_params(node.policy), _params(again.policy))
     assert not node.batch_policy.splittable
 

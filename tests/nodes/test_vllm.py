@@ -347,12 +347,12 @@ def test_a_ready_graph_with_vllm_serves_half_precision_sleeps_and_corrects_the_g
     rollout = graph.nodes["rollout"]
     options = rollout.vllm_options
     assert (options["dtype"], options["enforce_eager"], options["enable_sleep_mode"]) == ("auto", False, True)  # fmt: skip
-    assert rollout.recompute_logprobs and graph.nodes["grpo"].tis_cap == 2.0
+    assert rollout.recompute_logprobs and graph.nodes["grpo"].hp.tis_cap == 2.0
     assert "rollout_logprobs" in {e.dst_port for e in graph.edges if e.dst == "grpo"}
     agent = load_graph("graphs.text_agent", rollout="vllm", batch_size=2)
     rollout = agent.nodes["rollout"]
     assert rollout.backend == "vllm" and rollout.vllm_options["enable_sleep_mode"]
-    assert rollout.recompute_logprobs and agent.nodes["grpo"].tis_cap == 2.0
+    assert rollout.recompute_logprobs and agent.nodes["grpo"].hp.tis_cap == 2.0
     assert "rollout_logprobs" in {e.dst_port for e in agent.edges if e.dst == "grpo"}
 
 

@@ -173,7 +173,7 @@ def test_partial_sides_balance_measured_time_and_keep_pins():
     assert sides["reference"] == "train" and sides["rollout"] == "rollout"
     # the training side is the busier: the reference (an inference node) moves over
     busy = {"data": 0.01, "vision": 0.02, "rollout": 0.06, "reward": 0.01, "reference": 0.05,
-            "group_advantage": 0.001, "grpo": 0.12, "sync": 0.0}  # fmt: skip
+            "group_advantage": 0.001, "grpo": 0.12}  # fmt: skip
     moved = balance_sides(graph, sides, busy)
     assert moved["reference"] == "rollout" and moved["reward"] == "train"
     assert moved["grpo"] == "train"  # an update never moves

@@ -1,4 +1,4 @@
-"""Update nodes as SPMD groups of K ranks (runtime/ranks/, nodes/update/micro.py):
+"""Update nodes as SPMD groups of K ranks (runtime/ranks/, nodes/update/trainer.py):
 a 2-rank group trains as the 1-rank node does, its checkpoints resume with K=2 or K=1, a
 dead rank is named, and the ranks end with their parent.
 
@@ -28,9 +28,8 @@ from nodes.reference import Critic
 from nodes.rl.advantages import broadcast_to_tokens
 from nodes.rollout import Rollout
 from nodes.update import GRPOUpdate, PPOUpdate
-from nodes.update.micro import View, plan_micro_batches
-from runtime.ranks import start_groups
-from runtime.ranks.group import RankError
+from nodes.update.trainer import View, plan_micro_batches
+from runtime.ranks.group import RankError, start_groups
 from yatt_graph.partition import lpt
 
 PROMPTS = ["hi", "what colour is it?", "x", "name the shape"]
@@ -214,7 +213,7 @@ def test_an_fsdp_group_offloads_every_ranks_shards_and_trains_alike_after(batch,
         assert _max_diff(out1["weights"].weights, out2["weights"].weights) <= WEIGHT_TOL
     finally:
         many.close()
-    assert [p.returncode for p in many._ranks.procs] == [0]  # rank 1 ran every move cleanly
+    assert [p.returncode for p in many.trainer.group.procs] == [0]  # rank 1 ran every move cleanly
 
 
 def test_grpo_ddp_with_uneven_shares_equals_one_rank(batch):
@@ -223,7 +222,7 @@ def test_grpo_ddp_with_uneven_shares_equals_one_rank(batch):
     one = _fresh_grpo(micro_batch_size=4)
     many = _fresh_grpo(micro_batch_size=4, ranks=2, train_backend="ddp")
     _trains_alike(one, many, inputs, calls=3)
-    assert [p.returncode for p in many._ranks.procs] == [0]  # closed cleanly, none left
+    assert [p.returncode for p in many.trainer.group.procs] == [0]  # closed cleanly, none left
 
 
 def test_ppo_fsdp_two_ranks_equal_one_rank(batch):
@@ -255,7 +254,7 @@ def test_hf_vlm_with_images_on_two_ranks_equals_one_rank():
 def test_a_killed_rank_is_named_not_a_hang(batch):
     node = _fresh_grpo(ranks=2)
     node.setup()
-    proc = node._ranks.procs[0]
+    proc = node.trainer.group.procs[0]
     try:
         os.kill(proc.pid, signal.SIGKILL)  # no wait: found by the poll or by the collective
         pattern = rf"node 'grpo_update': rank 1 \(pid {proc.pid}\) was killed by SIGKILL \(9\)"
@@ -300,7 +299,7 @@ def test_a_rank_that_dies_under_a_hung_collective_is_named_within_seconds(after_
     destroyed = []
     node = _fresh_grpo(ranks=2, rank_timeout_s=HUNG_TIMEOUT_S)
     node.setup()
-    group, proc = node._ranks, node._ranks.procs[0]
+    group, proc = node.trainer.group, node.trainer.group.procs[0]
     monkeypatch.setattr(ranks, "_abort_collectives", abort, raising=False)
     monkeypatch.setattr(dist, "all_reduce", all_reduce_like_nccl)
     monkeypatch.setattr(dist, "destroy_process_group", lambda *a: destroyed.append(a))
@@ -376,7 +375,7 @@ def test_a_build_that_fails_leaves_no_rank_behind():
     node = _fresh_grpo(ranks=2, policy={"name": "tiny-prefix-vlm", "n_head": 5})
     with pytest.raises(ValueError, match="divisible by num_heads"):
         node.setup()
-    assert node._ranks is None and ranks._current == []
+    assert not node.is_set_up and ranks._current == []
     assert _rank_processes() == []
 
 
@@ -394,11 +393,11 @@ def test_ranks_exit_when_rank_zero_exits():
         import os, sys, torch
         torch.set_num_threads(1)
         from nodes.update import GRPOUpdate
-        from runtime.ranks import start_groups
+        from runtime.ranks.group import start_groups
         node = GRPOUpdate(ranks=2)
         start_groups({"update": node})
         node.setup()
-        print(node._ranks.procs[0].pid, flush=True)
+        print(node.trainer.group.procs[0].pid, flush=True)
         os._exit(0)  # as a controller exits: no close(), no atexit
         """
     )

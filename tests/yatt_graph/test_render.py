@@ -81,8 +81,7 @@ def test_one_labelled_edge_per_node_pair_with_every_port_name(mm_ppo, controller
         for name in names:
             assert name in text, (pair, name, text)
     assert edge_labels(mm_ppo)[("rollout", "gae")] == "response_mask, logprobs"
-    assert edge_labels(mm_ppo)[("ppo", "sync")] == "weights→state"
-    assert edge_labels(mm_ppo)[("sync", "rollout")] == "weights\n(next step)"
+    assert edge_labels(mm_ppo)[("ppo", "rollout")] == "weights\n(next step)"
 
 
 @pytest.mark.parametrize("controllers", [1, 2])
