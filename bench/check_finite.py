@@ -19,7 +19,7 @@ from typing import Any
 
 from bench._util import load_average, machine, table
 from runtime.engine import calls
-from runtime.engine.local import LocalExecutor
+from runtime.engine.engine import LocalExecutor
 from yatt_graph.refs import load_graph
 
 __all__ = ["main", "measure"]

@@ -52,7 +52,12 @@ WORKLOADS = {
     "b": ["graphs/mm_grpo.py", "--set", "max_new_tokens=64", "--set", "batch_size=8", "--judge", "tiny"],
 }  # fmt: skip
 
+SCRIPT = "script (engine, no CLI)"
+"""The baseline of the CLI's own cost: the same graph and options driven from a script
+(``LocalExecutor.step()`` in a loop, each step timed), as a notebook runs it."""
+
 CONFIGS = {
+    SCRIPT: [],
     "in-process": [],
     "in-process, 1 thread": ["--threads", "1"],
     "2 controllers, colocated": ["--controllers", "2"],
@@ -94,6 +99,42 @@ def run_cli(
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+_SCRIPT = """
+import json, sys, time
+import torch
+from runtime.cli import build_parser
+from runtime.engine.engine import LocalExecutor
+from runtime.run import graph_options, load, resolve_graph
+args = build_parser().parse_args(sys.argv[1:])
+args.graph = resolve_graph(args.graph)
+graph = load(args, graph_options(args))
+executor = LocalExecutor(graph)
+rows = []
+for step in range(args.steps):
+    start = time.perf_counter()
+    result = executor.step()
+    metrics = result.outputs.get("metrics") or {}
+    scores = result.outputs.get("scores")
+    row = {"step": step, "time/step": time.perf_counter() - start,
+           "samples": float(len(scores)) if scores is not None else 0.0}
+    if scores is not None:
+        row["scores/mean"] = float(torch.as_tensor(scores).float().mean())
+    rows.append(row)
+print(json.dumps(rows))
+"""
+
+
+def run_script(graph_args: list[str], steps: int) -> list[dict[str, Any]]:
+    """The workload's graph, built from the same flags, stepped by ``LocalExecutor`` from a
+    script (seed 0, torch's own thread count); one row per step."""
+    cmd = [sys.executable, "-c", _SCRIPT, "run", *graph_args, "--steps", str(steps), "--seed", "0"]
+    base = {k: v for k, v in os.environ.items() if k not in OPENMP_VARS}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=base)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the script failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def figures(rows: list[dict[str, Any]], warmup: int, window: int) -> dict[str, Any]:
     kept = rows[warmup:]
     step = statistics.median(r["time/step"] for r in kept)
@@ -128,7 +169,7 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def run_floor(name: str, steps: int, warmup: int) -> dict[str, Any]:
     """The floor (bench/floor.py) of workload ``name``: on every core with bounded-spinning
     OpenMP threads and on one thread, the faster of the two."""
-    from runtime.sched.threads import SPIN_COUNT
+    from runtime.sched.devices import SPIN_COUNT
 
     base = {k: v for k, v in os.environ.items() if k not in OPENMP_VARS}
     best: dict[str, Any] | None = None
@@ -167,7 +208,11 @@ def workload(name: str, steps: int, rounds: int, warmup: int, configs: list[str]
             )
             for c in configs:
                 t0 = time.perf_counter()
-                rows = run_cli(WORKLOADS[name], CONFIGS[c], steps, Path(tmp) / f"{name}-{r}")
+                rows = (
+                    run_script(WORKLOADS[name], steps)
+                    if c == SCRIPT
+                    else run_cli(WORKLOADS[name], CONFIGS[c], steps, Path(tmp) / f"{name}-{r}")
+                )
                 results[c].append(figures(rows, warmup, window=max(2, steps // 4)))
                 print(
                     f"  ({name}) {c}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True

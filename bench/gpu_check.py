@@ -331,7 +331,7 @@ def _offload_check(policy: Path) -> None:
     process could take: at least 90% of the bytes moved) and the weights equal after. On
     ``--device cpu`` the moves are CPU copies (``ALWAYS_COPY``): no memory figure."""
     import nodes.models.offload as off
-    from runtime.engine.local import LocalExecutor
+    from runtime.engine.engine import LocalExecutor
     from runtime.engine.switch import has_device_state
     from yatt_graph.refs import load_graph
 

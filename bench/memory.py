@@ -49,7 +49,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     from nodes.data import task_vocabulary
     from nodes.shared_models import Sharing
     from nodes.vision import TINY_OPEN_CLIP_CFG
-    from runtime.engine.local import LocalExecutor
+    from runtime.engine.engine import LocalExecutor
 
     spec = {
         "name": "tiny-prefix-vlm",

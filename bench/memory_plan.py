@@ -22,7 +22,7 @@ from bench._util import last_json, machine, peak_run, table
 _PLAN = """
 import json, sys
 from runtime.cli import build_parser
-from runtime.run_setup import graph_options, load, memory_plan, resolve_graph
+from runtime.run import graph_options, load, memory_plan, resolve_graph
 args = build_parser().parse_args(["show", *sys.argv[1:]])
 args.graph = resolve_graph(args.graph)
 options = graph_options(args)

@@ -59,7 +59,7 @@ def writer_alone(steps: int, warmup: int) -> dict[str, Any]:
     step written) and the bytes written a step."""
     import torch
 
-    from runtime.engine.local import LocalExecutor
+    from runtime.engine.engine import LocalExecutor
     from runtime.train.samples import SampleWriter
     from yatt_graph.refs import load_graph
 

@@ -1,4 +1,4 @@
-"""The thread policy of ``yatt-graph run`` (runtime/sched/threads.py) against every fixed one:
+"""The thread policy of ``yatt-graph run`` (runtime/sched/devices.py) against every fixed one:
 on the machine as it is, and with two busy loops on its cores.
 
     .venv/bin/python -m bench.threads --workloads a b --steps-a 60 --steps-b 12
@@ -25,7 +25,7 @@ from typing import Any
 
 from bench._util import busy_loops, load_average, machine, table
 from bench.e2e import WORKLOADS, figures, run_cli
-from runtime.sched.threads import SPIN_COUNT
+from runtime.sched.devices import SPIN_COUNT
 
 
 def settings(cores: int) -> dict[str, tuple[dict[str, str], list[str]]]:

@@ -23,16 +23,13 @@ synthetic shapes task; real models and data come from local paths:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from graphs.config import TINY_TEXT_LMS, RLConfig, TextGRPOConfig
 from nodes.advantage import GroupAdvantage
 from nodes.data import ShapesSource, task_vocabulary
 from nodes.vision import TINY_OPEN_CLIP_CFG
-from yatt_graph import Graph, Handle, Node
-
-if TYPE_CHECKING:
-    from nodes.memory import Load
+from yatt_graph import Handle, Node
 
 __all__ = [
     "data_keys",
@@ -41,7 +38,6 @@ __all__ = [
     "is_prefix_policy",
     "policy_spec",
     "resolve_device",
-    "step_load",
     "train_group",
     "update_options",
     "vision_kwargs",
@@ -133,31 +129,6 @@ def update_options(config: RLConfig) -> dict[str, Any]:
         "lr_warmup_steps", "lr_decay_steps", "temperature", "seed",
     )  # fmt: skip
     return {name: getattr(config, name) for name in names}
-
-
-def step_load(config: RLConfig, graph: Graph) -> Load:
-    """One step's :class:`nodes.memory.Load` for a ready graph built from ``config``: a copy
-    of its data node draws one batch, whose longest prompt (as the rollout's policy encodes
-    it) stands for the prompt length unless ``max_prompt_tokens`` bounds it."""
-    import copy
-
-    from nodes.memory import Load, prompt_tokens
-
-    rollout = graph.nodes["rollout"]
-    batch = copy.deepcopy(graph.nodes["data"]).run()  # the run's own data node is not moved on
-    images = batch.get("images")
-    images = list(images) if images is not None and "vision" in graph.nodes else None
-    longest = prompt_tokens(rollout.policy_spec, list(batch["prompts"]), images)
-    if config.max_prompt_tokens is not None:
-        longest = min(longest, config.max_prompt_tokens)
-    pixels = max((im.width * im.height for im in images or []), default=0)
-    return Load(
-        prompts=config.prompts_drawn,  # (an upper bound for what trains, with dynamic sampling)
-        responses=config.prompts_drawn * rollout.n,
-        prompt_tokens=longest,
-        response_tokens=config.max_new_tokens,
-        image_pixels=pixels,
-    )
 
 
 def group_advantage(

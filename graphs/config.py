@@ -21,17 +21,15 @@ the README's figures were measured with.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-from collections.abc import Collection
+import typing
 from typing import Any, Literal, Self
 
 import msgspec
 
-from graphs.checks import at_least, check_choices, positive, refuse, within
 from nodes.data import TASKS
-from nodes.models.families import has_chat_template, is_tiny_dir, model_positions
+from nodes.models.families import is_tiny_dir, model_positions
 from nodes.models.precision import PRECISIONS, native_bf16
 from nodes.models.sampling import MIN_TEMPERATURE, temperature_problem
 from nodes.rl.advantages import GROUP_ESTIMATORS
@@ -40,7 +38,18 @@ from nodes.rl.aggregate import Aggregation
 from nodes.update.schedule import LR_SCHEDULES
 from yatt_graph.options import build_config, check_options, config_options
 
-__all__ = ["GRPOConfig", "MultimodalPPOConfig", "PPOConfig", "RLConfig", "TextGRPOConfig"]
+__all__ = [
+    "GRPOConfig",
+    "MultimodalPPOConfig",
+    "PPOConfig",
+    "RLConfig",
+    "TextGRPOConfig",
+    "at_least",
+    "check_choices",
+    "positive",
+    "refuse",
+    "within",
+]
 
 
 Estimator = GROUP_ESTIMATORS.literal()
@@ -381,61 +390,6 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         }
         return {name: need for name, (need, active) in when.items() if not active}
 
-    def notes(self, given: Collection[str] = ()) -> list[str]:
-        """What a run should say about these settings before its first step: the defaults
-        chosen for a model of the user's (of the options not in ``given``, those the user
-        set), and whether its chat template formats the prompts."""
-        if not users_model(self.policy):
-            return []
-        chosen = [f"{k}={getattr(self, k)}" for k in AUTO if hasattr(self, k) and k not in given]
-        notes = []
-        if chosen:
-            notes.append(
-                f"defaults for a model of your own (each --set overrides): {', '.join(chosen)}"
-            )
-        fitted, why = fitted_new_tokens(self.policy, int(AUTO["max_new_tokens"][1]))
-        if why and "max_new_tokens" not in given and self.max_new_tokens == fitted:
-            notes.append(why)
-        path = self.policy["path"] if isinstance(self.policy, dict) else self.policy
-        if has_chat_template(path):
-            notes.append(
-                "prompts are formatted with the model's chat template"
-                + ("" if self.chat_template else " (no: chat_template=false)")
-            )
-        return notes
-
-    def run_notes(self, steps: int, given: Collection[str] = ()) -> list[str]:
-        """What a run of ``steps`` steps (counted from 0, restored ones too) should say before
-        its first: :meth:`notes`, each option in ``given`` (those the user set) that does
-        nothing with these settings, and a learning rate that reaches 0 before the last step."""
-        notes = self.notes(given)
-        idle = self.idle_options()
-        for name in sorted(set(given) & set(idle)):
-            notes.append(f"{name} does nothing with these settings: it needs {idle[name]}")
-        end = self.lr_warmup_steps + self.lr_decay_steps
-        if self.lr_schedule != "constant" and end < steps:
-            still = f"step {end}" if end == steps - 1 else f"steps {end}-{steps - 1}"
-            notes.append(
-                f"warning: lr_schedule={self.lr_schedule} brings the learning rate to 0 at step "
-                f"{end} (lr_warmup_steps {self.lr_warmup_steps} + lr_decay_steps "
-                f"{self.lr_decay_steps}), so {still} of this run will not train; set "
-                f"lr_decay_steps={steps - self.lr_warmup_steps} to decay over the whole run, or "
-                f"stop the run there with --steps {end}"
-            )
-        return notes
-
-    def memory_plan(self, graph: Any, processes: dict[str, str] | None = None) -> Any:
-        """The :class:`nodes.memory.MemoryPlan` of ``graph`` (built from this config) for one
-        step: its batch, samples per prompt and response length, and its longest prompt,
-        ``max_prompt_tokens`` or, without it, the longest of the first batch of the data; where
-        a device does not fit, it says what to change (:mod:`graphs.memory_advice`)."""
-        from graphs.common import step_load
-        from graphs.memory_advice import memory_fixes
-        from nodes.memory_plan import plan_memory
-
-        advice = functools.partial(memory_fixes, self)
-        return plan_memory(graph, step_load(self, graph), processes, advice)
-
     @classmethod
     def from_options(cls, graph: str, options: dict[str, Any]) -> Self:
         """The config of ``graph`` from ``build_graph``'s keyword options, checked."""
@@ -512,3 +466,33 @@ class GRPOConfig(TextGRPOConfig, kw_only=True, forbid_unknown_fields=True):
 
     vision: str = "tiny"
     """'tiny' or open_clip:NAME[:WEIGHTS_FILE]; only a prefix-VLM policy reads it."""
+
+
+def refuse(name: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"option {name}={value!r}: must be {allowed}")
+
+
+def at_least(name: str, value: float, low: float) -> None:
+    if not (value >= low and math.isfinite(value)):  # also refuses NaN
+        refuse(name, value, f">= {low}" if isinstance(value, int) else f"a finite number >= {low}")
+
+
+def positive(name: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        refuse(name, value, "a finite number > 0")
+
+
+def within(name: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        refuse(name, value, f"in [{low}, {high}]")
+
+
+def check_choices(config: msgspec.Struct) -> None:
+    """Refuse a value outside its field's ``Literal`` choices (a Struct made in code is not
+    checked against its types as a decoded one is)."""
+    for field in msgspec.structs.fields(config):
+        if typing.get_origin(field.type) is typing.Literal:
+            value = getattr(config, field.name)
+            if value not in typing.get_args(field.type):
+                choices = ", ".join(str(c) for c in typing.get_args(field.type))
+                refuse(field.name, value, f"one of {choices}")

@@ -21,13 +21,14 @@ from typing import Any
 
 import msgspec
 
+from graphs.advice import memory_plan, run_notes
 from graphs.common import policy_spec
 from graphs.config import users_model
 from graphs.text_agent import AgentConfig, build_agent
 from nodes.data import task_vocabulary
 from yatt_graph import Graph
 
-__all__ = ["CONFIG", "MultimodalAgentConfig", "build_graph"]
+__all__ = ["CONFIG", "MultimodalAgentConfig", "build_graph", "memory_plan", "run_notes"]
 
 
 class MultimodalAgentConfig(AgentConfig, kw_only=True, forbid_unknown_fields=True):

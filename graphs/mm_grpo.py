@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from graphs.advice import memory_plan, run_notes
 from graphs.common import group_advantage, train_group, update_options
 from graphs.config import GRPOConfig, TextGRPOConfig
 from graphs.sampling import connect_weights, sample_and_score, sample_columns, update_inputs
@@ -17,7 +18,7 @@ from nodes.shared_models import set_share
 from nodes.update import GRPOUpdate
 from yatt_graph import Graph
 
-__all__ = ["CONFIG", "build_graph", "build_grpo"]
+__all__ = ["CONFIG", "build_graph", "build_grpo", "memory_plan", "run_notes"]
 
 
 CONFIG = GRPOConfig

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from graphs.advice import memory_plan, run_notes
 from graphs.common import train_group, update_options
 from graphs.config import MultimodalPPOConfig, PPOConfig
 from graphs.sampling import connect_weights, sample_and_score, sample_columns, update_inputs
@@ -20,7 +21,7 @@ from nodes.shared_models import set_share
 from nodes.update import PPOUpdate
 from yatt_graph import Graph
 
-__all__ = ["CONFIG", "build_graph", "build_ppo"]
+__all__ = ["CONFIG", "build_graph", "build_ppo", "memory_plan", "run_notes"]
 
 
 CONFIG = MultimodalPPOConfig

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphs.checks import at_least, refuse
+from graphs.advice import memory_plan, run_notes
 from graphs.common import (
     data_source,
     group_advantage,
@@ -26,18 +26,17 @@ from graphs.common import (
     update_options,
     vllm_options,
 )
-from graphs.config import TextGRPOConfig
+from graphs.config import TextGRPOConfig, at_least, refuse
 from graphs.sampling import TOKENS
 from nodes.agents import AgentRollout, AgentStats, load_env
 from nodes.data import ShapesSource
 from nodes.reference import ReferenceLogprobs
 from nodes.sample_stats import SampleStats
 from nodes.shared_models import set_share
-from nodes.sync import WeightSync
 from nodes.update import GRPOUpdate
 from yatt_graph import Graph
 
-__all__ = ["CONFIG", "AgentConfig", "build_agent", "build_graph"]
+__all__ = ["AgentConfig", "CONFIG", "build_agent", "build_graph", "memory_plan", "run_notes"]
 
 
 class AgentConfig(TextGRPOConfig, kw_only=True, forbid_unknown_fields=True):
@@ -152,8 +151,7 @@ def build_agent(name: str, config: AgentConfig, spec: dict[str, Any], *, images:
             **tensors, logprobs=sample.logprobs, truncated=sample.truncated,
             advantages=adv.advantages, **ref, **sampled, **seen,
         )  # fmt: skip
-        sync = WeightSync(snapshot=False, name="sync")(update.weights)
-        g.connect(sync, rollout, "weights", delay=1)
+        g.connect(update.weights, rollout, "weights", delay=1)
         g.output("texts", sample.texts)
         g.output("prompts", data.prompts)
         g.output("scores", sample.scores)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from graphs.advice import memory_plan, run_notes
 from graphs.config import PPOConfig
 from graphs.mm_ppo import build_ppo
 from yatt_graph import Graph
 
-__all__ = ["CONFIG", "build_graph"]
+__all__ = ["CONFIG", "build_graph", "memory_plan", "run_notes"]
 
 
 CONFIG = PPOConfig

@@ -13,11 +13,10 @@ __all__ = [
     "LocalExecutor",
     "StepResult",
     "ZmqExecutor",
-    "describe",
 ]
 
 _ZMQ = {"ControllerError", "HandshakeError", "ZmqExecutor"}
-_LOCAL = {"LocalExecutor", "StepResult", "describe"}
+_LOCAL = {"LocalExecutor", "StepResult"}
 
 
 def __getattr__(name: str) -> Any:
@@ -26,7 +25,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(driver, name)
     if name in _LOCAL:
-        from runtime.engine import local
+        from runtime.engine import engine as local
 
         return getattr(local, name)
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime.launch import add_launch_arguments
-from runtime.run_setup import (
+from runtime.flags import add_controller_arguments, add_launch_arguments, add_run_arguments
+from runtime.run import (
     OptionError,
     RunSetup,
     graph_input,
@@ -32,13 +32,13 @@ from runtime.run_setup import (
     memory_plan,
     planned,
     resolve_graph,
+    run_command,
     typed_config,
     typed_words,
 )
 from runtime.train.export import export_checkpoint
-from runtime.train.run_flags import add_run_arguments
+from runtime.train.loop import stopped_by
 from runtime.train.run_folder import check_new_path
-from runtime.train.signals import stopped_by
 from yatt_graph import GraphError, NodeBuildError, NodeExecutionError, NodeUsageError, UsageError
 from yatt_graph.options import (
     load_graph_module,
@@ -83,8 +83,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         plan = memory_plan(args.graph, options, graph, args.controllers)
         if plan is None:
             raise UsageError(
-                f"show --memory: {args.graph} has no typed config that plans memory (a module "
-                "CONFIG with memory_plan(), as the ready graphs have)"
+                f"show --memory: {args.graph} does not plan its memory (a module function "
+                "memory_plan(config, graph, processes) and a CONFIG, as the ready graphs have)"
             )
         print("\n".join(typed_words(line, args.graph) for line in plan.lines()))
         return 0
@@ -94,12 +94,19 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from runtime.launch import LaunchError
-    from runtime.train.run_command import run_command
-    from runtime.zmq.hosts import start_host
+    from runtime.flags import LaunchError, resolve_launch
 
+    host = None
     try:  # a run across hosts (--nnodes, torchrun, srun): this host's controllers start here
-        host = start_host(args, os.environ)
+        launch = resolve_launch(args.nnodes, args.node_rank, args.master, os.environ)
+        if launch is not None and launch.nnodes > 1:
+            from runtime.zmq.hosts import start_host
+
+            host = start_host(args, launch)
+        elif args.data_host:
+            raise LaunchError("--data-host applies to a run across hosts (--nnodes 2 or more)")
+        elif launch is not None:
+            print(f"yatt-graph run: {launch.describe()}", file=sys.stderr, flush=True)
     except LaunchError as exc:
         raise UsageError(str(exc)) from None
     if host is not None and not host.runs_driver:
@@ -288,9 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command(
         "controller", cmd_controller, "join a driver started with `run --listen` (another host)"
     )
-    from runtime.zmq.controller_main import add_arguments as controller_arguments
 
-    controller_arguments(p)
+    add_controller_arguments(p)
 
     p = command("keys", cmd_keys, "create CURVE keys for runs across hosts")
     p.add_argument("directory", help="an empty folder for the keys")

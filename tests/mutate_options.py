@@ -9,7 +9,7 @@ The working tree is never written. graphs/ and runtime/ are copied to a temporar
 mutation is made in a copy, and a forked child puts that copy first on sys.path and runs the
 test with pytest.main. The mutations, found by parsing the graph modules (graphs/*.py with a
 ``build_graph``), the helpers that turn their options into nodes (graphs/common.py,
-graphs/sampling.py) and runtime/run_setup.py:
+graphs/sampling.py) and runtime/run.py:
 
 * ``config.X`` given to a node or a spec as a keyword argument (``kl_estimator=config.
   kl_estimator``) or a dict entry (``"dtype": config.vllm_dtype``): the argument or the entry
@@ -18,7 +18,7 @@ graphs/sampling.py) and runtime/run_setup.py:
   ``type(config)().X``, the option's default in that graph;
 * each entry of an agent config's ``_unsupported`` (the options it refuses): dropped;
 * each name of a tuple of option names bound to a name (``names`` in graphs/common.py: the
-  update's options; ``_NAMED_OPTIONS`` in runtime/run_setup.py: the flags of ``yatt-graph
+  update's options; ``_NAMED_OPTIONS`` in runtime/run.py: the flags of ``yatt-graph
   run`` named after options): dropped.
 
 A ``config.X`` inside an f-string (an error message) hands nothing on and is left alone.

@@ -163,12 +163,12 @@ def test_bad_flags_are_refused_in_one_line_with_exit_code_2_before_training(
 
 
 def test_a_bug_shows_its_traceback_and_says_it_is_a_bug(monkeypatch, capsys):
-    import runtime.train.run_command
+    import runtime.run
 
     def broken(*args, **kwargs):
         raise KeyError("an internal slip")
 
-    monkeypatch.setattr(runtime.train.run_command, "print_summary", broken)
+    monkeypatch.setattr(runtime.run, "print_summary", broken)
     assert main(["run", "graphs.toy", "--steps", "1", "--quiet"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "KeyError: 'an internal slip'" in err

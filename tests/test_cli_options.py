@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from runtime.cli import build_parser, main
-from runtime.run_setup import graph_options
+from runtime.run import graph_options
 from yatt_graph.refs import load_graph
 
 # A user's graph: typed, untyped-with-default and untyped parameters; it records what it got.

@@ -204,7 +204,7 @@ def test_the_runtimes_and_the_configs_messages_name_the_flags_too(here, capsys):
 
 
 def test_keywords_become_what_the_user_types_and_other_text_stays():
-    from runtime.run_setup import typed_words
+    from runtime.run import typed_words
 
     def said(text: str, graph: str = "graphs.text_ppo") -> str:
         return typed_words(text, graph)
@@ -251,9 +251,11 @@ def test_a_schedule_that_ends_before_the_run_is_said_at_start(here, capsys):
 
 
 def test_no_warning_when_the_schedule_lasts_the_run():
+    from graphs.advice import run_notes
+
     config = PPOConfig(lr_schedule="cosine", lr_warmup_steps=2, lr_decay_steps=8)
-    assert config.run_notes(10) == config.run_notes(3) == []
-    (note,) = config.run_notes(11)
+    assert run_notes(config, 10) == run_notes(config, 3) == []
+    (note,) = run_notes(config, 11)
     assert "to 0 at step 10" in note and "so step 10 of this run" in note
 
 
@@ -301,7 +303,7 @@ def test_memory_advice_lowers_micro_batches_when_on_and_names_what_bounds_the_ro
 
 
 def test_memory_advice_for_the_state_follows_the_settings():
-    from graphs.memory_advice import memory_fixes
+    from graphs.advice import memory_fixes
     from nodes.memory import Load
     from nodes.memory_plan import MemoryPlan
 

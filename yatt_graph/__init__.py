@@ -21,10 +21,11 @@ from yatt_graph.errors import (
     UnusedOutputWarning,
     UsageError,
 )
+from yatt_graph.function_node import FunctionNode, node
 from yatt_graph.graph import Edge, Graph, Handle, Outputs
-from yatt_graph.node import BatchPolicy, FunctionNode, Node, Port, node
+from yatt_graph.node import BatchPolicy, Node, Port
 from yatt_graph.plan import Channel, Plan, Subgraph
-from yatt_graph.types import ANY, AnySpec, PortSpec, StructSpec, Tensor, TensorSpec
+from yatt_graph.types import ANY, AnySpec, PortSpec, StructSpec, Tensor, TensorSpec, WeightUpdate
 
 __all__ = [
     "ANY",
@@ -59,6 +60,7 @@ __all__ = [
     "TensorSpec",
     "UnusedOutputWarning",
     "UsageError",
+    "WeightUpdate",
     "node",
 ]
 

@@ -41,7 +41,7 @@ from yatt_graph.errors import NodeInputError, NodeOutputError
 from yatt_graph.stream import Piece, check_piece, join_pieces
 from yatt_graph.types import PortSpec, check_value, spec_of
 
-__all__ = ["BatchPolicy", "Built", "Node", "FunctionNode", "Port", "node"]
+__all__ = ["BatchPolicy", "Built", "Node", "Port"]
 
 
 class BatchPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -141,7 +141,7 @@ class Node:
     device: Any = "cpu"
     """Where the node computes (a torch device or its name). A node on a GPU sets it and
     returns its outputs there; an executor hands a node CUDA tensors only when this is a CUDA
-    device, and host copies otherwise (``runtime/engine/tensor_moves.py``)."""
+    device, and host copies otherwise (``runtime/engine/calls.py``)."""
     placement: str | int | None = None
     """A controller hint: an int controller index or a group name; None lets the plan decide."""
     step: int = 0
@@ -439,7 +439,3 @@ class Node:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self.kind} {self.signature()}>"
-
-
-# The function form of a node (``@node``), kept in its own module; importable from here too.
-from yatt_graph.function_node import FunctionNode, node  # noqa: E402

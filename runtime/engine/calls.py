@@ -31,8 +31,12 @@ __all__ = [
     "Running",
     "StepResult",
     "Stop",
+    "TensorMoves",
     "describe",
     "first_non_finite",
+    "host_copy",
+    "node_devices",
+    "on_cuda",
     "run_node",
     "stream_node",
 ]
@@ -84,7 +88,7 @@ Stop = Callable[[], bool] | None
 
 
 class Executor(Protocol):
-    """What the training loop drives: :class:`~runtime.engine.local.LocalExecutor` and
+    """What the training loop drives: :class:`~runtime.engine.engine.LocalExecutor` and
     ``runtime.zmq.driver.ZmqExecutor`` alike, each made from ``(plan, RunConfig)``."""
 
     next_step: int
@@ -245,10 +249,14 @@ def start_nodes(
     for ``config.devices`` and ``config.replicas`` (``spawn`` starts replica i of a node). A
     failure ends what started; a library node that fails on what the user gave it raises a
     one-line :class:`~yatt_graph.errors.NodeBuildError` (:func:`yatt_graph.errors.build_error`)."""
-    from runtime.ranks import start_groups
     from runtime.sched.fanout import device_pool, start_fanouts
 
-    workers = NodeWorkers(None, start_groups(nodes))
+    groups: list[Any] = []
+    if any(n.ranks > 1 and n.rank_group is None for n in nodes.values()):
+        from runtime.ranks.group import start_groups
+
+        groups = start_groups(nodes)
+    workers = NodeWorkers(None, groups)
     try:
         for name in [n for n in order if n in nodes]:
             if track is not None:
@@ -267,3 +275,76 @@ def start_nodes(
         workers.close()
         raise
     return workers
+
+
+def on_cuda(device: Any) -> bool:
+    """Whether ``device`` (a torch device or its name) is a CUDA device."""
+    return str(device).startswith("cuda")
+
+
+def node_devices(nodes: Mapping[str, Any]) -> dict[str, str]:
+    """Each node's :attr:`~yatt_graph.Node.device`, by name, as a string."""
+    return {name: str(node.device) for name, node in nodes.items()}
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to("cpu")
+
+
+def host_copy(value: Any) -> Any:
+    """``value`` with every tensor off the host copied to it (in dicts, lists and tuples); the
+    value itself when nothing in it is off the host."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device.type == "cpu" else _to_host(value)
+    if isinstance(value, Mapping):
+        items = {k: host_copy(v) for k, v in value.items()}
+        return value if all(items[k] is v for k, v in value.items()) else items
+    if isinstance(value, list | tuple):
+        items = [host_copy(v) for v in value]
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        if isinstance(value, list):
+            return items
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+class TensorMoves:
+    """The rule of the module docstring for one graph: ``devices`` holds every node's device
+    (:func:`node_devices`), ``edges`` the graph's edges, ``assignment`` each node's
+    controller. In a graph with no node on a GPU it leaves every value as it is."""
+
+    def __init__(
+        self, devices: Mapping[str, str], edges: Sequence[Any], assignment: Mapping[str, int]
+    ):
+        self.cuda = {name for name, device in devices.items() if on_cuda(device)}
+        self._readers: dict[tuple[str, str], dict[int, set[str]]] = {}
+        for e in edges:
+            where = self._readers.setdefault((e.src, e.src_port), {})
+            where.setdefault(assignment.get(e.dst, 0), set()).add(e.dst)
+
+    def inputs(self, node: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+        """What ``node``, a reader in this process, takes of its call's ``inputs``: each
+        tensor moved to its GPU (its device as it is now: a rank's own), or host copies for a
+        reader off the GPU; ``inputs`` themselves in a graph with no node on a GPU."""
+        if not self.cuda:
+            return inputs
+        if on_cuda(node.device):
+            return {p: v.to(node.device) if isinstance(v, torch.Tensor) else v
+                    for p, v in inputs.items()}  # fmt: skip
+        return {p: host_copy(v) for p, v in inputs.items()}
+
+    def for_host(self, value: Any) -> Any:
+        """What the graph's marked outputs hold of ``value``: a host copy."""
+        return host_copy(value) if self.cuda else value
+
+    def split(self, src: str, port: str, dests: Sequence[int]) -> list[tuple[list[int], bool]]:
+        """``dests`` (controllers reading ``src.port``) as groups ``(controllers, as_is)``:
+        those whose readers of it are all on a GPU take the value as it is, the others a host
+        copy. Groups with no controller are left out."""
+        if not self.cuda:
+            return [(list(dests), True)]
+        readers = self._readers.get((src, port), {})
+        as_is = [c for c in dests if readers.get(c) and readers[c] <= self.cuda]
+        copy = [c for c in dests if c not in as_is]
+        return [(group, keep) for group, keep in ((as_is, True), (copy, False)) if group]

@@ -3,7 +3,7 @@
 ``LocalExecutor(plan, config)`` reads the options that apply to one process; ``ZmqExecutor(plan,
 config)`` sends the whole struct to every controller inside its SETUP message, so an option is
 one field here, read where it is used. The ``yatt-graph run`` flags parse into it once
-(``runtime/train/run_flags.py``). Keyword arguments to an executor are fields of it:
+(``runtime/flags.py``). Keyword arguments to an executor are fields of it:
 ``LocalExecutor(graph, devices=2)`` is ``LocalExecutor(graph, RunConfig(devices=2))``.
 """
 
@@ -13,14 +13,47 @@ from typing import Any
 
 import msgspec
 
-from runtime.engine.delayed import check_staleness_mode
-from runtime.engine.switch import check_offload
 from runtime.sched.devices import DEVICES, PLACEMENTS, check_choice
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "RunConfig", "run_config"]
+__all__ = [
+    "OFFLOAD_MODES",
+    "STALENESS_MODES",
+    "check_offload",
+    "check_staleness_mode",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "RunConfig",
+    "merged_config",
+]
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 30
 """The largest frame a runtime socket accepts by default (4 GiB)."""
+
+
+STALENESS_MODES = ("fixed", "bound")
+
+
+def check_staleness_mode(staleness: Any, who: str) -> str:
+    """``staleness`` if it is one of :data:`STALENESS_MODES`, else a ValueError saying both."""
+    if staleness not in STALENESS_MODES:
+        raise ValueError(
+            f"{who}: staleness must be 'fixed' (a delayed edge reads the value from exactly "
+            f"max_staleness+1 steps back: reproducible) or 'bound' (the newest value at most "
+            f"max_staleness versions old), got {staleness!r}"
+        )
+    return staleness
+
+
+OFFLOAD_MODES = ("auto", "on", "off")
+
+
+def check_offload(offload: Any, who: str) -> str:
+    """``offload`` as one of ``auto``, ``on``, ``off``, or a ValueError saying what they mean."""
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(
+            f"{who}: offload must be 'auto' (offload when a CUDA device is time-shared under "
+            f"colocated placement), 'on' or 'off', got {offload!r}"
+        )
+    return offload
 
 
 class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -31,7 +64,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     steps back, so the graph upstream of it runs up to N steps ahead."""
     staleness: str = "fixed"
     """``"fixed"``: always the value from exactly N+1 steps back (reproducible); ``"bound"``:
-    the newest value at most N versions old (runtime.engine.delayed)."""
+    the newest value at most N versions old (runtime.engine.engine)."""
     devices: int | str | None = None
     """CPU slots per process that splittable nodes' calls are cut across
     (runtime.sched.fanout); None/0: none; ``"auto"``: ``$YATT_CPU_SLOTS`` or the usable
@@ -123,7 +156,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         return max(self.pipeline_depth, self.max_staleness + 1)
 
 
-def run_config(config: RunConfig | None, options: dict[str, Any], who: str) -> RunConfig:
+def merged_config(config: RunConfig | None, options: dict[str, Any], who: str) -> RunConfig:
     """``config`` with ``options`` (field name -> value) over it, verified; an unknown option
     is a TypeError naming the fields."""
     unknown = sorted(set(options) - set(RunConfig.__struct_fields__))

@@ -27,29 +27,16 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from runtime.engine.config import check_offload
 from runtime.sched.devices import check_choice
 from yatt_graph import Node
 
 __all__ = [
-    "MODES",
     "Switch",
-    "check_offload",
     "has_device_state",
     "offloading",
     "switch_metrics",
 ]
-
-MODES = ("auto", "on", "off")
-
-
-def check_offload(offload: Any, who: str) -> str:
-    """``offload`` as one of ``auto``, ``on``, ``off``, or a ValueError saying what they mean."""
-    if offload not in MODES:
-        raise ValueError(
-            f"{who}: offload must be 'auto' (offload when a CUDA device is time-shared under "
-            f"colocated placement), 'on' or 'off', got {offload!r}"
-        )
-    return offload
 
 
 def offloading(

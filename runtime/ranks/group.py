@@ -2,7 +2,7 @@
 
 A node whose ``ranks`` is K > 1 (an update node's option) runs as K processes. The node in the
 executor's process is rank 0, the *leader*. Before it is built, the executor starts K-1 rank
-processes (``runtime.ranks.start_groups``: ``python -m runtime.ranks.worker``, plain subprocesses, never
+processes (``runtime.ranks.group.start_groups``: ``python -m runtime.ranks.worker``, plain subprocesses, never
 a fork of a process that has torch loaded) and sets the node's ``rank_group``. Each rebuilds the same node from its plan spec (builds are
 seeded from the config, so every rank starts from the same weights), and all join one process
 group (gloo on the CPU, NCCL on CUDA) through a TCPStore that rank 0 hosts on 127.0.0.1.
@@ -56,11 +56,11 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+import runtime.ranks.sharding as sharding
 from runtime.children import exit_text, python_env, start_python, stop
 from runtime.codec import decode_value, encode_value
-from runtime.ranks import sharding
 
-__all__ = ["RankError", "RankGroup", "RankLink", "leave_group"]
+__all__ = ["RankError", "RankGroup", "RankLink", "leave_group", "start_groups"]
 
 _CMD = "yatt/cmd/"
 _READY = "yatt/ready/"
@@ -434,3 +434,13 @@ class RankLink(_Ranks):
             )
             yield command.op, values, command.meta
             n += 1
+
+
+def start_groups(nodes: Mapping[str, Any]) -> list[Any]:
+    """Start the group of each node whose ``ranks`` is above 1 and that has none yet, and set
+    its ``rank_group``; call it before the nodes' ``setup()``, where each joins its group.
+    Returns the groups started, for the caller to ``close()`` when it is done."""
+    grouped = [n for n in nodes.values() if n.ranks > 1 and n.rank_group is None]
+    for node in grouped:
+        node.rank_group = RankGroup.start(node)
+    return [node.rank_group for node in grouped]

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from runtime.pids import pid_alive
-from runtime.train.identity import identity_differences
 from yatt_graph import UsageError
+from yatt_graph.serialize import identity_differences
 
 __all__ = [
     "CheckpointError",

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from runtime.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
-from runtime.train.identity import graph_identity, identity_differences
 from yatt_graph import UsageError
 from yatt_graph.options import (
     UnknownOptionError,
@@ -22,6 +21,7 @@ from yatt_graph.options import (
     load_graph_module,
     module_options,
 )
+from yatt_graph.serialize import graph_identity, identity_differences
 
 __all__ = ["export_checkpoint", "export_policy", "policy_node"]
 

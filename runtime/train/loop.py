@@ -1,35 +1,75 @@
-"""The training loop shared by ``yatt-graph run``, notebooks and tests.
+"""The training loop shared by ``yatt-graph run``, notebooks and tests, with its restarts and
+its SIGTERM handling.
 
-It runs an executor (``run()``, so that a ZeroMQ run keeps steps in flight between
-checkpoints), writes a metrics row per step, checkpoints every K steps (and at
-the end), records node spans for a Chrome trace, and shows a progress bar with steps,
-samples/s, reward and KL.
+:func:`train` runs an executor (``run()``, so that a ZeroMQ run keeps steps in flight between
+checkpoints), writes a metrics row per step, checkpoints every K steps (and at the end),
+records node spans for a Chrome trace, and shows a progress bar with steps, samples/s, reward
+and KL. A run folder holds one run: ``train()`` continues it from the executor's step,
+dropping the metric rows and trace spans of that step and later (a resumed run repeats none),
+and each checkpoint records the graph's identity (:func:`yatt_graph.serialize.graph_identity`),
+so resuming with another graph or other options is refused.
 
-A run folder holds one run: ``train()`` continues it from the executor's step, dropping
-the metric rows and trace spans of that step and later (a resumed run repeats none), and
-each checkpoint records the graph's identity (:mod:`runtime.train.identity`), so resuming
-with another graph or other options is refused. A SIGTERM under
-:func:`runtime.train.signals.sigterm_as_interrupt` stops a run after the steps in progress
-(``run(stop=...)``), with a checkpoint when ``checkpoint_every`` is set.
+:func:`train_with_restarts` is what ``yatt-graph run --restart on-failure`` uses: when a
+controller dies or goes silent (:class:`runtime.errors.ControllerError`) it closes that
+executor (no process is left behind), makes a fresh one, restores the newest good checkpoint
+(or starts again from the beginning when there is none), drops the metric rows of the steps
+that will run again, and carries on, up to ``max_restarts`` times. Node errors and node
+timeouts are not retried: the same input would fail the same way. :class:`Accounting` wraps
+an executor so that each metric row counts samples (``samples``, ``skipped_samples`` where the
+graph outputs ``bad_samples``, ``skipped_steps_total`` where the update reports
+``skipped_nonfinite``), with totals kept in checkpoints: a restarted run ends with the totals
+of an uninterrupted one.
+
+SIGTERM (``timeout``, systemd, Slurm) is handled like Ctrl-C: under
+:func:`sigterm_as_interrupt` it raises :class:`Terminated` (a ``KeyboardInterrupt``) in the
+main thread, so every path that handles Ctrl-C runs. Inside :func:`at_step_boundary` the first
+one waits for the end of the step in progress (so that a checkpoint holds a whole step) and
+says on stderr what that step waits on; a second stops at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
 import sys
+import sysconfig
+import threading
 import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
-from runtime.engine.calls import Executor
-from runtime.train import signals
-from runtime.train.checkpoint import checkpoints, load_checkpoint, save_checkpoint
-from runtime.train.identity import graph_identity
+from runtime.engine.calls import Executor, OnStep, StepResult, Stop
+from runtime.train.checkpoint import (
+    CheckpointError,
+    checkpoints,
+    find_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from runtime.train.metrics import CURVES, MetricsWriter, curve_key, summarize, truncate_metrics
 from runtime.train.samples import ROLLOUT, SampleWriter, sample_rows
-from runtime.train.signals import Terminated
 from runtime.train.trace import Tracer
+from yatt_graph.serialize import graph_identity
 
-__all__ = ["train", "utilization"]
+__all__ = [
+    "Accounting",
+    "Terminated",
+    "at_step_boundary",
+    "node_call_in_progress",
+    "raise_pending_sigterm",
+    "sigterm_pending",
+    "sigterm_as_interrupt",
+    "stopped_by",
+    "train",
+    "train_with_restarts",
+    "utilization",
+]
 
 
 def _progress_fields(row: dict[str, Any], samples_per_s: float) -> dict[str, str]:
@@ -205,7 +245,7 @@ def train(
         left = remaining
         # A SIGTERM waits for a step boundary (run() finishes the steps in flight and returns),
         # so the state a checkpoint takes is whole, in one process or on controllers.
-        with signals.at_step_boundary(lambda: signals.node_call_in_progress(executor)):
+        with at_step_boundary(lambda: node_call_in_progress(executor)):
             while left > 0:
                 # Whole stretches between checkpoints go to run(), which keeps steps in flight
                 # (ZmqExecutor pipelines them); a checkpoint needs the executor between steps.
@@ -213,8 +253,8 @@ def train(
                 if saving:
                     n = min(n, checkpoint_every - executor.next_step % checkpoint_every)
                 before = executor.next_step
-                executor.run(n, on_step=record, stop=signals.pending)
-                signals.check()
+                executor.run(n, on_step=record, stop=sigterm_pending)
+                raise_pending_sigterm()
                 left -= executor.next_step - before
                 if saving and executor.next_step % checkpoint_every == 0:
                     save()
@@ -244,3 +284,319 @@ def train(
     ):
         save()
     return rows
+
+
+class Accounting:
+    """An executor that adds sample counts to each step's outputs (see the module docstring)."""
+
+    def __init__(self, executor: Executor, sched: dict[str, float] | None = None):
+        """``sched``: ``sched/*`` figures of the whole run (its thread policy), joined to every
+        step's own."""
+        self.executor = executor
+        self.sched = dict(sched or {})
+        self.totals = {"samples": 0, "skipped_samples": 0, "skipped_steps": 0}
+
+    def __getattr__(self, name: str) -> Any:  # graph, plan, next_step, close, ...
+        return getattr(self.executor, name)
+
+    def step(self) -> Any:
+        return self._account(self.executor.step())
+
+    def run(self, steps: int = 1, on_step: OnStep = None, stop: Stop = None) -> list[StepResult]:
+        """The executor's ``run`` (pipelined where it is), each result counted as it arrives."""
+
+        def counted(result: Any) -> None:
+            self._account(result)
+            if on_step is not None:
+                on_step(result)
+
+        return self.executor.run(steps, on_step=counted, stop=stop)
+
+    def _account(self, result: Any) -> Any:
+        outputs = result.outputs
+        scores = outputs.get("scores")
+        samples = len(scores) if scores is not None and hasattr(scores, "__len__") else 0
+        self.totals["samples"] += samples
+        extra: dict[str, Any] = {"samples": samples, "samples_total": self.totals["samples"]}
+        bad = outputs.get("bad_samples")
+        if bad is not None and hasattr(bad, "sum"):
+            skipped = int(bad.sum())
+            self.totals["skipped_samples"] += skipped
+            extra["skipped_samples"] = skipped
+            extra["skipped_samples_total"] = self.totals["skipped_samples"]
+        metrics = outputs.get("metrics")
+        if isinstance(metrics, dict) and "skipped_nonfinite" in metrics:
+            self.totals["skipped_steps"] += int(bool(metrics["skipped_nonfinite"]))
+            extra["skipped_steps_total"] = self.totals["skipped_steps"]
+        result.outputs = {**outputs, **extra}
+        if self.sched:
+            result.sched = {**self.sched, **result.sched}
+        return result
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.executor.state_dict()
+        state["accounting"] = dict(self.totals)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.executor.load_state_dict(state)
+        self.totals.update(state.get("accounting") or {})
+
+
+def _event(out: Path | None, **fields: Any) -> None:
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "events.jsonl").open("a", encoding="utf-8") as f:
+        f.write(json.dumps({"time": time.time(), **fields}, sort_keys=True) + "\n")
+
+
+def _has_checkpoint_of(out: Path, graph: Any) -> bool:
+    """A good checkpoint of this graph in ``out`` (never one of another run's graph)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the load that follows warns about skipped ones
+            find_checkpoint(out, graph_identity(graph))
+    except CheckpointError:
+        return False
+    return True
+
+
+REPLAN_AFTER = 6
+"""Steps a run measures before ``make_executor.replan`` may move nodes to a better cut."""
+
+
+def _moved(executor: Any, make_executor: Callable[[], Any], why: str, out: Path | None) -> Any:
+    """The run on a new executor (``make_executor()``, its plan changed) from where
+    ``executor`` stands: its state, taken between steps, goes over whole."""
+    state = executor.state_dict()
+    executor.close()
+    print(f"yatt-graph run: {why}", file=sys.stderr, flush=True)
+    _event(out, event="replan", step=state["step"], why=why)
+    moved = make_executor()
+    try:
+        moved.load_state_dict(state)
+    except BaseException:
+        moved.close()
+        raise
+    return moved
+
+
+def train_with_restarts(
+    make_executor: Callable[[], Any],
+    steps: int,
+    out_dir: str | Path | None = None,
+    *,
+    resume: str | Path | None = None,
+    restart: str = "never",
+    max_restarts: int = 3,
+    on_done: Callable[[Any], None] | None = None,
+    **options: Any,
+) -> tuple[list[dict[str, Any]], int]:
+    """``train()`` that survives dead controllers; returns (metric rows of this run, restarts).
+
+    ``restart``: ``"never"`` (a dead controller stops the run with its error) or
+    ``"on-failure"``. Each restart is printed and appended to ``OUT/events.jsonl``.
+    ``make_executor.replan(rows)``, where the factory has it, is asked once after
+    :data:`REPLAN_AFTER` steps (their metric rows): a reason to change the plan (the factory
+    then makes executors with the new one; the run moves over with its state, and the
+    reason is printed and appended to ``OUT/events.jsonl``), or None.
+    ``on_done(executor)`` runs after the last step, before the executor is closed.
+    ``options`` (``checkpoint_every``, ``progress``, ``meta``, ``glance_every``,
+    ``samples_every``, ``wandb``) go to :func:`runtime.train.loop.train`. A restart resumes
+    only from a checkpoint of this graph (see :func:`runtime.train.loop.train`).
+    """
+    from runtime.errors import ControllerError, HandshakeError
+    from yatt_graph import NodeExecutionError
+
+    if restart not in ("never", "on-failure"):
+        raise ValueError(f"restart must be 'never' or 'on-failure', got {restart!r}")
+    out = Path(out_dir) if out_dir is not None else None
+    source = Path(resume) if resume is not None else None
+    kept: list[dict[str, Any]] = []
+    restarts = 0
+    replan = getattr(make_executor, "replan", None)
+    while True:
+        executor = make_executor()
+        start = 0
+        try:
+            if source is not None:
+                path, state = load_checkpoint(source, graph_identity(executor.graph))
+                executor.load_state_dict(state)
+                start = executor.next_step
+                print(f"resumed from {path} at step {start}", file=sys.stderr)
+            if restarts and out is not None:
+                kept = truncate_metrics(out, start)
+            elif restarts:
+                kept = [r for r in kept if r["step"] < start]
+
+            segment = steps
+            if replan is not None:  # a few steps measured first, the rest on a better cut
+                segment = min(steps, executor.next_step + REPLAN_AFTER)
+            rows = train(executor, segment, out, **options)
+            if segment < steps:
+                why, replan = replan(rows), None
+                if why:
+                    executor = _moved(executor, make_executor, why, out)
+                rows += train(executor, steps, out, **options)
+            if on_done is not None:
+                on_done(executor)
+            return kept + rows, restarts
+        except (ControllerError, NodeExecutionError) as exc:
+            if isinstance(exc, NodeExecutionError):  # in-process: a replica or rank it ran on
+                cause = exc.__cause__
+                if not (isinstance(cause, ControllerError) or getattr(cause, "process_fault", 0)):
+                    raise
+                exc = ControllerError(str(exc), -1, [exc.node])
+            if isinstance(exc, HandshakeError) or restart != "on-failure":
+                raise
+            if restarts >= max_restarts:
+                raise ControllerError(
+                    f"{exc}\n(gave up after {restarts} restart(s): --max-restarts {max_restarts})",
+                    exc.controller,
+                    exc.nodes,
+                ) from exc
+            restarts += 1
+            if out is not None and _has_checkpoint_of(out, executor.graph):
+                source = out
+            where = (
+                f"the newest good checkpoint in {source}" if source else "step 0 (no checkpoint)"
+            )
+            print(
+                f"yatt-graph run: {exc}\nrestarting the run ({restarts} of at most {max_restarts}) "
+                f"from {where}",
+                file=sys.stderr,
+                flush=True,
+            )
+            _event(
+                out,
+                event="restart",
+                restart=restarts,
+                controller=exc.controller,
+                nodes=exc.nodes,
+                error=str(exc).split("\n")[0],
+                from_checkpoint=str(source) if source else None,
+            )
+        finally:
+            close = getattr(executor, "close", None)
+            if close is not None:
+                close()
+
+
+class Terminated(KeyboardInterrupt):
+    """The process received SIGTERM (from ``timeout``, systemd, Slurm, ``kill``)."""
+
+
+def stopped_by(exc: KeyboardInterrupt) -> tuple[str, int]:
+    """What stopped a run, ``SIGTERM`` or ``Ctrl-C``, and the exit code it ends with."""
+    return ("SIGTERM", 143) if isinstance(exc, Terminated) else ("Ctrl-C", 130)
+
+
+_state: dict[str, Any] = {"active": False, "defer": False, "pending": False, "waiting": None}
+
+
+def _handler(signum: int, frame: Any) -> None:
+    if _state["defer"] and not _state["pending"]:
+        _state["pending"] = True
+        _say_stopping(frame)
+        return
+    _state["pending"] = False
+    raise Terminated(signum)
+
+
+def _say_stopping(frame: FrameType | None) -> None:
+    """One line on stderr: the run stops after the step in progress, and what that step is
+    waiting on (``waiting()`` of :func:`at_step_boundary`, and the line the main thread is at)."""
+    what = None
+    try:
+        what = _state["waiting"]() if _state["waiting"] is not None else None
+    except Exception:  # (a description that fails must not lose the signal)
+        what = None
+    line = "yatt-graph run: SIGTERM: stopping after the step in progress"
+    if what:
+        line += f", which is waiting on {what}"
+        at = _code_line(frame)
+        if at:
+            line += f" (at {at})"
+    line += "; a second SIGTERM stops at once"
+    with contextlib.suppress(OSError, ValueError):  # stderr closed: stop as asked all the same
+        print(line, file=sys.stderr, flush=True)
+
+
+_LIBRARY_PATHS = tuple(
+    os.path.realpath(p) + os.sep
+    for p in {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    if p
+)
+
+
+def _code_line(frame: FrameType | None) -> str | None:
+    """``file:line in function`` of the innermost frame of ``frame``'s stack that is not in
+    Python's library or an installed package: the user's or this project's code it is in."""
+    while frame is not None:
+        path = os.path.realpath(frame.f_code.co_filename)
+        if not path.startswith(_LIBRARY_PATHS) and not path.startswith("<"):
+            name = os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
+            return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return None
+
+
+def node_call_in_progress(executor: Any) -> str | None:
+    """What an in-process executor's step is waiting on: ``node 'x' (Class), step N, for S s``
+    (its engine's call in progress), or None (between calls, or an executor whose calls run
+    in other processes)."""
+    engine = getattr(executor, "engine", None)
+    running = getattr(engine, "running", None)
+    if running is None:
+        return None
+    node = getattr(executor, "graph", None)
+    node = node.nodes.get(running.node) if node is not None else None
+    kind = f" ({type(node).__name__})" if node is not None else ""
+    seconds = time.monotonic() - running.started
+    return f"node {running.node!r}{kind}, step {running.step}, for {seconds:.0f} s"
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into :class:`Terminated` while the block runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread() or _state["active"]:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _handler)
+    _state.update(active=True, pending=False)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _state.update(active=False, defer=False, pending=False, waiting=None)
+
+
+@contextmanager
+def at_step_boundary(waiting: Callable[[], str | None] | None = None) -> Iterator[None]:
+    """Within the block, a first SIGTERM waits for :func:`raise_pending_sigterm` (called after each step),
+    and says so naming ``waiting()``: what the step in progress waits on (None: nothing
+    known, e.g. :func:`node_call_in_progress`)."""
+    if not _state["active"]:
+        yield
+        return
+    _state.update(defer=True, waiting=waiting)
+    try:
+        yield
+    except BaseException:
+        _state.update(defer=False, pending=False, waiting=None)
+        raise
+    _state.update(defer=False, waiting=None)
+    raise_pending_sigterm()  # a SIGTERM that came after the last step
+
+
+def sigterm_pending() -> bool:
+    """Whether a SIGTERM is waiting for the step boundary (executors' ``run(stop=...)``)."""
+    return bool(_state["pending"])
+
+
+def raise_pending_sigterm() -> None:
+    """Raise the SIGTERM that arrived during the step that just ended, if one did."""
+    if _state["pending"]:
+        _state["pending"] = False
+        raise Terminated(signal.SIGTERM)

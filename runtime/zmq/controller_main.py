@@ -13,75 +13,24 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from runtime.sched.threads import openmp_env
-from runtime.zmq import STARTUP_TIMEOUT_S
-from runtime.zmq.transport import DEFAULT_MAX_MESSAGE_BYTES
+from runtime.flags import add_controller_arguments
+from runtime.sched.devices import openmp_env
 
-__all__ = ["add_arguments", "main", "serve"]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The controller's flags, for ``python -m runtime.zmq.controller_main`` and
-    ``yatt-graph controller`` alike (the ones a driver passes to its own are hidden)."""
-    p.add_argument(
-        "--connect", required=True, help="the driver's address, ipc://PATH or tcp://HOST:PORT"
-    )
-    p.add_argument(
-        "--index", type=int, default=-1, help="controller index (default: the driver assigns one)"
-    )
-    p.add_argument("--bind", default=None, help="address of this controller's data socket")
-    p.add_argument(
-        "--parent-pid",
-        type=int,
-        default=None,
-        help=argparse.SUPPRESS,  # exit when this process is no longer the parent
-    )
-    p.add_argument(
-        "--spawned",
-        action="store_true",
-        help=argparse.SUPPRESS,  # started by a local driver: ignore Ctrl-C (it stops us)
-    )
-    p.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=STARTUP_TIMEOUT_S,
-        help=f"seconds to wait for the driver's SETUP (default {STARTUP_TIMEOUT_S:g})",
-    )
-    p.add_argument(
-        "--keys", default=None, metavar="DIR", help="CURVE keys from `yatt-graph keys DIR`"
-    )
-    p.add_argument(
-        "--allow-remote",
-        action="store_true",
-        help="let the data socket listen on a non-loopback interface (a driver on another host)",
-    )
-    p.add_argument(
-        "--preload",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help=argparse.SUPPRESS,  # import this module or file while waiting for the driver
-    )
-    p.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=DEFAULT_MAX_MESSAGE_BYTES,
-        help=argparse.SUPPRESS,  # largest data frame from peers until the driver's limit is known
-    )
+__all__ = ["main", "serve"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="yatt-graph controller", description="run one controller of a ZeroMQ run"
     )
-    add_arguments(p)
+    add_controller_arguments(p)
     return serve(p.parse_args(argv))
 
 
 def serve(args: argparse.Namespace) -> int:
     """Run one controller from its parsed flags; exits the process when it is done."""
     # Before torch (and its OpenMP) loads: the wait policy the driver chose for the run
-    # (runtime.sched.threads); a controller started by hand without one sleeps.
+    # (runtime.sched.devices); a controller started by hand without one sleeps.
     os.environ.update(openmp_env(os.environ, spin=None))
     if args.spawned:
         # Ctrl-C in a terminal reaches the whole process group; the driver shuts us down.

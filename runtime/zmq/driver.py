@@ -42,7 +42,7 @@ from typing import Any
 from runtime.codec import DecodeError, decode_value
 from runtime.codec.cuda_ipc import enabled_from_env
 from runtime.engine.calls import OnStep, StepResult, Stop
-from runtime.engine.config import RunConfig, run_config
+from runtime.engine.config import RunConfig, merged_config
 from runtime.engine.switch import offloading, switch_metrics
 from runtime.errors import ControllerError, HandshakeError, NodeTimeoutError
 from runtime.sched.affinity import start_cores
@@ -110,7 +110,7 @@ class ZmqExecutor:
         shutdown_grace_s: float = 5.0,
         **options: Any,
     ):
-        self.config = config = run_config(config, options, "ZmqExecutor")
+        self.config = config = merged_config(config, options, "ZmqExecutor")
         if isinstance(plan, Graph):
             plan = plan.plan(controllers or 1)
         elif controllers is not None and controllers != plan.controllers:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from runtime.codec import DecodeError, UnsupportedValueError, decode_value, encode_value
-from runtime.engine.local import delayed_entries
+from runtime.engine.engine import delayed_entries
 from runtime.errors import ControllerError
 
 __all__ = ["merge_replies", "state_frames"]

@@ -6,7 +6,7 @@ and listen for their peers' data on this host's address (``data_host``, else the
 that routes to the driver). The driver waits for all of them (``ZmqExecutor(spawn=False)``),
 so a controller is watched there by its heartbeats, wherever it runs.
 
-:func:`start_host` is ``yatt-graph run``'s side: it reads the launch (:mod:`runtime.launch`),
+:func:`start_host` is ``yatt-graph run``'s side: given the launch (:func:`runtime.flags.resolve_launch`), it
 checks it, says it in one line, and starts this host's share.
 """
 
@@ -20,12 +20,12 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from runtime.children import exit_text, python_env, start_python, stop
-from runtime.launch import Launch, LaunchError, controller_shares, resolve_launch
+from runtime.flags import Launch, LaunchError, controller_shares
 from runtime.zmq import STARTUP_TIMEOUT_S
 
 __all__ = ["HostRun", "HostShare", "check_listen", "resolve_ipv4", "start_host"]
@@ -171,20 +171,13 @@ class HostRun:
         return self.launch.node_rank == 0
 
 
-def start_host(args: argparse.Namespace, env: Mapping[str, str]) -> HostRun | None:
-    """For ``yatt-graph run``: read the launch (flags, else ``env``), say it in one line, check
-    it, and start this host's controllers; on node 0 set ``args`` so that the driver listens
-    at the master address and waits for every controller. None for a one-host run.
-    LaunchError for anything that cannot work (before a process starts)."""
+def start_host(args: argparse.Namespace, launch: Launch) -> HostRun:
+    """For ``yatt-graph run`` across hosts (``launch``, of two nodes or more): say it in one
+    line, check it, and start this host's controllers; on node 0 set ``args`` so that the
+    driver listens at the master address and waits for every controller. LaunchError for
+    anything that cannot work (before a process starts)."""
     from runtime.zmq.keys import is_loopback, load_keys  # zmq: only when a launch is asked for
 
-    launch = resolve_launch(args.nnodes, args.node_rank, args.master, env)
-    if launch is None or launch.nnodes == 1:
-        if args.data_host:
-            raise LaunchError("--data-host applies to a run across hosts (--nnodes 2 or more)")
-        if launch is not None:
-            print(f"yatt-graph run: {launch.describe()}", file=sys.stderr, flush=True)
-        return None
     for flag, value in (("--listen", args.listen), ("--no-spawn", args.no_spawn)):
         if value:
             raise LaunchError(

@@ -194,7 +194,7 @@ class Setup(_Msg):
     and reload it before their next model call (runtime.engine.switch, ``offload=``)."""
     devices: dict[str, str] = {}
     """Every node's device by name: what each reader takes of a value, as it is or a host copy
-    (runtime.engine.tensor_moves)."""
+    (runtime.engine.calls)."""
 
 
 class Ready(_Msg):

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from runtime.codec.cuda_ipc import peer_gpus
-from runtime.engine.tensor_moves import node_devices
+from runtime.engine.calls import node_devices
 from runtime.sched.affinity import start_cores
 from runtime.sched.devices import Resources, assign_resources, check_choice, visible_gpus
 from runtime.zmq import messages as m

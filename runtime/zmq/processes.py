@@ -23,8 +23,7 @@ import zmq
 from runtime.children import log_tail, python_env, start_python, stop
 from runtime.pids import pid_alive
 from runtime.sched.affinity import child_env
-from runtime.sched.devices import Resources
-from runtime.sched.threads import openmp_env
+from runtime.sched.devices import Resources, openmp_env
 from runtime.zmq import messages as m
 from runtime.zmq.transport import remove_run_segments
 
@@ -148,7 +147,7 @@ def spawn_controllers(
     first CUDA call and first thread pool already see its own share.
     """
     # A controller imports the user's graph module and node classes whatever the working folder.
-    # OpenMP as the run chose (runtime.sched.threads), else sleeping; children inherit SIG_IGN
+    # OpenMP as the run chose (runtime.sched.devices), else sleeping; children inherit SIG_IGN
     env = openmp_env(python_env(num_threads), spin=None)
     main = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None

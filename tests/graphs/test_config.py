@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 
+from graphs.advice import notes
 from graphs.config import GRPOConfig, MultimodalPPOConfig, PPOConfig, RLConfig, TextGRPOConfig
 from yatt_graph.errors import UnusedOutputWarning
 from yatt_graph.options import config_options
@@ -107,10 +108,10 @@ def test_a_model_directory_gets_defaults_a_real_model_can_live_with(tmp_path):
     assert got == {"lr": 1e-6, "max_new_tokens": 256, "epochs": 1, "critic_lr": 1e-5}
     assert (config.entropy_coef, config.kl_coef) == (0.0, 0.001)
     assert PPOConfig(policy=str(tmp_path), lr=3e-6).lr == 3e-6  # what is given stays
-    notes = config.notes()
-    assert "max_new_tokens=256" in notes[0] and "chat template" in notes[1]
-    assert "chat_template=false" in PPOConfig(policy=str(tmp_path), chat_template=False).notes()[1]
-    assert PPOConfig().notes() == []  # the tiny policy's defaults are the documented ones
+    said = notes(config)
+    assert "max_new_tokens=256" in said[0] and "chat template" in said[1]
+    assert "chat_template=false" in notes(PPOConfig(policy=str(tmp_path), chat_template=False))[1]
+    assert notes(PPOConfig()) == []  # the tiny policy's defaults are the documented ones
 
 
 @pytest.mark.parametrize(
@@ -137,14 +138,14 @@ def test_a_model_gets_the_precision_and_budget_measured_for_its_device(
     model = TextGRPOConfig(policy=str(tmp_path), device="cpu")
     assert model.mixed_precision == ("bf16" if native else "no")
     assert model.micro_batch_tokens == graphs.config.CPU_BUDGET == 1024
-    assert f"mixed_precision={model.mixed_precision}, micro_batch_tokens=1024" in model.notes()[0]
+    assert f"mixed_precision={model.mixed_precision}, micro_batch_tokens=1024" in notes(model)[0]
     cuda = TextGRPOConfig(policy=str(tmp_path), device="cuda")
     assert (cuda.mixed_precision, cuda.micro_batch_tokens) == ("bf16" if native else "no", 0)
     assert (TextGRPOConfig().mixed_precision, TextGRPOConfig().micro_batch_tokens) == ("no", 0)
     given = TextGRPOConfig(policy=str(tmp_path), mixed_precision="no", micro_batch_tokens=0)
     assert (given.mixed_precision, given.micro_batch_tokens) == ("no", 0)  # what is given stays
     # the run's note names only the defaults it chose, not what the user set
-    note = given.notes({"mixed_precision", "micro_batch_tokens"})[0]
+    note = notes(given, {"mixed_precision", "micro_batch_tokens"})[0]
     assert "lr=1e-06" in note and "mixed_precision" not in note and "micro_batch" not in note
 
 
@@ -154,7 +155,7 @@ def test_a_saved_tiny_model_keeps_the_shapes_defaults(tmp_path):
     tiny_causal_lm().save_pretrained(tmp_path)  # as a run's --export writes it
     config = TextGRPOConfig(policy=str(tmp_path))
     assert (config.lr, config.max_new_tokens, config.epochs) == (1e-3, 2, 2)
-    assert config.notes() == []
+    assert notes(config) == []
 
 
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-qwen2"])
@@ -252,7 +253,7 @@ def test_every_option_reaches_the_node_that_uses_it():
     drgrpo = load_graph(
         "graphs.text_grpo", aggregation="seq-mean-token-sum-norm", max_new_tokens=6
     ).nodes["grpo"]
-    assert (drgrpo.aggregation, drgrpo.horizon) == ("seq-mean-token-sum-norm", 6)
+    assert (drgrpo.hp.aggregation, drgrpo.hp.horizon) == ("seq-mean-token-sum-norm", 6)
     text = load_graph("graphs.text_ppo", batch_size=2, on_bad_sample="skip")
     assert "vision" not in text.nodes and "bad_samples" in text.graph_outputs
 
@@ -289,7 +290,7 @@ def test_the_trainer_recomputes_logprobs_and_corrects_the_gap_where_the_sampler_
 
 def test_vllm_sleeps_between_rollouts_unless_the_run_never_offloads():
     from runtime.cli import build_parser
-    from runtime.run_setup import graph_options, resolve_graph
+    from runtime.run import graph_options, resolve_graph
 
     assert TextGRPOConfig(rollout="vllm").vllm_sleep is True
     assert TextGRPOConfig().vllm_sleep is False  # nothing to free without vLLM

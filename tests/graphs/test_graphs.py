@@ -75,16 +75,16 @@ def test_a_streaming_rollout_feeds_reward_reference_and_critic_piece_by_piece(mo
     """mm_ppo with stream=True: the per-sample nodes after the rollout take its pieces (their
     per-prompt inputs, image embeddings and answers, row by row); results are those of the
     unstreamed graph up to float rounding of smaller calls."""
-    import runtime.engine.stream_steps
+    import runtime.engine.streams
 
     fed: dict[str, int] = {}
-    call_piece = runtime.engine.stream_steps.call_piece
+    call_piece = runtime.engine.streams.call_piece
 
     def counting(call, node, *args, **kwargs):
         fed[node.name] = fed.get(node.name, 0) + 1
         return call_piece(call, node, *args, **kwargs)
 
-    monkeypatch.setattr(runtime.engine.stream_steps, "call_piece", counting)
+    monkeypatch.setattr(runtime.engine.streams, "call_piece", counting)
     options = {"batch_size": 32, "max_new_tokens": 6}  # rows ending at several steps
     whole = LocalExecutor(load_graph("graphs.mm_ppo", **options)).run(2)
     graph = load_graph("graphs.mm_ppo", stream=True, **options)

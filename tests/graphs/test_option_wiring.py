@@ -32,9 +32,8 @@ import pytest
 import torch
 
 from runtime.cli import build_parser
-from runtime.run_executor import run_config
-from runtime.run_setup import graph_input, graph_options, load, resolve_graph
-from runtime.train.run_flags import check_flags
+from runtime.flags import check_flags
+from runtime.run import graph_input, graph_options, load, resolve_graph, run_config
 from yatt_graph import UsageError
 from yatt_graph.options import config_options, load_graph_module
 
@@ -332,7 +331,7 @@ def check_task(b: Built, v: str) -> None:
 
 def check_seed(b: Built, v: int) -> None:
     n, spec = b.nodes, b.nodes["rollout"].policy_spec
-    assert (n["data"].seed, n["rollout"].seed, update(b).seed) == (v, v, v)
+    assert (n["data"].seed, n["rollout"].seed, update(b).hp.seed) == (v, v, v)
     if "vision" in n:
         assert n["vision"].seed == v
     if "path" not in spec or "image_dim" in spec:  # a tiny policy, a prefix-VLM around an LM
@@ -376,7 +375,7 @@ def check_max_new_tokens(b: Built, v: int) -> None:
     if has_validation(b):
         assert b.nodes["validation"].max_new_tokens == v
     if "grpo" in b.nodes:  # Dr.GRPO's constant normaliser, and the overlong penalty's end
-        assert b.nodes["grpo"].horizon == v * getattr(rollout, "max_turns", 1)
+        assert b.nodes["grpo"].hp.horizon == v * getattr(rollout, "max_turns", 1)
         assert b.nodes["group_advantage"].overlong[1] == v
 
 
@@ -388,7 +387,7 @@ def check_max_prompt_tokens(b: Built, v: int) -> None:
 
 def check_temperature(b: Built, v: float) -> None:
     assert b.nodes["rollout"].sampling["temperature"] == v
-    assert update(b).temperature == v
+    assert update(b).hp.temperature == v
     if "reference" in b.nodes:
         assert b.nodes["reference"].temperature == v
 
@@ -398,13 +397,13 @@ def check_kl_coef(b: Built, v: float) -> None:
         assert b.nodes["gae"].kl_coef == v
         assert "ref_logprobs" in inputs(b, "gae")
         return
-    assert update(b).kl_coef == v
+    assert update(b).hp.kl_coef == v
     assert ("reference" in b.nodes) == (v > 0)  # GRPO reads the reference for its KL term only
     assert ("ref_logprobs" in inputs(b, "grpo")) == (v > 0)
 
 
 def check_micro_batch_tokens(b: Built, v: int) -> None:
-    assert update(b).micro_batch_tokens == v
+    assert update(b).hp.micro_batch_tokens == v
     for name in ("reference", "critic"):
         if name in b.nodes:
             assert b.nodes[name].micro_batch_tokens == v, name
@@ -414,7 +413,7 @@ def check_micro_batch_tokens(b: Built, v: int) -> None:
 
 def check_mixed_precision(b: Built, v: str) -> None:
     """The update trains, and the rollout samples and the reference and critic score, in it."""
-    assert update(b).mixed_precision == v
+    assert update(b).hp.mixed_precision == v
     assert b.nodes["rollout"].precision == v
     for name in ("reference", "critic"):
         if name in b.nodes:
@@ -458,7 +457,9 @@ def check_data(b: Built, v: str) -> None:
 def check_val_data(b: Built, v: str) -> None:
     assert has_validation(b) and b.nodes["validation"].source.path == v
     assert "val" in b.outputs
-    assert {e.src for e in b.edges if e.dst == "validation" and e.dst_port == "weights"} == {"sync"}
+    assert {e.src for e in b.edges if e.dst == "validation" and e.dst_port == "weights"} == {
+        update(b).name
+    }
 
 
 def check_data_key(key: str) -> Callable[[Built, str], None]:
@@ -542,7 +543,7 @@ def check_env(b: Built, v: str) -> None:
 def check_max_turns(b: Built, v: int) -> None:
     rollout = b.nodes["rollout"]
     assert rollout.max_turns == v
-    assert b.nodes["grpo"].horizon == rollout.sampling["max_new_tokens"] * v
+    assert b.nodes["grpo"].hp.horizon == rollout.sampling["max_new_tokens"] * v
 
 
 def node_attribute(node: str, attribute: str) -> Callable[[Built, Any], None]:
@@ -553,8 +554,9 @@ def node_attribute(node: str, attribute: str) -> Callable[[Built, Any], None]:
 
 
 def update_attribute(attribute: str) -> Callable[[Built, Any], None]:
-    def check(b: Built, v: Any) -> None:
-        assert getattr(update(b), attribute) == v
+    def check(b: Built, v: Any) -> None:  # a hyper-parameter, or the node's own option
+        node = update(b)
+        assert getattr(node.hp if attribute in node.hp.__struct_fields__ else node, attribute) == v
 
     return check
 
@@ -562,13 +564,6 @@ def update_attribute(attribute: str) -> Callable[[Built, Any], None]:
 def sampling(key: str, want: Callable[[Any], Any] = lambda v: v) -> Callable[[Built, Any], None]:
     def check(b: Built, v: Any) -> None:
         assert b.nodes["rollout"].sampling[key] == want(v)
-
-    return check
-
-
-def schedule(index: int) -> Callable[[Built, Any], None]:
-    def check(b: Built, v: Any) -> None:  # (lr_schedule, lr_warmup_steps, lr_decay_steps)
-        assert update(b)._schedule[index] == v
 
     return check
 
@@ -582,7 +577,7 @@ def overlong(index: int) -> Callable[[Built, Any], None]:
 
 def check_clip(index: int) -> Callable[[Built, Any], None]:
     def check(b: Built, v: float) -> None:  # (below 1, above 1, dual clip) of the ratio
-        assert update(b)._clip[index] == v
+        assert update(b).hp.clip[index] == v
 
     return check
 
@@ -613,9 +608,9 @@ CHECKS: dict[str, Callable[[Built, Any], None]] = {
     "clip_eps": check_clip(0),
     "clip_eps_high": check_clip(1),
     "dual_clip": check_clip(2),
-    "lr_schedule": schedule(0),
-    "lr_warmup_steps": schedule(1),
-    "lr_decay_steps": schedule(2),
+    "lr_schedule": update_attribute("lr_schedule"),
+    "lr_warmup_steps": update_attribute("lr_warmup_steps"),
+    "lr_decay_steps": update_attribute("lr_decay_steps"),
     "top_p": sampling("top_p"),
     "top_k": sampling("top_k"),
     "stop": check_stop,
@@ -763,7 +758,7 @@ def test_what_no_node_holds_is_refused_or_listed_as_idle(graph, files):
 def test_the_memory_plan_reads_the_step_options():
     """``show --memory`` plans one step of the options given: the prompts drawn (more with
     dynamic sampling), the responses, and the prompt and response lengths."""
-    from graphs.common import step_load
+    from graphs.advice import step_load
 
     values = {"batch_size": 3, "dynamic_sampling": 0.5, "group_size": 3, "max_prompt_tokens": 2,
               "max_new_tokens": 7}  # fmt: skip

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.engine.local import LocalExecutor
+from runtime.engine.engine import LocalExecutor
 from runtime.sched.placement import controller_assignment
 from runtime.zmq.driver import ZmqExecutor
 from yatt_graph.refs import load_graph

@@ -24,7 +24,7 @@ import zmq_graphs
 from zmq_graphs import assert_gone, controller_processes
 
 from runtime.cli import main
-from runtime.engine.local import LocalExecutor
+from runtime.engine.engine import LocalExecutor
 from runtime.train.checkpoint import checkpoints
 from runtime.train.metrics import read_metrics
 from runtime.zmq import messages as m
@@ -344,7 +344,7 @@ class _Steps:
         self.next_step = 0
 
     def step(self):
-        from runtime.engine.local import StepResult
+        from runtime.engine.engine import StepResult
 
         metrics = {"loss": 0.1, "skipped_nonfinite": float(self.next_step == 1)}
         result = StepResult(self.next_step, {"scores": torch.ones(4), "metrics": metrics}, {})
@@ -359,7 +359,7 @@ class _Steps:
 
 
 def test_accounting_counts_skipped_update_steps_and_keeps_totals_in_checkpoints():
-    from runtime.train.faults import Accounting
+    from runtime.train.loop import Accounting
 
     ex = Accounting(_Steps())
     totals = [ex.step().outputs["skipped_steps_total"] for _ in range(3)]

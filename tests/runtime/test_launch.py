@@ -1,4 +1,4 @@
-"""Reading a launch across hosts from flags and launcher environments (runtime/launch.py), and
+"""Reading a launch across hosts from flags and launcher environments (runtime/flags.py), and
 ``yatt-graph run``'s one-line refusals of launches that cannot work (nothing starts)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from runtime.cli import main
-from runtime.launch import (
+from runtime.flags import (
     Launch,
     LaunchError,
     controller_shares,

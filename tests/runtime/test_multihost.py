@@ -32,7 +32,7 @@ from zmq_graphs import assert_same
 
 from runtime.children import stop
 from runtime.cli import main
-from runtime.engine.local import LocalExecutor
+from runtime.engine.engine import LocalExecutor
 from runtime.errors import ControllerError
 from runtime.zmq.driver import ZmqExecutor
 from runtime.zmq.group import ControllerGroup

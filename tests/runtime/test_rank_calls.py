@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from runtime.codec import UnsupportedValueError
-from runtime.ranks import start_groups
+from runtime.ranks.group import start_groups
 from yatt_graph import Node
 
 

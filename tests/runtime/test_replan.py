@@ -1,6 +1,6 @@
 """A ``--placement partial`` run moves inference nodes to the less busy side once its first
 steps are measured (runtime/sched/placement.py ``PartialCut``): the run goes on from its
-state on the new cut, exactly as it would have on the old one (runtime/train/faults.py
+state on the new cut, exactly as it would have on the old one (runtime/train/loop.py
 ``train_with_restarts``)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import pytest
 
 from runtime.sched.placement import PartialCut, controller_assignment, partial_sides
-from runtime.train.faults import REPLAN_AFTER, train_with_restarts
+from runtime.train.loop import REPLAN_AFTER, train_with_restarts
 from runtime.zmq.driver import ZmqExecutor
 from yatt_graph.refs import load_graph
 

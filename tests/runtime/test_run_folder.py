@@ -15,11 +15,10 @@ import pytest
 from zmq_graphs import default_sigint
 
 from runtime.cli import main
-from runtime.engine.local import LocalExecutor
+from runtime.engine.engine import LocalExecutor
 from runtime.errors import ControllerError
 from runtime.train.checkpoint import checkpoints
-from runtime.train.faults import train_with_restarts
-from runtime.train.loop import train
+from runtime.train.loop import train, train_with_restarts
 from runtime.train.metrics import read_metrics
 from runtime.train.run_folder import RunLock
 from yatt_graph.refs import load_graph
@@ -172,7 +171,7 @@ def test_an_mm_ppo_checkpoint_resumed_by_text_ppo_is_refused_naming_the_differen
 
 
 def test_a_checkpoint_of_another_graph_names_the_classes_that_differ():
-    from runtime.train.identity import graph_identity, identity_differences
+    from yatt_graph.serialize import graph_identity, identity_differences
 
     toy = graph_identity(load_graph("graphs.toy"))
     other = json.loads(json.dumps(toy))
@@ -427,8 +426,8 @@ def test_non_finite_outputs_stop_the_run_unless_no_check_finite(tmp_path, capsys
 
 
 def test_a_checkpoint_may_resume_with_other_train_ranks_but_not_other_options():
-    from runtime.train.identity import graph_identity, identity_differences
     from yatt_graph.refs import load_graph
+    from yatt_graph.serialize import graph_identity, identity_differences
 
     one = graph_identity(load_graph("graphs.mm_grpo", train_ranks=1))
     two = graph_identity(load_graph("graphs.mm_grpo", train_ranks=2, train_backend="ddp"))

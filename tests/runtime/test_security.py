@@ -23,7 +23,7 @@ from zmq_graphs import assert_gone
 
 from runtime.cli import main
 from runtime.codec import DecodeError, UnsupportedValueError, decode_value, encode_value
-from runtime.engine.local import LocalExecutor
+from runtime.engine.engine import LocalExecutor
 from runtime.errors import HandshakeError
 from runtime.zmq import messages as m
 from runtime.zmq.controller import Controller

@@ -6,7 +6,7 @@ import pytest
 import torch
 from sample_nodes import Rows, RowWork, row_sum
 
-from runtime.engine.local import LocalExecutor
+from runtime.engine.engine import LocalExecutor
 from runtime.sched.batching import micro_batches
 from runtime.sched.fanout import device_pool, shared_ports
 from runtime.zmq.driver import ZmqExecutor

@@ -13,8 +13,7 @@ from metrics_helpers import learning_values
 from sample_nodes import loop_graph
 
 from runtime import LocalExecutor
-from runtime.engine.delayed import DelayedValues
-from runtime.engine.engine import StepEngine
+from runtime.engine.engine import DelayedValues, StepEngine
 from runtime.train.loop import train
 from runtime.train.metrics import read_metrics
 from yatt_graph import Graph

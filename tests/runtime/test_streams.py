@@ -7,7 +7,7 @@ import torch
 from sample_nodes import Decode, LengthScore, Mean, Score
 from zmq_graphs import assert_gone
 
-from runtime.engine.local import LocalExecutor
+from runtime.engine.engine import LocalExecutor
 from runtime.engine.streams import StreamBook
 from runtime.zmq.controller import IDLE_POLL_MS, poll_ms
 from runtime.zmq.driver import ZmqExecutor

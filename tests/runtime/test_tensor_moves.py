@@ -1,4 +1,4 @@
-"""What each reader takes of a node's outputs (runtime/engine/tensor_moves.py).
+"""What each reader takes of a node's outputs (runtime/engine/calls.py).
 
 There is no GPU here: the meta device stands for one. ``gpu_is_meta`` makes the rule count
 "meta" as a CUDA device and copies a meta tensor to the host as zeros of its shape (a meta
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from runtime import LocalExecutor
-from runtime.engine import tensor_moves
+from runtime.engine import calls
+from runtime.engine.calls import TensorMoves, host_copy, on_cuda
 from runtime.engine.engine import StepEngine
-from runtime.engine.tensor_moves import TensorMoves, host_copy, on_cuda
 from yatt_graph import ANY, Graph, Node, Tensor
 
 SEEN: dict[str, dict] = {}
@@ -21,8 +21,8 @@ SEEN: dict[str, dict] = {}
 
 @pytest.fixture
 def gpu_is_meta(monkeypatch):
-    monkeypatch.setattr(tensor_moves, "on_cuda", lambda d: on_cuda(d) or str(d) == "meta")
-    monkeypatch.setattr(tensor_moves, "_to_host", lambda t: torch.zeros(t.shape, dtype=t.dtype))
+    monkeypatch.setattr(calls, "on_cuda", lambda d: on_cuda(d) or str(d) == "meta")
+    monkeypatch.setattr(calls, "_to_host", lambda t: torch.zeros(t.shape, dtype=t.dtype))
     SEEN.clear()
 
 

@@ -1,4 +1,4 @@
-"""The thread policy of a run (runtime/sched/threads.py): how many torch threads, and whether
+"""The thread policy of a run (runtime/sched/devices.py): how many torch threads, and whether
 idle OpenMP threads spin, from what the cores are doing at start."""
 
 import json
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from runtime.sched.threads import SPIN_COUNT, busy_elsewhere, decide, openmp_env
+from runtime.sched.devices import SPIN_COUNT, busy_elsewhere, decide, openmp_env
 
 
 def test_an_idle_machine_gets_a_thread_per_core_and_spinning_threads():
@@ -71,7 +71,7 @@ def test_a_busy_process_on_a_core_is_measured_there():
 def test_a_moment_of_work_elsewhere_is_not_a_busy_core(monkeypatch):
     """The least of the windows counts: a burst in one window (a shell command) is not a core
     someone keeps busy; a core busy in every window is."""
-    import runtime.sched.threads as threads
+    import runtime.sched.devices as threads
 
     def measure(busy_per_window):  # ticks of 2 cores, 10 a window each (0.1 s at 100 Hz)
         ticks = iter([(0, 0)] + [(sum(busy_per_window[: i + 1]), 20 * (i + 1)) for i in range(3)])

@@ -17,7 +17,7 @@ import zmq
 import zmq_graphs
 from zmq_graphs import assert_gone, assert_same
 
-from runtime.engine.local import LocalExecutor
+from runtime.engine.engine import LocalExecutor
 from runtime.zmq import messages as m
 from runtime.zmq.driver import ControllerError, HandshakeError, ZmqExecutor
 from yatt_graph import NodeExecutionError

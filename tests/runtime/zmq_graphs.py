@@ -417,7 +417,7 @@ def assert_same(a: Any, b: Any, where: str = "value") -> None:
 def in_process_run(ref: str, steps: int, threads: int, **options: Any) -> list[Any]:
     """An in-process run of graph ``ref`` with torch's threads set to ``threads`` (a ZeroMQ run
     whose controllers compute on that many threads splits float reductions alike)."""
-    from runtime.engine.local import LocalExecutor
+    from runtime.engine.engine import LocalExecutor
     from yatt_graph.refs import load_graph
 
     before = torch.get_num_threads()

@@ -1,4 +1,12 @@
-"""What a ready graph's options can change to make its memory plan fit a device.
+"""What a run of a ready graph says before its first step: notes on its settings and its memory
+plan, plain functions of the graph's config (and the graph). Each ready graph module exposes
+:func:`run_notes` and :func:`memory_plan`, which ``yatt-graph run`` and ``yatt-graph show
+--memory`` call.
+
+:func:`run_notes`: the defaults chosen for a model of the user's, whether its chat template
+formats the prompts, options set that do nothing with the others, and a learning rate that
+reaches 0 before the last step. :func:`memory_plan`: the :class:`nodes.memory_plan.MemoryPlan`
+of one step (:func:`step_load`).
 
 :func:`memory_fixes` is the advice a :class:`nodes.memory_plan.MemoryPlan` prints after "WILL
 NOT FIT": only changes that would lower this device's peak under the config's settings, the
@@ -13,16 +21,92 @@ across ranks, or in bfloat16. A fix with a value to give is worded ``set key=val
 
 from __future__ import annotations
 
+import copy
+import functools
+from collections.abc import Collection
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any
 
-from nodes.memory import HELD, budget_tokens
+from graphs.config import AUTO, RLConfig, fitted_new_tokens, users_model
+from nodes.memory import HELD, Load, budget_tokens, prompt_tokens
+from nodes.memory_plan import MemoryPlan, plan_memory
+from nodes.models.families import has_chat_template
 
-if TYPE_CHECKING:
-    from graphs.config import RLConfig
-    from nodes.memory_plan import MemoryPlan
+__all__ = ["memory_fixes", "memory_plan", "notes", "run_notes", "step_load"]
 
-__all__ = ["memory_fixes"]
+
+def notes(config: RLConfig, given: Collection[str] = ()) -> list[str]:
+    """What a run should say about ``config`` before its first step: the defaults chosen for
+    a model of the user's (of the options not in ``given``, those the user set), and whether
+    its chat template formats the prompts."""
+    if not users_model(config.policy):
+        return []
+    chosen = [f"{k}={getattr(config, k)}" for k in AUTO if hasattr(config, k) and k not in given]
+    said = []
+    if chosen:
+        said.append(f"defaults for a model of your own (each --set overrides): {', '.join(chosen)}")
+    fitted, why = fitted_new_tokens(config.policy, int(AUTO["max_new_tokens"][1]))
+    if why and "max_new_tokens" not in given and config.max_new_tokens == fitted:
+        said.append(why)
+    path = config.policy["path"] if isinstance(config.policy, dict) else config.policy
+    if has_chat_template(path):
+        said.append(
+            "prompts are formatted with the model's chat template"
+            + ("" if config.chat_template else " (no: chat_template=false)")
+        )
+    return said
+
+
+def run_notes(config: RLConfig, steps: int, given: Collection[str] = ()) -> list[str]:
+    """What a run of ``steps`` steps (counted from 0, restored ones too) should say before
+    its first: :func:`notes`, each option in ``given`` (those the user set) that does nothing
+    with these settings, and a learning rate that reaches 0 before the last step."""
+    said = notes(config, given)
+    idle = config.idle_options()
+    for name in sorted(set(given) & set(idle)):
+        said.append(f"{name} does nothing with these settings: it needs {idle[name]}")
+    end = config.lr_warmup_steps + config.lr_decay_steps
+    if config.lr_schedule != "constant" and end < steps:
+        still = f"step {end}" if end == steps - 1 else f"steps {end}-{steps - 1}"
+        said.append(
+            f"warning: lr_schedule={config.lr_schedule} brings the learning rate to 0 at step "
+            f"{end} (lr_warmup_steps {config.lr_warmup_steps} + lr_decay_steps "
+            f"{config.lr_decay_steps}), so {still} of this run will not train; set "
+            f"lr_decay_steps={steps - config.lr_warmup_steps} to decay over the whole run, or "
+            f"stop the run there with --steps {end}"
+        )
+    return said
+
+
+def memory_plan(
+    config: RLConfig, graph: Any, processes: dict[str, str] | None = None
+) -> MemoryPlan:
+    """The memory plan of ``graph`` (built from ``config``) for one step (:func:`step_load`);
+    where a device does not fit, it says what to change (:func:`memory_fixes`)."""
+    advice = functools.partial(memory_fixes, config)
+    return plan_memory(graph, step_load(config, graph), processes, advice)
+
+
+def step_load(config: RLConfig, graph: Any) -> Load:
+    """One step's :class:`nodes.memory.Load` for a ready graph built from ``config``: its
+    batch, samples per prompt and response length, and its longest prompt:
+    ``max_prompt_tokens`` or, without it, the longest of one batch that a copy of its data
+    node draws (as the rollout's policy encodes it)."""
+    rollout = graph.nodes["rollout"]
+    batch = copy.deepcopy(graph.nodes["data"]).run()  # the run's own data node is not moved on
+    images = batch.get("images")
+    images = list(images) if images is not None and "vision" in graph.nodes else None
+    longest = prompt_tokens(rollout.policy_spec, list(batch["prompts"]), images)
+    if config.max_prompt_tokens is not None:
+        longest = min(longest, config.max_prompt_tokens)
+    pixels = max((im.width * im.height for im in images or []), default=0)
+    return Load(
+        prompts=config.prompts_drawn,  # (an upper bound for what trains, with dynamic sampling)
+        responses=config.prompts_drawn * rollout.n,
+        prompt_tokens=longest,
+        response_tokens=config.max_new_tokens,
+        image_pixels=pixels,
+    )
 
 
 def _kind(parts: dict[str, int]) -> str:
