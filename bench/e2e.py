@@ -163,6 +163,7 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
         k: statistics.median(r["util"].get(k, 0.0) for r in runs) for k in runs[0]["util"]
     }
     out["sched"] = runs[-1]["sched"]
+    out["rounds"] = [r["step_s"] for r in runs]  # each round's, for ratios paired by round
     return out
 
 
@@ -224,6 +225,15 @@ def _table(name: str, res: dict[str, Any]) -> str:
     local = [res[c]["step_s"] for c in res if c.startswith("in-process")]
     fastest = min(local) if local else None
     floor = res["floor"]["step_s"]
+    base = res.get("in-process", {}).get("rounds")
+
+    def paired(config: str) -> str:
+        """Each round's step time over the in-process run's of the same round: runs of one
+        round ran minutes apart at most, so these ratios see less of a noisy host's drift."""
+        if not base or config == "in-process":
+            return "-"
+        return ", ".join(f"{s / b:.2f}x" for s, b in zip(res[config]["rounds"], base, strict=True))
+
     rows = []
     for c, f in res.items():
         util = ", ".join(
@@ -233,12 +243,13 @@ def _table(name: str, res: dict[str, Any]) -> str:
         rows.append([
             c, f"{1000 * f['step_s']:.1f}", f"{floor / f['step_s']:.2f}x", speed,
             f"{f['samples_per_s']:.1f}", f"{1000 * f['rollout_s']:.0f}",
-            f"{f['reward_first']:.3f} -> {f['reward_last']:.3f}", util,
+            f"{f['reward_first']:.3f} -> {f['reward_last']:.3f}", util, paired(c),
         ])  # fmt: skip
     head = ["configuration", "step ms", "speed vs floor", "speed vs fastest in-process"]
     head += ["samples/s", "rollout ms"]
     return f"workload ({name})\n" + table(
-        [*head, "reward first -> last", "busy per controller"], rows
+        [*head, "reward first -> last", "busy per controller", "step time vs in-process, by round"],
+        rows,
     )
 
 

@@ -203,7 +203,7 @@ def all_mutations(base: Path, options: set[str]) -> list[Mutation]:
         for p in sorted((base / "graphs").glob("*.py"))
         if p.name in HELPERS or "\ndef build_graph(" in p.read_text()
     ]
-    files.append(base / "runtime" / "run_setup.py")
+    files.append(base / "runtime" / "run.py")
     return [m for path in files for m in mutations_of(path, base, options)]
 
 

@@ -396,10 +396,13 @@ class DevicePool:
         }
 
 
-SPIN_COUNT = 100_000
+SPIN_COUNT = 300_000
 """``GOMP_SPINCOUNT`` of a spinning process: busy-wait iterations before an idle OpenMP thread
-sleeps (about 1-5 ms; libgomp's own default is 300 000). Measured on the demo (mm_ppo, 2 cores,
-idle): 43 ms a step, against 43 ms spinning for ever (ACTIVE) and 98 ms sleeping at once."""
+sleeps (a few ms; libgomp's own default). Long enough for colocated controllers that take turns
+to find their threads awake when a step's values come back: on the demo (mm_ppo, AMD EPYC, 2
+cores, idle) two controllers stepped at 1.3-1.6x the in-process time with 100 000 and at
+1.0-1.1x with 300 000, and in-process the two counts measure alike
+(``python -m bench.e2e --workloads a``)."""
 
 _WAIT, _SPIN, _THREADS = "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS"
 _MARK = "YATT_OPENMP"
@@ -522,12 +525,13 @@ def run_policy(
     (:func:`busy_elsewhere`, :func:`decide`), and made true for it: the OpenMP setting goes
     into this process's environment before torch loads (libgomp reads it then), where the
     controllers started later inherit it. With ``controllers`` the thread count is each
-    controller's share (0) unless ``threads`` fixes it. Where torch is loaded already (a
-    caller's), its OpenMP setting holds and the policy says so."""
+    controller's share (0) unless ``threads`` fixes it, and the policy is theirs: they start
+    later and take it whatever this process loaded. Where torch is loaded already in a run
+    without controllers (a caller's), its OpenMP setting holds and the policy says so."""
     policy = decide(len(cores), busy_elsewhere(cores), threads=threads, shared=shared)
     if controllers:
         policy = msgspec.structs.replace(policy, threads=threads or 0)
-    if "torch" in sys.modules:
+    if "torch" in sys.modules and not controllers:
         spins = os.environ.get(_WAIT, "").upper() != "PASSIVE" and policy.threads != 1
         reason = f"{policy.reason}; OpenMP was loaded before the run"
         return msgspec.structs.replace(policy, spin=spins, reason=reason)

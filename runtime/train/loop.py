@@ -42,9 +42,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from runtime.engine.calls import Executor, OnStep, StepResult, Stop
 from runtime.train.checkpoint import (
     CheckpointError,
     checkpoints,
@@ -56,6 +55,9 @@ from runtime.train.metrics import CURVES, MetricsWriter, curve_key, summarize, t
 from runtime.train.samples import ROLLOUT, SampleWriter, sample_rows
 from runtime.train.trace import Tracer
 from yatt_graph.serialize import graph_identity
+
+if TYPE_CHECKING:  # (the engine loads torch: the CLI reads this module before it decides threads)
+    from runtime.engine.calls import Executor, OnStep, StepResult, Stop
 
 __all__ = [
     "Accounting",

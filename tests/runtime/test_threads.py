@@ -99,3 +99,29 @@ def test_a_run_logs_its_thread_policy_once_and_puts_it_in_the_metrics(tmp_path):
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert f"{int(row['sched/threads'])} torch thread" in lines[0]
     assert ("spinning" in lines[0]) is (row["sched/spin"] == 1.0)
+
+
+@pytest.mark.timeout(60)
+def test_the_command_decides_threads_before_torch_loads():
+    """``yatt-graph`` imports no torch before its run measures the cores: the driver's own
+    OpenMP setting is still the run's to make."""
+    code = "import sys, runtime.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("busy", [0.0, 2.0])
+def test_controllers_get_the_policy_the_run_says_though_this_process_loaded_torch(
+    monkeypatch, busy
+):
+    """Controllers start after the policy and inherit it from the environment, so a driver
+    whose torch is loaded (a caller's) still gives them the wait policy it reports."""
+    import runtime.sched.devices as devices
+
+    assert "torch" in sys.modules  # (the suite's)
+    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "YATT_OPENMP", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(devices, "busy_elsewhere", lambda cores: busy)
+    policy = devices.run_policy([0, 1], threads=None, shared=False, controllers=True)
+    assert policy.spin is (busy == 0.0)
+    assert os.environ["YATT_OPENMP"] == ("spin" if policy.spin else "passive")
