@@ -126,7 +126,7 @@ def update_options(config: RLConfig) -> dict[str, Any]:
         "lr", "weight_decay", "max_grad_norm", "clip_eps", "clip_eps_high", "dual_clip", "entropy_coef",
         "epochs", "mini_batches", "micro_batch_tokens", "pack_sequences", "mask_truncated", "tis_cap", "mixed_precision",
         "lr_schedule",
-        "lr_warmup_steps", "lr_decay_steps", "temperature", "seed",
+        "lr_warmup_steps", "lr_decay_steps", "temperature", "seed", "weights_include", "weights_dtype",
     )  # fmt: skip
     return {name: getattr(config, name) for name in names}
 

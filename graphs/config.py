@@ -203,6 +203,12 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tis_cap: float | None = None
     """Truncated importance sampling: weigh each token's loss by min(pi_trainer / pi_sampler,
     tis_cap) (>= 0; 0: off); none: 2 with rollout=vllm, 0 otherwise."""
+    weights_include: list[str] = []
+    """Regular expressions: the update sends the rollout only the weights whose names match one
+    (a partial update: --set 'weights_include=["lora_"]' sends LoRA adapters); empty: all."""
+    weights_dtype: str | None = None
+    """The dtype the update sends the weights in (a floating torch dtype: bfloat16, float16);
+    none: as they train."""
     mixed_precision: Precision | None = None
     """bf16: the model nodes compute in bf16 autocast; none: bf16 with a model on bf16 hardware.
 

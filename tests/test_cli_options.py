@@ -216,3 +216,27 @@ def test_a_graph_named_after_set_says_where_the_graph_goes(capsys):
         main(["show", "--set", "batch_size=2", "graphs/mm_ppo.py"])
     assert exit_.value.code == 2
     assert "the graph goes before --set" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(600)
+def test_weights_dtype_and_include_shrink_what_the_rollout_loads_across_controllers(tmp_path):
+    """``--set weights_dtype=bfloat16`` halves the bytes the rollout loads from the update on
+    another controller (``weight_sync/bytes``), and ``weights_include`` sends only the names
+    it matches; in one process the shared policy is loaded from nothing either way."""
+    from cli_helpers import yatt
+
+    def loaded(name: str, *sets: str) -> float:
+        out = tmp_path / name
+        argv = ["run", "text_grpo", "--steps", "3", "--controllers", "2", "--quiet",
+                "--out", str(out)]  # fmt: skip
+        for pair in sets:
+            argv += ["--set", pair]
+        done = yatt(tmp_path, *argv, timeout=540)
+        assert done.returncode == 0, done.stderr[-2000:]
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return rows[-1]["weight_sync/bytes"]
+
+    whole = loaded("whole")
+    assert whole > 0
+    assert loaded("bf16", "weights_dtype=bfloat16") == whole / 2
+    assert 0 < loaded("head", 'weights_include=["lm_head|wte"]') < whole / 2

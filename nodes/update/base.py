@@ -359,10 +359,14 @@ class _Update(Offload, Sharing, Node):
         live tensors when the module is shared with its consumers in this process (they skip
         loading their own storage); in a group, the full state gathered on rank 0
         (``metrics["time/weight_gather"]`` sums its seconds). ``filtered``: only the keys
-        matching ``weights_include`` are sent (a partial update), cast to ``weights_dtype``."""
+        matching ``weights_include`` are sent (a partial update), cast to ``weights_dtype``, except
+        to consumers that share the live tensors."""
         trainer = self.trainer
-        if trainer.group is None:
-            weights = live_weights(module) if self._is_shared(share) else snapshot(module)
+        if trainer.group is None and self._is_shared(share):  # its consumers here read these
+            # very tensors: nothing is sent, so nothing is filtered (a cast would round them)
+            weights, filtered = live_weights(module), False
+        elif trainer.group is None:
+            weights = snapshot(module)
         else:
             start = time.perf_counter()
             weights = trainer.group.full_weights(module)

@@ -34,6 +34,8 @@ PPO_DEFAULTS = {
     # how the update steps: off or as the nodes' own defaults
     "mini_batches": 1,
     "micro_batch_tokens": 0,
+    "weights_include": [],
+    "weights_dtype": None,
     "mixed_precision": "no",
     "weight_decay": 0.0,
     "max_grad_norm": 1.0,

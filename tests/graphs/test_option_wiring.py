@@ -184,6 +184,7 @@ def scenarios(graph: str, f: Files) -> dict[str, Scenario]:
         "rollout": "vllm", "vllm_gpu_memory": 0.5, "vllm_tensor_parallel": 2,
         "vllm_dtype": "float16", "vllm_eager": True, "vllm_sleep": True,
         "recompute_logprobs": True, "tis_cap": 1.5, "device": "cuda",
+        "weights_include": ["lora_", "^head"], "weights_dtype": "bfloat16",
     }  # fmt: skip
     if agent:
         own["max_turns"] = 3
@@ -561,6 +562,14 @@ def update_attribute(attribute: str) -> Callable[[Built, Any], None]:
     return check
 
 
+def check_weights_include(b: Built, v: Any) -> None:
+    assert [p.pattern for p in update(b).weights_include] == v
+
+
+def check_weights_dtype(b: Built, v: Any) -> None:
+    assert update(b).weights_dtype == getattr(torch, v)
+
+
 def sampling(key: str, want: Callable[[Any], Any] = lambda v: v) -> Callable[[Built, Any], None]:
     def check(b: Built, v: Any) -> None:
         assert b.nodes["rollout"].sampling[key] == want(v)
@@ -602,6 +611,8 @@ CHECKS: dict[str, Callable[[Built, Any], None]] = {
     "mask_truncated": update_attribute("mask_truncated"),
     "recompute_logprobs": check_recompute_logprobs,
     "tis_cap": update_attribute("tis_cap"),
+    "weights_include": check_weights_include,
+    "weights_dtype": check_weights_dtype,
     "mixed_precision": check_mixed_precision,
     "weight_decay": update_attribute("weight_decay"),
     "max_grad_norm": update_attribute("max_grad_norm"),
