@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -35,7 +34,7 @@ from nodes.sync import WeightInput, apply_weights
 from yatt_graph import ANY, BatchPolicy, Node, Port
 from yatt_graph import Tensor as TensorPort
 from yatt_graph.node import Built
-from yatt_graph.options import did_you_mean, nearest
+from yatt_graph.options import unknown_keywords
 
 __all__ = ["Critic", "ReferenceLogprobs", "value_model_fingerprint"]
 
@@ -122,7 +121,7 @@ def _in_parts(
 
 
 def _init_scorer(
-    node: Node, *, device: str = "cpu", name: str | None = None, share: str | None = None,
+    node: Node, /, *, device: str = "cpu", name: str | None = None, share: str | None = None,
     micro_batch_tokens: int = 0, precision: str = "no", placement: str | int | None = None,
     batch_policy: BatchPolicy | None = None, **unknown: Any,
 ) -> None:  # fmt: skip
@@ -131,11 +130,8 @@ def _init_scorer(
     key), ``micro_batch_tokens`` (0: the whole batch in one forward), ``precision``
     (``"bf16"``: the forwards under bf16 autocast, as a mixed-precision update computes;
     :mod:`nodes.models.precision`), ``name``, ``placement``, ``batch_policy``."""
-    if unknown:  # worded as yatt_graph.options.unknown_keywords, with these keywords known
-        sigs = (inspect.signature(f).parameters for f in (type(node), _init_scorer, Node.__init__))
-        known = [k for ps in sigs for k in ps if k not in ("self", "node", "options", "unknown")]
-        said = ", ".join(f"{k!r}{did_you_mean(nearest(k, known))}" for k in sorted(unknown))
-        raise TypeError(f"{type(node).__name__}() got an unexpected keyword argument {said}")
+    if unknown:
+        raise unknown_keywords(type(node), unknown, shared=(_init_scorer,))
     Node.__init__(node, name, placement=placement, batch_policy=batch_policy)
     node.share = check_share_key(share, f"node {node.name!r}")
     node.micro_batch_tokens = _budget(micro_batch_tokens, node.name)

@@ -22,7 +22,7 @@ import textwrap
 import traceback
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -235,15 +235,18 @@ class UnknownOptionError(TypeError):
         return type(self), (self.key, self.where, self.options)
 
 
-def unknown_keywords(cls: type, unknown: Mapping[str, Any]) -> TypeError:
+def unknown_keywords(
+    cls: type, unknown: Mapping[str, Any], shared: Sequence[Callable[..., Any]] = ()
+) -> TypeError:
     """The TypeError for keywords no ``__init__`` of ``cls`` (or of its bases) takes, named
     for ``cls`` with the nearest known keywords: for a class whose ``__init__`` comes from a
-    shared base that takes ``**unknown`` to say so."""
+    shared base that takes ``**unknown`` to say so. ``shared``: functions ``cls.__init__``
+    passes its other keywords to (theirs are known too, read after its own)."""
+    inits = [klass.__init__ for klass in cls.__mro__ if "__init__" in vars(klass)]
     known = [
         p.name
-        for klass in cls.__mro__
-        if "__init__" in vars(klass)
-        for p in inspect.signature(klass.__init__).parameters.values()
+        for init in (*inits[:1], *shared, *inits[1:])
+        for p in inspect.signature(init).parameters.values()
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"
     ]
     parts = [f"{name!r}{did_you_mean(nearest(name, known))}" for name in sorted(unknown)]
