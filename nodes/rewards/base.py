@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from nodes.rewards.calls import CallFailure
 from yatt_graph import ANY, BatchPolicy, Node, Port, Tensor, UsageError
 
 __all__ = ["RewardNode", "fill_template", "place_on_last_token", "template_fields"]
@@ -277,6 +278,19 @@ class RewardNode(Node):
                 "on_bad_sample='skip' to score such samples 0 and count them"
             )
 
+    def _failed(self, i: int, failure: CallFailure) -> None:
+        """A call that gave no score (it raised, or ran out of time, after its retries): a
+        bad sample; under ``raise`` an error naming the sample and why."""
+        if self.on_bad_sample == "raise":
+            message = (
+                f"node {self.name!r}: sample {i} got no score{self.scorer()}: {failure.reason}. "
+                "Fix the reward, or pass on_bad_sample='skip' to score such samples 0 and count "
+                "them"
+            )
+            if failure.user_error:
+                raise UsageError(message)
+            raise ValueError(message) from failure.error
+
     def _finish(self, raw: Any, n: int, response_mask: torch.Tensor | None) -> dict[str, Any]:
         if isinstance(raw, torch.Tensor):
             values: list[Any] = raw.detach().float().cpu().reshape(-1).tolist()
@@ -289,6 +303,10 @@ class RewardNode(Node):
         token_rows: dict[int, list[float]] = {}
         for i, value in enumerate(values):
             per_token = None
+            if isinstance(value, CallFailure):
+                self._failed(i, value)
+                bad[i] = True
+                continue
             if isinstance(value, Mapping):
                 if "score" not in value:
                     self._bad(i, f"a dict without 'score' (keys {sorted(map(str, value))})", value)
@@ -331,7 +349,8 @@ class RewardNode(Node):
         if self.last_bad_count:
             where = bad.nonzero().reshape(-1).tolist()
             log.warning(
-                "node %r: %d sample(s) had a NaN/inf/non-numeric reward and were scored 0: %s",
+                "node %r: %d sample(s) had no usable reward (NaN/inf/non-numeric, or the call "
+                "failed) and were scored 0: %s",
                 self.name,
                 self.last_bad_count,
                 where[:20],

@@ -13,6 +13,8 @@ Each spelling, its node, and the input ports the node reads (a graph wires ``pro
   texts, prompts.
 * ``judge:DIR`` or ``judge:tiny``: :class:`JudgeReward`, a local causal LM (or VLM) judge, or a
   tiny random one; reads texts, prompts, meta (and images for a VLM directory).
+* ``http://HOST:PORT/PATH`` (or ``https://``): :class:`HttpReward`, a reward server that each
+  sample is posted to (:mod:`nodes.rewards.remote` has the JSON); reads texts, prompts, meta.
 
 The CLIP rewards score the response text itself (e.g. a caption, or an answer such as "red")
 against the sample's image, so they are high when the response names what the image shows.
@@ -32,6 +34,7 @@ from nodes.rewards.base import RewardNode
 from nodes.rewards.clip import TINY_CLIP_REWARD_CFG, ClipScoreReward
 from nodes.rewards.judge import JudgeReward
 from nodes.rewards.models import RewardModel
+from nodes.rewards.remote import HttpReward
 from nodes.rewards.rules import RuleReward
 
 __all__ = ["REWARD_KINDS", "reward_from_option", "spellings"]
@@ -78,6 +81,26 @@ def _judge(rest: str | None, options: dict[str, Any]) -> RewardNode:
     return JudgeReward(rest, **options)
 
 
+@REWARD_KINDS.register(
+    "http",
+    "http://HOST:PORT/PATH (a reward server: POST {prompt, response, meta} as JSON, read "
+    '{"score": x})',
+)
+def _http(rest: str | None, options: dict[str, Any]) -> RewardNode:
+    return _server("http", rest, options)
+
+
+@REWARD_KINDS.register("https", "https://HOST:PORT/PATH (as http://, over TLS)")
+def _https(rest: str | None, options: dict[str, Any]) -> RewardNode:
+    return _server("https", rest, options)
+
+
+def _server(scheme: str, rest: str | None, options: dict[str, Any]) -> RewardNode:
+    if not rest or not rest.startswith("//") or not rest[2:].split("/")[0]:
+        raise _bad(f"{scheme}:{rest or ''}", f"a reward server is {scheme}://HOST:PORT/PATH")
+    return HttpReward(f"{scheme}:{rest}", **options)
+
+
 def spellings() -> list[str]:
     """Every spelling ``--reward`` takes, one line each: a rule, then the registered kinds."""
     return [RULE, *(REWARD_KINDS.help(kind) for kind in REWARD_KINDS)]
@@ -94,6 +117,10 @@ BUDGETED = ("model", "judge")
 ON_DEVICE = ("clip", "model", "judge")
 """The kinds whose node runs a model: they take the run's ``device``."""
 
+CALLED = ("http", "https")
+"""The kinds whose node calls out once per sample (as a rule does): they take ``concurrency``,
+``timeout_s`` and ``retries`` (:mod:`nodes.rewards.calls`)."""
+
 
 def reward_from_option(
     value: str,
@@ -102,6 +129,9 @@ def reward_from_option(
     name: str = "reward",
     micro_batch_tokens: int = 0,
     device: str = "cpu",
+    concurrency: int | None = None,
+    timeout_s: float | None = None,
+    retries: int | None = None,
 ) -> RewardNode:
     """The reward node that the option string ``value`` names (see the module's table).
 
@@ -113,6 +143,8 @@ def reward_from_option(
         micro_batch_tokens: for the kinds in :data:`BUDGETED`, at most this many padded tokens
             a forward pass (0: rows only); the others read no model.
         device: where the kinds in :data:`ON_DEVICE` run their model (a rule runs in Python).
+        concurrency, timeout_s, retries: how a rule's and the kinds in :data:`CALLED` calls
+            run (:mod:`nodes.rewards.calls`); None: what the reward declares, else its default.
 
     Raises:
         ValueError: a spelling that is none of the above (the message lists them), or a rule
@@ -134,6 +166,10 @@ def reward_from_option(
         options["micro_batch_tokens"] = int(micro_batch_tokens)
     if kind in ON_DEVICE:
         options["device"] = device
+    calls = {"concurrency": concurrency, "timeout_s": timeout_s, "retries": retries}
+    calls = {key: value for key, value in calls.items() if value is not None}
+    if kind in CALLED or kind not in REWARD_KINDS:
+        options.update(calls)
     if kind in REWARD_KINDS:
         return REWARD_KINDS[kind](rest if colon else None, options)
     if not rest or not kind:

@@ -9,6 +9,7 @@ from typing import Any
 
 from nodes.chat import chat_messages
 from nodes.rewards.base import RewardNode
+from nodes.rewards.calls import CallFailure, call_policy, run_calls
 from yatt_graph import UsageError
 from yatt_graph.refs import import_ref
 
@@ -103,20 +104,32 @@ class RuleReward(RewardNode):
     the prompts, the responses and every other column of the rows as lists (as TRL passes a
     dataset's columns), plus ``params``; a None score is a bad sample (``on_bad_sample``).
 
+    ``fn`` may be an ``async def``, and may declare how its calls run with
+    ``@reward(concurrency=..., timeout_s=..., retries=...)`` (:mod:`nodes.rewards.calls`); a
+    call that raises or runs out of time after its retries is a bad sample (``on_bad_sample``).
+
     Args:
         fn: a module-level function, or its reference ``"package.module:function"`` (imported,
             never evaluated). It returns a number (bools count as 0/1) or a dict
             ``{"score": x, "token_rewards": [...]?, ...}``; other dict keys are ignored.
         params: keyword arguments passed to ``fn`` (JSON values), e.g. ``{"pattern": "..."}``.
+        concurrency, timeout_s, retries: how the calls run, over what ``fn`` declares (None:
+            its declaration, else one call at a time, no limit, no retry; an ``async def``: 16
+            at a time).
         options: the RewardNode options (token_level, on_bad_sample, emit_bad_mask, name;
             see the module docstring).
     """
+
+    execution_options = ("concurrency", "timeout_s", "retries")
 
     def __init__(
         self,
         fn: Callable[..., Any] | str,
         *,
         params: Mapping[str, Any] | None = None,
+        concurrency: int | None = None,
+        timeout_s: float | None = None,
+        retries: int | None = None,
         **options: Any,
     ) -> None:
         super().__init__(**options)
@@ -138,20 +151,16 @@ class RuleReward(RewardNode):
         self._fn_name = f"{getattr(fn, '__module__', '?')}:{fn.__qualname__}"
         self.batched = batched(fn)
         self.needs_prompts = self.batched
+        self.calls = call_policy(
+            fn, f"node {self.name!r}", concurrency=concurrency, timeout_s=timeout_s, retries=retries
+        )
 
     def score_samples(self, texts, meta, prompts, images):
         if self.batched:
             return self._score_batch(texts, meta, prompts)
-        out = []
-        for i, (text, m) in enumerate(zip(texts, meta)):
-            try:  # each call its own copy of the row's meta: a reward may change it freely
-                out.append(self.fn(text, dict(m) if m is not None else {}, **self.params))
-            except (Exception, SystemExit) as exc:  # (a reward that calls sys.exit)
-                raise ValueError(
-                    f"node {self.name!r}: reward function {self._fn_name} failed on sample {i}: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
-        return out
+        # each call its own copy of the row's meta: a reward may change it freely
+        calls = [((text, dict(m) if m is not None else {}), self.params) for text, m in zip(texts, meta)]  # fmt: skip
+        return run_calls(self.fn, calls, self.calls)
 
     def _score_batch(self, texts, meta, prompts) -> list[Any]:
         rows = [m or {} for m in meta]
@@ -168,13 +177,17 @@ class RuleReward(RewardNode):
             [{"role": "assistant", "content": text}] if chat_messages(p) is not None else text
             for p, text in zip(prompts, texts)
         ]
-        try:
-            got = self.fn(prompts=prompts, completions=completions, **columns, **self.params)
-        except (Exception, SystemExit) as exc:
-            raise ValueError(
-                f"node {self.name!r}: reward function {self._fn_name} failed on the batch: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+        kwargs = {"prompts": prompts, "completions": completions, **columns, **self.params}
+        (got,) = run_calls(self.fn, [((), kwargs)], self.calls)
+        if isinstance(got, CallFailure):
+            if self.on_bad_sample == "raise":
+                error = UsageError if got.user_error else ValueError
+                raise error(
+                    f"node {self.name!r}: reward function {self._fn_name} failed on the batch: "
+                    f"{got.reason}. Fix the reward, or pass on_bad_sample='skip' to score the "
+                    "batch's samples 0 and count them"
+                ) from got.error
+            return [got] * len(texts)
         if _is_vector(got):  # a 1-D numpy array or tensor: its numbers, as a list
             got = got.tolist()
         if isinstance(got, list | tuple) and len(got) == len(texts):

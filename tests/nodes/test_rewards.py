@@ -119,7 +119,8 @@ def test_rule_reward_input_errors_name_node_and_port():
     with pytest.raises(NodeInputError, match="required input 'texts'"):
         node.run(meta=[{}])
     with pytest.raises(
-        ValueError, match="node 'acc': reward function .*exact_match failed on sample 0"
+        ValueError,
+        match="node 'acc': sample 0 got no score from reward function .*exact_match: it raised",
     ):
         node.run(texts=["a"], meta=[{}])
 
@@ -158,9 +159,13 @@ def test_skip_policy_scores_zero_and_counts(caplog):
         RuleReward(nan_on_x, on_bad_sample="ignore")
 
 
-def test_exceptions_in_the_rule_are_not_skipped():
-    with pytest.raises(ValueError, match="failed on sample 1: KeyError"):
-        RuleReward(raises_on_x, on_bad_sample="skip").run(texts=["a", "x"])
+def test_exceptions_in_the_rule_follow_on_bad_sample():
+    with pytest.raises(ValueError, match="sample 1 got no score .*: it raised KeyError") as info:
+        RuleReward(raises_on_x).run(texts=["a", "x"])
+    assert isinstance(info.value.__cause__, KeyError)  # the reward's own traceback is kept
+    node = RuleReward(raises_on_x, on_bad_sample="skip", emit_bad_mask=True)
+    out = node.run(texts=["a", "x"])
+    assert out["bad_samples"].tolist() == [False, True] and node.last_bad_count == 1
 
 
 # --- token rewards ----------------------------------------------------------------------------
@@ -598,7 +603,7 @@ def test_a_score_beyond_float32_follows_on_bad_sample():
 def test_a_reward_that_calls_sys_exit_is_a_reward_error_naming_the_sample():
     from nodes.rewards import RuleReward
 
-    with pytest.raises(ValueError, match="failed on sample 0: SystemExit: 3"):
+    with pytest.raises(ValueError, match="sample 0 got no score .*: it raised SystemExit: 3"):
         RuleReward(_exits).run(texts=["a", "b"], meta=[{}, {}])
 
 
