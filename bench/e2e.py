@@ -102,15 +102,14 @@ def run_cli(
 _SCRIPT = """
 import json, sys, time
 import torch
-from runtime.cli import build_parser
+from runtime.cli import parse_run
 from runtime.engine.engine import LocalExecutor
-from runtime.run import graph_options, load, resolve_graph
-args = build_parser().parse_args(sys.argv[1:])
-args.graph = resolve_graph(args.graph)
-graph = load(args, graph_options(args))
+from runtime.run import graph_options, load
+spec = parse_run(sys.argv[2:])  # after "run"
+_, graph = load(spec.graph, graph_options(spec.graph, spec.engine.offload))
 executor = LocalExecutor(graph)
 rows = []
-for step in range(args.steps):
+for step in range(spec.train.steps):
     start = time.perf_counter()
     result = executor.step()
     metrics = result.outputs.get("metrics") or {}

@@ -22,11 +22,13 @@ from bench._util import last_json, machine, peak_run, table
 _PLAN = """
 import json, sys
 from runtime.cli import build_parser
-from runtime.run import graph_options, load, memory_plan, resolve_graph
+from runtime.flags import graph_args
+from runtime.run import graph_options, load, resolve_graph, run_memory_plan
 args = build_parser().parse_args(["show", *sys.argv[1:]])
 args.graph = resolve_graph(args.graph)
-options = graph_options(args)
-plan = memory_plan(args.graph, options, load(args, options))
+given = graph_args(args)
+config, graph = load(given, graph_options(given))
+plan = run_memory_plan(args.graph, config, graph)
 print("\\n".join(plan.lines()), file=sys.stderr)
 print(json.dumps({"total": plan.device_totals()["cpu"]}))
 """

@@ -55,7 +55,7 @@ import torch
 from bench._util import machine
 from bench.sim.placement import colocated, partial
 from bench.sim.scheduler import Scheduler
-from runtime.sched.devices import Device, DevicePool, usable_cores
+from runtime.sched.devices import Slot, SlotPool, usable_cores
 from yatt_graph import BatchPolicy
 from yatt_graph.partition import karmarkar_karp, lpt
 
@@ -155,10 +155,10 @@ def _static(requests: list[list[float]], per_batch: int, slots: int) -> dict[str
 def _dynamic(
     requests: list[list[float]], max_batch: int, method: str, slots: int
 ) -> dict[str, Any]:
-    def work(inputs: dict[str, Any], device: Device) -> dict[str, Any]:
+    def work(inputs: dict[str, Any], device: Slot) -> dict[str, Any]:
         return {"done": [_spin(_iters(c)) for c in inputs["cost"]]}
 
-    sched = Scheduler(DevicePool.cpu(slots), partition=method, threads_per_worker=1)
+    sched = Scheduler(SlotPool.cpu(slots), partition=method, threads_per_worker=1)
     sched.add(
         "work",
         work,
@@ -185,7 +185,7 @@ def _dynamic(
         summary = sched.summary()
     return {
         "makespan_s": makespan,
-        "busy_s": [d["busy_s"] for d in summary["devices"].values()],
+        "busy_s": [d["busy_s"] for d in summary["slots"].values()],
         "calls": summary["nodes"]["work"]["calls"],
         "queue_wait_s": summary["nodes"]["work"]["mean_queue_wait_s"],
     }
@@ -288,7 +288,7 @@ class _Models:
         self.resident = [torch.zeros(n) for _ in range(slots)]  # [n] per slot
         self.host = {r: torch.ones(n) for r in ("rollout", "reward")}  # [n] per role
 
-    def switch(self, device: Device, old: str, new: str) -> None:
+    def switch(self, device: Slot, old: str, new: str) -> None:
         slot = self.resident[device.index]
         self.host[old].copy_(slot)  # offload the old role
         slot.copy_(self.host[new])  # reload the new one
@@ -326,17 +326,17 @@ def _judge(models: _Models, lengths: list[int], state: torch.Tensor, critique: i
 def _rollout_run(
     mode: str, steps: list[list[int]], models: _Models, dim: int, critique: int
 ) -> dict[str, Any]:
-    pool = DevicePool.cpu(SLOTS)
+    pool = SlotPool.cpu(SLOTS)
     if mode == "colocated":
         placement = colocated(["rollout", "reward"], SLOTS, barrier=True)
     else:
         placement = partial({"rollout": "rollout", "reward": "reward"}, SLOTS)
     sched = Scheduler(pool, placement=placement, on_switch=models.switch)
 
-    def rollout(inputs: dict[str, Any], device: Device) -> Any:
+    def rollout(inputs: dict[str, Any], device: Slot) -> Any:
         yield from _generate(models, inputs["length"], dim)
 
-    def reward(inputs: dict[str, Any], device: Device) -> dict[str, Any]:
+    def reward(inputs: dict[str, Any], device: Slot) -> dict[str, Any]:
         return {"score": _judge(models, inputs["length"], inputs["state"], critique)}
 
     # Response lengths are unknown before generation: the rollout splits by count (cost 1).
@@ -369,9 +369,9 @@ def _rollout_run(
         s = sched.summary()
     return {
         "wall_s": wall,
-        "utilization": {k: v["utilization"] for k, v in s["devices"].items()},
-        "switch_s": sum(v["switch_s"] for v in s["devices"].values()),
-        "switches": sum(v["switches"] for v in s["devices"].values()),
+        "utilization": {k: v["utilization"] for k, v in s["slots"].items()},
+        "switch_s": sum(v["switch_s"] for v in s["slots"].values()),
+        "switches": sum(v["switches"] for v in s["slots"].values()),
         "reward_mean_queue_wait_s": s["nodes"]["reward"]["mean_queue_wait_s"],
         "reward_mean_batch": s["nodes"]["reward"]["mean_batch_samples"],
     }

@@ -4,8 +4,8 @@
 
 The multimodal PPO graph (``graphs.mm_ppo``, tiny models) on one controller process with
 ``torch.set_num_threads(1)`` (the controller default), run twice in this one run, the two
-alternating in blocks of steps: ``devices=None`` (every node's call whole on the
-controller's thread) and ``devices=2`` (the vision encoder, the reference and the critic cut
+alternating in blocks of steps: ``slots=None`` (every node's call whole on the
+controller's thread) and ``slots=2`` (the vision encoder, the reference and the critic cut
 into micro-batches on 2 CPU slots). Reported: the median step time, the median time of the
 three split nodes per step, and the ratio. The first 2 steps of each are warm-up.
 """
@@ -39,10 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict[str, list[float]]] = {}
     executors = {}
     try:
-        for label, devices in (("whole", None), ("2 slots", 2)):
+        for label, slots in (("whole", None), ("2 slots", 2)):
             plan = load_graph("graphs.mm_ppo", **options).plan(1)
             executors[label] = ZmqExecutor(
-                plan, graph_ref="graphs.mm_ppo", graph_options=options, devices=devices
+                plan, graph_ref="graphs.mm_ppo", graph_options=options, slots=slots
             )
             executors[label].run(2)  # warm-up
             results[label] = {"step": [], "split": []}

@@ -31,6 +31,8 @@ from graphs.config import AUTO, RLConfig, fitted_new_tokens, users_model
 from nodes.memory import HELD, Load, budget_tokens, prompt_tokens
 from nodes.memory_plan import MemoryPlan, plan_memory
 from nodes.models.families import has_chat_template
+from yatt_graph import UsageError
+from yatt_graph.errors import build_error
 
 __all__ = ["memory_fixes", "memory_plan", "notes", "run_notes", "step_load"]
 
@@ -93,7 +95,16 @@ def step_load(config: RLConfig, graph: Any) -> Load:
     ``max_prompt_tokens`` or, without it, the longest of one batch that a copy of its data
     node draws (as the rollout's policy encodes it)."""
     rollout = graph.nodes["rollout"]
-    batch = copy.deepcopy(graph.nodes["data"]).run()  # the run's own data node is not moved on
+    data = copy.deepcopy(graph.nodes["data"])  # the run's own data node is not moved on
+    try:
+        batch = data.run()
+    except UsageError:
+        raise
+    except Exception as exc:  # its data (a file with no rows): as the run's own build says it
+        error = build_error(data, exc)
+        if error is None:
+            raise
+        raise error from exc
     images = batch.get("images")
     images = list(images) if images is not None and "vision" in graph.nodes else None
     longest = prompt_tokens(rollout.policy_spec, list(batch["prompts"]), images)

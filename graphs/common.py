@@ -1,5 +1,5 @@
 """How the ready graphs' options become nodes and specs: data, policy, vision, reward and the
-update's options (the graph's front half built from them is :mod:`graphs.sampling`).
+update's options (the graph's front half built from them is :mod:`graphs.front`).
 
 Defaults build tiny models from configs in code (nothing downloads), sized for the
 synthetic shapes task; real models and data come from local paths:
@@ -15,7 +15,7 @@ synthetic shapes task; real models and data come from local paths:
 * ``vision``: ``"tiny"`` or ``"open_clip:NAME[:WEIGHTS]"`` (weights: a local file). Only a
   prefix-VLM policy uses it; an HF VLM reads the images with its own tower.
 * ``reward``: the spellings of :func:`nodes.rewards.reward_from_option` (used by
-  :mod:`graphs.sampling`): ``module:function`` (a rule ``fn(text, meta) -> float``; default
+  :mod:`graphs.front`): ``module:function`` (a rule ``fn(text, meta) -> float``; default
   :func:`nodes.data.answer_reward`), ``clip``, ``model:DIR`` (a sequence classifier) or
   ``judge:DIR`` (a generative judge).
 """
@@ -38,6 +38,7 @@ __all__ = [
     "is_prefix_policy",
     "policy_spec",
     "resolve_device",
+    "teacher_spec",
     "train_group",
     "update_options",
     "vision_kwargs",
@@ -81,39 +82,59 @@ def _model_options(config: RLConfig) -> dict[str, Any]:
 
 def policy_spec(config: RLConfig, image_dim: int | None) -> dict[str, Any]:
     """A JSON-able spec that every node holding the policy builds identically."""
-    policy, seed = config.policy, config.seed
+    return _model_spec(config, config.policy, image_dim, _model_options(config))
+
+
+def teacher_spec(config: RLConfig, image_dim: int | None) -> dict[str, Any]:
+    """The teacher's spec (``config.teacher``, a folder), loaded as the policy's folder is,
+    with the policy's dtype and chat template; nothing of training (LoRA, checkpointing)."""
+    assert config.teacher is not None
+    options = {"dtype": config.dtype} if config.dtype != "float32" else {}
+    return _model_spec(config, config.teacher, image_dim, options, "teacher")
+
+
+def _model_spec(
+    config: RLConfig,
+    policy: str | dict[str, Any],
+    image_dim: int | None,
+    options: dict[str, Any],
+    option: str = "policy",
+) -> dict[str, Any]:
+    """The spec of model ``policy`` (the spellings of the option ``option``) with the spec
+    keys ``options``."""
+    seed = config.seed
     if isinstance(policy, dict):
         return policy
     if policy == "tiny":
         spec: dict[str, Any] = {"name": "tiny-prefix-vlm", "seed": seed, "words": task_vocabulary()}
         if image_dim is not None:
             spec["image_dim"] = image_dim
-        return {**spec, **_model_options(config)}
+        return {**spec, **options}
     if policy in TINY_TEXT_LMS:
         if image_dim is not None:
             raise ValueError(
-                f"policy {policy!r} is a text-only LM; use it with text_ppo or text_grpo, or "
+                f"{option} {policy!r} is a text-only LM; use it with text_ppo or text_grpo, or "
                 "'tiny' (a prefix-VLM) with images"
             )
         spec = {"name": policy, "seed": seed, "words": task_vocabulary()}
-        return {**spec, **_model_options(config)}
+        return {**spec, **options}
     path = Path(policy)
     if not path.is_dir():
         raise ValueError(
-            f"policy {policy!r} is neither 'tiny', one of {', '.join(TINY_TEXT_LMS)}, nor a "
+            f"{option} {policy!r} is neither 'tiny', one of {', '.join(TINY_TEXT_LMS)}, nor a "
             "local model directory; models load only from local paths (nothing is downloaded)"
         )
     from nodes.models.families import model_family
 
     family = model_family(path)
-    spec = {"path": str(path), **_model_options(config)}
+    spec = {"path": str(path), **options}
     if not config.chat_template:
         spec["chat_template"] = False
     if family == "causal-lm" and image_dim is not None:
         spec |= {"image_dim": image_dim, "seed": seed}  # a prefix-VLM around the user's LM
     if family == "vlm" and image_dim is None:
         raise ValueError(
-            f"policy {policy!r} is an image-text-to-text model; a text-only graph cannot give "
+            f"{option} {policy!r} is an image-text-to-text model; a text-only graph cannot give "
             "it images: use mm_ppo or mm_grpo"
         )
     return spec
@@ -123,10 +144,13 @@ def update_options(config: RLConfig) -> dict[str, Any]:
     """The update node's options the config sets, PPO's and GRPO's alike: the optimizer, its
     schedule, the loss's clip range and entropy bonus, the passes, and how a step is cut."""
     names = (
-        "lr", "weight_decay", "max_grad_norm", "clip_eps", "clip_eps_high", "dual_clip", "entropy_coef",
-        "epochs", "mini_batches", "micro_batch_tokens", "pack_sequences", "mask_truncated", "tis_cap", "mixed_precision",
+        "lr", "weight_decay", "max_grad_norm", "clip_eps", "clip_eps_high", "dual_clip", "policy_loss",
+        "entropy_coef",
+        "epochs", "mini_batches", "micro_batch_tokens", "pack_sequences", "mask_truncated", "tis_cap",
+        "tis_level", "tis_mode", "mixed_precision",
         "lr_schedule",
         "lr_warmup_steps", "lr_decay_steps", "temperature", "seed", "weights_include", "weights_dtype",
+        "distill_coef", "distill_mode", "distill_estimator", "reward_coef",
     )  # fmt: skip
     return {name: getattr(config, name) for name in names}
 

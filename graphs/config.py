@@ -32,13 +32,14 @@ from nodes.data import TASKS
 from nodes.models.families import is_tiny_dir, model_positions
 from nodes.models.precision import PRECISIONS, native_bf16
 from nodes.models.sampling import MIN_TEMPERATURE, temperature_problem
-from nodes.rl.advantages import GROUP_ESTIMATORS
-from nodes.rl.advantages import KLKind as KLEstimator
+from nodes.rl.advantages import GROUP_ESTIMATORS, KLEstimator
 from nodes.rl.aggregate import Aggregation
+from nodes.rl.losses import POLICY_LOSSES
 from nodes.update.schedule import LR_SCHEDULES
 from yatt_graph.options import build_config, check_options, config_options
 
 __all__ = [
+    "VAL_OPTIONS",
     "GRPOConfig",
     "MultimodalPPOConfig",
     "PPOConfig",
@@ -54,8 +55,16 @@ __all__ = [
 
 Estimator = GROUP_ESTIMATORS.literal()
 """The names of :data:`nodes.rl.advantages.GROUP_ESTIMATORS` (an ``estimator`` option)."""
+PolicyLoss = POLICY_LOSSES.literal()
+"""The names of :data:`nodes.rl.losses.POLICY_LOSSES` (the ``policy_loss`` option)."""
 Schedule = Literal[LR_SCHEDULES]  # type: ignore[valid-type]
 Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
+
+
+VAL_SAMPLING = ("val_temperature", "val_top_p", "val_pass_threshold")
+"""The options of the sampled validation responses (with ``val_samples`` > 1)."""
+VAL_OPTIONS = ("val_every", "val_rows", "val_samples", *VAL_SAMPLING)
+"""The options of validation besides ``val_data`` (idle without it)."""
 
 
 CPU_BUDGET = 1024
@@ -203,6 +212,15 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tis_cap: float | None = None
     """Truncated importance sampling: weigh each token's loss by min(pi_trainer / pi_sampler,
     tis_cap) (>= 0; 0: off); none: 2 with rollout=vllm, 0 otherwise."""
+    tis_level: Literal["token", "sequence"] = "token"
+    """With tis_cap > 0: token (each token's ratio) or sequence (one ratio per response).
+
+    The sequence ratio is the geometric mean of the response's token ratios,
+    exp(mean_t log pi_trainer / pi_sampler), on all its tokens: a product over a long response
+    would drift exponentially with its length and sit at the cap."""
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    """With tis_cap > 0: truncate (min(ratio, tis_cap)) or mask (masked importance sampling:
+    weight 0 outside [1/tis_cap, tis_cap], so that token or response leaves the loss)."""
     weights_include: list[str] = []
     """Regular expressions: the update sends the rollout only the weights whose names match one
     (a partial update: --set 'weights_include=["lora_"]' sends LoRA adapters); empty: all."""
@@ -226,6 +244,13 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Clip range above 1 when it differs (DAPO's clip-higher, e.g. 0.28); none: clip_eps."""
     dual_clip: float | None = None
     """Dual-clip PPO: a token with a negative advantage loses at most -A * dual_clip (> 1, e.g. 3)."""
+    policy_loss: PolicyLoss = "ppo"
+    """The policy loss: ppo (each token's ratio clipped) or gspo (GSPO: each response's ratio).
+
+    gspo clips the sequence ratio exp(mean over the response's tokens of log pi - log pi_old),
+    which moves far less than a token's: take GSPO's clip range, --set clip_eps=3e-4
+    clip_eps_high=4e-4 (the paper's). With one pass over each batch (epochs=1,
+    mini_batches=1) the ratio is 1 (up to the sampler's rounding) and both take the same step."""
     lr_schedule: Schedule = "constant"
     """After the warmup: constant, or linear / cosine decay to 0 over lr_decay_steps steps."""
     lr_warmup_steps: int = 0
@@ -257,6 +282,22 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Steps between two validation passes (>= 1), counted from step 0."""
     val_rows: int = 64
     """Rows of val_data each validation pass scores (>= 1; the first ones, in file order)."""
+    val_samples: int = 1
+    """k, sampled responses per validation row (>= 1); 1: the greedy response alone (val/reward).
+
+    With k > 1 each row also gets k samples at val_temperature and val_top_p, and the metrics
+    are val/greedy (the greedy responses' mean reward), val/avg@k (the samples' mean reward)
+    and val/pass@k (the share of rows with a sample whose reward is >= val_pass_threshold:
+    Chen et al.'s unbiased estimator with n = k). Every pass draws from the same seed."""
+    val_temperature: float = 1.0
+    """Sampling temperature of the val_samples responses (0: greedy, else >= 0.01)."""
+    val_top_p: float = 1.0
+    """Nucleus sampling of the val_samples responses, in (0, 1]."""
+    val_pass_threshold: float = 1.0
+    """A sampled validation response passes (val/pass@k) when its reward is at least this.
+
+    1 is the default reward's right answer (it gives 1 for the answer, 0.2 for another choice
+    of the right kind, 0 otherwise); set it to what a right answer scores under your reward."""
     prompt_key: str = "prompt"
     """The data column holding the prompt text."""
     image_key: str = "image"
@@ -304,6 +345,31 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     (runtime/ranks/). On CUDA each rank takes its own GPU."""
     train_backend: Literal["fsdp", "ddp"] = "fsdp"
     """With train_ranks > 1: fsdp (FSDP2: weights, gradients, Adam state 1/K per rank) or ddp."""
+    teacher: str | None = None
+    """A local model folder whose logprobs of the sampled responses teach the policy
+    (on-policy distillation, with distill_coef > 0); none: no teacher.
+
+    A causal LM, an image-text-to-text VLM or a saved prefix-VLM (what --export writes); its
+    tokenizer must be the policy's (the same vocabulary and ids), since it scores the
+    policy's token ids. It scores as the reference does (micro_batch_tokens, precision)."""
+    distill_coef: float = 0.0
+    """Weight (>= 0) of the reverse KL to the teacher, log pi - log pi_teacher per sampled
+    token (needs teacher); 0: off. Each step reports its mean as distill/kl.
+
+    With reward_coef=0 the policy learns from the teacher alone (pure on-policy distillation);
+    otherwise the teacher's signal joins the reward's."""
+    distill_mode: Literal["loss", "advantage"] = "loss"
+    """How distill_coef acts: loss (distill_coef * the mean reverse KL joins the update's loss,
+    its gradient through the policy's logprobs) or advantage (-distill_coef * (log pi_old -
+    log pi_teacher) is added to each token's advantage, as Tinker, verl and slime do)."""
+    distill_estimator: KLEstimator = "k2"
+    """The loss mode's per-token estimator of the reverse KL: k1, k2, k3 or abs.
+
+    k2 (0.5 * (log pi - log pi_teacher)^2) by default: on the policy's own samples its
+    gradient is the reverse KL's; k1's gradient is 0 in expectation."""
+    reward_coef: float = 1.0
+    """Weight (>= 0) of the reward's advantages in the policy loss; 0 with distill_coef > 0:
+    pure on-policy distillation (the reward is still computed and reported)."""
 
     def __post_init__(self) -> None:
         self._resolve()
@@ -323,6 +389,17 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         at_least("entropy_coef", self.entropy_coef, 0.0)
         at_least("val_every", self.val_every, 1)
         at_least("val_rows", self.val_rows, 1)
+        at_least("val_samples", self.val_samples, 1)
+        if temperature_problem(self.val_temperature):
+            refuse(
+                "val_temperature",
+                self.val_temperature,
+                f"0 or a finite number >= {MIN_TEMPERATURE}",
+            )
+        if not 0 < self.val_top_p <= 1:
+            refuse("val_top_p", self.val_top_p, "in (0, 1]")
+        if not math.isfinite(self.val_pass_threshold):
+            refuse("val_pass_threshold", self.val_pass_threshold, "a finite reward")
         at_least("lora_r", self.lora_r, 0)
         at_least("vllm_tensor_parallel", self.vllm_tensor_parallel, 1)
         if self.vllm_gpu_memory is not None:
@@ -333,9 +410,35 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if value is not None and not os.path.exists(value):
                 refuse(name, value, "an existing local file or folder (nothing is downloaded)")
         at_least("train_ranks", self.train_ranks, 1)
+        self._check_distillation()
         self._resolve_logprobs()
         if self.vllm_sleep is None:
             self.vllm_sleep = self.rollout == "vllm"
+
+    def _check_distillation(self) -> None:
+        """The teacher and its weights: a folder where a weight reads it, and something to learn."""
+        at_least("distill_coef", self.distill_coef, 0.0)
+        at_least("reward_coef", self.reward_coef, 0.0)
+        if self.teacher is not None and not os.path.isdir(self.teacher):
+            refuse(
+                "teacher", self.teacher, "an existing local model folder (nothing is downloaded)"
+            )
+        if self.distill_coef > 0 and self.teacher is None:
+            raise ValueError(
+                f"option distill_coef={self.distill_coef!r} needs a teacher: pass --teacher DIR "
+                "(a local model folder with the policy's tokenizer), or set distill_coef=0"
+            )
+        if self.teacher is not None and self.distill_coef == 0:
+            raise ValueError(
+                f"option teacher={self.teacher!r} is read only with distill_coef > 0; pass "
+                "--set distill_coef=1 (or leave --teacher out)"
+            )
+        if self.reward_coef == 0 and self.distill_coef == 0:
+            raise ValueError(
+                "option reward_coef=0 leaves nothing to learn from without a teacher; pass "
+                "--teacher DIR --set distill_coef=1 (pure on-policy distillation), or set "
+                "reward_coef > 0"
+            )
 
     def _resolve_logprobs(self) -> None:
         """Choose recompute_logprobs and tis_cap where left None (see their docs)."""
@@ -343,6 +446,10 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self.tis_cap = 2.0 if self.rollout == "vllm" else 0.0
         if not (self.tis_cap >= 0 and math.isfinite(self.tis_cap)):
             refuse("tis_cap", self.tis_cap, "a finite number >= 0 (0: off)")
+        if self.tis_mode == "mask" and 0 < self.tis_cap <= 1:
+            refuse(
+                "tis_cap", self.tis_cap, "> 1 with tis_mode=mask (it keeps [1/tis_cap, tis_cap])"
+            )
         if self.recompute_logprobs is None:
             differ = self.rollout == "vllm" or self.dtype != "float32" or self.tis_cap > 0
             self.recompute_logprobs = differ and not self.stream
@@ -385,12 +492,25 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         when = {
             "task": ("no data (the shapes task)", self.data is None),
             **dict.fromkeys(("prompt_key", "image_key", "answer_key"), ("data", data)),
-            **dict.fromkeys(("val_every", "val_rows"), ("val_data", self.val_data is not None)),
+            **dict.fromkeys(VAL_OPTIONS, ("val_data", self.val_data is not None)),
+            **dict.fromkeys(
+                VAL_SAMPLING,
+                (
+                    "val_data and val_samples > 1",
+                    self.val_data is not None and self.val_samples > 1,
+                ),
+            ),
             **dict.fromkeys(("lora_alpha", "lora_targets"), ("lora_r > 0", self.lora_r > 0)),
             "chat_template": ("a model of your own", users_model(self.policy)),
             "train_backend": ("train_ranks > 1", self.train_ranks > 1),
+            "distill_mode": ("distill_coef > 0", self.distill_coef > 0),
+            "distill_estimator": (
+                "distill_coef > 0 and distill_mode=loss",
+                self.distill_coef > 0 and self.distill_mode == "loss",
+            ),
             "lr_decay_steps": ("lr_schedule linear or cosine", self.lr_schedule != "constant"),
             "tis_cap": ("recompute_logprobs", bool(self.recompute_logprobs)),
+            **dict.fromkeys(("tis_level", "tis_mode"), ("tis_cap > 0", self.tis_cap > 0)),
             "overlong_penalty": ("overlong_buffer > 0", getattr(self, "overlong_buffer", 1) > 0),
             **{n: ("rollout=vllm", vllm) for n in self.__struct_fields__ if n.startswith("vllm_")},
         }

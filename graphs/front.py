@@ -13,6 +13,7 @@ from graphs.common import (
     is_prefix_policy,
     policy_spec,
     resolve_device,
+    teacher_spec,
     vision_kwargs,
     vllm_options,
 )
@@ -20,6 +21,7 @@ from graphs.config import RLConfig
 from nodes.reference import ReferenceLogprobs
 from nodes.rewards import RewardNode, reward_from_option
 from nodes.rollout import Rollout
+from nodes.teacher import TeacherLogprobs, spec_tokenizer, tokenizer_problem
 from nodes.vision import VisionEncoder
 from yatt_graph import Graph, Handle, Node
 
@@ -29,6 +31,7 @@ __all__ = [
     "connect_weights",
     "sample_and_score",
     "sample_columns",
+    "teacher_logprobs",
     "update_inputs",
 ]
 
@@ -81,6 +84,8 @@ class Sampled(NamedTuple):
     drawn_group_ids: Handle | None = None
     """Every sampled response's group label where dynamic sampling drops groups (``sample``
     then holds the kept rows); None where ``sample`` holds every sampled response."""
+    teacher_logprobs: Handle | None = None
+    """The teacher's logprobs of the trained responses; None without ``config.teacher``."""
 
 
 def sample_and_score(
@@ -104,13 +109,15 @@ def sample_and_score(
         g.output("data", data.stats)
     g.output("data_rows", data.rows)  # each prompt's file and row, for the samples file
     tower: dict[str, Any] = {}
+    image_dim = None
     if text_only:
         g.discard(data.images)
         spec, image_port = policy_spec(config, None), {}
     else:
         tower = vision_kwargs(vision, config.seed)
         encoder = VisionEncoder(**tower, device=device, name="vision")
-        spec = policy_spec(config, encoder.embed_dim)
+        image_dim = encoder.embed_dim
+        spec = policy_spec(config, image_dim)
         prefix = is_prefix_policy(spec)
         image_port = {"image_embeds": encoder(data.images)} if prefix else {"images": data.images}
         g.output("images", data.images)  # thumbnails in the samples file
@@ -170,25 +177,54 @@ def sample_and_score(
             micro_batch_tokens=config.micro_batch_tokens, precision=config.mixed_precision,
         )  # fmt: skip
         ref = node(**tensors, **image_port)
+    teacher = None
+    if config.teacher is not None:
+        teacher = teacher_logprobs(config, spec, image_dim, device, {**tensors, **image_port})
     validation = None
     if config.val_data is not None:
         validation = _validation(g, config, spec, device, text_only, image_port, tower)
     return Sampled(
         spec, device, rollout, sample, scores, tensors, image_port, ref, validation, drawn_scores,
-        drawn_group_ids,
+        drawn_group_ids, teacher,
     )  # fmt: skip
+
+
+def teacher_logprobs(
+    config: RLConfig,
+    spec: dict[str, Any],
+    image_dim: int | None,
+    device: str,
+    inputs: dict[str, Handle],
+) -> Handle:
+    """The teacher's logprobs (:class:`nodes.teacher.TeacherLogprobs` of ``config.teacher``)
+    of the responses in ``inputs`` (the rollout's tokens and image input), for the policy of
+    ``spec``; a teacher whose tokenizer is not the policy's is refused here, before any step."""
+    teacher = teacher_spec(config, image_dim)
+    problem = tokenizer_problem(spec_tokenizer(spec), spec_tokenizer(teacher))
+    if problem is not None:
+        raise ValueError(
+            f"option teacher={config.teacher!r}: its tokenizer is not the policy's ({problem}); "
+            "the teacher scores the policy's token ids, so give a teacher with the policy's "
+            "tokenizer"
+        )
+    node = TeacherLogprobs(
+        teacher, temperature=config.temperature, device=device, name="teacher",
+        micro_batch_tokens=config.micro_batch_tokens, precision=config.mixed_precision,
+    )  # fmt: skip
+    return node(**inputs)
 
 
 def update_inputs(
     config: RLConfig, s: Sampled, advantages: Handle, **more: Handle | None
 ) -> dict[str, Handle | None]:
     """What an update reads of the front half: the tensors, the sampled logprobs (and the
-    sampler's, where the rollout recomputes them), ``advantages``, ``more`` and the images."""
-    recomputed = (
-        {"rollout_logprobs": s.sample.rollout_logprobs} if config.recompute_logprobs else {}
-    )
+    sampler's, where the rollout recomputes them; the teacher's, with a teacher),
+    ``advantages``, ``more`` and the images."""
+    optional = {"rollout_logprobs": s.sample.rollout_logprobs} if config.recompute_logprobs else {}
+    if s.teacher_logprobs is not None:
+        optional["teacher_logprobs"] = s.teacher_logprobs
     return {
-        **s.tensors, "logprobs": s.sample.logprobs, "truncated": s.sample.truncated, **recomputed,
+        **s.tensors, "logprobs": s.sample.logprobs, "truncated": s.sample.truncated, **optional,
         "advantages": advantages, **more, **s.image_port,
     }  # fmt: skip
 
@@ -254,6 +290,11 @@ def _validation(
         config.reward,
         every=config.val_every,
         rows=config.val_rows,
+        samples=config.val_samples,
+        temperature=config.val_temperature,
+        top_p=config.val_top_p,
+        pass_threshold=config.val_pass_threshold,
+        seed=config.seed,
         batch_size=config.batch_size,
         max_new_tokens=config.max_new_tokens,
         max_prompt_tokens=config.max_prompt_tokens,

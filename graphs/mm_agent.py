@@ -28,7 +28,14 @@ from graphs.text_agent import AgentConfig, build_agent
 from nodes.data import task_vocabulary
 from yatt_graph import Graph
 
-__all__ = ["CONFIG", "MultimodalAgentConfig", "build_graph", "memory_plan", "run_notes"]
+__all__ = [
+    "CONFIG",
+    "MultimodalAgentConfig",
+    "build_graph",
+    "graph_from_config",
+    "memory_plan",
+    "run_notes",
+]
 
 
 class MultimodalAgentConfig(AgentConfig, kw_only=True, forbid_unknown_fields=True):
@@ -49,7 +56,11 @@ CONFIG = MultimodalAgentConfig
 
 def build_graph(**options: Any) -> Graph:
     """Options: the fields of :class:`MultimodalAgentConfig`."""
-    config = CONFIG.from_options("mm_agent", options)
+    return graph_from_config(CONFIG.from_options("mm_agent", options))
+
+
+def graph_from_config(config: Any) -> Graph:
+    """The graph of a typed config (what ``build_graph`` makes from its options)."""
     return build_agent("mm_agent", config, _vlm_spec(config), images=True)
 
 

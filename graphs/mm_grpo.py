@@ -13,12 +13,12 @@ from typing import Any
 from graphs.advice import memory_plan, run_notes
 from graphs.common import group_advantage, train_group, update_options
 from graphs.config import GRPOConfig, TextGRPOConfig
-from graphs.sampling import connect_weights, sample_and_score, sample_columns, update_inputs
+from graphs.front import connect_weights, sample_and_score, sample_columns, update_inputs
 from nodes.shared_models import set_share
 from nodes.update import GRPOUpdate
 from yatt_graph import Graph
 
-__all__ = ["CONFIG", "build_graph", "build_grpo", "memory_plan", "run_notes"]
+__all__ = ["CONFIG", "build_graph", "graph_from_config", "build_grpo", "memory_plan", "run_notes"]
 
 
 CONFIG = GRPOConfig
@@ -28,7 +28,11 @@ def build_graph(**options: Any) -> Graph:
     """Options: the fields of :class:`graphs.config.GRPOConfig`: ``batch_size`` prompts per
     step, ``group_size`` samples each; ``estimator``: grpo or rloo (the README gives the
     rewards its defaults reach)."""
-    config = CONFIG.from_options("mm_grpo", options)
+    return graph_from_config(CONFIG.from_options("mm_grpo", options))
+
+
+def graph_from_config(config: Any) -> Graph:
+    """The graph of a typed config (what ``build_graph`` makes from its options)."""
     return build_grpo("mm_grpo", config, vision=config.vision)
 
 

@@ -14,14 +14,14 @@ from typing import Any
 from graphs.advice import memory_plan, run_notes
 from graphs.common import train_group, update_options
 from graphs.config import MultimodalPPOConfig, PPOConfig
-from graphs.sampling import connect_weights, sample_and_score, sample_columns, update_inputs
+from graphs.front import connect_weights, sample_and_score, sample_columns, update_inputs
 from nodes.advantage import GAEAdvantage
 from nodes.reference import Critic
 from nodes.shared_models import set_share
 from nodes.update import PPOUpdate
 from yatt_graph import Graph
 
-__all__ = ["CONFIG", "build_graph", "build_ppo", "memory_plan", "run_notes"]
+__all__ = ["CONFIG", "build_graph", "graph_from_config", "build_ppo", "memory_plan", "run_notes"]
 
 
 CONFIG = MultimodalPPOConfig
@@ -30,7 +30,11 @@ CONFIG = MultimodalPPOConfig
 def build_graph(**options: Any) -> Graph:
     """Options: the fields of :class:`graphs.config.MultimodalPPOConfig` (the README gives
     the rewards its defaults reach)."""
-    config = CONFIG.from_options("mm_ppo", options)
+    return graph_from_config(CONFIG.from_options("mm_ppo", options))
+
+
+def graph_from_config(config: Any) -> Graph:
+    """The graph of a typed config (what ``build_graph`` makes from its options)."""
     return build_ppo("mm_ppo", config, vision=config.vision)
 
 

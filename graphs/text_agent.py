@@ -26,8 +26,8 @@ from graphs.common import (
     update_options,
     vllm_options,
 )
-from graphs.config import TextGRPOConfig, at_least, refuse
-from graphs.sampling import TOKENS
+from graphs.config import VAL_OPTIONS, TextGRPOConfig, at_least, refuse
+from graphs.front import TOKENS, teacher_logprobs
 from nodes.agents import AgentRollout, AgentStats, load_env
 from nodes.data import ShapesSource
 from nodes.reference import ReferenceLogprobs
@@ -36,7 +36,15 @@ from nodes.shared_models import set_share
 from nodes.update import GRPOUpdate
 from yatt_graph import Graph
 
-__all__ = ["AgentConfig", "CONFIG", "build_agent", "build_graph", "memory_plan", "run_notes"]
+__all__ = [
+    "AgentConfig",
+    "CONFIG",
+    "build_agent",
+    "build_graph",
+    "graph_from_config",
+    "memory_plan",
+    "run_notes",
+]
 
 
 class AgentConfig(TextGRPOConfig, kw_only=True, forbid_unknown_fields=True):
@@ -73,7 +81,7 @@ class AgentConfig(TextGRPOConfig, kw_only=True, forbid_unknown_fields=True):
 
     def idle_options(self) -> dict[str, str]:
         idle = super().idle_options()
-        for name in (*self._unsupported(), "val_every", "val_rows"):
+        for name in (*self._unsupported(), *VAL_OPTIONS):
             idle[name] = "a graph without an environment (text_grpo)"
         if self.data is None:  # the environment scores; only a row of --data can be bad
             idle["on_bad_sample"] = "data (it skips bad rows of --data)"
@@ -85,7 +93,11 @@ CONFIG = AgentConfig
 
 def build_graph(**options: Any) -> Graph:
     """Options: the fields of :class:`AgentConfig`."""
-    config = CONFIG.from_options("text_agent", options)
+    return graph_from_config(CONFIG.from_options("text_agent", options))
+
+
+def graph_from_config(config: Any) -> Graph:
+    """The graph of a typed config (what ``build_graph`` makes from its options)."""
     return build_agent("text_agent", config, policy_spec(config, None), images=False)
 
 
@@ -143,13 +155,18 @@ def build_agent(name: str, config: AgentConfig, spec: dict[str, Any], *, images:
             )  # fmt: skip
             set_share(reference, "policy")
             ref["ref_logprobs"] = reference(**tensors, **seen)
+        taught = {}
+        if config.teacher is not None:
+            image_dim = 0 if images else None  # (an image-text-to-text teacher reads them itself)
+            inputs = {**tensors, **seen}
+            taught["teacher_logprobs"] = teacher_logprobs(config, spec, image_dim, device, inputs)
         update = GRPOUpdate(
             policy=spec, kl_coef=config.kl_coef, aggregation=config.aggregation,
             horizon=config.max_new_tokens * rollout.max_turns, kl_estimator=config.kl_estimator,
             device=device, **update_options(config), name="grpo", **train_group(config, "policy"),
         )(
             **tensors, logprobs=sample.logprobs, truncated=sample.truncated,
-            advantages=adv.advantages, **ref, **sampled, **seen,
+            advantages=adv.advantages, **ref, **taught, **sampled, **seen,
         )  # fmt: skip
         g.connect(update.weights, rollout, "weights", delay=1)
         g.output("texts", sample.texts)

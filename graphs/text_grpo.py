@@ -19,7 +19,7 @@ from graphs.config import TextGRPOConfig
 from graphs.mm_grpo import build_grpo
 from yatt_graph import Graph
 
-__all__ = ["CONFIG", "build_graph", "memory_plan", "run_notes"]
+__all__ = ["CONFIG", "build_graph", "graph_from_config", "memory_plan", "run_notes"]
 
 
 CONFIG = TextGRPOConfig
@@ -27,4 +27,9 @@ CONFIG = TextGRPOConfig
 
 def build_graph(**options: Any) -> Graph:
     """Options: the fields of :class:`graphs.config.TextGRPOConfig`; defaults as in mm_grpo."""
-    return build_grpo("text_grpo", CONFIG.from_options("text_grpo", options), vision=None)
+    return graph_from_config(CONFIG.from_options("text_grpo", options))
+
+
+def graph_from_config(config: Any) -> Graph:
+    """The graph of a typed config (what ``build_graph`` makes from its options)."""
+    return build_grpo("text_grpo", config, vision=None)

@@ -15,7 +15,7 @@ from graphs.config import PPOConfig
 from graphs.mm_ppo import build_ppo
 from yatt_graph import Graph
 
-__all__ = ["CONFIG", "build_graph", "memory_plan", "run_notes"]
+__all__ = ["CONFIG", "build_graph", "graph_from_config", "memory_plan", "run_notes"]
 
 
 CONFIG = PPOConfig
@@ -24,4 +24,9 @@ CONFIG = PPOConfig
 def build_graph(**options: Any) -> Graph:
     """Options: the fields of :class:`graphs.config.PPOConfig`; defaults as in mm_ppo (the
     README gives the rewards they reach)."""
-    return build_ppo("text_ppo", CONFIG.from_options("text_ppo", options), vision=None)
+    return graph_from_config(CONFIG.from_options("text_ppo", options))
+
+
+def graph_from_config(config: Any) -> Graph:
+    """The graph of a typed config (what ``build_graph`` makes from its options)."""
+    return build_ppo("text_ppo", config, vision=None)

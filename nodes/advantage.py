@@ -51,19 +51,19 @@ class GAEAdvantage(Node):
         gamma: float = 1.0,
         lam: float = 0.95,
         kl_coef: float = 0.0,
-        kl_kind: str = "k1",
+        kl_estimator: str = "k1",
         whiten: bool = True,
         name: str | None = None,
     ):
         super().__init__(name=name)
         if kl_coef < 0:
             raise ValueError(f"node {self.name!r}: kl_coef must be >= 0, got {kl_coef}")
-        KL_ESTIMATORS.check(kl_kind, f"node {self.name!r}: kl_kind")
-        self.gamma, self.lam, self.kl_coef, self.kl_kind, self.whiten = (
+        KL_ESTIMATORS.check(kl_estimator, f"node {self.name!r}: kl_estimator")
+        self.gamma, self.lam, self.kl_coef, self.kl_estimator, self.whiten = (
             gamma,
             lam,
             kl_coef,
-            kl_kind,
+            kl_estimator,
             whiten,
         )
 
@@ -84,7 +84,7 @@ class GAEAdvantage(Node):
             )
         if logprobs is not None and ref_logprobs is not None:
             # Reported whenever it can be, so a run shows its drift from the reference.
-            kl = kl_penalty(logprobs, ref_logprobs, response_mask, kind=self.kl_kind)  # (B, R)
+            kl = kl_penalty(logprobs, ref_logprobs, response_mask, kind=self.kl_estimator)  # (B, R)
             stats["kl"] = float(masked_mean(kl, response_mask))
         else:
             kl = torch.zeros_like(values)  # (B, R)

@@ -178,20 +178,24 @@ class DatasetSource(Node):
         path = str(self.data_path)
         if self.format == "disk":
             ds = datasets.load_from_disk(path)
-        elif self.format == "csv":  # CSV has no types: every column is text
-            _check_csv_rows(self.data_path, len(self.columns))
-            features = datasets.Features({c: datasets.Value("string") for c in self.columns})
-            ds = datasets.load_dataset("csv", data_files=path, split="train", features=features)
         else:
-            if self.format == "json":
+            extra: dict[str, Any] = {}
+            if self.format == "csv":  # CSV has no types: every column is text
+                _check_csv_rows(self.data_path, len(self.columns))
+                extra["features"] = datasets.Features(
+                    {c: datasets.Value("string") for c in self.columns}
+                )
+            elif self.format == "json":
                 path = _utf8_lines(self.data_path, self.on_bad_sample, self._scratch)
             elif _parquet_rows(self.data_path) == 0:
                 raise ValueError(f"{self.file_label}: the dataset has no rows")
             try:
-                ds = datasets.load_dataset(self.format, data_files=path, split="train")
+                ds = datasets.load_dataset(self.format, data_files=path, split="train", **extra)
             except Exception as exc:  # say which line, as a reader of the file would count
                 if self.format == "json" and (why := _first_bad_json_line(Path(path))):
                     raise ValueError(why) from exc
+                if "corresponds to no data" in str(exc):  # a header (or nothing) and no rows
+                    raise ValueError(f"{self.file_label}: the dataset has no rows") from exc
                 raise ValueError(
                     f"{self.file_label}: the {self.format} reader refused it: {_root(exc)}"
                 ) from exc

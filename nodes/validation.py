@@ -1,4 +1,4 @@
-"""Greedy validation on a held-out dataset, every K steps, with the policy being trained.
+"""Validation on a held-out dataset, every K steps, with the policy being trained.
 
 :class:`GreedyValidation` keeps its own copy of the policy, loads every weight update the
 rollout loads (same ``weights`` edge, same delay), and on every ``every``-th call decodes the
@@ -6,12 +6,21 @@ first ``rows`` rows of its dataset greedily (temperature 0) and scores them with
 reward. Its output ``val`` is ``{"reward": mean, "samples": n, "response_length": mean}`` on
 those calls and ``{}`` on the others, so the metrics hold ``val/reward`` every K steps.
 
-Validation reads its data in file order and never touches the training data's position;
-it samples nothing, so its figures are the same for the same weights.
+With ``samples`` k > 1 each row also gets k sampled responses (at ``temperature`` and
+``top_p``), and ``val`` is ``{"greedy": the greedy responses' mean reward, "avg@k": the mean
+reward of the k samples averaged over the rows, "pass@k": the share of rows where a sample
+succeeds (a reward >= ``pass_threshold``), "samples": rows, "response_length": the samples'
+mean}``, named with the actual k (``avg@4``). pass@k is the unbiased estimator of Chen et al.
+2021 (:func:`pass_at_k`) with n = k samples, where it is exactly "any of the k succeeds".
+
+Validation reads its data in file order and never touches the training data's position. Its
+samples are drawn from one random stream seeded by ``seed`` on every pass, so its figures are
+the same for the same weights, and two passes differ by the weights alone.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,17 +28,29 @@ import torch
 
 from nodes.models.policy import build_policy, check_policy_spec
 from nodes.models.prompts import fit_prompts
+from nodes.models.sampling import sampling_problem
+from nodes.seeding import seeded
 from nodes.sync import decode_weights
 from yatt_graph import ANY, Node, Port
 from yatt_graph.node import Built
 
-__all__ = ["GreedyValidation"]
+__all__ = ["GreedyValidation", "pass_at_k"]
 
 _IMAGES = ("none", "images", "image_embeds")
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from ``n`` samples of which ``c`` succeed (Chen et al.
+    2021, "Evaluating Large Language Models Trained on Code"): ``1 - C(n - c, k) / C(n, k)``,
+    the chance that k of the n samples drawn without replacement hold a success."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
 class GreedyValidation(Node):
-    """Every ``every`` calls: greedy responses to the first ``rows`` rows of ``data``, scored.
+    """Every ``every`` calls: greedy responses to the first ``rows`` rows of ``data``, scored;
+    with ``samples`` > 1 also that many sampled responses a row (avg@k and pass@k).
 
     Args:
         policy: the policy spec the rollout was built from (same spec: same initial weights).
@@ -48,11 +69,21 @@ class GreedyValidation(Node):
         keys: ``{"prompt_key": ..., "image_key": ..., "answer_key": ...}`` of the data.
         on_bad_sample: passed to the reward and the data (raise or skip).
         device: where the policy runs.
+        samples: k, the sampled responses a row (>= 1); 1: the greedy response alone.
+        temperature, top_p: how those k are sampled (temperature 0: greedily).
+        pass_threshold: a sampled response succeeds (pass@k) when its reward is at least this.
+        seed: the seed of every pass's samples.
     """
 
     kind = "validation"
     inputs = {"weights": Port(ANY, required=False, doc="a WeightUpdate, as the rollout loads")}  # noqa: RUF012
-    outputs = {"val": Port(ANY, doc="{'reward', 'samples', 'response_length'} or {}")}  # noqa: RUF012
+    outputs = {  # noqa: RUF012
+        "val": Port(
+            ANY,
+            doc="{'reward', 'samples', 'response_length'}, with samples k > 1 "
+            "{'greedy', 'avg@k', 'pass@k', 'samples', 'response_length'}; or {}",
+        )
+    }
     policy = Built("the policy copy that decodes the validation rows")
     encoder = Built("the vision tower (image_embeds), or None")
 
@@ -74,12 +105,29 @@ class GreedyValidation(Node):
         keys: Mapping[str, str] | None = None,
         on_bad_sample: str = "raise",
         device: str = "cpu",
+        samples: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        pass_threshold: float = 1.0,
+        seed: int = 0,
         name: str | None = None,
     ) -> None:
         super().__init__(name=name)
-        for option, value in (("every", every), ("rows", rows), ("batch_size", batch_size)):
-            if not isinstance(value, int) or value < 1:
+        counts = (
+            ("every", every),
+            ("rows", rows),
+            ("batch_size", batch_size),
+            ("samples", samples),
+        )
+        for option, value in counts:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"node {self.name!r}: {option} must be an int >= 1, got {value!r}")
+        if why := sampling_problem(temperature, top_p, 0):
+            raise ValueError(f"node {self.name!r}: the samples' {why}")
+        if not math.isfinite(pass_threshold):
+            raise ValueError(
+                f"node {self.name!r}: pass_threshold must be a finite reward, got {pass_threshold}"
+            )
         if image_input not in _IMAGES:
             raise ValueError(f"node {self.name!r}: image_input must be one of {_IMAGES}")
         if image_input == "image_embeds" and not vision:
@@ -94,6 +142,8 @@ class GreedyValidation(Node):
         self.stop = [str(x) for x in stop]
         self.vision = dict(vision or {})
         self.device = device
+        self.samples, self.temperature, self.top_p = samples, float(temperature), float(top_p)
+        self.pass_threshold, self.seed = float(pass_threshold), int(seed)
         self.calls = 0
         from nodes.datasets import DatasetSource
         from nodes.rewards import reward_from_option
@@ -140,10 +190,43 @@ class GreedyValidation(Node):
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Score the first ``rows`` rows with greedy responses (the figures of one pass)."""
+        """Score the first ``rows`` rows: the figures of one pass."""
         self.source.load_state_dict(self._start)
         data = self.source.forward()
         prompts, images, meta = data["prompts"], data["images"], data["meta"]
+        n = len(prompts)
+        texts, lengths = self._decode(prompts, images, temperature=0.0, top_p=1.0)
+        scores = self._score(texts, prompts, images, meta)  # (n,)
+        greedy = float(scores.float().mean()) if n else 0.0
+        if self.samples == 1:
+            return {
+                "reward": greedy,
+                "samples": float(n),
+                "response_length": sum(lengths) / n if n else 0.0,
+            }
+        k = self.samples
+        rows = [i for i in range(n) for _ in range(k)]  # each row k times, in a row
+        many_prompts = [prompts[i] for i in rows]
+        many_images = None if images is None else [images[i] for i in rows]
+        with seeded(self.seed, self.device):
+            texts, lengths = self._decode(many_prompts, many_images, self.temperature, self.top_p)
+        scores = self._score(texts, many_prompts, many_images, [meta[i] for i in rows])
+        scores = scores.float().reshape(n, k)  # (n, k)
+        successes = (scores >= self.pass_threshold).sum(1).tolist()  # (n,) per row
+        passed = [pass_at_k(k, int(c), k) for c in successes]
+        return {
+            "greedy": greedy,
+            f"avg@{k}": float(scores.mean(1).mean()) if n else 0.0,
+            f"pass@{k}": sum(passed) / n if n else 0.0,
+            "samples": float(n),
+            "response_length": sum(lengths) / len(lengths) if lengths else 0.0,
+        }
+
+    def _decode(
+        self, prompts: list[str], images: Any, temperature: float, top_p: float
+    ) -> tuple[list[str], list[int]]:
+        """Responses to ``prompts`` (and their ``images``), ``batch_size`` at a time: the texts
+        and their lengths in tokens."""
         texts: list[str] = []
         lengths: list[int] = []
         for start in range(0, len(prompts), self.batch_size):
@@ -159,23 +242,21 @@ class GreedyValidation(Node):
                 max_prompt_tokens=self.max_prompt_tokens, who=f"node {self.name!r}",
             )  # fmt: skip
             out = self.policy.generate(
-                batch, max_new_tokens=self.max_new_tokens, temperature=0.0,
-                stop_strings=self.stop,
+                batch, max_new_tokens=self.max_new_tokens, temperature=temperature,
+                top_p=top_p, stop_strings=self.stop,
             )  # fmt: skip
             texts += out.texts
             lengths += out.response_lengths.tolist()
+        return texts, lengths
+
+    def _score(self, texts: list[str], prompts: list[str], images: Any, meta: list[Any]) -> Any:
+        """The run's reward of each response: a (len(texts),) tensor."""
         score_kwargs: dict[str, Any] = {"texts": texts, "meta": meta}
         if getattr(self.reward, "needs_prompts", False):
             score_kwargs["prompts"] = prompts
         if getattr(self.reward, "needs_images", False):
             score_kwargs["images"] = images
-        scores = self.reward.forward(**score_kwargs)["scores"]
-        n = len(texts)
-        return {
-            "reward": float(scores.float().mean()) if n else 0.0,
-            "samples": float(n),
-            "response_length": sum(lengths) / n if n else 0.0,
-        }
+        return self.reward.forward(**score_kwargs)["scores"]
 
     def state_dict(self) -> dict[str, Any]:
         """The call counter; the weights come from ``policy`` and the ``weights`` edge, as the

@@ -11,6 +11,7 @@ __all__ = [
     "ControllerError",
     "HandshakeError",
     "LocalExecutor",
+    "ProcessFault",
     "StepResult",
     "ZmqExecutor",
 ]
@@ -24,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from runtime.zmq import driver
 
         return getattr(driver, name)
+    if name == "ProcessFault":
+        from runtime.errors import ProcessFault
+
+        return ProcessFault
     if name in _LOCAL:
         from runtime.engine import engine as local
 

@@ -15,38 +15,44 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime.flags import add_controller_arguments, add_launch_arguments, add_run_arguments
+from runtime.flags import (
+    RunSpec,
+    add_controller_arguments,
+    add_launch_arguments,
+    add_run_arguments,
+    graph_args,
+    run_spec,
+)
 from runtime.run import (
     OptionError,
     RunSetup,
     graph_input,
     graph_options,
     load,
-    memory_plan,
     planned,
     resolve_graph,
     run_command,
+    run_memory_plan,
     typed_config,
     typed_words,
 )
 from runtime.train.export import export_checkpoint
 from runtime.train.loop import stopped_by
 from runtime.train.run_folder import check_new_path
-from yatt_graph import GraphError, NodeBuildError, NodeExecutionError, NodeUsageError, UsageError
+from yatt_graph import GraphError, NodeExecutionError, UsageError
 from yatt_graph.options import (
     load_graph_module,
     module_options,
     option_table,
 )
 
-__all__ = ["main"]
+__all__ = ["main", "parse_run"]
 
 
 def cmd_viz(args: argparse.Namespace) -> int:
@@ -57,12 +63,22 @@ def cmd_viz(args: argparse.Namespace) -> int:
     if output.is_dir() or not output.parent.is_dir():
         what = "is a folder" if output.is_dir() else f"is in {str(output.parent)!r}, not a folder"
         raise UsageError(f"viz: -o {args.output!r} {what}; name a file in an existing folder")
-    with graph_input(args.graph):
-        graph = load(args)
+    graph = _graph(args)
     target = planned(graph, args.controllers)
     target.draw(args.output)
     print(f"wrote {args.output} ({len(graph.nodes)} nodes, {len(graph.edges)} edges)")
     return 0
+
+
+def _loaded(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The typed config and the graph a ``show`` or ``viz`` command names, with its options."""
+    given = graph_args(args)
+    with graph_input(given.ref):
+        return load(given, graph_options(given))
+
+
+def _graph(args: argparse.Namespace) -> Any:
+    return _loaded(args)[1]
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -71,16 +87,14 @@ def cmd_show(args: argparse.Namespace) -> int:
         config = typed_config(args.graph, "idle_options")
         here, hidden = {}, {}
         if config is not None:  # a typed config: what the flags given resolve to
-            resolved = config.from_options(args.graph, graph_options(args))
+            resolved = config.from_options(args.graph, graph_options(graph_args(args)))
             here = {name: getattr(resolved, name) for name in resolved.__struct_fields__}
             hidden = {} if args.all else resolved.idle_options()
         print(option_table(*module_options(module), here=here, hidden=hidden))
         return 0
-    with graph_input(args.graph):
-        options = graph_options(args)
-        graph = load(args, options)
+    config, graph = _loaded(args)
     if args.memory:
-        plan = memory_plan(args.graph, options, graph, args.controllers)
+        plan = run_memory_plan(args.graph, config, graph, args.controllers)
         if plan is None:
             raise UsageError(
                 f"show --memory: {args.graph} does not plan its memory (a module function "
@@ -94,28 +108,27 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from runtime.flags import LaunchError, resolve_launch
+    from runtime.flags import LaunchError
 
-    host = None
-    try:  # a run across hosts (--nnodes, torchrun, srun): this host's controllers start here
-        launch = resolve_launch(args.nnodes, args.node_rank, args.master, os.environ)
-        if launch is not None and launch.nnodes > 1:
-            from runtime.zmq.hosts import start_host
+    spec = run_spec(args)  # every flag, parsed and checked once
+    host, hosts = None, spec.launch.hosts
+    if hosts is not None and hosts.nnodes > 1:  # this host's controllers start here
+        from runtime.zmq.hosts import start_host
 
-            host = start_host(args, launch)
-        elif args.data_host:
-            raise LaunchError("--data-host applies to a run across hosts (--nnodes 2 or more)")
-        elif launch is not None:
-            print(f"yatt-graph run: {launch.describe()}", file=sys.stderr, flush=True)
-    except LaunchError as exc:
-        raise UsageError(str(exc)) from None
+        try:
+            host = start_host(spec, hosts)
+        except LaunchError as exc:
+            raise UsageError(str(exc)) from None
+        spec = host.spec
+    elif hosts is not None:
+        print(f"yatt-graph run: {hosts.describe()}", file=sys.stderr, flush=True)
     if host is not None and not host.runs_driver:
         return host.share.wait()  # the driver on node 0 runs the graph
     torch = sys.modules.get("torch")  # a caller's torch: its thread count is restored after
     threads = torch.get_num_threads() if torch is not None else None
-    setup = RunSetup(args)
+    setup = RunSetup(spec)
     try:
-        return run_command(args, setup)
+        return run_command(spec, setup)
     finally:
         gc.unfreeze()
         if threads is not None:
@@ -219,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="'tiny', tiny-gpt2|tiny-llama|tiny-qwen2, or a local model directory (a causal "
             "LM, an image-text-to-text VLM or a saved prefix-VLM)",
         )
+        models.add_argument(
+            "--teacher",
+            metavar="DIR",
+            help="a local model folder with the policy's tokenizer whose logprobs teach the "
+            "policy (on-policy distillation; with --set distill_coef=1)",
+        )
         models.add_argument("--vision", help="'tiny' or open_clip:NAME[:WEIGHTS_FILE]")
         models.add_argument(
             "--data",
@@ -232,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         models.add_argument(
             "--reward",
             help="module:function or file.py:function (fn(text, meta) -> float), 'clip', "
-            "model:DIR or judge:DIR",
+            "model:DIR, judge:DIR or http://HOST:PORT/PATH",
         )
         models.add_argument(
             "--reward-model", metavar="DIR", help="a local sequence classifier as the reward"
@@ -329,6 +348,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_run(argv: Sequence[str]) -> RunSpec:
+    """The :class:`~runtime.flags.RunSpec` of ``yatt-graph run ARGV`` (its graph resolved, every
+    flag checked; its options typed with :func:`runtime.run.graph_options`), for a script that
+    builds a run as the command does."""
+    args = build_parser().parse_args(["run", *argv])
+    args.graph = resolve_graph(args.graph)
+    return run_spec(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -340,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
         raise
-    from runtime.errors import ControllerError
+    from runtime.errors import ProcessFault
 
     def said(exc: BaseException) -> str:
         """The message, the node keywords of its first line as the user types them
@@ -359,11 +387,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OptionError as exc:  # "unknown option ...": the line says what it is
         print(f"yatt-graph {args.command}: {exc}", file=sys.stderr)
         return 2
-    except (NodeBuildError, NodeUsageError, UsageError, GraphError, ImportError, FileNotFoundError,
-            FileExistsError) as exc:  # fmt: skip
+    except (UsageError, ImportError, FileNotFoundError, FileExistsError) as exc:
         print(f"yatt-graph {args.command}: error: {said(exc)}", file=sys.stderr)  # the user's
         return 2
-    except (NodeExecutionError, ControllerError) as exc:
+    except (NodeExecutionError, ProcessFault) as exc:
         # The run stopped cleanly (every controller is gone); say what failed, where, once.
         print(f"yatt-graph {args.command}: the run stopped: {said(exc)}", file=sys.stderr)
         return 1

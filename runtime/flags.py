@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import re
 import sys
 from collections.abc import Mapping
@@ -33,7 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.engine.config import DEFAULT_MAX_MESSAGE_BYTES, OFFLOAD_MODES
+import msgspec
+
+from runtime.engine.config import DEFAULT_MAX_MESSAGE_BYTES, OFFLOAD_MODES, RunConfig
 from runtime.sched.placement import SIDES
 from runtime.train.run_folder import run_folder_of
 from runtime.train.wandb_log import NO_WANDB
@@ -46,10 +49,17 @@ __all__ = [
     "LaunchError",
     "add_launch_arguments",
     "add_run_arguments",
+    "GraphArgs",
+    "LaunchSettings",
+    "NAMED_OPTIONS",
+    "RunSpec",
+    "TrainSettings",
     "check_flags",
+    "graph_args",
+    "run_spec",
     "controller_shares",
     "expand_nodelist",
-    "parse_devices",
+    "parse_slots",
     "parse_pins",
     "resolve_launch",
     "same_folder",
@@ -57,7 +67,7 @@ __all__ = [
 ]
 
 
-class LaunchError(ValueError):
+class LaunchError(UsageError):
     """A launch that cannot work (a missing, bad or contradictory value); names the flag or
     variable and says what to do."""
 
@@ -404,9 +414,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "move to the less busy side once the first steps are measured (not with --no-adaptive)",
     )
     p.add_argument(
-        "--devices",
+        "--slots",
         metavar="N|auto",
-        help="cut the calls of splittable nodes (vision, reference, critic) into micro-batches "
+        help="cut the calls of splittable nodes (vision, reference, critic) into pieces "
         "across N CPU slots per process (auto: $YATT_CPU_SLOTS or the cores); default: none",
     )
     p.add_argument(
@@ -646,7 +656,7 @@ def _check_run_flags(args: Any, distributed: bool) -> None:
         )
 
 
-def parse_devices(value: str | None) -> int | str | None:
+def parse_slots(value: str | None) -> int | str | None:
     if value is None or value == "auto":
         return value
     try:
@@ -654,7 +664,7 @@ def parse_devices(value: str | None) -> int | str | None:
     except ValueError:
         n = -1
     if n < 1:
-        raise UsageError(f"--devices takes a CPU slot count >= 1 or 'auto', got {value!r}")
+        raise UsageError(f"--slots takes a CPU slot count >= 1 or 'auto', got {value!r}")
     return n
 
 
@@ -693,14 +703,219 @@ def parse_replicas(value: str | None) -> dict[str, int]:
 
 
 def check_flags(args: Any) -> tuple[Any, bool]:
-    """Every flag that cannot work, refused before anything is built; (devices, distributed)."""
+    """Every flag that cannot work, refused before anything is built; (slots, distributed)."""
     _check_numbers(args)
-    devices = parse_devices(args.devices)
+    slots = parse_slots(args.slots)
     args.replica_counts = parse_replicas(args.replicas)
     args.pins = parse_pins(args.pin)
     distributed = args.controllers > 1 or bool(args.listen)
     _check_run_flags(args, distributed)
-    return devices, distributed
+    return slots, distributed
+
+
+# --- the parsed command line ----------------------------------------------------------------
+
+NAMED_OPTIONS = (
+    "policy", "vision", "reward", "env", "seed", "data", "val_data", "rollout", "device",
+    "train_ranks", "train_backend", "on_bad_sample", "teacher",
+)  # fmt: skip
+"""The flags that name a graph option (``--val-data`` is the option ``val_data``)."""
+
+
+class GraphArgs(msgspec.Struct, frozen=True, kw_only=True):
+    """The graph a command names and the options typed for it, as typed: what
+    :func:`runtime.run.graph_options` checks against the graph's options and types."""
+
+    ref: str
+    """The graph: a ready graph's module (``graphs.text_grpo``), a module or a file."""
+    command: str = "run"
+    """The command that names it (``run``, ``show``, ``viz``), for messages."""
+    sets: dict[str, str] = {}
+    """``--set KEY=VALUE`` pairs, key -> the text after ``=``."""
+    named: dict[str, Any] = {}
+    """The flags that name an option (:data:`NAMED_OPTIONS`) that were given, by option;
+    ``--reward-model DIR`` and ``--judge DIR`` give ``reward`` (``model:DIR``, ``judge:DIR``)."""
+    typed: dict[str, str] = {}
+    """How each of :attr:`named` was typed (``--reward-model DIR``), for messages."""
+    flags: dict[str, bool] = {}
+    """The command's other flags by name, True for a switch (``quiet``): a ``--set`` key that
+    is one of them is said to be a flag."""
+
+
+class LaunchSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the run's processes run and how they meet."""
+
+    controllers: int = 1
+    placement: str = "colocated"
+    pins: dict[str, str] = {}
+    """``--pin NODE=SIDE`` with ``--placement partial``."""
+    listen: str | None = None
+    spawn: bool = True
+    """False with ``--no-spawn``: the controllers are started by hand."""
+    allow_remote: bool = False
+    keys: str | None = None
+    threads: int | None = None
+    """``--threads``: torch threads of each process that runs nodes (None: measured)."""
+    hosts: Launch | None = None
+    """The run's place in a launch (:func:`resolve_launch`: the flags ``--nnodes``,
+    ``--node-rank``, ``--master`` and the launcher's environment); None outside one."""
+    data_host: str | None = None
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the nodes run on controller processes (not in this one)."""
+        return self.controllers > 1 or bool(self.listen)
+
+
+class TrainSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The training loop's settings and the run folder's."""
+
+    steps: int = 30
+    out: str | None = None
+    resume: str | None = None
+    overwrite: bool = False
+    export: str | None = None
+    checkpoint_every: int = 0
+    restart: str = "never"
+    max_restarts: int = 3
+    progress: bool = True
+    """False with ``--quiet``."""
+    glance_every: int = 50
+    samples_every: int = 10
+    wandb: str | None = None
+    window: int = 5
+    show_graph: bool = False
+
+
+class RunSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One ``yatt-graph run``, parsed once from its command line (:func:`run_spec`): the graph
+    and its options, the :class:`~runtime.engine.config.RunConfig` both executors take, the
+    launch and the training loop. ``OUT/settings.json`` records it."""
+
+    graph: GraphArgs
+    options: dict[str, Any] = {}
+    """The graph's options, typed (:func:`runtime.run.graph_options`); empty until the graph's
+    module is loaded, which comes after the thread policy is set (``with_options``)."""
+    engine: RunConfig
+    launch: LaunchSettings
+    train: TrainSettings
+
+    def with_options(self, options: dict[str, Any]) -> RunSpec:
+        return msgspec.structs.replace(self, options=options)
+
+
+def _set_texts(pairs: list[str]) -> dict[str, str]:
+    """``--set`` pairs as key -> text; a pair without ``=``, or a key given twice with two
+    values, is refused."""
+    texts: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(
+                f"--set {pair!r}: expected KEY=VALUE (the graph goes before --set, which takes "
+                "every KEY=VALUE after it)"
+            )
+        if key in texts and texts[key] != value:
+            raise UsageError(
+                f"--set gives {key!r} twice ({texts[key]!r} and {value!r}); give it once"
+            )
+        texts[key] = value
+    return texts
+
+
+_NOT_FLAGS = ("set", "graph", "func", "command")
+"""Names in the parsed flags that are no flag a user types."""
+
+
+def graph_args(args: argparse.Namespace) -> GraphArgs:
+    """The graph and the options typed for it, from a command's parsed flags (``run``,
+    ``show``, ``viz``)."""
+    given = {key: getattr(args, key, None) for key in ("reward", "reward_model", "judge")}
+    said = [f"--{key.replace('_', '-')}" for key, value in given.items() if value is not None]
+    if len(said) > 1:
+        raise UsageError(f"{' and '.join(said)}: give one reward")
+    named: dict[str, Any] = {}
+    typed: dict[str, str] = {}
+    for key in NAMED_OPTIONS:
+        value = getattr(args, key, None)
+        if value is not None:
+            named[key], typed[key] = value, f"--{key.replace('_', '-')} {value}"
+    for flag, kind in (("reward_model", "model"), ("judge", "judge")):
+        if given[flag] is not None:
+            named["reward"] = f"{kind}:{given[flag]}"
+            typed["reward"] = f"--{flag.replace('_', '-')} {given[flag]}"
+    flags = {
+        key: isinstance(value, bool)
+        for key, value in vars(args).items()
+        if key not in _NOT_FLAGS and not key.startswith("_")
+    }
+    return GraphArgs(
+        ref=args.graph, command=args.command, sets=_set_texts(args.set), named=named,
+        typed=typed, flags=flags,
+    )  # fmt: skip
+
+
+def _hosts(args: argparse.Namespace, env: Mapping[str, str]) -> Launch | None:
+    """The launch the flags and ``env`` describe (:func:`resolve_launch`), with the flags that
+    cannot go with a run across hosts refused."""
+    try:
+        launch = resolve_launch(args.nnodes, args.node_rank, args.master, env)
+    except LaunchError as exc:
+        raise UsageError(str(exc)) from None
+    if launch is None or launch.nnodes < 2:
+        if args.data_host:
+            raise UsageError("--data-host applies to a run across hosts (--nnodes 2 or more)")
+        return launch
+    for flag, value in (("--listen", args.listen), ("--no-spawn", args.no_spawn)):
+        if value:
+            raise UsageError(
+                f"{flag} and a run across hosts ({launch.source}): the driver's address comes "
+                f"from --master (or MASTER_ADDR/MASTER_PORT); drop {flag}"
+            )
+    if args.restart == "on-failure":
+        raise UsageError(
+            "--restart on-failure restarts controllers this process started; across hosts let "
+            "the launcher restart the job (torchrun --max-restarts, Slurm --requeue) with --resume"
+        )
+    return launch
+
+
+def run_spec(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> RunSpec:
+    """``yatt-graph run``'s flags (and the launcher's environment ``env``, default this
+    process's) as one :class:`RunSpec`, every flag that cannot work refused first (before
+    anything is built). The graph's options are typed later (:meth:`RunSpec.with_options`),
+    once its module may load."""
+    hosts = _hosts(args, os.environ if env is None else env)
+    graph = graph_args(args)
+    slots, distributed = check_flags(args)
+    device = graph.named.get("device") or graph.sets.get("device") or "auto"
+    engine = RunConfig(
+        max_staleness=args.max_staleness,
+        staleness=args.staleness,
+        slots=slots,
+        check_finite=not args.no_check_finite,
+        replicas=dict(args.replica_counts),
+        offload=args.offload,
+        node_timeout_s=args.node_timeout,
+        max_message_bytes=int(args.max_message_mb * (1 << 20)),
+        num_threads=args.threads,
+        placement=args.placement,
+        device=str(device) if distributed else "auto",
+        adaptive=not args.no_adaptive,
+    ).verify("yatt-graph run")
+    launch = LaunchSettings(
+        controllers=args.controllers, placement=args.placement, pins=args.pins,
+        listen=args.listen, spawn=not args.no_spawn, allow_remote=args.allow_remote,
+        keys=args.keys, threads=args.threads, hosts=hosts, data_host=args.data_host,
+    )  # fmt: skip
+    train = TrainSettings(
+        steps=args.steps, out=args.out, resume=args.resume, overwrite=args.overwrite,
+        export=args.export, checkpoint_every=args.checkpoint_every, restart=args.restart,
+        max_restarts=args.max_restarts, progress=not args.quiet, glance_every=args.glance_every,
+        samples_every=args.samples_every, wandb=args.wandb, window=args.window,
+        show_graph=args.show_graph,
+    )  # fmt: skip
+    return RunSpec(graph=graph, engine=engine, launch=launch, train=train)
 
 
 def add_controller_arguments(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,6 @@ checkpoint and says how to export it.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib.util
 import json
@@ -24,12 +23,12 @@ import re
 import shlex
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from runtime.flags import check_flags, same_folder
+from runtime.flags import NAMED_OPTIONS, GraphArgs, RunSpec, TrainSettings, same_folder
 from runtime.train.checkpoint import checkpoint_step, checkpoints, find_checkpoint, save_checkpoint
 from runtime.train.export import export_policy, policy_node
 from runtime.train.loop import sigterm_as_interrupt, stopped_by
@@ -43,7 +42,7 @@ from runtime.train.run_folder import (
     record_run,
     run_folder_of,
 )
-from yatt_graph import GraphError, UsageError
+from yatt_graph import Graph, GraphError, UsageError
 from yatt_graph.options import (
     Option,
     UnknownOptionError,
@@ -67,14 +66,13 @@ __all__ = [
     "graph_input",
     "graph_options",
     "load",
-    "memory_plan",
+    "run_memory_plan",
     "planned",
     "print_summary",
     "ready_graphs",
     "resolve_graph",
     "resume_point",
     "run_command",
-    "run_config",
     "run_summary",
     "shown_graph",
     "start_controllers",
@@ -89,75 +87,21 @@ class OptionError(UsageError):
     the whole line after ``yatt-graph COMMAND:`` (``unknown option ...`` says what it is)."""
 
 
-def _set_texts(pairs: Sequence[str]) -> dict[str, str]:
-    """``--set key=value`` pairs as key -> text; a pair without ``=``, or a key given twice
-    with two values, is refused."""
-    texts: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(
-                f"--set {pair!r}: expected KEY=VALUE (the graph goes before --set, which takes "
-                "every KEY=VALUE after it)"
-            )
-        if key in texts and texts[key] != value:
-            raise UsageError(
-                f"--set gives {key!r} twice ({texts[key]!r} and {value!r}); give it once"
-            )
-        texts[key] = value
-    return texts
-
-
-#: flags that name a graph option (``--val-data`` is the option ``val_data``)
-_NAMED_OPTIONS = (
-    "policy", "vision", "reward", "env", "seed", "data", "val_data", "rollout", "device",
-    "train_ranks", "train_backend", "on_bad_sample",
-)  # fmt: skip
-
-
-def _reward_flags(args: argparse.Namespace) -> None:
-    """``--reward-model DIR`` and ``--judge DIR`` are ``--reward model:DIR`` / ``judge:DIR``."""
-    given = {key: getattr(args, key, None) for key in ("reward", "reward_model", "judge")}
-    named = [f"--{key.replace('_', '-')}" for key, value in given.items() if value is not None]
-    if len(named) > 1:
-        raise UsageError(f"{' and '.join(named)}: give one reward")
-    if given["reward_model"] is not None:
-        args.reward = f"model:{given['reward_model']}"
-    elif given["judge"] is not None:
-        args.reward = f"judge:{given['judge']}"
-
-
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-def _given(args: argparse.Namespace, key: str, typed: str) -> str:
-    """The flag and value the user typed for the option ``key`` (``--reward-model DIR`` and
-    ``--judge DIR`` give the option ``reward``), else ``typed``."""
-    for flag in ("reward_model", "judge"):
-        if key == "reward" and getattr(args, flag, None) is not None:
-            return f"{_flag(flag)} {getattr(args, flag)}"
-    return typed
-
-
-def graph_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``--set`` pairs plus the named model options (``--on-bad-sample`` too), for the graph's
-    ``build_graph``, checked against its options before anything is built (a bad value of a
-    typed config included); a key it has no option for is an :class:`OptionError`."""
-    module = load_graph_module(args.graph)
+def graph_options(graph: GraphArgs, offload: str | None = None) -> dict[str, Any]:
+    """``--set`` pairs plus the named model options (``--on-bad-sample`` too), typed for the
+    graph's ``build_graph`` and checked against its options before anything is built (a bad
+    value of a typed config included); a key it has no option for is an :class:`OptionError`.
+    ``offload``: the run's ``--offload`` (``off`` keeps vLLM awake)."""
+    module = load_graph_module(graph.ref)
     known, more = module_options(module)
-    texts = _set_texts(args.set)
+    texts = graph.sets
     try:
-        values = parse_options(texts, known, more, args.graph)
+        values = parse_options(texts, known, more, graph.ref)
     except UnknownOptionError as exc:
-        raise unknown_option(args, exc.key, known, f"--set {exc.key}={texts[exc.key]}") from None
+        raise unknown_option(graph, exc.key, known, f"--set {exc.key}={texts[exc.key]}") from None
     names = {o.name for o in known}
-    _reward_flags(args)
-    for key in _NAMED_OPTIONS:
-        value = getattr(args, key, None)
-        if value is None:
-            continue
-        flag = _flag(key)
+    for key, value in graph.named.items():
+        flag = graph.typed[key].partition(" ")[0]
         if key in values:
             raise UsageError(f"{flag} and --set {key}=... both give {key!r}; give it once")
         if isinstance(value, str) and not value.strip():
@@ -165,16 +109,12 @@ def graph_options(args: argparse.Namespace) -> dict[str, Any]:
         if key not in names and (not more or key == "on_bad_sample"):  # (a flag of the run's)
             if key == "on_bad_sample" and value == "raise":
                 continue  # what a graph without the option does: its reward nodes raise
-            raise unknown_option(args, key, known, _given(args, key, f"{flag} {value}"))
+            raise unknown_option(graph, key, known, graph.typed[key])
         values[key] = value
-    if getattr(args, "offload", None) == "off" and "vllm_sleep" in names:
+    if offload == "off" and "vllm_sleep" in names:
         values.setdefault("vllm_sleep", False)  # a run that never offloads keeps vLLM awake
-    check_config(module, values, args.graph)  # ranges and choices, before models are built
+    check_config(module, values, graph.ref)  # ranges and choices, before models are built
     return values
-
-
-_NOT_FLAGS = ("set", "graph", "func", "command")
-"""Names in the parsed flags that are no flag a user types."""
 
 
 def shown_graph(target: str) -> str:
@@ -214,34 +154,35 @@ def _listed(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
-def unknown_option(
-    args: argparse.Namespace, key: str, known: list[Option], given: str
-) -> OptionError:
-    """The one line for ``key``, which the graph of ``args`` takes no option for, given as
-    ``given`` (``--set key=value`` or a flag such as ``--vision tiny``): the ready graphs that
-    have it, or the flag of this command it is, or the nearest of the graph's options; and
-    the command that lists them."""
-    graph = shown_graph(args.graph)
-    line = f"unknown option {key!r} for {graph}"
+def unknown_option(graph: GraphArgs, key: str, known: list[Option], given: str) -> OptionError:
+    """The one line for ``key``, which ``graph`` takes no option for, given as ``given``
+    (``--set key=value`` or a flag such as ``--vision tiny``): the ready graphs that have it,
+    or the flag of this command it is, or the nearest of the graph's options; and the command
+    that lists them."""
+    name = shown_graph(graph.ref)
+    line = f"unknown option {key!r} for {name}"
     if not given.startswith("--set "):
         line += f" (given by {given})"
     value = given.partition("=")[2] if given.startswith("--set ") else given.partition(" ")[2]
-    others = [] if key == "on_bad_sample" else _ready_graphs_with(key, value, graph)
+    others = [] if key == "on_bad_sample" else _ready_graphs_with(key, value, name)
     if key == "on_bad_sample":
         line += (
             ": its reward nodes decide what a bad score does (they raise unless built with "
             "on_bad_sample='skip'); give its build_graph() an on_bad_sample option to take the flag"
         )
     elif others:
-        line += f": it is an option of {_listed(others)}, not of {graph}"
-    elif given.startswith("--set ") and key in vars(args) and key not in _NOT_FLAGS:
-        switch = isinstance(getattr(args, key), bool)  # a flag without a value (--quiet)
-        line += f": it is not a graph option but a flag of yatt-graph {args.command}: "
-        line += _flag(key) if switch or not value else f"{_flag(key)} {value}"
+        line += f": it is an option of {_listed(others)}, not of {name}"
+    elif given.startswith("--set ") and key in graph.flags:
+        line += f": it is not a graph option but a flag of yatt-graph {graph.command}: "
+        line += _flag(key) if graph.flags[key] or not value else f"{_flag(key)} {value}"
     else:
         docs = {o.name: o.doc for o in known}
         line += did_you_mean(nearest(key, [o.name for o in known], docs))
-    return OptionError(f"{line}; `yatt-graph show {graph} --options` lists the options of {graph}")
+    return OptionError(f"{line}; `yatt-graph show {name} --options` lists the options of {name}")
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
 
 
 def typed_words(text: str, target: str) -> str:
@@ -277,7 +218,7 @@ def typed_words(text: str, target: str) -> str:
             value = raw.rstrip(".")
             tail = raw[len(value) :]
         use = "use " if match["verb"] else ""
-        if key in _NAMED_OPTIONS:
+        if key in NAMED_OPTIONS:
             return f"{use}{_flag(key)} {shlex.quote(value)}{tail}"
         if python or use:
             return f"{use}--set {shlex.quote(f'{key}={value}')}{tail}"
@@ -335,20 +276,31 @@ def _ready_graph(target: str) -> bool:
     return path is not None and folder is not None and path.parent == folder
 
 
-def load(args: argparse.Namespace, options: dict[str, Any] | None = None) -> Any:
-    """The graph, built with ``options`` (default: from the flags); an exception raised while
-    building it names the place in the graph's file it came from."""
-    options = graph_options(args) if options is None else options
+def load(graph: GraphArgs, options: dict[str, Any]) -> tuple[Any, Graph]:
+    """The graph's typed config (None for a graph without one) and the graph, built once from
+    ``options``; an exception raised while building it names the place in the graph's file it
+    came from. A module with a typed ``CONFIG`` and ``graph_from_config(config)`` (the ready
+    graphs) is built from the config made here, which the notes, the memory plan and
+    ``settings.json`` read too."""
+    ref = graph.ref
     try:
-        return load_graph(args.graph, **options)
+        module = load_graph_module(ref)
+        config_type = getattr(module, "CONFIG", None)
+        from_config = getattr(module, "graph_from_config", None)
+        config = None
+        if hasattr(config_type, "from_options"):
+            config = config_type.from_options(ref, options)
+        if config is not None and callable(from_config):
+            return config, from_config(config)
+        return config, load_graph(ref, **options)
     except Exception as exc:
-        if _ready_graph(args.graph) and type(exc) in (ValueError, TypeError, UsageError):
+        if _ready_graph(ref) and type(exc) in (ValueError, TypeError, UsageError):
             # a ready graph refusing what the user gave it: the message is the whole line
-            raise UsageError(f"{args.graph}: {exc}") from exc
-        where = located(args.graph, exc)
+            raise UsageError(f"{ref}: {exc}") from exc
+        where = located(ref, exc)
         if where is None:
             raise
-        raise GraphError(f"building {args.graph} failed at {where}") from exc
+        raise GraphError(f"building {ref} failed at {where}") from exc
 
 
 @contextmanager
@@ -367,106 +319,103 @@ def graph_input(graph: str) -> Iterator[None]:
 
 
 class RunSetup:
-    """One ``yatt-graph run`` assembled from its flags: :meth:`build` decides the thread policy
-    (before torch loads), starts the controllers early where there are some, and builds the
-    graph; :meth:`executor_factory` makes the executor for each attempt of the run (again after
-    a restart); :meth:`close` ends controllers that were started and never used. What it holds
-    (the policy, the early group) stays here, not on the parsed flags."""
+    """One ``yatt-graph run`` assembled from its :class:`~runtime.flags.RunSpec`: :meth:`build`
+    decides the thread policy (before torch loads), starts the controllers early where there
+    are some, types the graph's options and builds the graph; :meth:`executor_factory` makes
+    the executor for each attempt of the run (again after a restart); :meth:`close` ends
+    controllers that were started and never used."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
         self.thread_policy: Any = None
-        self.early_group: Any = None
+        self.early_controllers: Any = None
 
-    def build(self) -> tuple[dict[str, Any], Any]:
-        """The graph's options and the graph."""
-        args = self.args
-        if args.listen:
+    def build(self) -> tuple[Any, Graph]:
+        """The graph's typed config (None for a graph without one) and the graph; ``spec``
+        gains the typed options."""
+        spec, launch = self.spec, self.spec.launch
+        if launch.listen:
             from runtime.zmq.keys import check_address
 
             try:
-                check_address(args.listen, allow_tcp=True, allow_remote=args.allow_remote,
+                check_address(launch.listen, allow_tcp=True, allow_remote=launch.allow_remote,
                               who="yatt-graph run --listen")  # fmt: skip
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
-        self.thread_policy = thread_policy(args)
-        if 1 < args.controllers <= self.thread_policy.cores and not (args.no_spawn or args.listen):
+        self.thread_policy = thread_policy(spec)
+        if (
+            1 < launch.controllers <= self.thread_policy.cores
+            and launch.spawn
+            and not launch.listen
+        ):
             # Start the controllers now: they import torch and the graph's module while this
             # process builds the graph (the first step comes seconds sooner). Only as many as
             # the host has cores: a count the graph cannot use is refused below, and must not
             # load the machine first.
-            self.early_group = start_controllers(args)
-        with graph_input(args.graph):
-            options = graph_options(args)
-            graph = load(args, options)
+            self.early_controllers = start_controllers(spec)
+        with graph_input(spec.graph.ref):
+            self.spec = spec = spec.with_options(graph_options(spec.graph, spec.engine.offload))
+            config, graph = load(spec.graph, spec.options)
         try:
-            _check_controllers(args, graph, options)
+            _check_controllers(spec, graph)
         except UsageError:
             self.close()
             raise
-        return options, graph
+        return config, graph
 
-    def notes(self, options: dict[str, Any]) -> list[str]:
+    def notes(self, config: Any) -> list[str]:
         """What the graph module's ``run_notes(config, steps, given)`` says about the settings
         its typed config resolved, for the run's first lines (the ready graphs': defaults chosen
         for the model given, a chat template applied, options set that do nothing, a learning
         rate that reaches 0 before the last step); keywords as typed."""
-        args = self.args
-        run_notes = getattr(load_graph_module(args.graph), "run_notes", None)
-        config = _resolved_config(args.graph, options, "from_options")
+        spec = self.spec
+        run_notes = getattr(load_graph_module(spec.graph.ref), "run_notes", None)
         if run_notes is None or config is None:
             return []
-        given = {*_set_texts(args.set), *(k for k in _NAMED_OPTIONS if k in options)}
-        notes = run_notes(config, args.steps, given & set(options))
-        return [typed_words(line, args.graph) for line in notes]
+        given = {*spec.graph.sets, *spec.graph.named} & set(spec.options)
+        notes = run_notes(config, spec.train.steps, given)
+        return [typed_words(line, spec.graph.ref) for line in notes]
 
-    def settings(self, options: dict[str, Any], devices: Any, distributed: bool) -> dict[str, Any]:
+    def settings(self, config: Any) -> dict[str, Any]:
         """The run's effective settings, as JSON values, for ``OUT/settings.json`` (what
-        ``yatt-graph report`` shows): the flags, the graph options given, what the graph's
-        typed config resolves them to, the :class:`RunConfig`, the threads and the notes."""
+        ``yatt-graph report`` shows): the :class:`~runtime.flags.RunSpec`, what the graph's
+        typed config resolves its options to, the threads and the notes."""
         import msgspec
 
-        args = self.args
-        flags = {k: v for k, v in vars(args).items() if k != "func" and not k.startswith("_")}
-        resolved = _resolved_config(args.graph, options, "from_options")
+        spec = msgspec.to_builtins(self.spec, enc_hook=str)
+        del spec["graph"]["flags"]  # the command's flags, for messages only
         return _json_values(
             {
-                "graph": args.graph,
-                "flags": flags,
-                "graph_options": options,
-                "config": msgspec.to_builtins(resolved) if resolved is not None else None,
-                "run_config": msgspec.to_builtins(run_config(args, options, devices, distributed)),
+                **spec,
+                "config": msgspec.to_builtins(config) if config is not None else None,
                 "threads": self.thread_policy.describe() if self.thread_policy else None,
-                "notes": self.notes(options),
+                "notes": self.notes(config),
             }
         )
 
-    def memory_lines(self, options: dict[str, Any], graph: Any) -> list[str]:
+    def memory_lines(self, config: Any, graph: Graph) -> list[str]:
         """The memory plan's line per device, for the run's first lines. Made in an
         in-process run, which loads the models' libraries anyway; a driver of controllers
         holds no model and stays without them, so it says how to see the plan instead."""
-        args = self.args
-        if getattr(load_graph_module(args.graph), "memory_plan", None) is None:
+        spec = self.spec
+        ref = spec.graph.ref
+        if getattr(load_graph_module(ref), "memory_plan", None) is None:
             return []
-        if args.controllers > 1 or args.listen:
-            return [f"`yatt-graph show {args.graph} --memory --controllers {args.controllers}` "
+        if spec.launch.distributed:
+            return [f"`yatt-graph show {ref} --memory --controllers {spec.launch.controllers}` "
                     "with this run's options prints it"]  # fmt: skip
-        plan = memory_plan(args.graph, options, graph)
+        plan = run_memory_plan(ref, config, graph)
         lines = plan.device_lines() if plan is not None else []
-        return [typed_words(line, args.graph) for line in lines]
+        return [typed_words(line, ref) for line in lines]
 
-    def executor_factory(self, graph: Any, options: dict, devices: Any, distributed: bool) -> Any:
-        """``make_executor()`` for the run (see :func:`runtime.run.executor_factory`)."""
-        return executor_factory(self, graph, options, devices, distributed)
-
-    def take_group(self) -> Any:
+    def take_controllers(self) -> Any:
         """The controllers started early, for the first executor (later ones start their own)."""
-        group, self.early_group = self.early_group, None
+        group, self.early_controllers = self.early_controllers, None
         return group
 
     def close(self) -> None:
-        if self.early_group is not None:  # the run stopped before it needed them
-            self.take_group().shutdown("the run stopped before its first step")
+        if self.early_controllers is not None:  # the run stopped before it needed them
+            self.take_controllers().shutdown("the run stopped before its first step")
 
 
 def _json_values(value: Any) -> Any:
@@ -489,14 +438,7 @@ def typed_config(target: str, method: str) -> Any:
     return config if hasattr(config, method) else None
 
 
-def _resolved_config(target: str, options: dict[str, Any], method: str) -> Any:
-    """The typed config of ``target`` with ``method`` (:func:`typed_config`) made from
-    ``options`` (its ``from_options``), else None."""
-    config = typed_config(target, method)
-    return None if config is None else config.from_options(target, options)
-
-
-def planned(graph: Any, controllers: int) -> Any:
+def planned(graph: Graph, controllers: int) -> Any:
     """The graph, or its plan as ``yatt-graph run --controllers N`` (colocated) makes it."""
     check_controller_count(controllers, graph, graph.name)
     if controllers < 2:
@@ -506,20 +448,20 @@ def planned(graph: Any, controllers: int) -> Any:
     return graph.plan(controllers, placement=controller_assignment(graph, controllers))
 
 
-def memory_plan(target: str, options: dict[str, Any], graph: Any, controllers: int = 1) -> Any:
+def run_memory_plan(target: str, config: Any, graph: Graph, controllers: int = 1) -> Any:
     """The memory plan (``nodes.memory_plan.MemoryPlan``) of a graph whose module plans
-    (``memory_plan(config, graph, processes)``, as the ready graphs have), its nodes placed on
-    ``controllers`` (checked) as a run places them; None for a graph without one."""
+    (``memory_plan(config, graph, processes)``, as the ready graphs have) for its typed
+    ``config``, its nodes placed on ``controllers`` (checked) as a run places them; None for a
+    graph without one."""
     plan = planned(graph, controllers)
     planner = getattr(load_graph_module(target), "memory_plan", None)
-    config = _resolved_config(target, options, "from_options")
     if planner is None or config is None:
         return None
     processes = {n: str(plan.controller_of(n)) for n in graph.nodes} if controllers > 1 else None
     return planner(config, graph, processes)
 
 
-def check_controller_count(count: int, graph: Any, name: str) -> None:
+def check_controller_count(count: int, graph: Graph, name: str) -> None:
     """``--controllers`` from 1 to the graph's node count (a controller runs at least one)."""
     n = len(graph.nodes)
     if count < 1:
@@ -531,15 +473,16 @@ def check_controller_count(count: int, graph: Any, name: str) -> None:
         )
 
 
-def _check_controllers(args: argparse.Namespace, graph: Any, options: dict[str, Any]) -> None:
+def _check_controllers(spec: RunSpec, graph: Graph) -> None:
     """Controllers and ranks the graph can use, checked once it is built (before any step)."""
-    count = args.controllers
-    check_controller_count(count, graph, args.graph)
-    if args.placement == "partial" and count > 1:
+    launch = spec.launch
+    count = launch.controllers
+    check_controller_count(count, graph, spec.graph.ref)
+    if launch.placement == "partial" and count > 1:
         from runtime.sched.placement import partial_sides
 
         try:
-            sides = partial_sides(graph, args.pins)
+            sides = partial_sides(graph, launch.pins)
         except ValueError as exc:
             raise UsageError(f"--pin: {exc}") from None
         per = {side: sum(1 for s in sides.values() if s == side) for side in ("rollout", "train")}
@@ -557,8 +500,8 @@ def _check_controllers(args: argparse.Namespace, graph: Any, options: dict[str, 
             )
     from runtime.sched.devices import usable_cores, visible_gpus
 
-    ranks, cores = int(options.get("train_ranks") or 1), usable_cores()
-    device = str(options.get("device") or "auto")
+    ranks, cores = int(spec.options.get("train_ranks") or 1), usable_cores()
+    device = str(spec.options.get("device") or "auto")
     on_gpu = device.startswith("cuda") or (device == "auto" and visible_gpus() > 0)
     if ranks > _RANKS_PER_CORE * cores and not on_gpu:  # each one a process with torch
         raise UsageError(
@@ -579,48 +522,51 @@ _RANKS_PER_CORE = 4
 """Training ranks a CPU core may carry before a run is refused (one warns above 1)."""
 
 
-def start_controllers(args: argparse.Namespace) -> Any:
-    """The run's ``--controllers`` started now, for the first executor to take: they import
+def start_controllers(spec: RunSpec) -> Any:
+    """The run's controllers started now, for the first executor to take: they import
     torch and the graph's module while this process builds the graph."""
-    from runtime.zmq.group import ControllerGroup
+    from runtime.zmq.controllers import Controllers
     from runtime.zmq.keys import load_keys
 
-    keys = load_keys(args.keys, "driver") if args.keys else None
-    return ControllerGroup(
-        args.controllers, keys=keys, keys_dir=args.keys, controller_output="inherit",
-        max_message_bytes=int(args.max_message_mb * (1 << 20)), preload=(args.graph,),
+    keys_dir = spec.launch.keys
+    keys = load_keys(keys_dir, "driver") if keys_dir else None
+    return Controllers(
+        spec.launch.controllers, keys=keys, keys_dir=keys_dir, controller_output="inherit",
+        max_message_bytes=spec.engine.max_message_bytes, preload=(spec.graph.ref,),
     )  # fmt: skip
 
 
-def executor_factory(
-    setup: RunSetup, graph: Any, options: dict, devices: Any, distributed: bool
-) -> Any:
-    """The factory of the run's executor: in-process, or ZeroMQ controllers (``distributed``),
-    each configured by the one :class:`~runtime.engine.config.RunConfig` of the flags."""
+def executor_factory(setup: RunSetup, graph: Graph) -> Any:
+    """The factory of the run's executor: in-process, or ZeroMQ controllers, each configured
+    by the run's one :class:`~runtime.engine.config.RunConfig`."""
     from runtime.engine.engine import LocalExecutor
     from runtime.sched.fanout import replica_counts
     from runtime.train.loop import Accounting
 
-    args = setup.args
-
+    spec = setup.spec
+    launch, config = spec.launch, spec.engine
     try:  # --replicas naming a node that is not there, or one that cannot be copied
-        replica_counts(graph.nodes, args.replica_counts)
+        replica_counts(graph.nodes, config.replicas)
     except ValueError as exc:
         raise UsageError(f"--replicas: {exc}") from None
 
     policy = setup.thread_policy
     print(f"yatt-graph run: threads: {policy.describe()}", file=sys.stderr, flush=True)
     cut = None
-    if distributed and args.placement == "partial":
+    if launch.distributed and launch.placement == "partial":
         from runtime.sched.placement import PartialCut
 
         try:
-            cut = PartialCut(graph, args.pins)
+            cut = PartialCut(graph, launch.pins)
         except ValueError as exc:
             raise UsageError(f"--pin: {exc}") from None
 
-    config = run_config(args, options, devices, distributed)
-    if distributed and config.max_staleness and config.staleness == "fixed" and config.adaptive:
+    if (
+        launch.distributed
+        and config.max_staleness
+        and config.staleness == "fixed"
+        and config.adaptive
+    ):
         print(
             "yatt-graph run: --staleness fixed: every step reads exactly the weights "
             f"{config.max_staleness + 1} versions back; a rerun matches this one bitwise only "
@@ -631,7 +577,7 @@ def executor_factory(
         )
 
     def make_executor() -> Any:
-        if not distributed:
+        if not launch.distributed:
             import torch
 
             from runtime.zmq.replicas import spawn_replica  # replica processes, when asked for
@@ -646,63 +592,41 @@ def executor_factory(
         from runtime.sched.placement import controller_assignment
         from runtime.zmq.driver import ZmqExecutor
 
-        if args.no_spawn:  # say at once whom the driver waits for, and how to start them
+        if not launch.spawn:  # say at once whom the driver waits for, and how to start them
             from runtime.zmq import STARTUP_TIMEOUT_S
 
-            keys = f" --keys {args.keys}" if args.keys else ""
+            keys = f" --keys {launch.keys}" if launch.keys else ""
             print(
-                f"yatt-graph run: waiting up to {STARTUP_TIMEOUT_S:g} s for {args.controllers} "
-                f"controllers at "
-                f"{args.listen}; start each (I = 0..{args.controllers - 1}) with `yatt-graph "
-                f"controller --connect {args.listen} --index I{keys}`",
+                f"yatt-graph run: waiting up to {STARTUP_TIMEOUT_S:g} s for {launch.controllers} "
+                f"controllers at {launch.listen}; start each (I = 0..{launch.controllers - 1}) "
+                f"with `yatt-graph controller --connect {launch.listen} --index I{keys}`",
                 file=sys.stderr,
                 flush=True,
             )
         sides = cut.sides if cut is not None else None
-        hints = controller_assignment(graph, args.controllers, args.placement, sides=sides)
+        hints = controller_assignment(graph, launch.controllers, launch.placement, sides=sides)
         return Accounting(
             ZmqExecutor(
-                graph.plan(args.controllers, placement=hints),
+                graph.plan(launch.controllers, placement=hints),
                 config,
-                graph_ref=args.graph,
-                graph_options=options,
+                graph_ref=spec.graph.ref,
+                graph_options=spec.options,
                 controller_output="inherit",
-                spawn=not args.no_spawn,
-                address=args.listen,
-                allow_tcp=bool(args.listen),
-                allow_remote=args.allow_remote,
-                keys=args.keys,
-                group=setup.take_group(),  # the first attempt's, started early
+                spawn=launch.spawn,
+                address=launch.listen,
+                allow_tcp=bool(launch.listen),
+                allow_remote=launch.allow_remote,
+                keys=launch.keys,
+                group=setup.take_controllers(),  # the first attempt's, started early
             ),
             sched=policy.metrics(),
         )
 
-    if cut is not None and not args.no_adaptive:
-        make_executor.replan = cut.replan  # type: ignore[attr-defined]
-    return make_executor
+    replan = cut.replan if cut is not None and config.adaptive else None
+    return make_executor, replan
 
 
-def run_config(args: argparse.Namespace, options: dict, devices: Any, distributed: bool) -> Any:
-    """The run's options from its flags: the one :class:`RunConfig` both executors take."""
-    from runtime.engine.config import RunConfig
-
-    return RunConfig(
-        max_staleness=args.max_staleness,
-        staleness=args.staleness,
-        devices=devices,
-        check_finite=not args.no_check_finite,
-        replicas=dict(args.replica_counts or {}),
-        offload=args.offload,
-        node_timeout_s=args.node_timeout,
-        max_message_bytes=int(args.max_message_mb * (1 << 20)),
-        num_threads=args.threads,
-        placement=args.placement,
-        device=(options.get("device") or "auto") if distributed else "auto",
-        adaptive=not args.no_adaptive,
-    ).verify("yatt-graph run")
-
-
-def thread_policy(args: argparse.Namespace) -> Any:
+def thread_policy(spec: RunSpec) -> Any:
     """The run's torch threads and OpenMP wait policy (runtime.sched.devices), decided by
     measuring the cores before torch loads (the wait policy is read then) and before the
     controllers start (they inherit it)."""
@@ -711,85 +635,87 @@ def thread_policy(args: argparse.Namespace) -> Any:
     cores = usable_core_ids()
     return run_policy(
         cores,
-        threads=args.threads,
-        shared=_beside(args, len(cores)),
-        controllers=args.controllers > 1 or bool(args.listen),
+        threads=spec.launch.threads,
+        shared=_beside(spec, len(cores)),
+        controllers=spec.launch.distributed,
     )
 
 
-def _beside(args: argparse.Namespace, cores: int) -> bool:
+def _beside(spec: RunSpec, cores: int) -> bool:
     """Whether other processes or worker threads of this run compute on its cores while it
     does: replicas, training ranks, split slots, or controllers that run at once and
     outnumber the cores (colocated on-policy controllers take turns)."""
-    ranks = args.train_ranks or 1
-    for pair in args.set:
-        key, _, value = pair.partition("=")
-        if key.strip() == "train_ranks" and value.strip().isdigit():
-            ranks = int(value)
-    if args.replicas or ranks > 1 or args.devices:
+    launch, config = spec.launch, spec.engine
+    ranks = spec.graph.named.get("train_ranks") or 1
+    text = spec.graph.sets.get("train_ranks", "").strip()
+    if text.isdigit():
+        ranks = int(text)
+    if config.replicas or ranks > 1 or config.slots:
         return True
-    at_once = args.placement == "partial" or args.max_staleness > 0
-    return args.controllers > 1 and at_once and args.controllers > cores
+    at_once = launch.placement == "partial" or config.max_staleness > 0
+    return launch.controllers > 1 and at_once and launch.controllers > cores
 
 
-def run_command(args: Any, setup: Any) -> int:
-    """``yatt-graph run``: check every flag and path, take the run folder, build the graph
-    (``setup.build() -> (options, graph)``), train on ``setup.executor_factory(graph, options,
-    devices, distributed)()``, export. Returns the exit code."""
-
-    devices, distributed = check_flags(args)  # before the graph (and its models) is built
-    if args.resume and not Path(args.resume).is_dir():
-        what = "is a file" if Path(args.resume).exists() else "does not exist"
+def run_command(spec: RunSpec, setup: RunSetup) -> int:
+    """``yatt-graph run``: check the run folder and the paths, take the folder, build the graph
+    (``setup.build()``), train on the executors of :func:`executor_factory`, export. Returns
+    the exit code."""
+    train = spec.train
+    if train.resume and not Path(train.resume).is_dir():
+        what = "is a file" if Path(train.resume).exists() else "does not exist"
         raise UsageError(
-            f"--resume {args.resume}: {what}; it takes a run folder or one of its "
+            f"--resume {train.resume}: {what}; it takes a run folder or one of its "
             "checkpoints/step_N folders"
         )
     out = (
-        Path(args.out) if args.out else (run_folder_of(Path(args.resume)) if args.resume else None)
+        Path(train.out)
+        if train.out
+        else (run_folder_of(Path(train.resume)) if train.resume else None)
     )
     if out is not None:
-        check_folder(out, "--out" if args.out else "--resume")
+        check_folder(out, "--out" if train.out else "--resume")
         if (out / "checkpoints").exists():
             check_folder(out / "checkpoints", "--out: its checkpoint folder")
     lock = RunLock(out).acquire() if out is not None else None
     try:
         with sigterm_as_interrupt():
-            return _run_in_folder(args, out, devices, distributed, setup)
+            return _run_in_folder(train, out, setup)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run_in_folder(args: Any, out: Path | None, devices: Any, distributed: bool, setup: Any) -> int:
+def _run_in_folder(train: TrainSettings, out: Path | None, setup: RunSetup) -> int:
     from runtime.train.loop import train_with_restarts
 
-    resuming_here = bool(args.resume) and out is not None and same_folder(str(out), args.resume)
+    resuming_here = bool(train.resume) and out is not None and same_folder(str(out), train.resume)
     if out is not None:
-        note = prepare_run_folder(out, resuming_here=resuming_here, overwrite=args.overwrite)
+        note = prepare_run_folder(out, resuming_here=resuming_here, overwrite=train.overwrite)
         if note:
             print(f"yatt-graph run: {note}", file=sys.stderr)
-    export = Path(args.export) if args.export else None
+    export = Path(train.export) if train.export else None
     if export is not None:
         check_new_path(export, "--export")
-    options, graph = setup.build()
-    for line in setup.notes(options):
+    config, graph = setup.build()
+    spec = setup.spec  # with the graph's options typed
+    for line in setup.notes(config):
         print(f"yatt-graph run: {line}", file=sys.stderr)
-    for line in setup.memory_lines(options, graph):
+    for line in setup.memory_lines(config, graph):
         print(f"yatt-graph run: memory plan: {line}", file=sys.stderr)
     if export is not None:
         policy_node(graph)
-    if args.show_graph:
+    if train.show_graph:
         print(graph.to_text(), "\n", flush=True)
     if out is not None:  # what `yatt-graph report` shows of the run, even if it stops early
-        record_run(out, setup.settings(options, devices, distributed), graph)
-    resume = resume_point(args, graph, out if resuming_here else None)
+        record_run(out, setup.settings(config), graph)
+    resume = resume_point(train, graph, out if resuming_here else None)
     start = (checkpoint_step(resume) or 0) if resume is not None else 0
     earlier_s = 0.0  # the wall time of the steps before ``start``, for the summary
-    if resume is not None and out is not None:
-        earlier_s = _continue_record(out, run_folder_of(Path(args.resume)), start)
-    meta = {"graph_ref": args.graph, "graph_options": options}
+    if resume is not None and out is not None and train.resume:
+        earlier_s = _continue_record(out, run_folder_of(Path(train.resume)), start)
+    meta = {"graph_ref": spec.graph.ref, "graph_options": spec.options}
 
-    make_executor = setup.executor_factory(graph, options, devices, distributed)
+    make_executor, replan = executor_factory(setup, graph)
 
     device_lines: list[str] = []
     final: dict[str, Any] = {}
@@ -800,12 +726,12 @@ def _run_in_folder(args: Any, out: Path | None, devices: Any, distributed: bool,
         fanouts = getattr(ex, "fanouts", None)
         summary = fanouts.summary() if fanouts is not None else {}
         nodes = summary.get("nodes", {})
-        if summary.get("devices"):
+        if summary.get("slots"):
             shares = ", ".join(
-                f"{name} {100 * d['utilization']:.0f}%" for name, d in summary["devices"].items()
+                f"{name} {100 * d['utilization']:.0f}%" for name, d in summary["slots"].items()
             )
             split = ", ".join(sorted(n for n, f in nodes.items() if f["kind"] == "slots"))
-            device_lines.append(f"devices (nodes {split} split across them): {shares} busy")
+            device_lines.append(f"slots (nodes {split} split across them): {shares} busy")
         for name, f in nodes.items():
             if f["kind"] == "replicas":
                 parts = ", ".join(
@@ -818,18 +744,19 @@ def _run_in_folder(args: Any, out: Path | None, devices: Any, distributed: bool,
     try:
         rows, restarts = train_with_restarts(
             make_executor,
-            args.steps,
+            train.steps,
             out,
-            checkpoint_every=args.checkpoint_every,
+            checkpoint_every=train.checkpoint_every,
             resume=resume,
-            progress=not args.quiet,
-            glance_every=args.glance_every,
-            samples_every=args.samples_every,
-            wandb=args.wandb,
-            restart=args.restart,
-            max_restarts=args.max_restarts,
+            progress=train.progress,
+            glance_every=train.glance_every,
+            samples_every=train.samples_every,
+            wandb=train.wandb,
+            restart=train.restart,
+            max_restarts=train.max_restarts,
             on_done=on_done,
             meta=meta,
+            replan=replan,
         )
     except KeyboardInterrupt as exc:
         return _interrupted(exc, out)
@@ -841,7 +768,7 @@ def _run_in_folder(args: Any, out: Path | None, devices: Any, distributed: bool,
     wall_s = time.perf_counter() - started
     if out is not None and start > 0:  # the summary covers the run from step 0, not this part
         rows, wall_s = read_metrics(out), wall_s + earlier_s
-    print_summary(args, rows, device_lines, out, wall_s=wall_s, resumed_at=start)
+    print_summary(train.window, rows, device_lines, out, wall_s=wall_s, resumed_at=start)
     return code
 
 
@@ -878,16 +805,16 @@ def _number(value: Any) -> float:
     return float(value) if isinstance(value, int | float) else 0.0
 
 
-def resume_point(args: Any, graph: Any, here: Path | None) -> Path | None:
+def resume_point(train: TrainSettings, graph: Graph, here: Path | None) -> Path | None:
     """The checkpoint ``--resume`` continues from, checked before any step runs: good, of this
     graph, not past ``--steps``. Resuming into its own folder moves later checkpoints aside."""
-    if not args.resume:
+    if not train.resume:
         return None
-    path, meta = find_checkpoint(args.resume, graph_identity(graph))
-    if meta["step"] >= args.steps:  # (equal: nothing to run, and the run's summary stays)
-        where = "is below" if meta["step"] > args.steps else "is already"
+    path, meta = find_checkpoint(train.resume, graph_identity(graph))
+    if meta["step"] >= train.steps:  # (equal: nothing to run, and the run's summary stays)
+        where = "is below" if meta["step"] > train.steps else "is already"
         raise UsageError(
-            f"--steps {args.steps} {where} the step of {path} ({meta['step']}); --steps "
+            f"--steps {train.steps} {where} the step of {path} ({meta['step']}); --steps "
             "counts the restored steps too: pass --steps above it to train on"
         )
     later = [p for p in checkpoints(here) if checkpoint_step(p) > meta["step"]] if here else []
@@ -938,14 +865,19 @@ def run_summary(
         summary["window"] = window
         summary["reward_first"] = round(sum(rewards[:window]) / window, 6)
         summary["reward_last"] = round(sum(rewards[-window:]) / window, 6)
-    val = [r["val/reward"] for r in rows if isinstance(r.get("val/reward"), int | float)]
+    greedy = ("val/reward", "val/greedy")  # (val/greedy beside avg@k and pass@k)
+    val = [
+        next(r[k] for k in greedy if k in r)
+        for r in rows
+        if any(isinstance(r.get(k), int | float) for k in greedy)
+    ]
     if val:
         summary["val_reward_last"] = round(val[-1], 6)
     return summary
 
 
 def print_summary(
-    args: Any,
+    window: int,
     rows: list[dict],
     device_lines: list[str],
     out: Any,
@@ -956,7 +888,7 @@ def print_summary(
     part's steps counted by their ``time/step`` when it was resumed at step ``resumed_at``):
     reward, utilization, devices, skipped samples, where the files are, and last a one-line
     JSON summary (:func:`run_summary`; also ``OUT/summary.json``)."""
-    summary = run_summary(rows, args.window, wall_s, resumed_at)
+    summary = run_summary(rows, window, wall_s, resumed_at)
     part = f" (resumed at step {resumed_at})" if resumed_at else ""
     print(
         f"{summary['steps']} steps{part} in {summary['wall_s']:.1f} s: "

@@ -9,7 +9,7 @@ The working tree is never written. graphs/ and runtime/ are copied to a temporar
 mutation is made in a copy, and a forked child puts that copy first on sys.path and runs the
 test with pytest.main. The mutations, found by parsing the graph modules (graphs/*.py with a
 ``build_graph``), the helpers that turn their options into nodes (graphs/common.py,
-graphs/sampling.py) and runtime/run.py:
+graphs/front.py) and runtime/run.py:
 
 * ``config.X`` given to a node or a spec as a keyword argument (``kl_estimator=config.
   kl_estimator``) or a dict entry (``"dtype": config.vllm_dtype``): the argument or the entry
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TEST = ROOT / "tests" / "graphs" / "test_option_wiring.py"
 PACKAGES = ("graphs", "runtime")
 """The packages copied and mutated; a child imports them afresh from its copy."""
-HELPERS = ("common.py", "sampling.py")
+HELPERS = ("common.py", "front.py")
 """The modules of graphs/ that turn options into nodes for the graph modules."""
 DERIVED = {"prompts_drawn": ("batch_size", "dynamic_sampling")}
 """Config properties made of options: a mutation of one concerns those options."""

@@ -114,7 +114,7 @@ def test_run_on_three_controllers_matches_the_in_process_run(tmp_path, capsys):
             ["--on-bad-sample", "skip"],
             "unknown option 'on_bad_sample' for toy (given by --on-bad-sample skip)",
         ),
-        (["--devices", "0"], "--devices takes a CPU slot count"),
+        (["--slots", "0"], "--slots takes a CPU slot count"),
         (["--steps", "0"], "--steps must be 1 or more, got 0"),
         (["--steps", "-3"], "--steps must be 1 or more, got -3"),
         (["--controllers", "0"], "--controllers must be 1 or more"),
@@ -181,11 +181,11 @@ def test_a_bad_option_value_is_the_users_error_not_a_bug(capsys):
     assert "'nope'" in err and "Traceback" not in err
 
 
-def test_devices_splits_the_per_sample_models_and_prints_their_utilization(capsys):
-    args = ["run", "graphs/mm_ppo.py", "--steps", "2", "--devices", "2", "--quiet"]
+def test_slots_split_the_per_sample_models_and_print_their_utilization(capsys):
+    args = ["run", "graphs/mm_ppo.py", "--steps", "2", "--slots", "2", "--quiet"]
     assert main([*args, "--set", "batch_size=8"]) == 0
     out = capsys.readouterr().out
-    assert "devices (nodes critic, reference, reward, vision split across them): cpu:0" in out
+    assert "slots (nodes critic, reference, reward, vision split across them): cpu:0" in out
     assert "cpu:1" in out
 
 

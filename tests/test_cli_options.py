@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 from runtime.cli import build_parser, main
+from runtime.flags import graph_args
 from runtime.run import graph_options
 from yatt_graph.refs import load_graph
 
@@ -38,7 +39,7 @@ def user_graph(tmp_path):
 
 
 def options_of(*argv: str) -> dict:
-    return graph_options(build_parser().parse_args(["show", *argv]))
+    return graph_options(graph_args(build_parser().parse_args(["show", *argv])))
 
 
 def received(path, *sets: str) -> dict:
@@ -87,6 +88,11 @@ def test_numbers_are_parsed_by_their_declared_type():
         ("lr=-1", "option lr=-1.0: must be a finite number > 0"),
         ("temperature=1e-30", "option temperature=1e-30: must be a finite number >= 0.01"),
         ("dtype=float16", "option 'dtype' of graphs/mm_ppo.py: 'float16' is not float32|bfloat16"),
+        ("policy_loss=cispo", "option 'policy_loss' of graphs/mm_ppo.py: 'cispo' is not ppo|gspo"),
+        ("tis_level=sentence", "'sentence' is not token|sequence"),
+        ("val_samples=0", "option val_samples=0: must be >= 1"),
+        ("val_temperature=-1", "option val_temperature=-1.0: must be 0 or a finite number >= 0.01"),
+        ("val_top_p=1.5", "option val_top_p=1.5: must be in (0, 1]"),
     ],
 )
 def test_a_wrong_key_or_value_is_refused_in_one_line_with_exit_code_2(pair, expected, capsys):
@@ -240,3 +246,76 @@ def test_weights_dtype_and_include_shrink_what_the_rollout_loads_across_controll
     assert whole > 0
     assert loaded("bf16", "weights_dtype=bfloat16") == whole / 2
     assert 0 < loaded("head", 'weights_include=["lm_head|wte"]') < whole / 2
+
+
+def _run_metrics(tmp_path, name: str, *argv: str) -> tuple[list[dict], dict]:
+    """``yatt-graph run text_grpo`` for 2 steps of 4 prompts from ``tmp_path``: the metrics
+    rows and the recorded settings."""
+    from cli_helpers import yatt
+
+    out = tmp_path / name
+    done = yatt(tmp_path, "run", "text_grpo", "--steps", "2", "--quiet", "--out", str(out),
+                "--set", "batch_size=4", *argv, timeout=150)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return rows, json.loads((out / "settings.json").read_text())
+
+
+@pytest.mark.timeout(300)
+def test_policy_loss_gspo_and_sequence_masked_is_reach_the_update(tmp_path):
+    """``--set policy_loss=gspo`` with GSPO's clip range clips whole responses of the second
+    pass over each batch (the tiny policy's default is two); the sequence-level masked IS
+    weights are reported (the sampler and the trainer are one float32 model here: nothing is
+    masked at a cap of 10)."""
+    ppo, _ = _run_metrics(tmp_path, "ppo")
+    gspo, settings = _run_metrics(
+        tmp_path, "gspo", "--set", "policy_loss=gspo", "clip_eps=3e-4", "clip_eps_high=4e-4",
+        "tis_cap=10", "tis_level=sequence", "tis_mode=mask",
+    )  # fmt: skip
+    config = settings["config"]
+    assert (config["policy_loss"], config["tis_level"], config["tis_mode"]) == (
+        "gspo", "sequence", "mask",
+    )  # fmt: skip
+    assert "tis_masked" not in ppo[0] and "policy_loss" not in ppo[0]
+    assert gspo[0]["clip_fraction"] > 0 and gspo[0]["clip_fraction"] != ppo[0]["clip_fraction"]
+    assert all(r["tis_masked"] == 0.0 and r["tis_weight_mean"] > 0.99 for r in gspo)
+
+
+@pytest.mark.timeout(300)
+def test_val_samples_give_avg_and_pass_at_k_beside_the_greedy_reward(tmp_path):
+    """``--set val_samples=4`` scores 4 sampled responses a validation row: with a reward that
+    reads only the row (1 for a red shape, 0.25 otherwise), avg@4 and greedy are the rows'
+    mean and pass@4 the share of red rows, every val_every steps; the report draws them."""
+    answers = ["red", "blue", "red", "green", "red", "yellow"]
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"prompt": "what colour is the shape?", "answer": a})
+                           + "\n" for a in answers))  # fmt: skip
+    (tmp_path / "rewards.py").write_text(
+        "def score(text, meta):\n    return 1.0 if meta['answer'] == 'red' else 0.25\n"
+    )
+    rows, settings = _run_metrics(
+        tmp_path, "val", "--val-data", str(val), "--reward", "rewards.py:score",
+        "--set", "val_samples=4", "val_temperature=0.7", "val_top_p=0.9", "val_every=1",
+    )  # fmt: skip
+    assert settings["config"]["val_samples"] == 4
+    red = answers.count("red") / len(answers)
+    for r in rows:
+        assert "val/reward" not in r and r["val/samples"] == len(answers)
+        assert r["val/avg@4"] == pytest.approx(red + (1 - red) * 0.25)
+        assert r["val/greedy"] == pytest.approx(red + (1 - red) * 0.25)
+        assert r["val/pass@4"] == pytest.approx(red)
+    from runtime.train.report import report_data
+
+    curves = {c["id"]: c for c in report_data(tmp_path / "val")["metrics"]["curves"]}
+    assert curves["val-pass"]["key"] == "val/pass@4" and curves["val-avg"]["y"][0] > 0
+
+
+def test_the_loss_and_correction_choices_are_listed_and_checked(capsys):
+    """``show --options`` lists the registered policy losses; masked IS needs a cap above 1."""
+    assert main(["show", "text_grpo", "--options", "--set", "tis_cap=2"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line}
+    assert rows["policy_loss"].split()[1:3] == ["ppo|gspo", "'ppo'"]
+    assert rows["tis_level"].split()[1] == "token|sequence" and "tis_mode" in rows
+    assert main(["show", "text_grpo", "--set", "tis_mode=mask", "tis_cap=1"]) == 2
+    err = capsys.readouterr().err
+    assert "option tis_cap=1.0: must be > 1 with tis_mode=mask" in err and err.count("\n") == 1

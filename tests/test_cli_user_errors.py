@@ -96,13 +96,27 @@ def test_each_way_to_give_an_unknown_option_says_the_same_line(here, capsys, arg
 
 
 @pytest.mark.timeout(300)
-def test_a_flag_the_graph_takes_no_option_for_is_the_same_line(tmp_path):
-    done = yatt(tmp_path, "run", "text_ppo", "--steps", "1", "--vision", "tiny")
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        (
+            ["--vision", "tiny"],
+            "unknown option 'vision' for text_ppo (given by --vision tiny): it is an option of "
+            "mm_grpo and mm_ppo, not of text_ppo",
+        ),
+        (  # an option of the other algorithm names the graphs that take it
+            ["--set", "group_size=4"],
+            "unknown option 'group_size' for text_ppo: it is an option of mm_agent, mm_grpo, "
+            "text_agent and text_grpo, not of text_ppo",
+        ),
+    ],
+)
+def test_an_option_of_other_graphs_names_them_in_the_same_line(tmp_path, given, said):
+    done = yatt(tmp_path, "run", "text_ppo", "--steps", "1", *given)
     assert done.returncode == 2
     assert one_line(done.stderr) == (
-        "yatt-graph run: unknown option 'vision' for text_ppo (given by --vision tiny): it is an "
-        "option of mm_grpo and mm_ppo, not of text_ppo; `yatt-graph show text_ppo --options` "
-        "lists the options of text_ppo"
+        f"yatt-graph run: {said}; `yatt-graph show text_ppo --options` lists the options of "
+        "text_ppo"
     )
 
 
@@ -119,15 +133,6 @@ def test_on_bad_sample_skip_for_a_graph_without_the_option_is_the_same_line(here
 
 
 # --- 2. an option of the other algorithm names the graphs that take it -----------------------
-@pytest.mark.timeout(300)
-def test_a_grpo_option_given_to_ppo_names_the_grpo_graphs(tmp_path):
-    done = yatt(tmp_path, "run", "text_ppo", "--steps", "1", "--set", "group_size=4")
-    assert done.returncode == 2
-    assert one_line(done.stderr) == (
-        "yatt-graph run: unknown option 'group_size' for text_ppo: it is an option of mm_agent, "
-        "mm_grpo, text_agent and text_grpo, not of text_ppo; `yatt-graph show text_ppo "
-        "--options` lists the options of text_ppo"
-    )
 
 
 @pytest.mark.parametrize(
@@ -343,3 +348,17 @@ def test_a_resumed_runs_summary_and_report_cover_every_step(here, capsys):
     more = metric_rows(here / "more")
     assert [r["scores/mean"] for r in more] == [r["scores/mean"] for r in rows]
     assert json.loads((here / "more" / "summary.json").read_text())["steps"] == 6
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [("header_only.csv", "prompt,answer\n"), ("blank.jsonl", "\n\n"), ("empty.csv", "")],
+)
+def test_a_data_file_without_rows_is_one_line_naming_it_not_a_bug(tmp_path, name, text):
+    """Found while the run plans its memory (the first read of the data), before any step."""
+    (tmp_path / name).write_text(text)
+    run = yatt(tmp_path, "run", "text_grpo", "--data", name, "--steps", "1", timeout=180)
+    assert run.returncode == 2, run.stderr
+    lines = [line for line in run.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and name in lines[0], run.stderr
+    assert "bug" not in run.stderr and "Traceback" not in run.stderr

@@ -22,7 +22,17 @@ __all__ = [
 ]
 
 
-class GraphError(Exception):
+class UsageError(ValueError):
+    """What the user gave is wrong: a flag, a folder, a checkpoint, a data row, a prompt too
+    long for the model, a reward that is not a number. The message says what, where and how to
+    fix it; ``yatt-graph`` shows it as one line with exit code 2 (a traceback is for bugs).
+    It is the one class of the user's mistakes: a graph that cannot run as declared
+    (:class:`GraphError`), a node that could not be built from what it was given
+    (:class:`NodeBuildError`) or stopped on a bad input (:class:`NodeUsageError`, which a
+    library node raising it while running becomes) are kinds of it."""
+
+
+class GraphError(UsageError):
     """A graph that cannot run as declared."""
 
 
@@ -93,20 +103,13 @@ class NodeExecutionError(RuntimeError):
         self.context = context
 
 
-class NodeBuildError(NodeExecutionError):
+class NodeBuildError(NodeExecutionError, UsageError):
     """A library node could not be built from what the user gave it (an option, a model
     folder, a data file): the user's to fix, reported in one line, in-process as on
     controllers."""
 
 
-class UsageError(ValueError):
-    """What the user gave is wrong: a flag, a folder, a checkpoint, a data row, a prompt too
-    long for the model, a reward that is not a number. The message says what, where and how to
-    fix it; ``yatt-graph`` shows it as one line with exit code 2 (a traceback is for bugs).
-    A library node that raises it while running stops the run as :class:`NodeUsageError`."""
-
-
-class NodeUsageError(NodeExecutionError):
+class NodeUsageError(NodeExecutionError, UsageError):
     """A node stopped on a :class:`UsageError`: the user's to fix, reported in one line with no
     traceback, in-process as on controllers."""
 

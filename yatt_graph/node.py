@@ -52,7 +52,7 @@ class BatchPolicy(msgspec.Struct, frozen=True, omit_defaults=True):
     max_tokens: int = 0
     """Most tokens (by the node's cost function) in one call; 0 means no limit."""
     splittable: bool = True
-    """Whether a batch may be cut into micro-batches across devices."""
+    """Whether a call may be cut into pieces across workers (slots, replicas)."""
     timeout_s: float = 0.0
     """Longest one call may run before it is reported as hung; 0 means no limit."""
     max_queue_delay_s: float = 0.0

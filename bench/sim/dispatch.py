@@ -7,7 +7,7 @@ import math
 import time
 
 from bench.sim.requests import SchedulerError, _Node, _Request, _Work
-from runtime.sched.batching import fuse, micro_batches, split
+from runtime.sched.batching import cut_pieces, fuse, split
 
 __all__: list[str] = []
 
@@ -115,9 +115,9 @@ class _Dispatch:
             arrivals = [r.arrived for r in reqs for _ in r.rows]
             costs = [c for r in reqs for c in r.costs]
             if st.policy.splittable:
-                parts = micro_batches(
+                parts = cut_pieces(
                     costs,
-                    devices=len(st.devices),
+                    workers=len(st.devices),
                     max_batch_size=st.policy.max_batch_size,
                     max_cost=st.policy.max_tokens,
                     method=self.partition,

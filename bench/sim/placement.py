@@ -110,7 +110,7 @@ def partial(
     if n_devices < 2:
         raise ValueError(
             f"partial placement needs at least 2 devices (one per group), the pool has "
-            f"{n_devices}; use colocated placement, or more CPU slots (DevicePool.cpu(n))"
+            f"{n_devices}; use colocated placement, or more CPU slots (SlotPool.cpu(n))"
         )
     r = math.ceil(n_devices / 2) if rollout_devices is None else rollout_devices
     if not 1 <= r < n_devices:

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.sched.batching import Batch, CostFn, join_outputs
-from runtime.sched.devices import Device
+from runtime.sched.devices import Slot
 from yatt_graph import BatchPolicy
 
 __all__ = ["Chunk", "NodeFn", "SchedulerError", "Ticket"]
 
-NodeFn = Callable[[Batch, Device], Any]
+NodeFn = Callable[[Batch, Slot], Any]
 """``fn(inputs, device) -> outputs`` (a dict with one entry per sample for batched ports), or
 for a streaming node an iterable of ``(rows, outputs)``: ``rows`` are positions in ``inputs``."""
 
@@ -139,7 +139,7 @@ class _Node:
     max_queue_delay_s: float
     cost: CostFn | None
     streaming: bool
-    devices: list[Device]
+    devices: list[Slot]
     group: str | None
     keep: bool
     shared: frozenset[str]

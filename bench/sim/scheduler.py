@@ -3,7 +3,7 @@ devices, and streaming finished samples downstream.
 
 ::
 
-    pool = DevicePool.detect(cpu_slots=2)
+    pool = SlotPool.detect(cpu_slots=2)
     sched = Scheduler(pool, placement=colocated(["rollout", "reward"], len(pool)))
     sched.add("rollout", generate, policy=BatchPolicy(max_batch_size=16), streaming=True)
     sched.add("reward", score, policy=BatchPolicy(max_batch_size=32), max_queue_delay_s=0.02)
@@ -67,7 +67,7 @@ from bench.sim.requests import (
 )
 from bench.sim.workers import _Workers
 from runtime.sched.batching import CostFn, batch_size, sample_costs
-from runtime.sched.devices import Device, DevicePool
+from runtime.sched.devices import Slot, SlotPool
 from yatt_graph import BatchPolicy
 
 __all__ = ["Chunk", "NodeFn", "Scheduler", "SchedulerError", "Ticket", "summary_text"]
@@ -84,11 +84,11 @@ class Scheduler(_Dispatch, _Workers):
 
     def __init__(
         self,
-        pool: DevicePool,
+        pool: SlotPool,
         placement: Placement | None = None,
         partition: str = "kk",
         threads_per_worker: int | None = 1,
-        on_switch: Callable[[Device, str, str], None] | None = None,
+        on_switch: Callable[[Slot, str, str], None] | None = None,
     ):
         if partition not in ("kk", "lpt"):
             raise ValueError(f"Scheduler: partition must be 'kk' or 'lpt', got {partition!r}")
@@ -387,7 +387,7 @@ class Scheduler(_Dispatch, _Workers):
 def summary_text(summary: Mapping[str, Any]) -> str:
     """A :meth:`Scheduler.summary` as a short table, for the CLI and logs."""
     lines = [f"scheduler ({summary.get('placement', '?')}), window {summary['window_s']:.2f} s"]
-    for name, d in summary["devices"].items():
+    for name, d in summary["slots"].items():
         lines.append(
             f"  {name:8s} busy {d['busy_s']:7.2f} s  switch {d['switch_s']:6.2f} s  "
             f"idle {d['idle_s']:7.2f} s  utilization {d['utilization']:5.1%}  calls {d['calls']}"

@@ -22,7 +22,7 @@ from bench.sim.requests import (
     _Work,
 )
 from runtime.sched.batching import batch_size, sample_costs, take
-from runtime.sched.devices import Device
+from runtime.sched.devices import Slot
 
 __all__: list[str] = []
 
@@ -32,7 +32,7 @@ class _Workers:
     scheduler's)."""
 
     # --- internals: workers ------------------------------------------------------------------
-    def _pick(self, dev: Device) -> _Work | None:
+    def _pick(self, dev: Slot) -> _Work | None:
         served = [self._nodes[n] for n in self._served[dev.name]]
         ready = [st for st in served if st.ready]
         if not ready:
@@ -48,7 +48,7 @@ class _Workers:
         mine = [st for st in ready if st.name == role]
         return (mine[0] if mine else _oldest(ready)).ready.popleft()
 
-    def _worker_loop(self, dev: Device) -> None:
+    def _worker_loop(self, dev: Slot) -> None:
         self._init_worker(dev)
         while True:
             with self._cond:
@@ -88,7 +88,7 @@ class _Workers:
                     st.running -= 1
                     self._cond.notify_all()
 
-    def _init_worker(self, dev: Device) -> None:
+    def _init_worker(self, dev: Slot) -> None:
         import torch
 
         if dev.kind == "cuda":
@@ -96,7 +96,7 @@ class _Workers:
         elif self.threads_per_worker:
             torch.set_num_threads(self.threads_per_worker)
 
-    def _switch(self, dev: Device, old: str, new: str) -> None:
+    def _switch(self, dev: Slot, old: str, new: str) -> None:
         cost = self.placement.switch_cost_s if self.placement is not None else 0.0
         if not cost and self.on_switch is None:
             return
@@ -111,7 +111,7 @@ class _Workers:
         with self._cond:
             self._live.pop(root.id, None)
 
-    def _execute(self, st: _Node, dev: Device, work: _Work) -> None:
+    def _execute(self, st: _Node, dev: Slot, work: _Work) -> None:
         n = len(work.origin)
         result = st.fn(work.inputs, dev)
         if not st.streaming:

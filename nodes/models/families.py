@@ -41,7 +41,7 @@ __all__ = [
     "OPTION_KEYS",
     "Family",
     "check_model_dir",
-    "check_options",
+    "check_model_options",
     "check_path_options",
     "configure_policy",
     "describe_model_dir",
@@ -225,7 +225,7 @@ def check_dtype(dtype: Any, who: str = "policy") -> str:
     return dtype
 
 
-def check_options(options: Mapping[str, Any], who: str = "policy") -> None:
+def check_model_options(options: Mapping[str, Any], who: str = "policy") -> None:
     """Check the :data:`OPTION_KEYS` values of a spec (a ValueError saying what is wrong)."""
     if "dtype" in options:
         check_dtype(options["dtype"], who)
@@ -253,9 +253,9 @@ def _is_int(value: Any) -> bool:
 
 
 def check_path_options(options: Mapping[str, Any], who: str = "load_policy") -> None:
-    """:func:`check_options` plus the keys only a path spec has (``image_dim``,
+    """:func:`check_model_options` plus the keys only a path spec has (``image_dim``,
     ``num_prefix_tokens``, ``seed``)."""
-    check_options(options, who)
+    check_model_options(options, who)
     image_dim = options.get("image_dim")
     if image_dim is not None and not (_is_int(image_dim) and image_dim >= 1):
         raise ValueError(f"{who}: image_dim={image_dim!r}; give an integer >= 1 (or leave it out)")
@@ -282,7 +282,7 @@ def configure_policy(
     options = {"dtype": dtype, "gradient_checkpointing": gradient_checkpointing}
     if chat_template is not None:
         options["chat_template"] = chat_template
-    check_options(options, "policy")
+    check_model_options(options, "policy")
     if dtype != "float32":
         policy.to(getattr(torch, dtype))
     if chat_template is not None:

@@ -53,7 +53,7 @@ from typing import Any
 from nodes.models.families import (
     OPTION_KEYS,
     check_model_dir,
-    check_options,
+    check_model_options,
     check_path_options,
     configure_policy,
     describe_model_dir,
@@ -147,7 +147,7 @@ def check_policy_spec(spec: str | Mapping[str, Any]) -> None:
         name = kwargs.pop("name")
         if name not in _BUILDERS:
             raise ValueError(f"build_policy: unknown name {name!r}; known: {sorted(_BUILDERS)}")
-        check_options(_split_options(kwargs), f"build_policy {name!r}")
+        check_model_options(_split_options(kwargs), f"build_policy {name!r}")
         params = inspect.signature(_BUILDERS[name]).parameters
         unknown = sorted(set(kwargs) - set(params))
         if unknown:

@@ -36,7 +36,7 @@ from nodes.rl.masked import (
 __all__ = [
     "GROUP_ESTIMATORS",
     "KL_ESTIMATORS",
-    "KLKind",
+    "KLEstimator",
     "compute_gae",
     "dr_grpo_advantages",
     "grpo_advantages",
@@ -312,7 +312,9 @@ def broadcast_to_tokens(per_sample: Tensor, mask: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, kind: KLKind = "k1") -> Tensor:
+def kl_penalty(
+    logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, kind: KLEstimator = "k1"
+) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
 
     With ``log_ratio = log pi(y_t) - log pi_ref(y_t)``:
@@ -363,7 +365,7 @@ def _abs(log_ratio: Tensor) -> Tensor:
     return log_ratio.abs()  # (B, T)
 
 
-KLKind = KL_ESTIMATORS.literal()
+KLEstimator = KL_ESTIMATORS.literal()
 """The names of :data:`KL_ESTIMATORS`, as a type."""
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from torch import Tensor
 
 from nodes.rl.aggregate import AGGREGATIONS, _aggregate
-from nodes.rl.losses import _grpo_loss
+from nodes.rl.losses import _grpo_loss, _kl_loss
 from nodes.update.base import _INPUTS, MicroLoss, _item, _Update
 from nodes.update.options import GRPOHyper
 from nodes.update.trainer import View
@@ -18,14 +18,18 @@ __all__ = ["GRPOUpdate"]
 
 
 class GRPOUpdate(_Update):
-    """GRPO (``nodes.rl.losses.grpo_loss``): the clipped surrogate with group advantages plus
-    ``kl_coef`` * k3 KL to the reference, minus ``entropy_coef`` * entropy; no critic.
+    """GRPO (``nodes.rl.losses.grpo_loss``): the clipped surrogate (of ``policy_loss``: PPO's
+    token ratio or GSPO's sequence ratio) with group advantages plus
+    ``kl_coef`` * k3 KL to the reference, minus ``entropy_coef`` * entropy, plus (with a
+    teacher, ``distill_mode="loss"``) ``distill_coef`` * its reverse KL; no critic.
 
     Inputs: the rollout's ``prompt_ids``, ``prompt_mask``, ``response_ids``, ``response_mask``,
     ``logprobs`` (old), ``advantages`` float32[B, R] (from GroupAdvantage), optionally
-    ``ref_logprobs`` (required when ``kl_coef > 0``) and ``image_embeds`` / ``images``.
+    ``ref_logprobs`` (required when ``kl_coef > 0``), ``teacher_logprobs`` (required when
+    ``distill_coef > 0``) and ``image_embeds`` / ``images``.
     Outputs: ``weights`` (a WeightUpdate of the policy) and ``metrics`` (loss, pg_loss, entropy,
-    clip_fraction, approx_kl, kl_ref (with kl_coef > 0), grad_norm, lr, skipped_nonfinite; with
+    clip_fraction, approx_kl, kl_ref (with kl_coef > 0), distill/kl (with distill_coef > 0),
+    distill_loss (in its loss mode), grad_norm, lr, skipped_nonfinite; with
     ``ranks > 1`` also time/weight_gather, the seconds spent gathering the published weights).
 
     Args: ``aggregation``, ``horizon`` and the options of every update, as
@@ -87,6 +91,7 @@ class GRPOUpdate(_Update):
                 kl_estimator=hp.kl_estimator,
                 is_weights=t["tis_weights"][rows] if "tis_weights" in t else None,
                 horizon=horizon,
+                policy_loss=hp.policy_loss,
             )
             entropy = _aggregate("entropy", policy.entropy, r, hp.aggregation, horizon)  # ()
             loss = loss - hp.entropy_coef * entropy  # ()
@@ -99,6 +104,14 @@ class GRPOUpdate(_Update):
             }
             if hp.kl_coef > 0:
                 out["kl_ref"] = w * _item(stats["ref_kl"])
+            if hp.distill_loss:  # the reverse KL to the teacher, aggregated as the loss is
+                distill = _kl_loss(
+                    policy.logprobs, t["teacher_logprobs"][rows], r, hp.distill_estimator,
+                    hp.aggregation, horizon,
+                )  # fmt: skip
+                loss = loss + hp.distill_coef * distill  # ()
+                out["distill_loss"] = w * _item(distill)
+                out["loss"] = w * _item(loss)
             return loss * w, out
 
         return micro_loss

@@ -13,6 +13,7 @@ from nodes.models.precision import PRECISIONS
 from nodes.models.sampling import temperature_problem
 from nodes.rl.advantages import KL_ESTIMATORS
 from nodes.rl.aggregate import AGGREGATIONS
+from nodes.rl.losses import DISTILL_MODES, POLICY_LOSSES, is_weights_problem
 from nodes.update.schedule import schedule_problem
 
 __all__ = ["TRAIN_BACKENDS", "GRPOHyper", "PPOHyper", "UpdateHyper"]
@@ -37,12 +38,30 @@ class UpdateHyper(msgspec.Struct, frozen=True, kw_only=True):
     """The clip range above 1 (DAPO's upper one); None: ``clip_eps``."""
     dual_clip: float | None = None
     """The dual clip of negative advantages (> 1); None: off."""
+    policy_loss: str = "ppo"
+    """A registered policy loss (``nodes.rl.losses.POLICY_LOSSES``): ``"ppo"`` (each token's
+    ratio clipped) or ``"gspo"`` (each response's sequence ratio clipped; use GSPO's small clip
+    range, e.g. ``clip_eps=3e-4, clip_eps_high=4e-4``)."""
     kl_estimator: str = "k3"
     """A registered KL estimator (``nodes.rl.advantages.KL_ESTIMATORS``) of the KL term."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
     kl_coef: float = 0.0
     """Weight of the KL-to-reference loss term; 0 disables it and the ``ref_logprobs`` input."""
+    distill_coef: float = 0.0
+    """Weight of the reverse KL to a teacher (``teacher_logprobs``), ``log pi - log pi_teacher``
+    per sampled token; 0 disables it and the ``teacher_logprobs`` input."""
+    distill_mode: str = "loss"
+    """How ``distill_coef`` acts: ``"loss"`` (``distill_coef`` * the aggregated
+    ``distill_estimator`` of the reverse KL joins the loss) or ``"advantage"``
+    (``-distill_coef * (logprobs - teacher_logprobs)`` joins each token's advantage;
+    :func:`nodes.rl.losses.distill_advantages`)."""
+    distill_estimator: str = "k2"
+    """A registered KL estimator of the loss mode's term (k2: its gradient on the policy's own
+    samples is the reverse KL's)."""
+    reward_coef: float = 1.0
+    """Weight of the ``advantages`` input (the reward's); 0 with ``distill_coef`` > 0: the
+    teacher alone teaches (pure on-policy distillation)."""
     epochs: int = 1
     """Passes over the batch per call."""
     micro_batch_size: int = 0
@@ -56,6 +75,12 @@ class UpdateHyper(msgspec.Struct, frozen=True, kw_only=True):
     tis_cap: float = 0.0
     """Truncated importance sampling: weigh each token's policy loss by
     ``min(exp(logprobs - rollout_logprobs), tis_cap)`` (needs ``rollout_logprobs``); 0: off."""
+    tis_level: str = "token"
+    """With ``tis_cap``: ``"token"`` (each token's ratio) or ``"sequence"`` (each response's
+    geometric-mean ratio on all its tokens); :func:`nodes.rl.losses.importance_weights`."""
+    tis_mode: str = "truncate"
+    """With ``tis_cap``: ``"truncate"`` (``min(ratio, tis_cap)``) or ``"mask"`` (the ratio inside
+    ``[1/tis_cap, tis_cap]``, 0 outside; ``tis_cap`` > 1)."""
     pack_sequences: bool = False
     """A micro-batch's rows packed into one sequence for the policy's forward (a text causal
     LM; position ids restart at each row): the padded loss up to float rounding."""
@@ -82,6 +107,19 @@ class UpdateHyper(msgspec.Struct, frozen=True, kw_only=True):
     """``"skip"`` or ``"raise"`` a step that meets a non-finite value (see :mod:`nodes.update`)."""
 
     @property
+    def distill_loss(self) -> bool:
+        """Whether the reverse KL to the teacher is a term of the loss."""
+        return self.distill_coef > 0 and self.distill_mode == "loss"
+
+    @property
+    def loss_terms(self) -> list[str]:
+        """The metrics of the optional loss terms this update computes."""
+        return [
+            *(["kl_ref"] if self.kl_coef > 0 else []),
+            *(["distill_loss"] if self.distill_loss else []),
+        ]
+
+    @property
     def clip(self) -> tuple[float, float, float | None]:
         """The ratio's clip range below and above 1, and the dual clip of negative advantages."""
         high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
@@ -101,6 +139,7 @@ class UpdateHyper(msgspec.Struct, frozen=True, kw_only=True):
         hot = temperature_problem(self.temperature, greedy=False)
         why = schedule_problem(self.lr_schedule, self.lr_warmup_steps, self.lr_decay_steps)
         lr, clip_high, dual, tis = self.lr, self.clip_eps_high, self.dual_clip, self.tis_cap
+        why_is = is_weights_problem(tis if tis > 0 else 2.0, self.tis_level, self.tis_mode)
         return [
             (0 < lr <= _FLOAT32_MAX, f"lr={lr}; it must be > 0 and fit float32"),
             (self.weight_decay >= 0, f"weight_decay={self.weight_decay}; it must be >= 0"),
@@ -117,6 +156,18 @@ class UpdateHyper(msgspec.Struct, frozen=True, kw_only=True):
             (
                 self.kl_coef >= 0,
                 f"kl_coef={self.kl_coef}; it must be >= 0 (0 disables the KL term)",
+            ),
+            (
+                self.distill_coef >= 0 and math.isfinite(self.distill_coef),
+                f"distill_coef={self.distill_coef}; it must be a finite number >= 0 (0: off)",
+            ),
+            (
+                self.distill_mode in DISTILL_MODES,
+                f"distill_mode={self.distill_mode!r}; choose one of {', '.join(DISTILL_MODES)}",
+            ),
+            (
+                self.reward_coef >= 0 and math.isfinite(self.reward_coef),
+                f"reward_coef={self.reward_coef}; it must be a finite number >= 0",
             ),
             (int(self.epochs) >= 1, f"epochs={self.epochs}; it must be >= 1"),
             (
@@ -149,6 +200,11 @@ class UpdateHyper(msgspec.Struct, frozen=True, kw_only=True):
                 tis >= 0 and math.isfinite(tis),
                 f"tis_cap={tis}; it must be a finite number >= 0 (0: no correction)",
             ),
+            (
+                why_is is None,
+                f"tis_cap={tis}, tis_level={self.tis_level!r}, "
+                f"tis_mode={self.tis_mode!r}: {why_is}",
+            ),
         ]
 
     def _converted(self, where: str) -> dict[str, Any]:
@@ -160,6 +216,10 @@ class UpdateHyper(msgspec.Struct, frozen=True, kw_only=True):
                 value = (float if kind == float | None else kind)(value)
             out[field.name] = value
         out["kl_estimator"] = KL_ESTIMATORS.check(self.kl_estimator, f"{where}: kl_estimator")
+        out["distill_estimator"] = KL_ESTIMATORS.check(
+            self.distill_estimator, f"{where}: distill_estimator"
+        )
+        out["policy_loss"] = POLICY_LOSSES.check(self.policy_loss, f"{where}: policy_loss")
         out["max_grad_norm"] = float(self.max_grad_norm or 0.0)
         return out
 

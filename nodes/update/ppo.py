@@ -25,7 +25,8 @@ __all__ = ["PPOUpdate"]
 
 class PPOUpdate(_Update):
     """PPO on the policy and a separate critic: ``loss = pg + vf_coef * vf - entropy_coef * H
-    + kl_coef * KL_k3(pi || pi_ref)``; one AdamW per model.
+    + kl_coef * KL_k3(pi || pi_ref)`` (+ ``distill_coef * KL(pi || pi_teacher)`` with a teacher
+    in ``distill_mode="loss"``); one AdamW per model.
 
     Inputs (B responses of up to R tokens, P prompt tokens): the rollout's ``prompt_ids``,
     ``prompt_mask``, ``response_ids``, ``response_mask``, ``logprobs`` (old), the advantage
@@ -37,7 +38,8 @@ class PPOUpdate(_Update):
     the policy's and the value model's state dicts, versions 1, 2, ...; feed them to the
     Rollout's and the Critic's ``weights`` inputs) and ``metrics`` (floats, the mean over the
     call's epochs: loss, pg_loss, vf_loss, entropy, clip_fraction, approx_kl, kl_ref (with
-    kl_coef > 0), value_clip_fraction, grad_norm, critic_grad_norm (before clipping), lr,
+    kl_coef > 0), distill/kl and distill_loss (with distill_coef > 0; the loss in its loss
+    mode), value_clip_fraction, grad_norm, critic_grad_norm (before clipping), lr,
     critic_lr, skipped_nonfinite).
 
     Args:
@@ -45,7 +47,7 @@ class PPOUpdate(_Update):
         critic: a spec for the critic trunk, the same as the Critic node's ``critic``.
         detach_trunk, head_seed: as in :class:`nodes.reference.Critic` (with ``detach_trunk``
             only the value head is trained).
-        lr, critic_lr, clip_eps, vf_coef, epochs, micro_batch_tokens, ...: the
+        lr, critic_lr, clip_eps, policy_loss, vf_coef, epochs, micro_batch_tokens, ...: the
             hyper-parameters, as :class:`~nodes.update.options.PPOHyper` declares them.
         device: where the models train; outputs come back on the CPU.
         share, critic_share: share keys for the policy (e.g. ``"policy"``, as on the Rollout)
@@ -164,7 +166,7 @@ class PPOUpdate(_Update):
             is_weights = t["tis_weights"][rows] if "tis_weights" in t else None
             pg_loss, pg_stats = _ppo_policy_loss(
                 policy.logprobs, t["logprobs"][rows], t["advantages"][rows], r, *hp.clip,
-                is_weights=is_weights,
+                is_weights=is_weights, policy_loss=hp.policy_loss,
             )  # fmt: skip
             entropy = _aggregate("entropy", policy.entropy, r, "token-mean")  # ()
             critic_batch = self._prompt_batch(self.value_model.trunk, view, rows)
@@ -190,6 +192,13 @@ class PPOUpdate(_Update):
                 )
                 loss = loss + hp.kl_coef * kl_ref  # ()
                 stats["kl_ref"] = _item(kl_ref)
+            if hp.distill_loss:  # the reverse KL to the teacher, a token-mean as the rest
+                distill = _kl_loss(
+                    policy.logprobs, t["teacher_logprobs"][rows], r, hp.distill_estimator,
+                    "token-mean",
+                )  # fmt: skip
+                loss = loss + hp.distill_coef * distill  # ()
+                stats["distill_loss"] = _item(distill)
             stats["loss"] = _item(loss)
             return loss * w, {k: w * v for k, v in stats.items()}
 

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 import nodes.models.offload as offload_module
 from nodes.batches import View, read_mask, token_budget_parts
 from nodes.reference import _responses_per_row
-from nodes.rl.losses import _tis_weights
+from nodes.rl.losses import _distill_advantages, _is_weights
 from nodes.rl.masked import _check_finite
 from nodes.seeding import seeded, step_seed
 from nodes.update.options import UpdateHyper
@@ -243,6 +243,11 @@ class Trainer:
                 f"{where}: kl_coef={hp.kl_coef} needs the 'ref_logprobs' input connected "
                 "(from a ReferenceLogprobs node), or set kl_coef=0"
             )
+        if hp.distill_coef > 0 and tensors.get("teacher_logprobs") is None:
+            raise ValueError(
+                f"{where}: distill_coef={hp.distill_coef} needs the 'teacher_logprobs' input "
+                "connected (from a TeacherLogprobs node), or set distill_coef=0"
+            )
         if hp.tis_cap > 0 and tensors.get("rollout_logprobs") is None:
             raise ValueError(
                 f"{where}: tis_cap={hp.tis_cap} needs the 'rollout_logprobs' input connected "
@@ -304,15 +309,38 @@ class Trainer:
                 log.warning("%s: every response was cut at max_new_tokens; they are trained "
                             "on this step (raise max_new_tokens)", self.where)  # fmt: skip
         read_mask(self.where, t["response_mask"], t.get("context_mask"))  # checked
+        self._distill(t, real)
         sampled = t.pop("rollout_logprobs", None)
         if sampled is not None:
             gap = (t["logprobs"] - sampled).abs()[real]  # (n,) |log pi_old - log pi_rollout|
             stats["logprob_gap_mean"] = float(gap.mean()) if len(gap) else 0.0
             stats["logprob_gap_max"] = float(gap.max()) if len(gap) else 0.0
-            if self.hp.tis_cap > 0:
-                t["tis_weights"] = _tis_weights(t["logprobs"], sampled, real, self.hp.tis_cap)
-                stats["tis_weight_mean"] = float(t["tis_weights"][real].mean())
+            hp = self.hp
+            if hp.tis_cap > 0:
+                weights = _is_weights(
+                    t["logprobs"], sampled, real, hp.tis_cap, hp.tis_level, hp.tis_mode
+                )  # (B, R): a sequence's weight needs all its tokens, so the whole batch's
+                t["tis_weights"] = weights
+                stats["tis_weight_mean"] = float(weights[real].mean())
+                if hp.tis_mode == "mask":
+                    stats["tis_masked"] = float((weights[real] == 0).float().mean())
         return View(t, real, image_embeds, images, group)
+
+    def _distill(self, t: dict[str, Tensor], real: Tensor) -> None:
+        """The teacher's part in ``t`` (checked inputs): ``distill/kl``, the mean reverse KL
+        ``log pi_old - log pi_teacher`` of the sampled tokens, and the advantages weighed by
+        ``reward_coef``, with the teacher's term in advantage mode."""
+        hp = self.hp
+        teacher = t.get("teacher_logprobs") if hp.distill_coef > 0 else None
+        if teacher is not None:
+            reverse_kl = (t["logprobs"] - teacher)[real]  # (n,) k1 of each sampled token
+            self.response_stats["distill/kl"] = float(reverse_kl.mean())
+        if teacher is not None and hp.distill_mode == "advantage":
+            t["advantages"] = _distill_advantages(
+                t["advantages"], t["logprobs"], teacher, real, hp.distill_coef, hp.reward_coef
+            )  # (B, R)
+        elif hp.reward_coef != 1.0:
+            t["advantages"] = hp.reward_coef * t["advantages"]  # (B, R)
 
     def mini_batches(self, full: View, epoch: int) -> list[View]:
         """The epoch's ``mini_batches`` parts of the batch, whole units shuffled with the step's
@@ -389,7 +417,7 @@ class Trainer:
         self.updates += 1
         # the mean over the epochs that stepped; with none, what the skipped attempt reached
         rows = done or [attempt]
-        keys = [*self.metric_keys, *(["kl_ref"] if hp.kl_coef > 0 else [])]
+        keys = [*self.metric_keys, *hp.loss_terms]
         metrics = {k: sum(r.get(k, math.nan) for r in rows) / len(rows) for k in keys}
         metrics["skipped_nonfinite"] = float(skipped)
         metrics.update(self.response_stats)  # the share cut at max_new_tokens, if told
@@ -432,7 +460,7 @@ class Trainer:
                 stats[k] = stats.get(k, 0.0) + micro.stat_scale * v
         if group is not None:  # the per-micro-batch stats, in a fixed order
             keys = [k for k in self.metric_keys if not k.endswith("grad_norm")]
-            keys += ["kl_ref"] if self.hp.kl_coef > 0 else []
+            keys += self.hp.loss_terms
             stats.update(zip(keys, group.all_sum([stats.get(k, 0.0) for k in keys])))
         norms = []
         for m in self.trained:

@@ -120,7 +120,8 @@ def _node_error(
     node: Any, inputs: Mapping[str, Any], step: int, controller: int, exc: BaseException
 ) -> NodeExecutionError:
     tb = traceback.format_exc()
-    if isinstance(exc, UsageError):  # the user's sample, named by the message: one line
+    if isinstance(exc, UsageError) and not isinstance(exc, NodeExecutionError):
+        # the user's sample, named by the message: one line
         return NodeUsageError(
             node.name,
             f"node {node.name!r} ({type(node).__name__}) stopped at step {step}: "
@@ -246,10 +247,10 @@ def start_nodes(
     """Make ``nodes`` ready to run, in-process or on a controller: start the rank groups of
     grouped nodes (before they build: the update joins its group), build the nodes
     (``setup()``) in ``order``, telling ``track`` which one is being built, then the fan-outs
-    for ``config.devices`` and ``config.replicas`` (``spawn`` starts replica i of a node). A
+    for ``config.slots`` and ``config.replicas`` (``spawn`` starts replica i of a node). A
     failure ends what started; a library node that fails on what the user gave it raises a
     one-line :class:`~yatt_graph.errors.NodeBuildError` (:func:`yatt_graph.errors.build_error`)."""
-    from runtime.sched.fanout import device_pool, start_fanouts
+    from runtime.sched.fanout import slot_pool, start_fanouts
 
     groups: list[Any] = []
     if any(n.ranks > 1 and n.rank_group is None for n in nodes.values()):
@@ -270,7 +271,7 @@ def start_nodes(
         if track is not None:
             track("")
         mine = {n: r for n, r in config.replicas.items() if n in nodes}  # (the others' elsewhere)
-        workers.fanouts = start_fanouts(nodes, device_pool(config.devices), mine, spawn)
+        workers.fanouts = start_fanouts(nodes, slot_pool(config.slots), mine, spawn)
     except BaseException:
         workers.close()
         raise

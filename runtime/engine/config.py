@@ -4,7 +4,7 @@
 config)`` sends the whole struct to every controller inside its SETUP message, so an option is
 one field here, read where it is used. The ``yatt-graph run`` flags parse into it once
 (``runtime/flags.py``). Keyword arguments to an executor are fields of it:
-``LocalExecutor(graph, devices=2)`` is ``LocalExecutor(graph, RunConfig(devices=2))``.
+``LocalExecutor(graph, slots=2)`` is ``LocalExecutor(graph, RunConfig(slots=2))``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     staleness: str = "fixed"
     """``"fixed"``: always the value from exactly N+1 steps back (reproducible); ``"bound"``:
     the newest value at most N versions old (runtime.engine.engine)."""
-    devices: int | str | None = None
+    slots: int | str | None = None
     """CPU slots per process that splittable nodes' calls are cut across
     (runtime.sched.fanout); None/0: none; ``"auto"``: ``$YATT_CPU_SLOTS`` or the usable
     cores."""
@@ -111,7 +111,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     (``CUDA_VISIBLE_DEVICES``); ``"cpu"``: none."""
     adaptive: bool = True
     """Re-balance cores between controllers between steps from their measured busy time
-    (runtime.sched.partition); only with ``num_threads=None`` and controllers started here."""
+    (runtime.sched.adaptive); only with ``num_threads=None`` and controllers started here."""
     cuda_ipc: bool | None = None
     """CUDA tensors between controllers on one host travel by CUDA IPC (runtime.codec.cuda_ipc);
     None: on, unless ``$YATT_CUDA_IPC=0``."""
@@ -125,10 +125,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             )
         check_staleness_mode(self.staleness, who)
         check_offload(self.offload, who)
-        if self.devices not in (None, "auto") and not _count(self.devices):
+        if self.slots not in (None, "auto") and not _count(self.slots):
             raise ValueError(
-                f"{who}: devices must be None, a CPU slot count >= 0 or 'auto', got "
-                f"{self.devices!r}"
+                f"{who}: slots must be None, a CPU slot count >= 0 or 'auto', got {self.slots!r}"
             )
         if not isinstance(self.replicas, dict) or not all(
             isinstance(k, str) for k in self.replicas

@@ -9,11 +9,13 @@ group (gloo on the CPU, NCCL on CUDA) through a TCPStore that rank 0 hosts on 12
 
 Per call, the leader encodes the call's values with the one codec (:mod:`runtime.codec`:
 plain frames, no shared memory, no CUDA IPC, nothing pickled) and writes a small command
-under ``yatt/cmd/<n>`` in the store: the operation, its meta (the step), the codec's header
-and the size of each buffer frame. The ranks poll the store while idle, so an idle group
-holds no collective that could time out. Each rank reads the command, receives each frame
-by ``broadcast`` from rank 0 (a uint8 tensor on the group's device) and decodes the values.
-Then every rank runs the same operation, and its collectives carry the group's
+under ``yatt/cmd/<n>`` in the store, a tagged Struct of the child processes' style
+(:class:`runtime.children.ChildMessage`, decoded with :data:`TO_RANK`): a :class:`RankCall`
+(the node's operation, its meta such as the step, the codec's header and the size of each
+buffer frame), or a :class:`RankClose` at the end. The ranks poll the store while idle, so
+an idle group holds no collective that could time out. Each rank reads the command, receives
+each frame by ``broadcast`` from rank 0 (a uint8 tensor on the group's device) and decodes
+the values. Then every rank runs the same operation, and its collectives carry the group's
 ``timeout_s``.
 
 Supervision:
@@ -30,8 +32,10 @@ Supervision:
   broken: its other ranks are killed, its process group is aborted rather than destroyed
   (``destroy_process_group()`` can wait on a dead peer), which frees torch's state so a
   restart in the same process can start a new group, and every call raises the same error.
-* A rank exits when its parent (rank 0) is gone: a watchdog thread compares ``os.getppid()``,
-  and a lost store or a broken collective ends it too. :meth:`RankGroup.close` ends the ranks
+* A rank exits when its parent (rank 0) is gone, by the one rule of every child process
+  (:func:`runtime.children.exit_with_parent`, started by its entry point); a lost store or a
+  broken collective ends it too. Rank 0 tells a dead rank as every parent does
+  (:class:`runtime.children.Child`). :meth:`RankGroup.close` ends the ranks
   cleanly: the close command, then a join, then a kill after a grace period. It is also
   registered with ``atexit``.
 
@@ -45,7 +49,6 @@ import atexit
 import contextlib
 import datetime
 import os
-import subprocess
 import threading
 import time
 import weakref
@@ -57,10 +60,20 @@ import torch
 import torch.distributed as dist
 
 import runtime.ranks.sharding as sharding
-from runtime.children import exit_text, python_env, start_python, stop
+from runtime.children import Child, ChildMessage, Messages, python_env, start_child, stop
 from runtime.codec import decode_value, encode_value
+from runtime.errors import ProcessFault
 
-__all__ = ["RankError", "RankGroup", "RankLink", "leave_group", "start_groups"]
+__all__ = [
+    "TO_RANK",
+    "RankCall",
+    "RankClose",
+    "RankError",
+    "RankGroup",
+    "RankLink",
+    "leave_group",
+    "start_groups",
+]
 
 _CMD = "yatt/cmd/"
 _READY = "yatt/ready/"
@@ -71,15 +84,25 @@ _WATCH_S = 0.1  # how often the supervisor looks at the ranks
 _CLOSE_GRACE_S = 10.0
 
 
-class _Command(msgspec.Struct, array_like=True, frozen=True):
-    """What rank 0 writes to the store for call ``n``; the frames follow by broadcast."""
+class RankCall(ChildMessage, tag="call"):
+    """What rank 0 writes to the store for call ``n``: run the node's operation ``op``
+    (``node.serve_rank``); the frames of its values follow by broadcast."""
 
     op: str
+    """The node's name for the operation (its own, as ``meta`` is)."""
     meta: dict[str, Any]
+    """The operation's small arguments, as the node gave them to :meth:`RankGroup.command`."""
     header: bytes
     """The codec's header of the call's values (:func:`runtime.codec.encode_value`)."""
     sizes: list[int]
     """The bytes of each buffer frame, in broadcast order (an empty one is not sent)."""
+
+
+class RankClose(ChildMessage, tag="close"):
+    """What rank 0 writes to the store as its last command: exit cleanly."""
+
+
+TO_RANK = Messages("a training rank", RankCall, RankClose)
 
 
 def _frame_tensor(frame: Any) -> torch.Tensor:
@@ -90,12 +113,10 @@ def _frame_tensor(frame: Any) -> torch.Tensor:
     return torch.frombuffer(view, dtype=torch.uint8)  # (nbytes,)
 
 
-class RankError(RuntimeError):
-    """A rank of a training group died, or a collective of the group failed."""
-
-    process_fault = True
-    """A process failed, not the node's logic: ``--restart on-failure`` restarts the run from
-    its last checkpoint (the executors read this attribute, as for a dead replica)."""
+class RankError(ProcessFault):
+    """A rank of a training group died, or a collective of the group failed: a process fault,
+    like a dead controller, so ``--restart on-failure`` restarts the run from its last
+    checkpoint."""
 
 
 class _Ranks:
@@ -214,7 +235,7 @@ class RankGroup(_Ranks):
     def __init__(self, node: Any, world: int, device: torch.device, timeout_s: float) -> None:
         super().__init__(f"node {node.name!r}", world, device, timeout_s)
         self.timeout_s = float(timeout_s)
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[Child] = []
         self.broken: str | None = None
         self.closed = False
         self.death = ""
@@ -234,7 +255,7 @@ class RankGroup(_Ranks):
                 old.close()
         if _current or dist.is_initialized():
             holder = _current[0][1].who if _current else "another user of torch.distributed"
-            raise RankError(
+            raise RuntimeError(
                 f"node {node.name!r}: this process already holds a process group ({holder}); "
                 "a process runs one rank group at a time: close() that node first, or place "
                 "this one on another controller"
@@ -253,7 +274,7 @@ class RankGroup(_Ranks):
                 "--parent-pid", str(os.getpid()), "--timeout", str(self.timeout_s),
                 "--threads", str(threads),
             ]  # fmt: skip
-            self.procs.append(start_python("runtime.ranks.worker", args, env))
+            self.procs.append(start_child("runtime.ranks.worker", args, env, f"rank {rank}"))
         _current.append((weakref.ref(node), self))
         threading.Thread(target=self._supervise, daemon=True, name="rank-supervisor").start()
         return self
@@ -304,15 +325,18 @@ class RankGroup(_Ranks):
             self._fail(f"{self.who}: {dead}; the group cannot run {op!r}")
         header, *frames = encode_value(dict(values or {}), where=f"{self.who} {op} values")
         sizes = [memoryview(f).nbytes for f in frames]
-        n = self._next
-        self._next += 1
-        command = _Command(op, dict(meta or {}), header, sizes)
-        self.store.set(f"{_CMD}{n}", msgspec.msgpack.encode(command))
-        if n >= 2:  # every rank read it: op n-1 ran collectives that all ranks joined
-            self.store.delete_key(f"{_CMD}{n - 2}")
+        self._write(RankCall(op, dict(meta or {}), header, sizes))
         for frame, size in zip(frames, sizes, strict=True):
             if size:
                 dist.broadcast(_frame_tensor(frame).to(self.device), src=0)
+
+    def _write(self, command: RankCall | RankClose) -> None:
+        """The next command, under ``yatt/cmd/<n>``."""
+        n = self._next
+        self._next += 1
+        self.store.set(f"{_CMD}{n}", TO_RANK.encode(command))
+        if n >= 2:  # every rank read it: op n-1 ran collectives that all ranks joined
+            self.store.delete_key(f"{_CMD}{n - 2}")
 
     @contextlib.contextmanager
     def guard(self, what: str, keep: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
@@ -353,8 +377,7 @@ class RankGroup(_Ranks):
         deadline = time.monotonic() + wait_s
         while True:
             for rank, proc in enumerate(self.procs, start=1):
-                if proc.poll() is not None:
-                    text = f"rank {rank} (pid {proc.pid}) {exit_text(proc.returncode)}"
+                if text := proc.dead():
                     with contextlib.suppress(Exception):
                         if self.store.check([f"{_ERROR}{rank}"]):
                             text += f": {self.store.get(f'{_ERROR}{rank}').decode()}"
@@ -372,7 +395,7 @@ class RankGroup(_Ranks):
         clean = self._joined and not self.broken and not self.death and not self._dead()
         if clean:
             with contextlib.suppress(Exception):
-                self.command("close")
+                self._write(RankClose())
         stop(self.procs, _CLOSE_GRACE_S if clean else 0.0)
         if self._joined:
             leave_group(clean)
@@ -383,22 +406,14 @@ class RankGroup(_Ranks):
 
 
 class RankLink(_Ranks):
-    """A rank's side: the store, the parent watch, the calls it receives from rank 0."""
+    """A rank's side: the store and the calls it receives from rank 0."""
 
-    def __init__(self, port: int, rank: int, world: int, parent_pid: int, timeout_s: float) -> None:
+    def __init__(self, port: int, rank: int, world: int, timeout_s: float) -> None:
         super().__init__(f"rank {rank}", world, torch.device("cpu"), timeout_s)
         self.rank = int(rank)
-        self.parent_pid = int(parent_pid)
-        threading.Thread(target=self._watch_parent, daemon=True, name="parent-watch").start()
         self.store = dist.TCPStore(
             "127.0.0.1", int(port), world, is_master=False, timeout=self.timeout
         )
-
-    def _watch_parent(self) -> None:
-        while True:
-            if os.getppid() != self.parent_pid:
-                os._exit(3)  # rank 0 is gone: nothing will call this rank again
-            time.sleep(0.2)
 
     def node_spec(self) -> bytes:
         return self.store.get(_NODE)
@@ -420,8 +435,8 @@ class RankLink(_Ranks):
             idle = time.monotonic()
             while not self.store.check([key]):  # polled: an idle wait is no collective
                 time.sleep(0.001 if time.monotonic() - idle < 0.2 else 0.01)
-            command = msgspec.msgpack.decode(self.store.get(key), type=_Command)
-            if command.op == "close":
+            command = TO_RANK.decode(self.store.get(key))
+            if isinstance(command, RankClose):
                 return
             frames = []
             for size in command.sizes:

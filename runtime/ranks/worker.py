@@ -3,8 +3,8 @@
 It connects to rank 0's store, rebuilds the node from the spec rank 0 left there, gives it
 its side of the group (``node.rank_group``), builds it (the node joins the group there), and
 then runs each of rank 0's calls (``node.serve_rank``) until rank 0 says close or is gone
-(:mod:`runtime.ranks.group`). If it fails, it leaves the error in the store for rank 0 to
-name, and exits with code 1.
+(:mod:`runtime.ranks.group`; :func:`runtime.children.exit_with_parent`). If it fails, it
+leaves the error in the store for rank 0 to name, and exits with code 1.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which closes us
+    from runtime.children import exit_with_parent
+
+    exit_with_parent(args.parent_pid, f"yatt-graph rank {args.rank} (pid {os.getpid()})")
     import msgspec
     import torch
 
@@ -41,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from yatt_graph.serialize import NodeSpec, build_node
 
     torch.set_num_threads(max(1, args.threads))
-    link = RankLink(args.port, args.rank, args.world, args.parent_pid, args.timeout)
+    link = RankLink(args.port, args.rank, args.world, args.timeout)
     code = 0
     try:
         spec = msgspec.json.decode(link.node_spec(), type=NodeSpec)

@@ -9,10 +9,10 @@ the same object (or equal) when batches are fused. A port may also be named shar
 explicitly, for a tensor whose first axis is not the batch axis.
 
 * :func:`fuse`: many requests become one batch (with each request's span).
-* :func:`split` / :func:`merge`: one batch is cut into micro-batches by index lists and the
+* :func:`split` / :func:`merge`: one batch is cut into pieces by index lists and the
   results are put back in the original order with the inverse permutation (as verl's
   ``seqlen_balancing`` does).
-* :func:`micro_batches`: how many parts a budget needs, balanced by
+* :func:`cut_pieces`: how many parts a budget needs, balanced by
   :func:`yatt_graph.partition.partition` (Karmarkar-Karp or LPT).
 * :func:`default_costs`: tokens for text, images for encoders, else one per sample.
 """
@@ -37,7 +37,7 @@ __all__ = [
     "inverse_permutation",
     "join_outputs",
     "merge",
-    "micro_batches",
+    "cut_pieces",
     "sample_costs",
     "split",
     "take",
@@ -212,7 +212,7 @@ def merge(
     pad_values: Mapping[str, float] | None = None,
     left_pad: Collection[str] = (),
 ) -> Batch:
-    """Put micro-batch outputs back in the original sample order.
+    """Put piece outputs back in the original sample order.
 
     ``outputs[j]`` holds the results for samples ``parts[j]`` (in that order); the parts
     together must be a permutation of ``0..B-1``.
@@ -232,7 +232,7 @@ def join_outputs(
     pad_values: Mapping[str, float] | None = None,
     left_pad: Collection[str] = (),
 ) -> Batch:
-    """A node's whole-batch outputs from its outputs on the micro-batches ``parts``.
+    """A node's whole-batch outputs from its outputs on the pieces ``parts``.
 
     Per-sample values are put back in the batch's order (:func:`merge`); a value with nothing
     per sample (a metric) is the first part's.
@@ -288,28 +288,28 @@ def sample_costs(
 # --- partitioning ------------------------------------------------------------------------
 
 
-def micro_batches(
+def cut_pieces(
     costs: Sequence[float],
-    devices: int = 1,
+    workers: int = 1,
     max_batch_size: int = 0,
     max_cost: float = 0.0,
     method: str = "kk",
 ) -> list[list[int]]:
-    """Cut samples into balanced micro-batches that fit a per-call budget.
+    """Cut samples into balanced pieces that fit a per-call budget.
 
-    At least ``min(devices, n)`` parts (so that every device serving the node gets work), and
+    At least ``min(workers, n)`` parts (so that every worker serving the node gets work), and
     as many more as the budget needs: no part above ``max_batch_size`` samples or
     ``max_cost`` summed cost (0 = no limit). A single sample above ``max_cost`` cannot be
     cut and forms a part alone. Parts come heaviest first, the order to hand them to
-    free devices in (LPT list scheduling).
+    free workers in (LPT list scheduling).
     """
     n = len(costs)
     if n == 0:
         return []
-    if devices < 1:
-        raise ValueError(f"micro_batches: devices must be >= 1, got {devices}")
+    if workers < 1:
+        raise ValueError(f"cut_pieces: workers must be >= 1, got {workers}")
     total = sum(costs)
-    k = min(n, devices)
+    k = min(n, workers)
     if max_batch_size:
         k = max(k, math.ceil(n / max_batch_size))
     if max_cost:

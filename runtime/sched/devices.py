@@ -1,17 +1,17 @@
 """The device pool: CUDA devices when present, else CPU worker slots; busy/idle accounting;
 and the :class:`Resources` each controller process owns.
 
-A :class:`Device` is what one worker of the scheduler runs on: ``cuda:i`` or a CPU slot
+A :class:`Slot` is what one worker of the scheduler runs on: ``cuda:i`` or a CPU slot
 ``cpu:i`` (on a machine without GPUs, slots are threads that each own a share of the
-cores). The :class:`DevicePool` keeps, per device, how long it was busy running node calls,
+cores). The :class:`SlotPool` keeps, per device, how long it was busy running node calls,
 how long it spent switching roles (offload/reload when roles time-share a device), and so
-how long it sat idle, over a window that starts with :meth:`DevicePool.start`. For every
+how long it sat idle, over a window that starts with :meth:`SlotPool.start`. For every
 device ``busy_s + switch_s + idle_s == window_s``.
 
 :class:`Resources` is what one process computes on: a set of CPU cores (its affinity), the
 torch threads of the thread that runs its nodes, and the GPUs it may use
 (``CUDA_VISIBLE_DEVICES``). :func:`assign_resources` gives each controller of a run its share
-(:mod:`runtime.sched.affinity` applies it in the process; :mod:`runtime.sched.partition`
+(:mod:`runtime.sched.affinity` applies it in the process; :mod:`runtime.sched.adaptive`
 re-balances it between steps).
 
 How many torch threads a process computes with, and whether its idle OpenMP threads spin
@@ -43,9 +43,9 @@ import msgspec
 
 __all__ = [
     "DEVICES",
-    "Device",
-    "DevicePool",
-    "DeviceStats",
+    "Slot",
+    "SlotPool",
+    "SlotStats",
     "PLACEMENTS",
     "Resources",
     "SPIN_COUNT",
@@ -81,7 +81,7 @@ def check_choice(who: str, name: str, value: Any, choices: Sequence[str]) -> Non
 
 
 @dataclass(frozen=True)
-class Device:
+class Slot:
     """One device a worker runs on."""
 
     kind: str
@@ -104,7 +104,7 @@ class Device:
 
 
 @dataclass
-class DeviceStats:
+class SlotStats:
     """Accounting for one device."""
 
     busy_s: float = 0.0
@@ -254,73 +254,73 @@ def cuda_visible_devices(cuda: Sequence[int], parent: str | None) -> str:
     return ",".join(str(i) for i in cuda)
 
 
-class DevicePool:
+class SlotPool:
     """The devices of this process, with per-device busy/switch/idle accounting (thread-safe)."""
 
-    def __init__(self, devices: Sequence[Device]):
-        if not devices:
-            raise ValueError("DevicePool needs at least one device")
-        names = [d.name for d in devices]
+    def __init__(self, slots: Sequence[Slot]):
+        if not slots:
+            raise ValueError("SlotPool needs at least one device")
+        names = [d.name for d in slots]
         if len(set(names)) != len(names):
-            raise ValueError(f"DevicePool: duplicate devices in {names}")
-        self.devices = list(devices)
+            raise ValueError(f"SlotPool: duplicate devices in {names}")
+        self.slots = list(slots)
         self._lock = threading.Lock()
-        self._stats = {d.name: DeviceStats() for d in self.devices}
+        self._stats = {d.name: SlotStats() for d in self.slots}
         self._t0 = time.monotonic()
 
     @classmethod
-    def detect(cls, cpu_slots: int | None = None, kind: str = "any") -> DevicePool:
+    def detect(cls, cpu_slots: int | None = None, kind: str = "any") -> SlotPool:
         """CUDA devices when present (``torch.cuda.device_count()``), else CPU slots.
 
         ``kind="cpu"`` forces CPU slots, ``kind="cuda"`` fails without a GPU. ``cpu_slots``
         sets the slot count (default: ``$YATT_CPU_SLOTS``, else the usable cores).
         """
-        check_choice("DevicePool.detect", "kind", kind, ("any", "cpu", "cuda"))
+        check_choice("SlotPool.detect", "kind", kind, ("any", "cpu", "cuda"))
         n_cuda = 0
         if kind != "cpu":
             import torch
 
             n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n_cuda:
-            return cls([Device("cuda", i) for i in range(n_cuda)])
+            return cls([Slot("cuda", i) for i in range(n_cuda)])
         if kind == "cuda":
-            raise RuntimeError("DevicePool.detect(kind='cuda'): no CUDA device is visible")
+            raise RuntimeError("SlotPool.detect(kind='cuda'): no CUDA device is visible")
         n = cpu_slot_count() if cpu_slots is None else cpu_slots
         if n < 1:
-            raise ValueError(f"DevicePool.detect: cpu_slots must be >= 1, got {n}")
-        return cls([Device("cpu", i) for i in range(n)])
+            raise ValueError(f"SlotPool.detect: cpu_slots must be >= 1, got {n}")
+        return cls([Slot("cpu", i) for i in range(n)])
 
     @classmethod
-    def cpu(cls, slots: int) -> DevicePool:
+    def cpu(cls, slots: int) -> SlotPool:
         """``slots`` CPU worker slots, whatever the machine has."""
-        return cls([Device("cpu", i) for i in range(slots)])
+        return cls([Slot("cpu", i) for i in range(slots)])
 
     # --- the devices ---------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self.devices)
+        return len(self.slots)
 
-    def __iter__(self) -> Iterator[Device]:
-        return iter(self.devices)
+    def __iter__(self) -> Iterator[Slot]:
+        return iter(self.slots)
 
-    def __getitem__(self, index: int) -> Device:
-        return self.devices[index]
+    def __getitem__(self, index: int) -> Slot:
+        return self.slots[index]
 
     def __repr__(self) -> str:
-        return f"DevicePool([{', '.join(d.name for d in self.devices)}])"
+        return f"SlotPool([{', '.join(d.name for d in self.slots)}])"
 
     # --- accounting ----------------------------------------------------------------------
     def start(self) -> None:
         """Start a new accounting window (clears the counts; a call running now is counted
         from the start of the window)."""
         with self._lock:
-            fresh = {d.name: DeviceStats() for d in self.devices}
+            fresh = {d.name: SlotStats() for d in self.slots}
             for name, st in self._stats.items():
                 fresh[name].running, fresh[name].since = st.running, st.since
             self._stats = fresh
             self._t0 = time.monotonic()
 
     @contextlib.contextmanager
-    def busy(self, device: Device, node: str) -> Iterator[None]:
+    def busy(self, device: Slot, node: str) -> Iterator[None]:
         """Count the time inside the block as ``device`` busy running ``node``."""
         self._begin(device, node)
         try:
@@ -329,7 +329,7 @@ class DevicePool:
             self._end(device, node, switch=False)
 
     @contextlib.contextmanager
-    def switching(self, device: Device, node: str) -> Iterator[None]:
+    def switching(self, device: Slot, node: str) -> Iterator[None]:
         """Count the time inside the block as ``device`` switching roles to ``node``."""
         self._begin(device, f"switch->{node}")
         try:
@@ -337,7 +337,7 @@ class DevicePool:
         finally:
             self._end(device, node, switch=True)
 
-    def _begin(self, device: Device, what: str) -> None:
+    def _begin(self, device: Slot, what: str) -> None:
         with self._lock:
             st = self._stats[device.name]
             if st.running is not None:
@@ -347,7 +347,7 @@ class DevicePool:
                 )
             st.running, st.since = what, time.monotonic()
 
-    def _end(self, device: Device, node: str, switch: bool) -> None:
+    def _end(self, device: Slot, node: str, switch: bool) -> None:
         with self._lock:
             st = self._stats[device.name]
             now = time.monotonic()
@@ -370,7 +370,7 @@ class DevicePool:
         with self._lock:
             now = time.monotonic()
             window = now - self._t0
-            devices: dict[str, Any] = {}
+            slots: dict[str, Any] = {}
             for name, st in self._stats.items():
                 busy, switch = st.busy_s, st.switch_s
                 if st.running is not None:
@@ -379,7 +379,7 @@ class DevicePool:
                         switch += extra
                     else:
                         busy += extra
-                devices[name] = {
+                slots[name] = {
                     "busy_s": busy,
                     "switch_s": switch,
                     "idle_s": max(0.0, window - busy - switch),
@@ -388,10 +388,10 @@ class DevicePool:
                     "switches": st.switches,
                     "node_busy_s": dict(st.node_busy_s),
                 }
-        utils = [d["utilization"] for d in devices.values()]
+        utils = [d["utilization"] for d in slots.values()]
         return {
             "window_s": window,
-            "devices": devices,
+            "slots": slots,
             "mean_utilization": sum(utils) / len(utils),
         }
 

@@ -4,9 +4,9 @@ worker is free next, the outputs joined back in the batch's order.
 This is the one layer through which an executor (in-process or a controller) calls a node on
 more than one worker. A node fans out one of two ways:
 
-* **Slots** (``--devices N``, ``RunConfig.devices``): the node's call runs on N worker threads
+* **Slots** (``--slots N``, ``RunConfig.slots``): the node's call runs on N worker threads
   over the executor's own node, one per CPU slot of its
-  :class:`~runtime.sched.devices.DevicePool` (torch releases the GIL in its kernels, so with one
+  :class:`~runtime.sched.devices.SlotPool` (torch releases the GIL in its kernels, so with one
   torch thread per controller N slots use N cores). A node fans out over slots when it
   declares a per-call budget (``BatchPolicy.max_batch_size`` or ``max_tokens`` > 0: a promise
   that it may be called on any part of a batch), its ``BatchPolicy.splittable`` is true (nodes
@@ -24,7 +24,7 @@ For each call:
    (a tensor port with no dimensions or a fixed first one is shared by all samples, as is any
    value that is not a tensor or list). A call whose per-sample values disagree in length
    (per-prompt inputs next to per-response ones) runs whole. The samples are cut by predicted
-   cost with Karmarkar-Karp (:func:`~runtime.sched.batching.micro_batches`) into at least one
+   cost with Karmarkar-Karp (:func:`~runtime.sched.batching.cut_pieces`) into at least one
    piece per worker (:class:`Fanout`'s ``pieces_per_worker``), each within the node's budget.
    The cost of a prompt is its length in tokens (about 4 characters each) plus the mean response
    seen so far times ``rows_per_input``; of anything else,
@@ -58,8 +58,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from runtime.sched.batching import _is_batched, join_outputs, micro_batches, sample_costs, take
-from runtime.sched.devices import Device, DevicePool
+from runtime.sched.batching import _is_batched, cut_pieces, join_outputs, sample_costs, take
+from runtime.sched.devices import Slot, SlotPool
 from yatt_graph.types import TensorSpec
 
 __all__ = [
@@ -69,7 +69,7 @@ __all__ = [
     "Fanouts",
     "NodeThread",
     "Worker",
-    "device_pool",
+    "slot_pool",
     "replica_counts",
     "replicable",
     "run_with_context",
@@ -95,25 +95,25 @@ class Worker(Protocol):
     def close(self) -> None: ...
 
 
-def device_pool(devices: int | str | DevicePool | None) -> DevicePool | None:
+def slot_pool(slots: int | str | SlotPool | None) -> SlotPool | None:
     """``None``/0: no slots; an int: that many CPU slots; ``"auto"``: ``$YATT_CPU_SLOTS`` or the
-    usable cores; a DevicePool as it is (CPU only: a slot is a thread over one copy of the
+    usable cores; a SlotPool as it is (CPU only: a slot is a thread over one copy of the
     model, and CUDA devices would each need their own copy: replicas)."""
-    if devices is None or devices == 0:
+    if slots is None or slots == 0:
         return None
-    if isinstance(devices, DevicePool):
-        pool = devices
-    elif devices == "auto":
-        pool = DevicePool.detect(kind="cpu")
-    elif isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
-        pool = DevicePool.cpu(devices)
+    if isinstance(slots, SlotPool):
+        pool = slots
+    elif slots == "auto":
+        pool = SlotPool.detect(kind="cpu")
+    elif isinstance(slots, int) and not isinstance(slots, bool) and slots > 0:
+        pool = SlotPool.cpu(slots)
     else:
         raise ValueError(
-            f"devices must be None, a positive int (CPU slots), 'auto' or a DevicePool, got {devices!r}"
+            f"slots must be None, a positive int (CPU slots), 'auto' or a SlotPool, got {slots!r}"
         )
     if any(d.kind != "cpu" for d in pool):
         raise ValueError(
-            f"devices={pool}: slots are threads over one copy of a node's model, so they are CPU "
+            f"slots={pool}: slots are threads over one copy of a node's model, so they are CPU "
             "only; give a node replicas (one per GPU), or place nodes on GPUs through the plan"
         )
     return pool
@@ -177,8 +177,8 @@ class NodeThread:
         self,
         label: str,
         threads: int | None = None,
-        pool: DevicePool | None = None,
-        slot: Device | None = None,
+        pool: SlotPool | None = None,
+        slot: Slot | None = None,
     ):
         self.label, self.threads, self.pool, self.slot = label, threads, pool, slot
         self._thread: int | None = None
@@ -291,7 +291,7 @@ class Fanout:
             return self.node.run(inputs)
         policy = self.node.batch_policy
         costs = self.costs(inputs)
-        cut = micro_batches(costs, self.pieces, policy.max_batch_size, policy.max_tokens)
+        cut = cut_pieces(costs, self.pieces, policy.max_batch_size, policy.max_tokens)
         parts = [sorted(p) for p in cut]  # a piece's first row seeds it (piece_context)
         context = self.node.piece_context()
         shared = set(inputs) - per
@@ -397,7 +397,7 @@ class Fanouts:
 
 def start_fanouts(
     nodes: Mapping[str, Any],
-    pool: DevicePool | None,
+    pool: SlotPool | None,
     replicas: Mapping[str, int] | None = None,
     spawn: Callable[[Any, int, int], Worker] | None = None,
 ) -> Fanouts | None:

@@ -10,7 +10,8 @@ and each checkpoint records the graph's identity (:func:`yatt_graph.serialize.gr
 so resuming with another graph or other options is refused.
 
 :func:`train_with_restarts` is what ``yatt-graph run --restart on-failure`` uses: when a
-controller dies or goes silent (:class:`runtime.errors.ControllerError`) it closes that
+process dies or goes silent (a controller, a replica or a training rank:
+:class:`runtime.errors.ProcessFault`) it closes that
 executor (no process is left behind), makes a fresh one, restores the newest good checkpoint
 (or starts again from the beginning when there is none), drops the metric rows of the steps
 that will run again, and carries on, up to ``max_restarts`` times. Node errors and node
@@ -365,7 +366,7 @@ def _has_checkpoint_of(out: Path, graph: Any) -> bool:
 
 
 REPLAN_AFTER = 6
-"""Steps a run measures before ``make_executor.replan`` may move nodes to a better cut."""
+"""Steps a run measures before ``replan`` may move nodes to a better cut."""
 
 
 def _moved(executor: Any, make_executor: Callable[[], Any], why: str, out: Path | None) -> Any:
@@ -393,13 +394,14 @@ def train_with_restarts(
     restart: str = "never",
     max_restarts: int = 3,
     on_done: Callable[[Any], None] | None = None,
+    replan: Callable[[list[dict[str, Any]]], str | None] | None = None,
     **options: Any,
 ) -> tuple[list[dict[str, Any]], int]:
     """``train()`` that survives dead controllers; returns (metric rows of this run, restarts).
 
     ``restart``: ``"never"`` (a dead controller stops the run with its error) or
     ``"on-failure"``. Each restart is printed and appended to ``OUT/events.jsonl``.
-    ``make_executor.replan(rows)``, where the factory has it, is asked once after
+    ``replan(rows)``, where given, is asked once after
     :data:`REPLAN_AFTER` steps (their metric rows): a reason to change the plan (the factory
     then makes executors with the new one; the run moves over with its state, and the
     reason is printed and appended to ``OUT/events.jsonl``), or None.
@@ -408,7 +410,7 @@ def train_with_restarts(
     ``samples_every``, ``wandb``) go to :func:`runtime.train.loop.train`. A restart resumes
     only from a checkpoint of this graph (see :func:`runtime.train.loop.train`).
     """
-    from runtime.errors import ControllerError, HandshakeError
+    from runtime.errors import HandshakeError, ProcessFault
     from yatt_graph import NodeExecutionError
 
     if restart not in ("never", "on-failure"):
@@ -417,7 +419,6 @@ def train_with_restarts(
     source = Path(resume) if resume is not None else None
     kept: list[dict[str, Any]] = []
     restarts = 0
-    replan = getattr(make_executor, "replan", None)
     while True:
         executor = make_executor()
         start = 0
@@ -444,16 +445,15 @@ def train_with_restarts(
             if on_done is not None:
                 on_done(executor)
             return kept + rows, restarts
-        except (ControllerError, NodeExecutionError) as exc:
+        except (ProcessFault, NodeExecutionError) as exc:
             if isinstance(exc, NodeExecutionError):  # in-process: a replica or rank it ran on
-                cause = exc.__cause__
-                if not (isinstance(cause, ControllerError) or getattr(cause, "process_fault", 0)):
+                if not isinstance(exc.__cause__, ProcessFault):
                     raise
-                exc = ControllerError(str(exc), -1, [exc.node])
+                exc = type(exc.__cause__)(str(exc), -1, [exc.node])
             if isinstance(exc, HandshakeError) or restart != "on-failure":
                 raise
             if restarts >= max_restarts:
-                raise ControllerError(
+                raise type(exc)(
                     f"{exc}\n(gave up after {restarts} restart(s): --max-restarts {max_restarts})",
                     exc.controller,
                     exc.nodes,

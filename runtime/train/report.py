@@ -15,6 +15,7 @@ JSON object) put inline: no network, no CDN.
 from __future__ import annotations
 
 import json
+import re
 import time
 import warnings
 from pathlib import Path
@@ -33,6 +34,16 @@ REPORT_CURVES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("length", "response length (tokens, mean)", ("response_lengths/mean", "length/mean")),
     ("throughput", "throughput (samples/s)", ("samples_per_s",)),
 )
+
+#: The validation curves (``--val-data``): the metric's last part -> (id, title); ``k`` is the
+#: number of samples of ``val_samples``, read from the name (``val/pass@4``).
+VALIDATION_CURVES: dict[str, tuple[str, str]] = {
+    "reward": ("val-greedy", "validation reward (greedy)"),
+    "greedy": ("val-greedy", "validation reward (greedy)"),
+    "avg": ("val-avg", "validation avg@{k} (mean reward of {k} samples)"),
+    "pass": ("val-pass", "validation pass@{k} (a row with a passing sample)"),
+}
+_VALIDATION_KEY = re.compile(r"^(?:.*/)?val/(reward|greedy|avg|pass)(?:@(\d+))?$")
 
 _RUN_FILES = ("metrics.jsonl", "trace.json", "settings.json", "summary.json", "samples")
 _UTIL_BINS = 120
@@ -62,7 +73,36 @@ def _curves(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if key is not None:
             values = [json_number(r.get(key)) for r in rows]
             curves.append({"id": ident, "title": title, "key": key, "y": values})
-    return {"steps": [r["step"] for r in rows], "curves": curves}
+    return {"steps": [r["step"] for r in rows], "curves": curves + _validation_curves(rows, keys)}
+
+
+def _validation_curves(rows: list[dict[str, Any]], keys: set[str]) -> list[dict[str, Any]]:
+    """The curves of validation passes: greedy reward, avg@k and pass@k. A pass runs every
+    ``val_every`` steps, so the steps between two passes get the straight line joining them
+    (the chart draws a line through defined values only); none before the first or after
+    the last pass."""
+    found = []
+    for key in keys:
+        match = _VALIDATION_KEY.match(key)
+        if match and (match.group(1) in ("reward", "greedy")) == (match.group(2) is None):
+            found.append((list(VALIDATION_CURVES).index(match.group(1)), key, match))
+    curves = []
+    for _, key, match in sorted(found):
+        ident, title = VALIDATION_CURVES[match.group(1)]
+        values = [json_number(r.get(key)) for r in rows]
+        y = _joined([v if isinstance(v, int | float) else None for v in values])
+        curves.append({"id": ident, "title": title.format(k=match.group(2)), "key": key, "y": y})
+    return curves
+
+
+def _joined(values: list[float | None]) -> list[float | None]:
+    """``values`` with each gap between two defined values filled by the line joining them."""
+    out = list(values)
+    known = [i for i, v in enumerate(values) if v is not None]
+    for a, b in zip(known, known[1:], strict=False):
+        for i in range(a + 1, b):
+            out[i] = values[a] + (values[b] - values[a]) * (i - a) / (b - a)
+    return out
 
 
 def _trace_events(run: Path, notes: list[str]) -> list[dict[str, Any]] | None:

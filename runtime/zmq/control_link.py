@@ -4,8 +4,11 @@ The thread owns the control DEALER (heartbeats both ways, SHUTDOWN). It watches 
 in progress (the engine's :class:`~runtime.engine.calls.Running`): a call past its time limit
 is reported as an ERROR with the stack it is stuck in (the driver then stops the run); a call
 without a limit that runs far past its usual time gets one WARN with its stack (the run goes
-on). It ends the process if the driver goes silent or the parent process dies, and after
-SHUTDOWN gives a node stuck in a call :data:`EXIT_GRACE_S` before the process exits anyway.
+on). It ends the process if the driver goes silent (heartbeats: the network liveness of a
+controller, which may run on another host) or, when the controller's parent watch
+(:func:`runtime.children.exit_with_parent`) says so, the driver process is gone
+(:meth:`ControlLink.driver_gone`); after SHUTDOWN or either loss it gives a node stuck in a
+call :data:`EXIT_GRACE_S` before the process exits anyway.
 
 What the compute thread must act on reaches it as a typed event (:class:`ShutdownRequested`,
 :class:`IoFailed`) through :meth:`ControlLink.events` and a wake-up on an ``inproc://`` pair.
@@ -93,13 +96,12 @@ class ControlLink:
         engine: Any,
         compute: int,
         longest: Callable[[str], float | None],
-        parent_gone: Callable[[], bool],
         on_exit: Callable[[], None],
         drops: Drops,
     ):
         self.driver, self.index, self.setup = driver, index, setup
         self.engine, self.compute, self.longest = engine, compute, longest
-        self.parent_gone, self.on_exit = parent_gone, on_exit
+        self.on_exit = on_exit
         self.drops = drops
         self.events: collections.deque[ShutdownRequested | IoFailed] = collections.deque()
         address = f"inproc://wake-{id(self)}"
@@ -109,11 +111,17 @@ class ControlLink:
         self._wake_tx.setsockopt(zmq.LINGER, 0)
         self._wake_tx.connect(address)
         self.driver_lost = False
+        self._gone: str | None = None  # set from the parent watch: why the driver is gone
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="yatt-io", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def driver_gone(self, why: str) -> None:
+        """From any thread: the driver is gone (its process ended); this thread shuts the
+        controller down as for a silent driver, at its next heartbeat."""
+        self._gone = why
 
     def stop(self, timeout_s: float = 1.0) -> None:
         self._stopped.set()
@@ -152,15 +160,13 @@ class ControlLink:
                 next_beat = now + interval
                 if exit_by is None:
                     send(self.driver, self._heartbeat(call, now))
-                    why = None
+                    why = self._gone  # the parent watch said so on stderr
                     if now - last_driver > timeout:
                         why = f"the driver has been silent for {now - last_driver:.1f}s"
-                    elif self.parent_gone():
-                        why = "the driver process is gone"
-                    if why:
                         print(
                             f"yatt-graph controller {self.index}: {why}; exiting", file=sys.stderr
                         )
+                    if why:
                         self.driver_lost = True  # nobody to say GOODBYE to: no linger
                         self._post(ShutdownRequested(why, driver_lost=True))
                         exit_by = now + EXIT_GRACE_S
@@ -261,7 +267,6 @@ def wait_for_setup(
     timeout_s: float,
     *,
     monitor: zmq.Socket | None,
-    parent_gone: Callable[[], bool],
     drops: Drops,
 ) -> m.Setup | None:
     """After HELLO, on the control link: the driver's SETUP, or None (refused, shut down,
@@ -269,8 +274,6 @@ def wait_for_setup(
     on stderr with what to check)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if parent_gone():
-            return None
         if monitor is not None and monitor.poll(0):
             event = zmq.utils.monitor.recv_monitor_message(monitor)
             print(
@@ -324,9 +327,10 @@ def _next(driver: zmq.Socket, drops: Drops, wait_ms: int = 200) -> tuple[m.Kind,
     return kind, msg
 
 
-def wait_for_shutdown(driver: zmq.Socket, parent_gone: Callable[[], bool], drops: Drops) -> None:
-    """After a failed start-up: wait (60 s at most) for the driver's SHUTDOWN."""
+def wait_for_shutdown(driver: zmq.Socket, drops: Drops) -> None:
+    """After a failed start-up: wait (60 s at most) for the driver's SHUTDOWN (a spawned
+    controller's parent watch ends the process sooner if the driver is gone)."""
     deadline = time.monotonic() + 60.0
-    while time.monotonic() < deadline and not parent_gone():
+    while time.monotonic() < deadline:
         if (got := _next(driver, drops)) is not None and got[0] is m.Kind.SHUTDOWN:
             return

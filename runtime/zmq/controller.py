@@ -35,15 +35,17 @@ from typing import Any
 
 import zmq
 
+from runtime.children import exit_with_parent
 from runtime.codec import DecodeError, UnsupportedValueError, decode_value, encode_value
 from runtime.codec.cuda_ipc import OPENED
 from runtime.engine.engine import StateNotReady
-from runtime.errors import ControllerError, SendError
+from runtime.errors import ProcessFault, SendError
 from runtime.sched.affinity import apply_resources
 from runtime.sched.devices import Resources
 from runtime.zmq import STARTUP_TIMEOUT_S
 from runtime.zmq import messages as m
 from runtime.zmq.control_link import (
+    EXIT_GRACE_S,
     ControlLink,
     IoFailed,
     ShutdownRequested,
@@ -182,7 +184,7 @@ class Controller:
         try:
             return wait_for_setup(
                 self.driver, self.connect, self.keys is not None, self.startup_timeout_s,
-                monitor=monitor, parent_gone=self._parent_gone, drops=self.drops,
+                monitor=monitor, drops=self.drops,
             )  # fmt: skip
         finally:
             if monitor is not None:
@@ -232,8 +234,15 @@ class Controller:
         elif kind is not m.Kind.HEARTBEAT:
             self.drops.drop("the driver link", f"a {kind.name} message on the work link")
 
-    def _parent_gone(self) -> bool:
-        return self.parent_pid is not None and os.getppid() != self.parent_pid
+    def _driver_gone(self) -> None:
+        """The parent watch's orderly exit (:func:`runtime.children.exit_with_parent`): once
+        the IO thread runs, it shuts the controller down as for a silent driver and returns
+        before this does; before that there is nothing to close in order."""
+        link = self.link
+        if link is None:
+            return
+        link.driver_gone("the driver process is gone")
+        time.sleep(link.setup.config.heartbeat_interval_s + EXIT_GRACE_S + 1.0)
 
     # --- the compute thread -----------------------------------------------------------------
     def _to_driver(self, msg: Any, value: list[Any] | None = None) -> None:
@@ -359,7 +368,7 @@ class Controller:
             step = int(exc.context.get("step", -1))
             during = str(exc.context.get("during", "step"))
             cause = exc.__cause__  # a process it ran on died (a replica, a training rank)
-            if isinstance(cause, ControllerError) or getattr(cause, "process_fault", False):
+            if isinstance(cause, ProcessFault):
                 during = "replica"
             error = m.Error(self.index, str(exc), exc.node, step, exc.remote_traceback, during)
         elif isinstance(exc, SendError):
@@ -372,6 +381,9 @@ class Controller:
 
     # --- the whole life ---------------------------------------------------------------------
     def serve(self) -> int:
+        if self.parent_pid is not None:  # started by the driver: it ends with the driver
+            who = f"yatt-graph controller {self.requested} (pid {os.getpid()})"
+            exit_with_parent(self.parent_pid, who, on_gone=self._driver_gone)
         try:
             setup = self._handshake()
             if setup is None:
@@ -380,7 +392,7 @@ class Controller:
                 self._setup(setup)
             except Exception as exc:
                 self._report_setup_error(setup, exc)
-                wait_for_shutdown(self.driver, self._parent_gone, self.drops)
+                wait_for_shutdown(self.driver, self.drops)
                 return 1
             # Everything built so far (torch, the models) lives as long as the process: keep
             # it out of the cyclic collector's generations, so a collection scans only what
@@ -389,7 +401,6 @@ class Controller:
             self.link = ControlLink(
                 self.ctx, self.driver, self.index, setup, engine=self.engine,
                 compute=threading.get_ident(), longest=self._longest.get,
-                parent_gone=self._parent_gone,
                 on_exit=lambda: self._close_resources(destroy=False),
                 drops=self.drops,
             )  # fmt: skip

@@ -1,10 +1,10 @@
 """The controllers of one ZeroMQ run as the driver holds them: started, joined, watched, stopped.
 
-:class:`ControllerGroup` starts the controller processes (or waits for ones started by hand),
+:class:`Controllers` starts the controller processes (or waits for ones started by hand),
 admits their HELLOs, sends SETUP and waits for READY; then it is how the executor talks to
-them (:meth:`~ControllerGroup.next_event`, :attr:`~ControllerGroup.link`) and how it learns
+them (:meth:`~Controllers.next_event`, :attr:`~Controllers.link`) and how it learns
 that one died or went silent (a local controller that exits is noticed within 50 ms, a
-silent one within ``heartbeat_timeout_s``). :meth:`~ControllerGroup.shutdown` stops them
+silent one within ``heartbeat_timeout_s``). :meth:`~Controllers.shutdown` stops them
 all and removes the run's files, whatever happened before.
 """
 
@@ -19,7 +19,6 @@ from typing import Any
 
 import zmq
 
-from runtime.children import exit_text
 from runtime.errors import ControllerError, HandshakeError, NodeTimeoutError
 from runtime.interrupts import interrupts_held
 from runtime.sched.devices import Resources
@@ -36,10 +35,10 @@ from runtime.zmq.processes import (
 from runtime.zmq.transport import DEFAULT_MAX_MESSAGE_BYTES
 from yatt_graph import NodeBuildError, NodeExecutionError, NodeUsageError
 
-__all__ = ["ControllerGroup", "error_from"]
+__all__ = ["Controllers", "error_from"]
 
 
-class ControllerGroup:
+class Controllers:
     """``count`` controllers and the driver's socket; started at once, so that they import
     torch (and ``preload``: the graph's module) while the driver still builds the graph.
 
@@ -153,9 +152,9 @@ class ControllerGroup:
             self.link.send_to(identity, m.Refused(reason))
             return
         c = match[0]
-        if c.popen is not None and hello.pid != c.popen.pid:
+        if c.child is not None and hello.pid != c.child.pid:
             self.link.send_to(
-                identity, m.Refused(f"controller {c.index} was started as pid {c.popen.pid}")
+                identity, m.Refused(f"controller {c.index} was started as pid {c.child.pid}")
             )
             return
         if not hello.work_identity or hello.work_identity in self.link.by_identity:
@@ -200,13 +199,12 @@ class ControllerGroup:
             return
         self._last_check = now
         for c in self.controllers:
-            rc = c.popen.poll() if c.popen is not None else None
-            if rc is not None and c.state is not m.State.STOPPED:
+            dead = c.child.dead() if c.child is not None else ""
+            if dead and c.state is not m.State.STOPPED:
                 c.state = m.State.FAILED
                 cls = ControllerError if self.running() else HandshakeError
                 raise cls(
-                    f"controller {c.index} (pid {c.pid}) {exit_text(rc)} {self.when()}; it owned "
-                    f"nodes {c.nodes}{c.doing()}" + c.log_tail(),
+                    f"{dead} {self.when()}; it owned nodes {c.nodes}{c.doing()}" + c.log_tail(),
                     c.index,
                     c.nodes,
                 )

@@ -7,7 +7,7 @@
     with ZmqExecutor(plan) as ex:
         results = ex.run(10)          # list[StepResult], the same as LocalExecutor's
 
-The driver starts the controllers and talks to them (:mod:`runtime.zmq.group`, through one
+The driver starts the controllers and talks to them (:mod:`runtime.zmq.controllers`, through one
 ROUTER: :mod:`runtime.zmq.driver_link`), then only sends small control messages: SETUP,
 RUN(until) and SHUTDOWN. Values flow controller to controller; the driver receives per-step
 reports (node seconds and the graph's marked outputs, so keep those small) and errors.
@@ -45,17 +45,17 @@ from runtime.engine.calls import OnStep, StepResult, Stop
 from runtime.engine.config import RunConfig, merged_config
 from runtime.engine.switch import offloading, switch_metrics
 from runtime.errors import ControllerError, HandshakeError, NodeTimeoutError
+from runtime.sched.adaptive import Partitioner
 from runtime.sched.affinity import start_cores
 from runtime.sched.devices import Resources
 from runtime.sched.fanout import replica_counts
-from runtime.sched.partition import Partitioner
 from runtime.zmq import STARTUP_TIMEOUT_S
 from runtime.zmq import messages as m
+from runtime.zmq.controllers import Controllers, error_from
 from runtime.zmq.driver_link import Received
 from runtime.zmq.driver_state import merge_replies, state_frames
-from runtime.zmq.group import ControllerGroup, error_from
 from runtime.zmq.keys import load_keys
-from runtime.zmq.options import check_options, plan_resources, setup_fields, setup_gpus
+from runtime.zmq.options import check_executor_arguments, plan_resources, setup_fields, setup_gpus
 from runtime.zmq.rebalance import Rebalancer, sched_metrics
 from yatt_graph import Graph, Plan
 
@@ -79,7 +79,7 @@ class ZmqExecutor:
         keys: a ``yatt-graph keys`` folder: CURVE on every socket (:mod:`runtime.zmq.keys`).
         controller_output: ``"capture"`` (to a log file per controller, whose tail errors
             include) or ``"inherit"`` (this process's stdout/stderr).
-        group: controllers started earlier (:class:`runtime.zmq.group.ControllerGroup`, e.g.
+        group: controllers started earlier (:class:`runtime.zmq.controllers.Controllers`, e.g.
             while the graph was being built); the options they were started with (address,
             keys, output, threads, limits, timeouts) are theirs, not these.
         resources: each controller's :class:`~runtime.sched.devices.Resources`, instead of
@@ -103,7 +103,7 @@ class ZmqExecutor:
         allow_remote: bool = False,
         keys: str | os.PathLike[str] | None = None,
         controller_output: str = "capture",
-        group: ControllerGroup | None = None,
+        group: Controllers | None = None,
         resources: Sequence[Resources] | None = None,
         state_timeout_s: float = 600.0,
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
@@ -117,7 +117,9 @@ class ZmqExecutor:
             raise ValueError(
                 f"ZmqExecutor: the plan has {plan.controllers} controllers, {controllers} were asked for"
             )
-        check_options(rebuild, controller_output, spawn, address, allow_tcp, allow_remote)
+        check_executor_arguments(
+            rebuild, controller_output, spawn, address, allow_tcp, allow_remote
+        )
         self.max_staleness, self.staleness = config.max_staleness, config.staleness
         spawned = spawn if group is None else bool(group.res.procs)
         start = plan_resources(
@@ -155,7 +157,7 @@ class ZmqExecutor:
         owned = [
             [n for n in self.order if plan.assignment[n] == c] for c in range(plan.controllers)
         ]
-        self.group = group or ControllerGroup(
+        self.group = group or Controllers(
             plan.controllers, address=address, keys=self.keys, keys_dir=self.keys_dir,
             spawn=spawn, controller_output=controller_output,
             num_threads=config.num_threads or 0, max_message_bytes=config.max_message_bytes,
@@ -170,7 +172,7 @@ class ZmqExecutor:
             raise
         self.controllers, self.link = self.group.controllers, self.group.link
         self.address, self.run_dir = self.group.address, self.group.run_dir
-        on_host = [c.popen is not None for c in self.controllers]
+        on_host = [c.child is not None for c in self.controllers]
         ipc_gpus = setup_gpus([r.cuda for r in start], on_host, enabled_from_env(config.cuda_ipc))
         try:
             self.group.start(
@@ -415,7 +417,7 @@ class ZmqExecutor:
     @property
     def pids(self) -> list[int]:
         """Process ids of the controllers this executor started."""
-        return [c.pid for c in self.controllers if c.popen is not None]
+        return [c.pid for c in self.controllers if c.child is not None]
 
     def _shutdown(self, reason: str) -> None:
         self._closed = True

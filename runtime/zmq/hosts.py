@@ -12,7 +12,6 @@ checks it, says it in one line, and starts this host's share.
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import os
 import signal
@@ -24,8 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from runtime.children import exit_text, python_env, start_python, stop
-from runtime.flags import Launch, LaunchError, controller_shares
+from runtime.flags import Launch, LaunchError, RunSpec, controller_shares
 from runtime.zmq import STARTUP_TIMEOUT_S
 
 __all__ = ["HostRun", "HostShare", "check_listen", "resolve_ipv4", "start_host"]
@@ -165,31 +166,25 @@ class HostRun:
     launch: Launch
     share: HostShare
     """This host's controllers."""
+    spec: RunSpec
+    """The run, on node 0 with the driver listening at the master address for every
+    controller."""
 
     @property
     def runs_driver(self) -> bool:
         return self.launch.node_rank == 0
 
 
-def start_host(args: argparse.Namespace, launch: Launch) -> HostRun:
+def start_host(spec: RunSpec, launch: Launch) -> HostRun:
     """For ``yatt-graph run`` across hosts (``launch``, of two nodes or more): say it in one
-    line, check it, and start this host's controllers; on node 0 set ``args`` so that the
-    driver listens at the master address and waits for every controller. LaunchError for
-    anything that cannot work (before a process starts)."""
+    line, check it, and start this host's controllers; on node 0 the run's driver listens at
+    the master address and waits for every controller (:attr:`HostRun.spec`). LaunchError for
+    anything that cannot work (before a process starts); the flags that cannot go with a launch
+    are refused before (:func:`runtime.flags.run_spec`)."""
     from runtime.zmq.keys import is_loopback, load_keys  # zmq: only when a launch is asked for
 
-    for flag, value in (("--listen", args.listen), ("--no-spawn", args.no_spawn)):
-        if value:
-            raise LaunchError(
-                f"{flag} and a run across hosts ({launch.source}): the driver's address comes "
-                f"from --master (or MASTER_ADDR/MASTER_PORT); drop {flag}"
-            )
-    if args.restart == "on-failure":
-        raise LaunchError(
-            "--restart on-failure restarts controllers this process started; across hosts let "
-            "the launcher restart the job (torchrun --max-restarts, Slurm --requeue) with --resume"
-        )
-    shares = controller_shares(args.controllers, launch.nnodes)
+    given = spec.launch
+    shares = controller_shares(given.controllers, launch.nnodes)
     try:
         ip = resolve_ipv4(launch.host, "the master")
         if ip.startswith("127.") and not is_loopback(f"tcp://{launch.host}:0"):
@@ -199,22 +194,22 @@ def start_host(args: argparse.Namespace, launch: Launch) -> HostRun:
                 "nodes share"
             )
         address = f"tcp://{ip}:{launch.port}"
-        data_host = resolve_ipv4(args.data_host, "--data-host") if args.data_host else None
+        data_host = resolve_ipv4(given.data_host, "--data-host") if given.data_host else None
         if data_host == "0.0.0.0":
             raise ValueError("--data-host 0.0.0.0: give the address peers reach this host at")
         remote = not is_loopback(address) or (
             data_host is not None and not data_host.startswith("127.")
         )
-        if remote and not args.keys:
+        if remote and not given.keys:
             raise ValueError(
                 f"the driver's address {address} is not a loopback address, so the run needs CURVE "
                 "keys: make them with `yatt-graph keys DIR`, give every host the folder, and pass "
                 "--keys DIR on every node"
             )
-        if args.keys:
-            load_keys(args.keys, "controller")
+        if given.keys:
+            load_keys(given.keys, "controller")
             if launch.node_rank == 0:
-                load_keys(args.keys, "driver")
+                load_keys(given.keys, "driver")
         if launch.node_rank == 0:
             check_listen(ip, launch.port, "node 0")
     except ValueError as exc:
@@ -226,12 +221,14 @@ def start_host(args: argparse.Namespace, launch: Launch) -> HostRun:
     if launch.node_rank > 0:
         role += "; the driver on node 0 writes the metrics and checkpoints"
     if launch.node_rank == 0:
-        args.listen, args.no_spawn = address, True
-        args.allow_remote = args.allow_remote or remote
+        here = msgspec.structs.replace(
+            given, listen=address, spawn=False, allow_remote=given.allow_remote or remote
+        )
+        spec = msgspec.structs.replace(spec, launch=here)
     share = HostShare(
-        mine, address, keys_dir=args.keys, allow_remote=remote, data_host=data_host,
-        preload=(args.graph,), max_message_bytes=int(args.max_message_mb * (1 << 20)),
+        mine, address, keys_dir=given.keys, allow_remote=remote, data_host=data_host,
+        preload=(spec.graph.ref,), max_message_bytes=spec.engine.max_message_bytes,
         label=f" on node {launch.node_rank}", forward_sigterm=launch.node_rank > 0,
     )  # fmt: skip
     print(f"yatt-graph run: {launch.describe()}: {role}", file=sys.stderr, flush=True)
-    return HostRun(launch, share)
+    return HostRun(launch, share, spec)

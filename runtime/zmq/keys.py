@@ -35,6 +35,8 @@ import msgspec
 import zmq
 import zmq.utils.z85
 
+from yatt_graph import UsageError
+
 __all__ = [
     "CurveKeys",
     "KeysError",
@@ -46,7 +48,7 @@ __all__ = [
 ]
 
 
-class KeysError(ValueError):
+class KeysError(UsageError):
     """Keys that are missing, unreadable or of the wrong kind; says which file and what to do."""
 
 

@@ -39,6 +39,16 @@ between threads.
 
 A receiver drops (and logs) what does not decode, what exceeds ``max_message_bytes`` and
 what comes from a stranger; see docs/RELIABILITY.md.
+
+A replica process (:mod:`runtime.zmq.replicas`) has one PAIR socket to the process that
+started it and speaks the child processes' style (:class:`runtime.children.ChildMessage`):
+``[header, *value_frames]``, the header a tagged Struct, the value frames the codec's::
+
+    P -> R  ReplicaBuild(spec)                        first: the node to build
+    R -> P  ReplicaReady  |  ReplicaFailed(message)   built (or not)
+    P -> R  ReplicaCall(context, rows) + inputs       a piece
+    R -> P  ReplicaDone + outputs  |  ReplicaFailed   its answer
+    P -> R  ReplicaStop                               explicit end
 """
 
 from __future__ import annotations
@@ -48,7 +58,9 @@ from typing import Any
 
 import msgspec
 
+from runtime.children import ChildMessage, Messages
 from runtime.engine.config import RunConfig
+from runtime.errors import ProtocolError
 from runtime.sched.devices import Resources
 
 __all__ = [
@@ -63,6 +75,12 @@ __all__ = [
     "Ready",
     "Refused",
     "Release",
+    "ReplicaBuild",
+    "ReplicaCall",
+    "ReplicaDone",
+    "ReplicaFailed",
+    "ReplicaReady",
+    "ReplicaStop",
     "Run",
     "SetResources",
     "Setup",
@@ -74,7 +92,9 @@ __all__ = [
     "StateRequest",
     "StepDone",
     "Warn",
+    "FROM_REPLICA",
     "MAX_HEADER_BYTES",
+    "TO_REPLICA",
     "decode_header",
     "encode_header",
     "hello_protocol",
@@ -363,10 +383,6 @@ _encoder = msgspec.msgpack.Encoder()
 _decoders = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in _TYPES.items()}
 
 
-class ProtocolError(ValueError):
-    """A message that does not decode: wrong kind byte, bad header, or a foreign sender."""
-
-
 def encode_header(msg: _Msg) -> list[bytes]:
     """``[head]``: the kind byte and the header of a message, in one frame."""
     return [_KIND_OF[type(msg)].frame + _encoder.encode(msg)]
@@ -415,3 +431,44 @@ def hello_protocol(header: Any) -> int:
         return int(fields[0])
     except Exception as exc:
         raise ProtocolError(f"a HELLO whose protocol version cannot be read: {exc}") from exc
+
+
+# --- a replica process's link (runtime.zmq.replicas) ---------------------------------------------
+
+
+class ReplicaBuild(ChildMessage, tag="build"):
+    """Parent -> replica, first: the node to build."""
+
+    spec: bytes
+    """The node's :class:`~yatt_graph.serialize.NodeSpec` in JSON."""
+
+
+class ReplicaCall(ChildMessage, tag="call"):
+    """Parent -> replica: run a piece; its inputs follow as the codec's frames."""
+
+    context: dict[str, int] | None = None
+    """The piece context (``Node.begin_piece``); None: a plain ``node.run``."""
+    rows: list[int] = []
+    """The piece's rows in the whole call."""
+
+
+class ReplicaStop(ChildMessage, tag="stop"):
+    """Parent -> replica: exit now."""
+
+
+class ReplicaReady(ChildMessage, tag="ready"):
+    """Replica -> parent: the node is built."""
+
+
+class ReplicaDone(ChildMessage, tag="done"):
+    """Replica -> parent: the piece ran; its outputs follow as the codec's frames."""
+
+
+class ReplicaFailed(ChildMessage, tag="failed"):
+    """Replica -> parent: the build or the piece raised; the error and its traceback."""
+
+    message: str
+
+
+TO_REPLICA = Messages("a replica process", ReplicaBuild, ReplicaCall, ReplicaStop)
+FROM_REPLICA = Messages("a replica's parent", ReplicaReady, ReplicaDone, ReplicaFailed)

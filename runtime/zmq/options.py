@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from runtime.engine.calls import NodeWorkers
 
 __all__ = [
-    "check_options",
+    "check_executor_arguments",
     "engine_from_setup",
     "nodes_from_setup",
     "plan_resources",
@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 
-def check_options(
+def check_executor_arguments(
     rebuild: str, controller_output: str, spawn: bool, address: str | None, allow_tcp: bool,
     allow_remote: bool,
 ) -> None:  # fmt: skip

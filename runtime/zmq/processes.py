@@ -12,7 +12,6 @@ import glob
 import os
 import shutil
 import signal
-import subprocess
 import tempfile
 import threading
 from collections.abc import Sequence
@@ -20,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from runtime.children import log_tail, python_env, start_python, stop
+from runtime.children import Child, python_env, start_child, stop
 from runtime.pids import pid_alive
 from runtime.sched.affinity import child_env
 from runtime.sched.devices import Resources, openmp_env
@@ -41,8 +40,9 @@ class ControllerProc:
 
     def __init__(self, index: int, nodes: list[str]):
         self.index, self.nodes = index, nodes
-        self.popen: subprocess.Popen[bytes] | None = None
-        self.log_path = ""
+        self.child: Child | None = None
+        """Its process, when the driver started it (:class:`runtime.children.Child`: how a
+        dead one is told); None for one that joined from elsewhere (heartbeats only)."""
         self.identity: bytes | None = None
         """The control link's identity (SETUP, heartbeats, SHUTDOWN)."""
         self.work: bytes | None = None
@@ -64,8 +64,13 @@ class ControllerProc:
             f"{beat.running_step} (for {beat.running_s:.1f}s)"
         )
 
+    @property
+    def log_path(self) -> str:
+        """Where its output goes ('' when it shares the driver's, or runs elsewhere)."""
+        return self.child.log_path if self.child is not None else ""
+
     def log_tail(self) -> str:
-        return log_tail(self.log_path, f"controller {self.index}")
+        return self.child.log_tail() if self.child is not None else ""
 
 
 class RunCleanup:
@@ -76,7 +81,7 @@ class RunCleanup:
         # Who owns the folder: a later run removes it if this process dies without clean-up.
         with open(os.path.join(run_dir, OWNER_FILE), "w") as f:
             f.write(str(os.getpid()))
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[Child] = []
         self.ctx: zmq.Context | None = None
         self.auth: Any = None
         self.io_stop = threading.Event()
@@ -162,16 +167,18 @@ def spawn_controllers(
                 *(["--keys", keys_dir] if keys_dir else []),
                 *(arg for ref in preload for arg in ("--preload", ref)),
             ]  # fmt: skip
-            if output == "capture":
-                c.log_path = os.path.join(run_dir, f"controller-{c.index}.log")
+            log_path = (
+                os.path.join(run_dir, f"controller-{c.index}.log") if output == "capture" else ""
+            )
             share = resources[c.index] if c.index < len(resources) else None
             own = dict(child_env(env, share))
             threads = share.threads or len(share.cores) if share is not None else 0
             if threads and num_threads <= 0:
                 own["OMP_NUM_THREADS"] = str(threads)
-            c.popen = start_python("runtime.zmq.controller_main", args, own, c.log_path)
-            c.pid = c.popen.pid
-            res.procs.append(c.popen)
+            label = f"controller {c.index}"
+            c.child = start_child("runtime.zmq.controller_main", args, own, label, log_path)
+            c.pid = c.child.pid
+            res.procs.append(c.child)
     finally:
         if main:
             signal.signal(signal.SIGINT, old)

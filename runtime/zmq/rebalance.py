@@ -1,5 +1,5 @@
 """The driver's side of adaptive partitioning: each finished step's timings to the partitioner
-(:mod:`runtime.sched.partition`), its decisions to the controllers, and the ``sched/*`` metrics.
+(:mod:`runtime.sched.adaptive`), its decisions to the controllers, and the ``sched/*`` metrics.
 
 A decision goes out as RESOURCES to each controller whose share changed; the controller applies
 it on its compute thread between two node calls, and its next STEP_DONE reports what it
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from runtime.engine.calls import StepResult
+from runtime.sched.adaptive import Partitioner, StepTiming
 from runtime.sched.devices import Resources
-from runtime.sched.partition import Partitioner, StepTiming
 
 __all__ = ["Rebalancer", "sched_metrics", "step_timing"]
 

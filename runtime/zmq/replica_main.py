@@ -3,7 +3,7 @@
 
 It pins itself to its cores, sets its torch threads, rebuilds the node from the NodeSpec it
 is sent first, and answers each piece with the node's outputs (or the error, as text), until
-it is told to stop or its parent is gone.
+it is told to stop or its parent is gone (:func:`runtime.children.exit_with_parent`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from collections.abc import Sequence
 
 import msgspec
 import zmq
+
+from runtime.children import exit_with_parent
+from runtime.zmq import messages as m
 
 __all__ = ["FAULT_ENV", "main"]
 
@@ -41,7 +44,7 @@ def _pin(cores: str, threads: int) -> None:
 
 def _error(exc: BaseException) -> bytes:
     text = f"{type(exc).__name__}: {exc}\n--- original traceback ---\n{traceback.format_exc()}"
-    return msgspec.json.encode({"op": "error", "message": text})
+    return m.FROM_REPLICA.encode(m.ReplicaFailed(text))
 
 
 def _fault(calls: int) -> None:
@@ -61,6 +64,7 @@ def _fault(calls: int) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
+    exit_with_parent(args.parent_pid, f"yatt-graph replica (pid {os.getpid()})")
     _pin(args.cores, args.threads)
     from runtime.codec import decode_value, encode_value
     from runtime.sched.fanout import run_with_context
@@ -70,32 +74,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(args.connect)
     try:
-        node = build_node(msgspec.json.decode(sock.recv(), type=NodeSpec))
+        build = m.TO_REPLICA.decode(sock.recv())
+        if not isinstance(build, m.ReplicaBuild):
+            raise m.ProtocolError(f"the first message was {type(build).__name__}, not ReplicaBuild")
+        node = build_node(msgspec.json.decode(build.spec, type=NodeSpec))
         node.setup()
     except BaseException as exc:
         sock.send(_error(exc))
         return 1
-    sock.send(msgspec.json.encode({"op": "ready"}))
+    sock.send(m.FROM_REPLICA.encode(m.ReplicaReady()))
+    done = m.FROM_REPLICA.encode(m.ReplicaDone())
     calls = 0
     while True:
-        if not sock.poll(1000):
-            if os.getppid() != args.parent_pid:
-                return 0  # the parent is gone
-            continue
         frames = sock.recv_multipart(copy=False)
-        header = msgspec.json.decode(frames[0].bytes)
-        if header.get("op") == "stop":
-            return 0
-        calls += 1
-        _fault(calls)
         try:
+            header = m.TO_REPLICA.decode(frames[0].buffer)
+            if isinstance(header, m.ReplicaStop):
+                return 0
+            if not isinstance(header, m.ReplicaCall):
+                raise m.ProtocolError(f"a {type(header).__name__} after the node was built")
+            calls += 1
+            _fault(calls)
             inputs = decode_value(list(frames[1:]), where="piece inputs")
-            out = run_with_context(node, inputs, header.get("context"), header.get("rows"))
+            out = run_with_context(node, inputs, header.context, header.rows)
             reply = encode_value(out, where=f"node {node.name!r} outputs")
         except BaseException as exc:
             sock.send(_error(exc))
             continue
-        sock.send_multipart([msgspec.json.encode({"op": "ok"}), *reply], copy=False)
+        sock.send_multipart([done, *reply], copy=False)
 
 
 if __name__ == "__main__":

@@ -5,14 +5,15 @@ node's :class:`~runtime.sched.fanout.Fanout`.
 fork of a process that has torch loaded) on its own core (``os.sched_setaffinity``) with one
 torch thread, or on its own GPU (``CUDA_VISIBLE_DEVICES``) when the node runs on CUDA. It
 rebuilds the node from its :class:`~yatt_graph.serialize.NodeSpec` (the same seeded build as
-every other copy) and serves pieces over a zmq PAIR socket on ``ipc://``: a msgpack header
-plus the value codec's frames (:mod:`runtime.codec`), nothing pickled. A weight update
+every other copy) and serves pieces over a zmq PAIR socket on ``ipc://``: a typed header
+(:data:`runtime.zmq.messages.TO_REPLICA`, :data:`~runtime.zmq.messages.FROM_REPLICA`) plus
+the value codec's frames (:mod:`runtime.codec`), nothing pickled. A weight update
 (a shared :class:`~yatt_graph.WeightUpdate` input) reaches each process once per version.
 
 A replica process that exits is an error naming the node, the replica, its pid and exit code,
-with the tail of its log, raised from the call that was waiting on it; so a run with
-``--restart on-failure`` restarts from the last checkpoint. A replica exits by itself when its
-parent does.
+with the tail of its log (:class:`runtime.children.Child`), raised from the call that was
+waiting on it; so a run with ``--restart on-failure`` restarts from the last checkpoint. A
+replica exits by itself when its parent does (:func:`runtime.children.exit_with_parent`).
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from typing import Any
 import msgspec
 import zmq
 
-from runtime.children import exit_text, log_tail, python_env, start_python, stop
+from runtime.children import python_env, start_child, stop
 from runtime.codec import decode_value, encode_value
-from runtime.errors import ControllerError
+from runtime.errors import ProcessFault
 from runtime.sched.devices import passive_env
+from runtime.zmq import messages as m
 from yatt_graph import WeightUpdate
 from yatt_graph.serialize import node_spec
 
@@ -42,9 +44,10 @@ _START_TIMEOUT_S = 300.0
 """How long a replica may take to start and build its node (a model load)."""
 
 
-class ReplicaDied(ControllerError):
-    """A replica process exited or could not start: a process fault, like a dead controller,
-    so ``--restart on-failure`` restarts the run from its last checkpoint."""
+class ReplicaDied(ProcessFault):
+    """A replica process exited, gave no answer in time or could not start: a process fault,
+    like a dead controller, so ``--restart on-failure`` restarts the run from its last
+    checkpoint."""
 
 
 class ReplicaProcess:
@@ -75,15 +78,16 @@ class ReplicaProcess:
             "--connect", address, "--parent-pid", str(os.getpid()), "--threads", "1",
             *(["--cores", ",".join(map(str, cores))] if cores else []),
         ]  # fmt: skip
-        self.popen = start_python("runtime.zmq.replica_main", args, env, self.log_path)
-        self.pid = self.popen.pid
+        who = f"replica {index} of node {node.name!r}"
+        self.child = start_child("runtime.zmq.replica_main", args, env, who, self.log_path)
+        self.pid = self.child.pid
         self.label = f"process {index} (pid {self.pid})"
         self._sent: Any = {}  # shared port -> the last value sent (a weight update is sent once)
         try:
-            self.sock.send(spec)
+            self.sock.send(m.TO_REPLICA.encode(m.ReplicaBuild(spec)))
             header, _ = self._reply(_START_TIMEOUT_S, "starting")
-            if header.get("op") != "ready":
-                raise ReplicaDied(self._why("did not start", header.get("message", "")))
+            if not isinstance(header, m.ReplicaReady):
+                raise ReplicaDied(self._why("did not start", getattr(header, "message", "")))
         except BaseException:
             self.close()
             raise
@@ -95,13 +99,17 @@ class ReplicaProcess:
         """Run a piece on this process's copy of ``node``."""
         inputs = self._once_per_version(inputs)
         frames = encode_value(inputs, where=f"node {self.name!r} replica {self.index} inputs")
-        header = msgspec.json.encode({"op": "call", "context": context, "rows": rows})
+        header = m.TO_REPLICA.encode(
+            m.ReplicaCall(None if context is None else dict(context), rows)
+        )
         self.sock.send_multipart([header, *frames], copy=False)
         reply, frames = self._reply(None, "running a piece")
-        if reply.get("op") == "error":
+        if isinstance(reply, m.ReplicaFailed):
             raise RuntimeError(
-                f"node {self.name!r} replica {self.index} (pid {self.pid}): {reply['message']}"
+                f"node {self.name!r} replica {self.index} (pid {self.pid}): {reply.message}"
             )
+        if not isinstance(reply, m.ReplicaDone):
+            raise ReplicaDied(self._why(f"answered a piece with {type(reply).__name__}"))
         return decode_value(frames, where=f"node {self.name!r} replica {self.index} outputs")
 
     def _once_per_version(self, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -120,27 +128,31 @@ class ReplicaProcess:
                 self._sent[port] = value
         return out
 
-    def _reply(self, timeout_s: float | None, doing: str) -> tuple[dict[str, Any], list[Any]]:
+    def _reply(self, timeout_s: float | None, doing: str) -> tuple[Any, list[Any]]:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self.sock.poll(_POLL_MS):
-            code = self.popen.poll()
-            if code is not None:
-                raise ReplicaDied(self._why(f"{exit_text(code)} while {doing}"))
+            if dead := self.child.dead():
+                raise ReplicaDied(f"{dead} while {doing}" + self.child.log_tail())
             if deadline is not None and time.monotonic() > deadline:
                 raise ReplicaDied(self._why(f"gave no answer in {timeout_s:.0f} s while {doing}"))
         frames = self.sock.recv_multipart(copy=False)
-        return msgspec.json.decode(frames[0].bytes), list(frames[1:])
+        try:
+            return m.FROM_REPLICA.decode(frames[0].buffer), list(frames[1:])
+        except m.ProtocolError as exc:
+            raise ReplicaDied(
+                self._why(f"sent what is not an answer while {doing}: {exc}")
+            ) from None
 
     def _why(self, what: str, message: str = "") -> str:
-        who = f"replica {self.index} of node {self.name!r} (pid {self.pid})"
-        return f"{who} {what}" + (f": {message}" if message else "") + log_tail(self.log_path, who)
+        who = f"{self.child.label} (pid {self.pid})"
+        return f"{who} {what}" + (f": {message}" if message else "") + self.child.log_tail()
 
     def close(self) -> None:
-        popen = getattr(self, "popen", None)
-        if popen is not None and popen.poll() is None:
+        child = getattr(self, "child", None)  # None: the process did not start
+        if child is not None and not child.dead():
             with contextlib.suppress(zmq.ZMQError):
-                self.sock.send(msgspec.json.encode({"op": "stop"}), zmq.NOBLOCK)
-            stop([popen], grace_s=10)
+                self.sock.send(m.TO_REPLICA.encode(m.ReplicaStop()), zmq.NOBLOCK)
+            stop([child], grace_s=10)
         self.sock.close(linger=0)
         shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -42,6 +42,7 @@ PPO_DEFAULTS = {
     "clip_eps": 0.2,
     "clip_eps_high": None,
     "dual_clip": None,
+    "policy_loss": "ppo",
     "lr_schedule": "constant",
     "lr_warmup_steps": 0,
     "lr_decay_steps": 0,
@@ -49,6 +50,8 @@ PPO_DEFAULTS = {
     "mask_truncated": False,
     "recompute_logprobs": False,
     "tis_cap": 0.0,
+    "tis_level": "token",
+    "tis_mode": "truncate",
     "top_p": 1.0,
     "top_k": 0,
     "stop": [],
@@ -59,6 +62,10 @@ SOURCE_DEFAULTS = {
     "val_data": None,
     "val_every": 10,
     "val_rows": 64,
+    "val_samples": 1,
+    "val_temperature": 1.0,
+    "val_top_p": 1.0,
+    "val_pass_threshold": 1.0,
     "prompt_key": "prompt",
     "image_key": "image",
     "answer_key": "answer",
@@ -77,6 +84,12 @@ SOURCE_DEFAULTS = {
     "device": "auto",
     "train_ranks": 1,
     "train_backend": "fsdp",
+    # on-policy distillation: off (no teacher)
+    "teacher": None,
+    "distill_coef": 0.0,
+    "distill_mode": "loss",
+    "distill_estimator": "k2",
+    "reward_coef": 1.0,
 }
 PPO_DEFAULTS |= SOURCE_DEFAULTS
 
@@ -184,6 +197,10 @@ def test_every_field_has_a_docstring(config):
         (RLConfig, "kl_coef", -0.1, ">= 0"),
         (RLConfig, "epochs", 0, ">= 1"),
         (RLConfig, "on_bad_sample", "error", "one of raise, skip"),
+        (RLConfig, "distill_coef", -0.5, ">= 0"),
+        (RLConfig, "reward_coef", -1.0, ">= 0"),
+        (RLConfig, "distill_mode", "kl", "one of loss, advantage"),
+        (RLConfig, "teacher", "/no/such/teacher", "an existing local model folder"),
         (PPOConfig, "gamma", 1.5, "in [0.0, 1.0]"),
         (PPOConfig, "lam", -0.1, "in [0.0, 1.0]"),
         (PPOConfig, "critic_lr", math.inf, "> 0"),
@@ -291,17 +308,16 @@ def test_the_trainer_recomputes_logprobs_and_corrects_the_gap_where_the_sampler_
 
 
 def test_vllm_sleeps_between_rollouts_unless_the_run_never_offloads():
-    from runtime.cli import build_parser
-    from runtime.run import graph_options, resolve_graph
+    from runtime.cli import parse_run
+    from runtime.run import graph_options
 
     assert TextGRPOConfig(rollout="vllm").vllm_sleep is True
     assert TextGRPOConfig().vllm_sleep is False  # nothing to free without vLLM
     assert TextGRPOConfig(rollout="vllm", vllm_sleep=False).vllm_sleep is False
 
     def options(*flags):
-        args = build_parser().parse_args(["run", "text_grpo", *flags])
-        args.graph = resolve_graph(args.graph)
-        return graph_options(args)
+        spec = parse_run(["text_grpo", *flags])
+        return graph_options(spec.graph, spec.engine.offload)
 
     assert "vllm_sleep" not in options()
     assert options("--offload", "off")["vllm_sleep"] is False

@@ -31,9 +31,8 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from runtime.cli import build_parser
-from runtime.flags import check_flags
-from runtime.run import graph_input, graph_options, load, resolve_graph, run_config
+from runtime.cli import build_parser, parse_run
+from runtime.run import graph_input, graph_options, load
 from yatt_graph import UsageError
 from yatt_graph.options import config_options, load_graph_module
 
@@ -72,9 +71,8 @@ class Built(NamedTuple):
     values: dict[str, Any]
     options: dict[str, Any]
     """The options as the command line gave them to the graph."""
-    args: argparse.Namespace
-    devices: Any
-    distributed: bool
+    spec: Any
+    """The run's :class:`runtime.flags.RunSpec`."""
 
     @property
     def nodes(self) -> dict[str, Any]:
@@ -163,6 +161,7 @@ def scenarios(graph: str, f: Files) -> dict[str, Scenario]:
         "mini_batches": 2, "micro_batch_tokens": 96, "pack_sequences": True,
         "mask_truncated": True, "mixed_precision": "bf16", "weight_decay": 0.01,
         "max_grad_norm": 0.5, "clip_eps": 0.1, "clip_eps_high": 0.28, "dual_clip": 3.0,
+        "policy_loss": "gspo",
         "lr_schedule": "cosine", "lr_warmup_steps": 4, "lr_decay_steps": 40, "top_p": 0.9,
         "top_k": 5, "stop": ["</answer>"], "dtype": "bfloat16", "gradient_checkpointing": True,
         "lora_r": 4, "lora_alpha": 8.0, "lora_targets": "q_proj,v_proj", "chat_template": False,
@@ -183,13 +182,18 @@ def scenarios(graph: str, f: Files) -> dict[str, Scenario]:
         "data": f.data, "prompt_key": "question", "image_key": "picture", "answer_key": "label",
         "rollout": "vllm", "vllm_gpu_memory": 0.5, "vllm_tensor_parallel": 2,
         "vllm_dtype": "float16", "vllm_eager": True, "vllm_sleep": True,
-        "recompute_logprobs": True, "tis_cap": 1.5, "device": "cuda",
+        "recompute_logprobs": True, "tis_cap": 1.5, "tis_level": "sequence", "tis_mode": "mask",
+        "device": "cuda",
         "weights_include": ["lora_", "^head"], "weights_dtype": "bfloat16",
+        "teacher": common["policy"], "distill_coef": 0.5, "distill_mode": "advantage",
+        "distill_estimator": "k3", "reward_coef": 0.5,
     }  # fmt: skip
     if agent:
         own["max_turns"] = 3
     else:
-        own |= {"reward": f.reward, "val_data": f.data, "val_every": 3, "val_rows": 5}
+        own |= {"reward": f.reward, "val_data": f.data, "val_every": 3, "val_rows": 5,
+                "val_samples": 4, "val_temperature": 0.6, "val_top_p": 0.8,
+                "val_pass_threshold": 0.5}  # fmt: skip
     if not (agent or ppo):
         own["dynamic_sampling"] = 0.5
     # the shapes task, streamed, on the CPU although CUDA is there, all by --set
@@ -257,13 +261,11 @@ def words(graph: str, scenario: Scenario) -> list[str]:
 
 def build(graph: str, scenario: Scenario) -> Built:
     """The graph as ``yatt-graph run`` builds it from the scenario's command line."""
-    args = build_parser().parse_args(words(graph, scenario))
-    args.graph = resolve_graph(args.graph)
-    devices, distributed = check_flags(args)
-    with graph_input(args.graph):
-        options = graph_options(args)
-        g = load(args, options)
-    return Built(g, scenario.values, options, args, devices, distributed)
+    spec = parse_run(words(graph, scenario)[1:])
+    with graph_input(spec.graph.ref):
+        options = graph_options(spec.graph, spec.engine.offload)
+        _, g = load(spec.graph, options)
+    return Built(g, scenario.values, options, spec)
 
 
 def config_of(graph: str) -> Any:
@@ -503,8 +505,8 @@ def check_device(b: Built, v: str) -> None:
         assert torch.device(b.nodes["validation"].device) == want
     for reward in model_rewards(b):
         assert torch.device(reward.device) == want, reward.name
-    if b.distributed:  # the run's controllers take it from the RunConfig
-        assert run_config(b.args, b.options, b.devices, True).device == v
+    if b.spec.launch.distributed:  # the run's controllers take it from the RunConfig
+        assert b.spec.engine.device == v
 
 
 def check_train_ranks(b: Built, v: int) -> None:
@@ -562,6 +564,12 @@ def update_attribute(attribute: str) -> Callable[[Built, Any], None]:
     return check
 
 
+def check_teacher(b: Built, v: str) -> None:
+    """The teacher scores the rollout's responses and the update reads its logprobs."""
+    assert b.nodes["teacher"].policy_spec["path"] == v
+    assert "teacher_logprobs" in inputs(b, update(b).name)
+
+
 def check_weights_include(b: Built, v: Any) -> None:
     assert [p.pattern for p in update(b).weights_include] == v
 
@@ -611,6 +619,8 @@ CHECKS: dict[str, Callable[[Built, Any], None]] = {
     "mask_truncated": update_attribute("mask_truncated"),
     "recompute_logprobs": check_recompute_logprobs,
     "tis_cap": update_attribute("tis_cap"),
+    "tis_level": update_attribute("tis_level"),
+    "tis_mode": update_attribute("tis_mode"),
     "weights_include": check_weights_include,
     "weights_dtype": check_weights_dtype,
     "mixed_precision": check_mixed_precision,
@@ -619,6 +629,7 @@ CHECKS: dict[str, Callable[[Built, Any], None]] = {
     "clip_eps": check_clip(0),
     "clip_eps_high": check_clip(1),
     "dual_clip": check_clip(2),
+    "policy_loss": update_attribute("policy_loss"),
     "lr_schedule": update_attribute("lr_schedule"),
     "lr_warmup_steps": update_attribute("lr_warmup_steps"),
     "lr_decay_steps": update_attribute("lr_decay_steps"),
@@ -630,6 +641,10 @@ CHECKS: dict[str, Callable[[Built, Any], None]] = {
     "val_data": check_val_data,
     "val_every": node_attribute("validation", "every"),
     "val_rows": node_attribute("validation", "rows"),
+    "val_samples": node_attribute("validation", "samples"),
+    "val_temperature": node_attribute("validation", "temperature"),
+    "val_top_p": node_attribute("validation", "top_p"),
+    "val_pass_threshold": node_attribute("validation", "pass_threshold"),
     "prompt_key": check_data_key("prompt_key"),
     "image_key": check_data_key("image_key"),
     "answer_key": check_data_key("answer_key"),
@@ -648,6 +663,11 @@ CHECKS: dict[str, Callable[[Built, Any], None]] = {
     "device": check_device,
     "train_ranks": check_train_ranks,
     "train_backend": update_attribute("train_backend"),
+    "teacher": check_teacher,
+    "distill_coef": update_attribute("distill_coef"),
+    "distill_mode": update_attribute("distill_mode"),
+    "distill_estimator": update_attribute("distill_estimator"),
+    "reward_coef": update_attribute("reward_coef"),
     # PPO
     "critic_lr": update_attribute("critic_lr"),
     "gamma": node_attribute("gae", "gamma"),
@@ -674,8 +694,17 @@ NOT_IN_NODES: dict[str, dict[str, str]] = {
         "reward": "refused: the environment scores each trajectory",
         "dynamic_sampling": "refused: the environment scores each trajectory whole",
         "val_data": "refused: an agent graph has no validation",
-        "val_every": "idle: an agent graph has no validation (idle_options says so)",
-        "val_rows": "idle: an agent graph has no validation (idle_options says so)",
+        **dict.fromkeys(
+            (
+                "val_every",
+                "val_rows",
+                "val_samples",
+                "val_temperature",
+                "val_top_p",
+                "val_pass_threshold",
+            ),
+            "idle: an agent graph has no validation (idle_options says so)",
+        ),  # fmt: skip
     }
     for agent in AGENTS
 }

@@ -12,9 +12,12 @@ from hypothesis import strategies as st
 from masked_helpers import fill_padding, ragged_mask
 
 from nodes.rl.losses import (
+    POLICY_LOSSES,
     aggregate_token_loss,
     entropy_from_logits,
     grpo_loss,
+    gspo_policy_loss,
+    importance_weights,
     kl_loss,
     logprobs_from_logits,
     ppo_policy_loss,
@@ -544,3 +547,171 @@ def test_truncated_is_weights_are_the_capped_trainer_to_sampler_ratio():
         truncated_is_weights(old, sampled, mask, cap=0)
     with pytest.raises(ValueError, match="is_weights"):
         grpo_loss(old, old, None, adv, mask, beta=0.0, is_weights=torch.ones(2, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# the policy-loss registry and GSPO
+# ---------------------------------------------------------------------------------------------
+
+
+def _gspo_reference(logprobs, old, advantages, lengths, eps_low, eps_high):
+    """GSPO written out in float64 loops: the loss (seq-mean-token-mean) and d loss / d logprobs.
+
+    s_i = exp(1/|o_i| sum_t (lp - old)); the token loss is max(-A s_i, -A clip(s_i)); its
+    gradient is -A_t * s_i / |o_i| per token where the unclipped branch wins, else 0; the
+    loss is the mean over responses of the mean over their tokens."""
+    B = len(lengths)
+    loss, grad = 0.0, [[0.0] * logprobs.shape[1] for _ in range(B)]
+    for i, n in enumerate(lengths):
+        s = math.exp(sum(float(logprobs[i, t] - old[i, t]) for t in range(n)) / n)
+        clipped_s = min(max(s, 1 - eps_low), 1 + eps_high)
+        row = 0.0
+        for t in range(n):
+            a = float(advantages[i, t])
+            unclipped, clipped = -a * s, -a * clipped_s
+            row += max(unclipped, clipped)
+            if not clipped > unclipped:
+                grad[i][t] = -a * s / n / B
+        loss += row / n / B
+    return loss, torch.tensor(grad, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("junk", [0.0, NAN, INF])
+def test_gspo_matches_a_float64_reference_with_ragged_lengths_and_padding(junk):
+    lengths, T = [3, 1, 4, 2], 5
+    mask = ragged_mask(lengths, T)
+    gen = torch.Generator().manual_seed(3)
+    old = -torch.rand(4, T, generator=gen, dtype=torch.float64) * 2  # (B, T)
+    # the sequence ratios land on both sides of the clip range and inside it
+    shift = torch.tensor([[0.002], [-0.0001], [-0.003], [0.0]], dtype=torch.float64)
+    noise = torch.randn(4, T, generator=gen, dtype=torch.float64) * 1e-3
+    logprobs = old + shift + noise  # (B, T)
+    advantages = torch.tensor([[1.0], [-1.0], [-1.0], [1.0]], dtype=torch.float64).expand(4, T)
+    expected_loss, expected_grad = _gspo_reference(logprobs, old, advantages, lengths, 3e-4, 4e-4)
+    lp = fill_padding(logprobs, mask, junk).requires_grad_()
+    loss, stats = gspo_policy_loss(
+        lp, fill_padding(old, mask, junk), fill_padding(advantages, mask, junk), mask
+    )
+    torch.testing.assert_close(loss, torch.tensor(expected_loss, dtype=torch.float64))
+    loss.backward()
+    torch.testing.assert_close(lp.grad, expected_grad)
+    # each response's tokens are clipped together: the first and third are, the others not
+    assert stats["clip_fraction"].item() == pytest.approx((3 + 4) / 10)
+    seq = [math.exp(float((logprobs[i, :n] - old[i, :n]).mean())) for i, n in enumerate(lengths)]
+    ratio_mean = sum(s * n for s, n in zip(seq, lengths, strict=True)) / sum(lengths)
+    assert stats["ratio_mean"].item() == pytest.approx(ratio_mean, rel=1e-12)
+
+
+def test_gspo_of_one_token_responses_is_ppo():
+    """With one token per response the sequence ratio is the token ratio: the same loss,
+    gradient and stats as PPO's, clipped or not."""
+    mask = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]])
+    old = torch.tensor([[-1.0, 0.0], [-2.0, 0.0], [-0.5, 0.0]])
+    logprobs = old + torch.tensor([[0.5, 0.0], [-0.05, 0.0], [-0.5, 0.0]])
+    adv = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [-1.0, 0.0]])
+    results = []
+    for fn in (ppo_policy_loss, gspo_policy_loss):
+        lp = logprobs.clone().requires_grad_()
+        loss, stats = fn(lp, old, adv, mask, clip_eps=0.2, clip_eps_high=0.2)
+        loss.backward()
+        results.append((loss, lp.grad, stats))
+    (loss_p, grad_p, stats_p), (loss_g, grad_g, stats_g) = results
+    torch.testing.assert_close(loss_g, loss_p)
+    torch.testing.assert_close(grad_g, grad_p)
+    # e^0.5 with A = 1 and e^-0.5 with A = -1 are clipped, e^-0.05 is inside
+    assert (
+        stats_p["clip_fraction"].item() == stats_g["clip_fraction"].item() == pytest.approx(2 / 3)
+    )
+
+
+def test_the_policy_losses_are_registered_and_grpo_takes_them_by_name():
+    assert list(POLICY_LOSSES)[:2] == ["ppo", "gspo"]
+    mask = ragged_mask([2, 3], 3)
+    old = torch.tensor([[-1.0, -1.0, 0.0], [-1.0, -2.0, -3.0]])
+    lp = old + torch.tensor([[0.3, 0.3, 0.0], [0.1, 0.2, 0.3]])
+    adv = torch.tensor([1.0, -1.0])
+    ppo, _ = grpo_loss(lp, old, None, adv, mask, beta=0.0)
+    assert torch.equal(ppo, grpo_loss(lp, old, None, adv, mask, beta=0.0, policy_loss="ppo")[0])
+    gspo, stats = grpo_loss(lp, old, None, adv, mask, 3e-4, 4e-4, beta=0.0, policy_loss="gspo")
+    # s = (e^0.3, e^0.2), both above 1 + 4e-4: -A clip(s) = -(1 + 4e-4) and +(1 + 4e-4) ...
+    # ... and max(1 * e^0.2, 1 * 1.0004) = e^0.2 for the negative advantage
+    torch.testing.assert_close(gspo, torch.tensor((-(1 + 4e-4) + math.exp(0.2)) / 2))
+    assert stats["clip_fraction"].item() == pytest.approx(2 / 5)
+    with pytest.raises(ValueError, match="policy_loss is 'cispo'.*choose one of ppo, gspo"):
+        grpo_loss(lp, old, None, adv, mask, beta=0.0, policy_loss="cispo")
+
+
+# ---------------------------------------------------------------------------------------------
+# importance weights: token or sequence level, truncated or masked
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_reference(old, sampled, lengths, cap, level, mode):
+    """The weights written out in float64 loops: per token exp(old - sampled), or per sequence
+    exp of the mean gap over the response's real tokens on each of them; then min(w, cap), or
+    w inside [1/cap, cap] and 0 outside; 0 at padding."""
+    B, T = old.shape
+    out = [[0.0] * T for _ in range(B)]
+    for i, n in enumerate(lengths):
+        seq = math.exp(sum(float(old[i, t] - sampled[i, t]) for t in range(n)) / n)
+        for t in range(n):
+            w = seq if level == "sequence" else math.exp(float(old[i, t] - sampled[i, t]))
+            if mode == "truncate":
+                out[i][t] = min(w, cap)
+            else:
+                out[i][t] = w if 1 / cap <= w <= cap else 0.0
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("junk", [0.0, NAN, -INF])
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_importance_weights_match_a_float64_reference(level, mode, junk):
+    lengths, T = [4, 1, 3, 2, 5], 5
+    mask = ragged_mask(lengths, T)
+    gen = torch.Generator().manual_seed(7)
+    old = -torch.rand(5, T, generator=gen, dtype=torch.float64) * 3  # (B, T)
+    sampled = old + torch.randn(5, T, generator=gen, dtype=torch.float64) * 0.8  # (B, T)
+    expected = _is_reference(old, sampled, lengths, 1.5, level, mode)
+    w = importance_weights(
+        fill_padding(old, mask, junk), fill_padding(sampled, mask, junk), mask, 1.5, level, mode
+    )
+    torch.testing.assert_close(w, expected.float())
+    capped = expected[mask.bool()]
+    # the draw has weights on both sides of the cap (and, masked, dropped ones)
+    assert (capped == 1.5).any() if mode == "truncate" else (capped == 0).any()
+    assert ((capped > 0) & (capped < 1.5)).any()
+
+
+def test_sequence_weights_are_one_per_response_and_padding_does_not_shift_them():
+    # gaps (old - sampled) 0.2 and -0.6 on response 0: geometric mean exp(-0.2); response 1's
+    # single gap 1.0 is e = 2.72 > cap 2: truncated to 2, masked to 0
+    old = torch.tensor([[-1.0, -2.0, 0.0], [-1.0, 0.0, 0.0]])
+    sampled = torch.tensor([[-1.2, -1.4, 5.0], [-2.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    w = importance_weights(old, sampled, mask, 2.0, "sequence", "truncate")
+    e = math.exp(-0.2)
+    torch.testing.assert_close(w, torch.tensor([[e, e, 0.0], [2.0, 0.0, 0.0]]))
+    w = importance_weights(old, sampled, mask, 2.0, "sequence", "mask")
+    torch.testing.assert_close(w, torch.tensor([[e, e, 0.0], [0.0, 0.0, 0.0]]))
+    # per token: exp(0.2), exp(-0.6) kept (both in [1/2, 2]); e dropped
+    w = importance_weights(old, sampled, mask, 2.0, "token", "mask")
+    torch.testing.assert_close(
+        w, torch.tensor([[math.exp(0.2), math.exp(-0.6), 0.0], [0.0, 0.0, 0.0]])
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"cap": 1.0, "mode": "mask"}, "cap is 1.0; it must be a finite number > 1"),
+        ({"cap": INF}, "cap is inf"),
+        ({"level": "sentence"}, "level is 'sentence'; choose one of token, sequence"),
+        ({"mode": "clip"}, "mode is 'clip'; choose one of truncate, mask"),
+    ],
+)
+def test_importance_weights_refuse_bad_settings_in_one_line(kwargs, match):
+    one = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match=match) as info:
+        importance_weights(one, one, torch.ones(1, 2), **kwargs)
+    assert "\n" not in str(info.value)

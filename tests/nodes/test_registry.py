@@ -85,9 +85,9 @@ def test_a_registered_kl_estimator_is_what_kl_penalty_and_gae_use(registered):
     torch.testing.assert_close(
         kl_penalty(logprobs, ref, mask, kind="square"), torch.tensor([[1.0, 0.0]])
     )
-    GAEAdvantage(kl_kind="square", kl_coef=0.1)
-    with pytest.raises(ValueError, match="kl_kind is 'k9': not a registered KL estimator"):
-        GAEAdvantage(kl_kind="k9")
+    GAEAdvantage(kl_estimator="square", kl_coef=0.1)
+    with pytest.raises(ValueError, match="kl_estimator is 'k9': not a registered KL estimator"):
+        GAEAdvantage(kl_estimator="k9")
 
 
 def test_a_registered_aggregation_reduces_the_losses(registered):

@@ -413,6 +413,59 @@ def test_truncated_importance_sampling_weighs_each_token_by_the_capped_gap(batch
         GRPOUpdate(tis_cap=-1)
 
 
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_sequence_level_importance_weights_scale_each_response_whole(batch, mode):
+    """The sampler 0.6 nats lower on the first token of the first prompt's responses and 1.0
+    lower on every token of the second prompt's: per sequence the weights are exp(0.6 / |o|)
+    and e (truncated to 2, or masked to 0 with cap 2), the step that of advantages scaled so."""
+    adv = broadcast_to_tokens(batch["scores"], batch["response_mask"])
+    inputs = _grpo_inputs(batch, adv, image_embeds=batch["image_embeds"])
+    mask = batch["response_mask"]
+    gap = torch.zeros_like(mask)
+    gap[:4, 0] = 0.6
+    gap[4:8] = 1.0
+    sampled = inputs["logprobs"] - gap * mask
+    kw = {"lr": LR, "max_grad_norm": 0}
+    node = GRPOUpdate(tis_cap=2.0, tis_level="sequence", tis_mode=mode, **kw)
+    m = node.run({**inputs, "rollout_logprobs": sampled})["metrics"]
+    scale = torch.ones(16, 1)
+    scale[:4, 0] = torch.exp(0.6 / mask[:4].sum(1))
+    scale[4:8] = 2.0 if mode == "truncate" else 0.0
+    scaled = GRPOUpdate(**kw)
+    expected = scaled.run({**inputs, "advantages": adv * scale})["metrics"]
+    assert m["loss"] == pytest.approx(expected["loss"], abs=1e-6)
+    a, b = _params(node.policy), _params(scaled.policy)
+    assert all(torch.allclose(a[k], b[k], atol=PARAM_ATOL) for k in a)
+    if mode == "mask":  # the second prompt's tokens are dropped
+        assert m["tis_masked"] == pytest.approx(float(mask[4:8].sum() / mask.sum()))
+    with pytest.raises(ValueError, match="tis_mode='mask': cap is 1.0; it must be a finite"):
+        GRPOUpdate(tis_cap=1.0, tis_mode="mask")
+
+
+def test_gspo_is_chosen_by_name_in_both_updates_and_takes_ppos_step_on_policy(batch):
+    """One pass over a batch: the ratio is 1, and GSPO's gradient is PPO's with the
+    per-response token mean (GRPO's default); a second pass clips whole responses."""
+    adv = broadcast_to_tokens(batch["scores"], batch["response_mask"])
+    inputs = _grpo_inputs(batch, adv, image_embeds=batch["image_embeds"])
+    kw = {"lr": LR, "max_grad_norm": 0}
+    ppo, gspo = GRPOUpdate(**kw), GRPOUpdate(policy_loss="gspo", **kw)
+    assert (ppo.hp.policy_loss, gspo.hp.policy_loss) == ("ppo", "gspo")
+    m_ppo, m_gspo = ppo.run(inputs)["metrics"], gspo.run(inputs)["metrics"]
+    assert m_gspo["loss"] == pytest.approx(m_ppo["loss"], abs=1e-6)
+    a, b = _params(ppo.policy), _params(gspo.policy)
+    assert all(torch.allclose(a[k], b[k], atol=PARAM_ATOL) for k in a)
+    # two passes at lr 1e-3 with GSPO's clip range: responses move beyond 4e-4 and are clipped
+    kw = {"lr": 1e-3, "epochs": 2, "clip_eps": 3e-4, "clip_eps_high": 4e-4}
+    two = GRPOUpdate(policy_loss="gspo", **kw).run(inputs)["metrics"]
+    assert two["clip_fraction"] > 0
+    m = PPOUpdate(policy_loss="gspo", **kw).run(
+        {**_ppo_inputs(batch), "image_embeds": batch["image_embeds"]}
+    )
+    assert m["metrics"]["clip_fraction"] > 0 and math.isfinite(m["metrics"]["loss"])
+    with pytest.raises(ValueError, match="policy_loss is 'gpso'.*choose one of ppo, gspo"):
+        GRPOUpdate(policy_loss="gpso")
+
+
 # --- weight sync ----------------------------------------------------------------------------
 
 

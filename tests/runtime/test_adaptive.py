@@ -1,4 +1,4 @@
-"""Adaptive partitioning (runtime.sched.partition) on synthetic step timings. Pure logic, < 1 s.
+"""Adaptive partitioning (runtime.sched.adaptive) on synthetic step timings. Pure logic, < 1 s.
 
 A small simulator plays the machine: each controller has a fixed amount of work per step,
 which runs ``cores ** 0.7`` times faster on more cores, and ``share_cost`` times slower while
@@ -12,8 +12,8 @@ import random
 
 import pytest
 
+from runtime.sched.adaptive import Partitioner, StepTiming, overlap_shares
 from runtime.sched.devices import Resources
-from runtime.sched.partition import Partitioner, StepTiming, overlap_shares
 
 
 def _seconds(work: float, cores: tuple[int, ...], other: tuple[int, ...], beside: float,

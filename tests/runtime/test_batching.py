@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from runtime.sched.batching import (
     batch_size,
     concat,
+    cut_pieces,
     default_costs,
     fuse,
     inverse_permutation,
     merge,
-    micro_batches,
     sample_costs,
     split,
     take,
@@ -142,9 +142,9 @@ def test_partition_rejects_bad_arguments():
 def test_micro_batches_fit_the_budget_and_use_every_device(
     costs, devices, max_bs, max_cost, method
 ):
-    parts = micro_batches(costs, devices, max_bs, max_cost, method)
+    parts = cut_pieces(costs, devices, max_bs, max_cost, method)
     assert sorted(i for p in parts for i in p) == list(range(len(costs)))
-    assert all(parts), "no empty micro-batch"
+    assert all(parts), "no empty piece"
     assert len(parts) >= min(devices, len(costs))
     for p in parts:
         assert not max_bs or len(p) <= max_bs
@@ -256,7 +256,7 @@ def test_no_sample_is_lost_or_duplicated_under_any_fuse_split_sequence(sizes, op
         elif op == "split":
             batch = pool.pop(rng.randrange(len(pool)))
             costs = [rng.uniform(0, 10) for _ in range(len(batch["ids"]))]
-            parts = micro_batches(
+            parts = cut_pieces(
                 costs, arg, max_batch_size=rng.randint(0, 4), method=rng.choice(["kk", "lpt"])
             )
             micro = split(batch, parts)

@@ -34,8 +34,8 @@ from runtime.children import stop
 from runtime.cli import main
 from runtime.engine.engine import LocalExecutor
 from runtime.errors import ControllerError
+from runtime.zmq.controllers import Controllers
 from runtime.zmq.driver import ZmqExecutor
-from runtime.zmq.group import ControllerGroup
 from runtime.zmq.hosts import HostShare
 from runtime.zmq.keys import generate_keys, load_keys
 from yatt_graph.refs import load_graph
@@ -339,7 +339,7 @@ def test_controllers_with_the_wrong_keys_are_refused_and_the_driver_says_so(
     port = _free_port(hosts.driver_ip)
     address = f"tcp://{hosts.driver_ip}:{port}"
     with caplog.at_level(logging.WARNING, logger="yatt_graph.runtime"):
-        group = ControllerGroup(2, address=address, keys=load_keys(keys, "driver"),
+        group = Controllers(2, address=address, keys=load_keys(keys, "driver"),
                                 keys_dir=keys, spawn=False)  # fmt: skip
         try:
             for name, folder in (("theirs", theirs), ("forged", forged)):

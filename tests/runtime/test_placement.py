@@ -7,7 +7,7 @@ import torch
 
 from bench.sim.placement import Placement, colocated, partial, place
 from bench.sim.scheduler import Scheduler
-from runtime.sched.devices import Device, DevicePool, cpu_slot_count
+from runtime.sched.devices import Slot, SlotPool, cpu_slot_count
 from yatt_graph import BatchPolicy
 from yatt_graph.refs import load_graph
 
@@ -66,27 +66,27 @@ def test_placement_errors_say_what_to_do():
 
 
 def test_pool_detects_cuda_or_cpu_slots(monkeypatch):
-    pool = DevicePool.detect(cpu_slots=3, kind="cpu")
+    pool = SlotPool.detect(cpu_slots=3, kind="cpu")
     assert [d.name for d in pool] == ["cpu:0", "cpu:1", "cpu:2"]
     assert pool[1].torch_device == "cpu"
     monkeypatch.setenv("YATT_CPU_SLOTS", "5")
-    assert cpu_slot_count() == 5 and len(DevicePool.detect(kind="cpu")) == 5
+    assert cpu_slot_count() == 5 and len(SlotPool.detect(kind="cpu")) == 5
     monkeypatch.setenv("YATT_CPU_SLOTS", "many")
     with pytest.raises(ValueError, match=r"\$YATT_CPU_SLOTS must be an integer"):
         cpu_slot_count()
     monkeypatch.delenv("YATT_CPU_SLOTS")
-    auto = DevicePool.detect()
+    auto = SlotPool.detect()
     if torch.cuda.is_available():
         assert [d.kind for d in auto] == ["cuda"] * torch.cuda.device_count()
         assert auto[0].torch_device == "cuda:0"
     else:
         assert all(d.kind == "cpu" for d in auto) and len(auto) >= 1
         with pytest.raises(RuntimeError, match="no CUDA device"):
-            DevicePool.detect(kind="cuda")
+            SlotPool.detect(kind="cuda")
 
 
 def test_pool_refuses_two_calls_at_once_on_one_device():
-    pool = DevicePool([Device("cpu", 0)])
+    pool = SlotPool([Slot("cpu", 0)])
     with (
         pool.busy(pool[0], "a"),
         pytest.raises(RuntimeError, match="one worker per device"),
@@ -94,7 +94,7 @@ def test_pool_refuses_two_calls_at_once_on_one_device():
     ):
         pass
     with pytest.raises(ValueError, match="duplicate devices"):
-        DevicePool([Device("cpu", 0), Device("cpu", 0)])
+        SlotPool([Slot("cpu", 0), Slot("cpu", 0)])
 
 
 @pytest.mark.timeout(60)
@@ -112,7 +112,7 @@ def test_scheduler_serves_each_node_only_on_its_placement_group():
 
         return fn
 
-    pool = DevicePool.cpu(3)
+    pool = SlotPool.cpu(3)
     p = partial({"rollout": "rollout", "reward": "reward"}, 3, rollout_devices=1)
     sched = Scheduler(pool, placement=p)
     sched.add("rollout", record("rollout"), policy=BatchPolicy(max_batch_size=1))

@@ -1,6 +1,6 @@
 """Moving cores between controllers part-way through a run changes float rounding only.
 
-Adaptive partitioning (runtime/sched/partition.py) moves cores and threads between steps at
+Adaptive partitioning (runtime/sched/adaptive.py) moves cores and threads between steps at
 times that depend on measured step times, so a test cannot wait for it; it forces the same
 move here with ``ZmqExecutor.set_resources``, the call the partitioner makes.
 """

@@ -40,8 +40,9 @@ def test_a_run_moved_to_a_new_cut_goes_on_exactly(tmp_path):
         sides[0] = {**before, "reward": "rollout"}
         return "moved reward to the rollout side"
 
-    moved.replan = replan
-    rows, restarts = train_with_restarts(moved, 10, tmp_path / "moved", progress=False)
+    rows, restarts = train_with_restarts(
+        moved, 10, tmp_path / "moved", progress=False, replan=replan
+    )
     assert restarts == 0 and [r["step"] for r in rows] == list(range(10))
     assert [r["scores/mean"] for r in rows] == [r["scores/mean"] for r in plain]
     assert [r["loss"] for r in rows] == [r["loss"] for r in plain]

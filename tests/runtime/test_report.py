@@ -73,8 +73,8 @@ def test_a_finished_run_has_every_part_and_no_notes(run_dir):
     assert rollout["mean_s"] == pytest.approx(table["rollout"]["mean_s"])
     assert len(data["samples"]["rows"]) == len(_samples(run_dir)) == 3 * 16
     settings = data["settings"]
-    assert settings["graph"] == "graphs.text_grpo" and settings["flags"]["steps"] == STEPS
-    assert settings["config"]["batch_size"] == 4 and settings["run_config"]["placement"]
+    assert settings["graph"]["ref"] == "graphs.text_grpo" and settings["train"]["steps"] == STEPS
+    assert settings["config"]["batch_size"] == 4 and settings["engine"]["placement"]
 
 
 @pytest.mark.timeout(120)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from bench.sim.placement import colocated, partial
 from bench.sim.scheduler import Scheduler, SchedulerError, summary_text
-from runtime.sched.devices import DevicePool
+from runtime.sched.devices import SlotPool
 from yatt_graph import BatchPolicy, Node, Tensor
 
 
@@ -44,7 +44,7 @@ def test_a_lone_request_waits_the_queue_delay_then_goes_alone():
         return {"out": inputs["ids"] + 1}
 
     delay = 0.3
-    sched = Scheduler(DevicePool.cpu(1))
+    sched = Scheduler(SlotPool.cpu(1))
     sched.add("echo", echo, policy=BatchPolicy(max_batch_size=8), max_queue_delay_s=delay)
     with sched:
         t0 = time.monotonic()
@@ -66,7 +66,7 @@ def test_requests_from_several_producers_fuse_into_one_call_and_come_back_in_ord
         calls.add(inputs["ids"].tolist())
         return {"out": inputs["ids"] * 10, "texts": inputs["texts"]}
 
-    sched = Scheduler(DevicePool.cpu(1))
+    sched = Scheduler(SlotPool.cpu(1))
     # A delay no test run reaches: the requests are sent together by flush(), once all three
     # are queued, however slowly the producer threads are scheduled.
     sched.add("echo", echo, policy=BatchPolicy(max_batch_size=16), max_queue_delay_s=3600.0)
@@ -98,7 +98,7 @@ def test_a_full_batch_goes_without_waiting_the_delay():
     def echo(inputs, dev):
         return {"out": inputs["ids"]}
 
-    sched = Scheduler(DevicePool.cpu(1))
+    sched = Scheduler(SlotPool.cpu(1))
     sched.add("echo", echo, policy=BatchPolicy(max_batch_size=4), max_queue_delay_s=30.0)
     with sched:
         a = sched.submit("echo", ids_batch([0, 1]))
@@ -119,7 +119,7 @@ def test_a_large_batch_is_split_by_cost_across_both_devices_and_merged_in_order(
         return {"out": inputs["ids"] * 2}
 
     costs = {0: 9.0, 1: 1.0, 2: 1.0, 3: 3.0, 4: 3.0, 5: 1.0, 6: 1.0, 7: 1.0}
-    sched = Scheduler(DevicePool.cpu(2))
+    sched = Scheduler(SlotPool.cpu(2))
     sched.add(
         "work",
         work,
@@ -157,7 +157,7 @@ def test_early_finishers_reach_the_next_node_before_the_slowest_sample_finishes(
         downstream_started.set()
         return {"scores": inputs["tokens"].float()}
 
-    sched = Scheduler(DevicePool.cpu(2))
+    sched = Scheduler(SlotPool.cpu(2))
     sched.add("rollout", rollout, streaming=True, policy=BatchPolicy(splittable=False), devices=[0])
     sched.add("reward", reward, devices=[1])
     sched.connect("rollout", "reward")
@@ -197,7 +197,7 @@ def test_colocated_barrier_keeps_roles_apart_and_partial_overlaps_them():
             calls.add("reward", "end")
             return {"score": inputs["ids"].float()}
 
-        sched = Scheduler(DevicePool.cpu(2), placement=placement)
+        sched = Scheduler(SlotPool.cpu(2), placement=placement)
         sched.add("rollout", rollout, streaming=True, policy=BatchPolicy(splittable=False))
         sched.add("reward", reward)
         sched.connect("rollout", "reward")
@@ -230,7 +230,7 @@ def test_utilization_accounting_sums_to_the_window_and_counts_switches():
         return {"out": inputs["ids"]}
 
     switch = 0.05
-    sched = Scheduler(DevicePool.cpu(1), placement=colocated(["a", "b"], 1, switch_cost_s=switch))
+    sched = Scheduler(SlotPool.cpu(1), placement=colocated(["a", "b"], 1, switch_cost_s=switch))
     sched.add("a", spin)
     sched.add("b", spin)
     with sched:
@@ -239,7 +239,7 @@ def test_utilization_accounting_sums_to_the_window_and_counts_switches():
             sched.submit("b", ids_batch([k])).result(timeout=10)
         time.sleep(0.05)  # some idle time at the end
         s = sched.summary()
-    dev = s["devices"]["cpu:0"]
+    dev = s["slots"]["cpu:0"]
     assert dev["busy_s"] + dev["switch_s"] + dev["idle_s"] == pytest.approx(s["window_s"], abs=1e-6)
     assert dev["utilization"] == pytest.approx(dev["busy_s"] / s["window_s"])
     assert sum(dev["node_busy_s"].values()) == pytest.approx(dev["busy_s"])
@@ -260,7 +260,7 @@ def test_a_failing_node_fails_its_tickets_with_names_and_keeps_serving():
             raise RuntimeError("unlucky sample")
         return {"out": inputs["ids"]}
 
-    sched = Scheduler(DevicePool.cpu(1))
+    sched = Scheduler(SlotPool.cpu(1))
     sched.add("picky", picky)
     with sched:
         bad = sched.submit("picky", ids_batch([12, 13]))
@@ -270,7 +270,7 @@ def test_a_failing_node_fails_its_tickets_with_names_and_keeps_serving():
             bad.result(timeout=10)
         assert sched.submit("picky", ids_batch([1])).result(timeout=10)["out"].tolist() == [1]
     with pytest.raises(ValueError, match=r"node 'picky': submitted request: port 'texts' has 1"):
-        sched2 = Scheduler(DevicePool.cpu(1))
+        sched2 = Scheduler(SlotPool.cpu(1))
         sched2.add("picky", picky)
         with sched2:
             sched2.submit("picky", {"ids": torch.zeros(2), "texts": ["x"]})
@@ -287,7 +287,7 @@ def test_a_graph_node_runs_under_the_scheduler_with_its_own_policy():
         def forward(self, x):
             return {"y": 2 * x}
 
-    sched = Scheduler(DevicePool.cpu(2))
+    sched = Scheduler(SlotPool.cpu(2))
     sched.add_node(Double(name="double"))
     with sched:
         y = sched.submit("double", {"x": torch.arange(5.0)}).result(timeout=10)["y"]
@@ -322,7 +322,7 @@ def test_no_sample_is_lost_or_duplicated_through_fuse_split_and_stream(
             seen.extend(inputs["ids"].tolist())
         return {"ids": inputs["ids"], "texts": inputs["texts"]}
 
-    sched = Scheduler(DevicePool.cpu(2), partition=method)
+    sched = Scheduler(SlotPool.cpu(2), partition=method)
     policy = BatchPolicy(max_batch_size=max_bs)
     sched.add("src", src, streaming=True, policy=policy, max_queue_delay_s=delay)
     sched.add("dst", dst, policy=policy, max_queue_delay_s=delay)
@@ -354,7 +354,7 @@ def test_stopping_fails_unfinished_tickets_instead_of_leaving_them_hanging():
         release.wait(20)
         return {"out": inputs["ids"]}
 
-    sched = Scheduler(DevicePool.cpu(1))
+    sched = Scheduler(SlotPool.cpu(1))
     sched.add("stuck", stuck)
     sched.start()
     running = sched.submit("stuck", ids_batch([1]))

@@ -277,10 +277,10 @@ def test_the_driver_builds_no_model_the_controllers_build_their_own():
 def test_controllers_started_before_the_graph_is_built_run_it():
     # What `yatt-graph run --controllers 2` does: start the controllers first (they import
     # torch and, from --preload, the graph's module while the driver builds the graph).
-    from runtime.zmq.group import ControllerGroup
+    from runtime.zmq.controllers import Controllers
 
     def group(count):
-        return ControllerGroup(
+        return Controllers(
             count, address=None, keys=None, keys_dir=None, spawn=True,
             controller_output="capture", num_threads=1, max_message_bytes=0,
             heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0, startup_timeout_s=60.0,
