@@ -69,7 +69,7 @@ def tokenizer_problem(student: Any, teacher: Any) -> str | None:
     vocabulary, token id or end token), or None when it can."""
     mine, theirs = student.get_vocab(), teacher.get_vocab()
     if mine != theirs:
-        differ = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda kv: kv[1])
+        differ = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda kv: (kv[1], kv[0]))
         token = differ[0][0]
         return (
             f"the policy's vocabulary has {len(mine)} tokens and the teacher's {len(theirs)}; "
