@@ -108,17 +108,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from runtime.flags import LaunchError
-
     spec = run_spec(args)  # every flag, parsed and checked once
     host, hosts = None, spec.launch.hosts
     if hosts is not None and hosts.nnodes > 1:  # this host's controllers start here
         from runtime.zmq.hosts import start_host
 
-        try:
-            host = start_host(spec, hosts)
-        except LaunchError as exc:
-            raise UsageError(str(exc)) from None
+        host = start_host(spec, hosts)  # (a LaunchError is a UsageError)
         spec = host.spec
     elif hosts is not None:
         print(f"yatt-graph run: {hosts.describe()}", file=sys.stderr, flush=True)

@@ -746,16 +746,14 @@ class LaunchSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Where the run's processes run and how they meet."""
 
     controllers: int = 1
-    placement: str = "colocated"
     pins: dict[str, str] = {}
-    """``--pin NODE=SIDE`` with ``--placement partial``."""
+    """``--pin NODE=SIDE`` with ``--placement partial`` (the placement is the
+    :class:`RunConfig`'s, as are the torch threads)."""
     listen: str | None = None
     spawn: bool = True
     """False with ``--no-spawn``: the controllers are started by hand."""
     allow_remote: bool = False
     keys: str | None = None
-    threads: int | None = None
-    """``--threads``: torch threads of each process that runs nodes (None: measured)."""
     hosts: Launch | None = None
     """The run's place in a launch (:func:`resolve_launch`: the flags ``--nnodes``,
     ``--node-rank``, ``--master`` and the launcher's environment); None outside one."""
@@ -858,10 +856,7 @@ def graph_args(args: argparse.Namespace) -> GraphArgs:
 def _hosts(args: argparse.Namespace, env: Mapping[str, str]) -> Launch | None:
     """The launch the flags and ``env`` describe (:func:`resolve_launch`), with the flags that
     cannot go with a run across hosts refused."""
-    try:
-        launch = resolve_launch(args.nnodes, args.node_rank, args.master, env)
-    except LaunchError as exc:
-        raise UsageError(str(exc)) from None
+    launch = resolve_launch(args.nnodes, args.node_rank, args.master, env)  # (a UsageError)
     if launch is None or launch.nnodes < 2:
         if args.data_host:
             raise UsageError("--data-host applies to a run across hosts (--nnodes 2 or more)")
@@ -904,9 +899,9 @@ def run_spec(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> 
         adaptive=not args.no_adaptive,
     ).verify("yatt-graph run")
     launch = LaunchSettings(
-        controllers=args.controllers, placement=args.placement, pins=args.pins,
-        listen=args.listen, spawn=not args.no_spawn, allow_remote=args.allow_remote,
-        keys=args.keys, threads=args.threads, hosts=hosts, data_host=args.data_host,
+        controllers=args.controllers, pins=args.pins, listen=args.listen,
+        spawn=not args.no_spawn, allow_remote=args.allow_remote, keys=args.keys, hosts=hosts,
+        data_host=args.data_host,
     )  # fmt: skip
     train = TrainSettings(
         steps=args.steps, out=args.out, resume=args.resume, overwrite=args.overwrite,

@@ -321,8 +321,8 @@ def graph_input(graph: str) -> Iterator[None]:
 class RunSetup:
     """One ``yatt-graph run`` assembled from its :class:`~runtime.flags.RunSpec`: :meth:`build`
     decides the thread policy (before torch loads), starts the controllers early where there
-    are some, types the graph's options and builds the graph; :meth:`executor_factory` makes
-    the executor for each attempt of the run (again after a restart); :meth:`close` ends
+    are some, types the graph's options and builds the graph (:func:`executor_factory` then
+    makes the executor for each attempt of the run, again after a restart); :meth:`close` ends
     controllers that were started and never used."""
 
     def __init__(self, spec: RunSpec) -> None:
@@ -376,10 +376,10 @@ class RunSetup:
         notes = run_notes(config, spec.train.steps, given)
         return [typed_words(line, spec.graph.ref) for line in notes]
 
-    def settings(self, config: Any) -> dict[str, Any]:
+    def settings(self, config: Any, notes: list[str]) -> dict[str, Any]:
         """The run's effective settings, as JSON values, for ``OUT/settings.json`` (what
         ``yatt-graph report`` shows): the :class:`~runtime.flags.RunSpec`, what the graph's
-        typed config resolves its options to, the threads and the notes."""
+        typed config resolves its options to, the threads and the run's ``notes``."""
         import msgspec
 
         spec = msgspec.to_builtins(self.spec, enc_hook=str)
@@ -389,7 +389,7 @@ class RunSetup:
                 **spec,
                 "config": msgspec.to_builtins(config) if config is not None else None,
                 "threads": self.thread_policy.describe() if self.thread_policy else None,
-                "notes": self.notes(config),
+                "notes": notes,
             }
         )
 
@@ -478,7 +478,7 @@ def _check_controllers(spec: RunSpec, graph: Graph) -> None:
     launch = spec.launch
     count = launch.controllers
     check_controller_count(count, graph, spec.graph.ref)
-    if launch.placement == "partial" and count > 1:
+    if spec.engine.placement == "partial" and count > 1:
         from runtime.sched.placement import partial_sides
 
         try:
@@ -553,7 +553,7 @@ def executor_factory(setup: RunSetup, graph: Graph) -> Any:
     policy = setup.thread_policy
     print(f"yatt-graph run: threads: {policy.describe()}", file=sys.stderr, flush=True)
     cut = None
-    if launch.distributed and launch.placement == "partial":
+    if launch.distributed and config.placement == "partial":
         from runtime.sched.placement import PartialCut
 
         try:
@@ -604,7 +604,7 @@ def executor_factory(setup: RunSetup, graph: Graph) -> Any:
                 flush=True,
             )
         sides = cut.sides if cut is not None else None
-        hints = controller_assignment(graph, launch.controllers, launch.placement, sides=sides)
+        hints = controller_assignment(graph, launch.controllers, config.placement, sides=sides)
         return Accounting(
             ZmqExecutor(
                 graph.plan(launch.controllers, placement=hints),
@@ -635,7 +635,7 @@ def thread_policy(spec: RunSpec) -> Any:
     cores = usable_core_ids()
     return run_policy(
         cores,
-        threads=spec.launch.threads,
+        threads=spec.engine.num_threads,
         shared=_beside(spec, len(cores)),
         controllers=spec.launch.distributed,
     )
@@ -652,7 +652,7 @@ def _beside(spec: RunSpec, cores: int) -> bool:
         ranks = int(text)
     if config.replicas or ranks > 1 or config.slots:
         return True
-    at_once = launch.placement == "partial" or config.max_staleness > 0
+    at_once = config.placement == "partial" or config.max_staleness > 0
     return launch.controllers > 1 and at_once and launch.controllers > cores
 
 
@@ -698,7 +698,8 @@ def _run_in_folder(train: TrainSettings, out: Path | None, setup: RunSetup) -> i
         check_new_path(export, "--export")
     config, graph = setup.build()
     spec = setup.spec  # with the graph's options typed
-    for line in setup.notes(config):
+    notes = setup.notes(config)
+    for line in notes:
         print(f"yatt-graph run: {line}", file=sys.stderr)
     for line in setup.memory_lines(config, graph):
         print(f"yatt-graph run: memory plan: {line}", file=sys.stderr)
@@ -707,7 +708,7 @@ def _run_in_folder(train: TrainSettings, out: Path | None, setup: RunSetup) -> i
     if train.show_graph:
         print(graph.to_text(), "\n", flush=True)
     if out is not None:  # what `yatt-graph report` shows of the run, even if it stops early
-        record_run(out, setup.settings(config), graph)
+        record_run(out, setup.settings(config, notes), graph)
     resume = resume_point(train, graph, out if resuming_here else None)
     start = (checkpoint_step(resume) or 0) if resume is not None else 0
     earlier_s = 0.0  # the wall time of the steps before ``start``, for the summary
