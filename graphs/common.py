@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from graphs.config import TINY_TEXT_LMS, RLConfig, TextGRPOConfig
+from graphs.config import TINY_TEXT_LMS, VAL_OPTIONS, RLConfig, TextGRPOConfig
 from nodes.advantage import GroupAdvantage
 from nodes.data import ShapesSource, task_vocabulary
 from nodes.vision import TINY_OPEN_CLIP_CFG
@@ -38,6 +38,8 @@ __all__ = [
     "is_prefix_policy",
     "policy_spec",
     "resolve_device",
+    "rollout_options",
+    "sampling_options",
     "teacher_spec",
     "train_group",
     "update_options",
@@ -234,6 +236,37 @@ def vllm_options(config: RLConfig) -> dict[str, Any]:
         "dtype": config.vllm_dtype,
         "enforce_eager": config.vllm_eager,
         "enable_sleep_mode": config.vllm_sleep,
+    }
+
+
+def sampling_options(config: RLConfig, *, validation: bool = False) -> dict[str, Any]:
+    """How the config samples responses, as a node's options: the rollout's temperature, top-p
+    and top-k, or with ``validation`` the validation's options (:data:`graphs.config.VAL_OPTIONS`
+    less their ``val_`` prefix); the lengths, the stop strings and the seed."""
+    if validation:
+        own = {name.removeprefix("val_"): getattr(config, name) for name in VAL_OPTIONS}
+    else:
+        own = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k}
+    return {
+        **own,
+        "max_new_tokens": config.max_new_tokens,
+        "max_prompt_tokens": config.max_prompt_tokens,
+        "stop": config.stop,
+        "seed": config.seed,
+    }
+
+
+def rollout_options(config: RLConfig) -> dict[str, Any]:
+    """A rollout's options the config sets, :class:`nodes.rollout.Rollout`'s and
+    :class:`nodes.agents.AgentRollout`'s alike: how it samples (:func:`sampling_options`), its
+    backend (with the vLLM engine's options), the logprob recompute, streaming, precision."""
+    return {
+        **sampling_options(config),
+        "backend": config.rollout,
+        "recompute_logprobs": config.recompute_logprobs,
+        "stream": config.stream,
+        "vllm_options": vllm_options(config) if config.rollout == "vllm" else None,
+        "precision": config.mixed_precision,
     }
 
 

@@ -13,9 +13,10 @@ from graphs.common import (
     is_prefix_policy,
     policy_spec,
     resolve_device,
+    rollout_options,
+    sampling_options,
     teacher_spec,
     vision_kwargs,
-    vllm_options,
 )
 from graphs.config import RLConfig
 from nodes.reference import ReferenceLogprobs
@@ -121,24 +122,7 @@ def sample_and_score(
         prefix = is_prefix_policy(spec)
         image_port = {"image_embeds": encoder(data.images)} if prefix else {"images": data.images}
         g.output("images", data.images)  # thumbnails in the samples file
-    rollout = Rollout(
-        policy=spec,
-        backend=config.rollout,
-        n=n,
-        max_new_tokens=config.max_new_tokens,
-        max_prompt_tokens=config.max_prompt_tokens,
-        temperature=config.temperature,
-        top_p=config.top_p,
-        top_k=config.top_k,
-        stop=config.stop,
-        seed=config.seed,
-        recompute_logprobs=config.recompute_logprobs,
-        stream=config.stream,
-        device=device,
-        vllm_options=vllm_options(config) if config.rollout == "vllm" else None,
-        precision=config.mixed_precision,
-        name="rollout",
-    )
+    rollout = Rollout(policy=spec, n=n, device=device, name="rollout", **rollout_options(config))
     sample = rollout(prompts=data.prompts, **image_port)
     g.output("weight_sync", sample.weight_sync)  # seconds and bytes of the weights it loaded
     if not config.recompute_logprobs:
@@ -288,17 +272,7 @@ def _validation(
         spec,
         config.val_data,
         config.reward,
-        every=config.val_every,
-        rows=config.val_rows,
-        samples=config.val_samples,
-        temperature=config.val_temperature,
-        top_p=config.val_top_p,
-        pass_threshold=config.val_pass_threshold,
-        seed=config.seed,
         batch_size=config.batch_size,
-        max_new_tokens=config.max_new_tokens,
-        max_prompt_tokens=config.max_prompt_tokens,
-        stop=config.stop,
         micro_batch_tokens=config.micro_batch_tokens,
         image_input=image_input,
         vision=tower if image_input == "image_embeds" else None,
@@ -306,6 +280,7 @@ def _validation(
         on_bad_sample=config.on_bad_sample,
         device=device,
         name="validation",
+        **sampling_options(config, validation=True),
     )
     g.output("val", node())
     return node

@@ -22,9 +22,9 @@ from graphs.common import (
     group_advantage,
     policy_spec,
     resolve_device,
+    rollout_options,
     train_group,
     update_options,
-    vllm_options,
 )
 from graphs.config import VAL_OPTIONS, TextGRPOConfig, at_least, refuse
 from graphs.front import TOKENS, teacher_logprobs
@@ -125,13 +125,8 @@ def build_agent(name: str, config: AgentConfig, spec: dict[str, Any], *, images:
         if config.data is not None:
             g.output("data", data.stats)
         rollout = AgentRollout(
-            policy=spec, env=config.env, n=config.group_size, temperature=config.temperature,
-            top_p=config.top_p, top_k=config.top_k, max_new_tokens=config.max_new_tokens,
-            max_turns=config.max_turns, max_prompt_tokens=config.max_prompt_tokens,
-            stop=config.stop, seed=config.seed, device=device, name="rollout",
-            backend=config.rollout, recompute_logprobs=config.recompute_logprobs,
-            vllm_options=vllm_options(config) if config.rollout == "vllm" else None,
-            stream=config.stream, precision=config.mixed_precision,
+            policy=spec, env=config.env, n=config.group_size, max_turns=config.max_turns,
+            device=device, name="rollout", **rollout_options(config),
         )  # fmt: skip
         set_share(rollout, "policy")
         shown = {"images": data.images} if images else {}

@@ -196,6 +196,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return code
 
 
+_MODEL_FLAGS = (
+    ("--policy", None, "'tiny', tiny-gpt2|tiny-llama|tiny-qwen2, or a local model directory (a "
+     "causal LM, an image-text-to-text VLM or a saved prefix-VLM)"),
+    ("--teacher", "DIR", "a local model folder with the policy's tokenizer whose logprobs teach "
+     "the policy (on-policy distillation; with --set distill_coef=1)"),
+    ("--vision", None, "'tiny' or open_clip:NAME[:WEIGHTS_FILE]"),
+    ("--data", "PATH", "a local JSONL, Parquet or CSV file or save_to_disk folder (columns "
+     "prompt, image, answer; --set prompt_key=... to map others); default: the shapes task"),
+    ("--val-data", "PATH", "validation data, scored greedily (val/* metrics)"),
+    ("--reward", None, "module:function or file.py:function (fn(text, meta) -> float), 'clip', "
+     "model:DIR, judge:DIR or http://HOST:PORT/PATH"),
+    ("--reward-model", "DIR", "a local sequence classifier as the reward"),
+    ("--env", "FILE.py:CLASS", "an environment class (reset(row), step(action); "
+     "nodes.agents.Environment) for an agent graph (text_agent); each data row goes to its reset"),
+    ("--judge", "DIR", "a local causal LM or VLM judging each response"),
+)  # fmt: skip
+"""The ``run``/``show``/``viz`` flags that name a model, the data or the reward: (flag,
+metavar or None, help)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="yatt-graph", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -222,44 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
             "`show GRAPH --options` lists them",
         )
         models = p.add_argument_group("models, data and reward (graphs that take them)")
-        models.add_argument(
-            "--policy",
-            help="'tiny', tiny-gpt2|tiny-llama|tiny-qwen2, or a local model directory (a causal "
-            "LM, an image-text-to-text VLM or a saved prefix-VLM)",
-        )
-        models.add_argument(
-            "--teacher",
-            metavar="DIR",
-            help="a local model folder with the policy's tokenizer whose logprobs teach the "
-            "policy (on-policy distillation; with --set distill_coef=1)",
-        )
-        models.add_argument("--vision", help="'tiny' or open_clip:NAME[:WEIGHTS_FILE]")
-        models.add_argument(
-            "--data",
-            metavar="PATH",
-            help="a local JSONL, Parquet or CSV file or save_to_disk folder (columns prompt, "
-            "image, answer; --set prompt_key=... to map others); default: the shapes task",
-        )
-        models.add_argument(
-            "--val-data", metavar="PATH", help="validation data, scored greedily (val/* metrics)"
-        )
-        models.add_argument(
-            "--reward",
-            help="module:function or file.py:function (fn(text, meta) -> float), 'clip', "
-            "model:DIR, judge:DIR or http://HOST:PORT/PATH",
-        )
-        models.add_argument(
-            "--reward-model", metavar="DIR", help="a local sequence classifier as the reward"
-        )
-        models.add_argument(
-            "--env",
-            metavar="FILE.py:CLASS",
-            help="an environment class (reset(row), step(action); nodes.agents.Environment) "
-            "for an agent graph (text_agent); each data row goes to its reset",
-        )
-        models.add_argument(
-            "--judge", metavar="DIR", help="a local causal LM or VLM judging each response"
-        )
+        for flag, metavar, text in _MODEL_FLAGS:
+            models.add_argument(flag, metavar=metavar, help=text)
         models.add_argument(
             "--rollout", choices=("hf", "vllm"), help="rollout backend (vllm: CUDA + the extra)"
         )

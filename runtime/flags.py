@@ -54,6 +54,7 @@ __all__ = [
     "NAMED_OPTIONS",
     "RunSpec",
     "TrainSettings",
+    "CheckedFlags",
     "check_flags",
     "graph_args",
     "run_spec",
@@ -600,11 +601,11 @@ def same_folder(out: str, resume: str) -> bool:
     return run_folder_of(Path(resume)).resolve() == Path(out).resolve()
 
 
-def _check_run_flags(args: Any, distributed: bool) -> None:
+def _check_run_flags(args: Any, checked: CheckedFlags) -> None:
     if args.restart == "on-failure":
         if (
-            not distributed
-            and not args.replica_counts
+            not checked.distributed
+            and not checked.replicas
             and (getattr(args, "train_ranks", None) or 1) < 2
         ):
             raise UsageError(
@@ -626,7 +627,7 @@ def _check_run_flags(args: Any, distributed: bool) -> None:
             raise UsageError("--wandb was given an empty project name (an unset shell variable?)")
         if importlib.util.find_spec("wandb") is None:
             raise UsageError(NO_WANDB)
-    if args.pin and args.placement != "partial":
+    if checked.pins and args.placement != "partial":
         raise UsageError(
             "--pin keeps a node on one side of --placement partial; add --placement partial "
             "(colocated placement has no sides)"
@@ -647,7 +648,7 @@ def _check_run_flags(args: Any, distributed: bool) -> None:
             "--listen binds the driver for controllers that join over tcp; say how many with "
             "--controllers N (N > 1), e.g. --controllers 2 --no-spawn for two started by hand"
         )
-    if not distributed and (
+    if not checked.distributed and (
         args.keys or args.allow_remote or args.node_timeout or args.max_message_mb != MAX_MESSAGE_MB
     ):
         raise UsageError(
@@ -702,15 +703,32 @@ def parse_replicas(value: str | None) -> dict[str, int]:
     return out
 
 
-def check_flags(args: Any) -> tuple[Any, bool]:
-    """Every flag that cannot work, refused before anything is built; (slots, distributed)."""
+@dataclass(frozen=True)
+class CheckedFlags:
+    """The ``run`` flags that :func:`check_flags` parses, as parsed."""
+
+    slots: int | str | None
+    """``--slots``: a CPU slot count, ``"auto"`` or None (:func:`parse_slots`)."""
+    replicas: dict[str, int]
+    """``--replicas`` by node (:func:`parse_replicas`)."""
+    pins: dict[str, str]
+    """``--pin`` by node: ``rollout`` or ``train`` (:func:`parse_pins`)."""
+    distributed: bool
+    """Whether the nodes run on controller processes (``--controllers N``, N > 1, or
+    ``--listen``)."""
+
+
+def check_flags(args: Any) -> CheckedFlags:
+    """Every flag that cannot work, refused before anything is built; the ones it parses."""
     _check_numbers(args)
-    slots = parse_slots(args.slots)
-    args.replica_counts = parse_replicas(args.replicas)
-    args.pins = parse_pins(args.pin)
-    distributed = args.controllers > 1 or bool(args.listen)
-    _check_run_flags(args, distributed)
-    return slots, distributed
+    checked = CheckedFlags(
+        slots=parse_slots(args.slots),
+        replicas=parse_replicas(args.replicas),
+        pins=parse_pins(args.pin),
+        distributed=args.controllers > 1 or bool(args.listen),
+    )
+    _check_run_flags(args, checked)
+    return checked
 
 
 # --- the parsed command line ----------------------------------------------------------------
@@ -882,24 +900,24 @@ def run_spec(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> 
     once its module may load."""
     hosts = _hosts(args, os.environ if env is None else env)
     graph = graph_args(args)
-    slots, distributed = check_flags(args)
+    checked = check_flags(args)
     device = graph.named.get("device") or graph.sets.get("device") or "auto"
     engine = RunConfig(
         max_staleness=args.max_staleness,
         staleness=args.staleness,
-        slots=slots,
+        slots=checked.slots,
         check_finite=not args.no_check_finite,
-        replicas=dict(args.replica_counts),
+        replicas=checked.replicas,
         offload=args.offload,
         node_timeout_s=args.node_timeout,
         max_message_bytes=int(args.max_message_mb * (1 << 20)),
         num_threads=args.threads,
         placement=args.placement,
-        device=str(device) if distributed else "auto",
+        device=str(device) if checked.distributed else "auto",
         adaptive=not args.no_adaptive,
     ).verify("yatt-graph run")
     launch = LaunchSettings(
-        controllers=args.controllers, pins=args.pins, listen=args.listen,
+        controllers=args.controllers, pins=checked.pins, listen=args.listen,
         spawn=not args.no_spawn, allow_remote=args.allow_remote, keys=args.keys, hosts=hosts,
         data_host=args.data_host,
     )  # fmt: skip

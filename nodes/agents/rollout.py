@@ -20,11 +20,12 @@ update and the reference; a policy that reads none, and vLLM, refuse them with a
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -32,11 +33,11 @@ from torch import Tensor
 
 from nodes.agents.env import Environment, Failure, Observation, ToolEnv, call_with_limit
 from nodes.agents.observe import observation_ids, reads_images
-from nodes.models.policy import Policy
 from nodes.rollout import Rollout
 from nodes.seeding import step_seed
 from yatt_graph import ANY, BatchPolicy, Node, Port, UsageError
 from yatt_graph import Tensor as TensorPort
+from yatt_graph.options import unknown_keywords
 from yatt_graph.refs import import_ref, ref_of
 
 __all__ = ["AgentRollout", "AgentStats", "load_env"]
@@ -121,6 +122,15 @@ class _Trajectory:
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
 
+_ROLLOUT_OPTIONS = frozenset(inspect.signature(Rollout.__init__).parameters) - {"self"}
+"""The options of :class:`nodes.rollout.Rollout`, which an agent rollout passes on."""
+_NOT_TAKEN = {
+    "stop_token_ids": "a turn stops at the stop strings",
+    "stream_every": "a streamed call hands out what each turn ended",
+}
+"""The options of a Rollout an agent rollout does not take, and why."""
+
+
 class AgentRollout(Rollout):
     """Sample multi-turn trajectories against an environment (see the module docstring).
 
@@ -137,7 +147,8 @@ class AgentRollout(Rollout):
         max_new_tokens: the longest turn of the policy.
         stream: hand out the trajectories that ended after each turn (HF backend, without
             ``recompute_logprobs``), so the nodes after it start on them while the rest go on.
-        The others are as in :class:`nodes.rollout.Rollout`.
+        options: the others of :class:`nodes.rollout.Rollout` (``n``, ``temperature``, ...,
+            ``precision``), but ``stop_token_ids`` and ``stream_every``.
     """
 
     kind = "rollout"
@@ -173,33 +184,18 @@ class AgentRollout(Rollout):
         self,
         policy: str | Mapping[str, Any] = "tiny-qwen2",
         env: str | type = "nodes.agents.lookup:LookEnv",
-        n: int = 1,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        *,
         max_new_tokens: int = 8,
         max_turns: int | None = None,
-        max_prompt_tokens: int | None = None,
-        stop: Sequence[str] = (),
-        seed: int = 0,
-        device: str = "cpu",
-        model: Policy | None = None,
-        name: str | None = None,
-        share: str | None = None,
-        backend: str = "hf",
-        recompute_logprobs: bool = False,
-        vllm_options: Mapping[str, Any] | None = None,
-        stream: bool = False,
-        *,
-        precision: str = "no",
-        placement: str | int | None = None,
-        batch_policy: BatchPolicy | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            policy, backend, n, temperature, top_p, top_k, max_new_tokens, max_prompt_tokens,
-            stop, (), seed, recompute_logprobs, device, model, name, stream, 1, vllm_options,
-            share, precision=precision, placement=placement, batch_policy=batch_policy,
-        )  # fmt: skip
+        for name, why in _NOT_TAKEN.items():
+            if name in options:
+                raise TypeError(f"AgentRollout() takes no {name!r}: {why}")
+        unknown = {k: v for k, v in options.items() if k not in _ROLLOUT_OPTIONS}
+        if unknown:
+            raise unknown_keywords(type(self), unknown)
+        super().__init__(policy, max_new_tokens=max_new_tokens, **options)
         where = f"node {self.name!r}"
         self.env_class = load_env(env, where)
         self.env = env if isinstance(env, str) else ref_of(env)

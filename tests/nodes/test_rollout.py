@@ -60,18 +60,13 @@ def test_logprobs_equal_teacher_forced(policy, embeds):
 
 
 def test_logprobs_are_temperature_scaled_untruncated(policy, embeds):
-    node = Rollout(model=policy, max_new_tokens=12, temperature=0.6, top_p=0.7, top_k=30, seed=1)
+    sampling = {"max_new_tokens": 12, "temperature": 0.6, "top_p": 0.7, "top_k": 30, "seed": 1}
+    node = Rollout(model=policy, **sampling)
     out = node.run(prompts=PROMPTS, image_embeds=embeds)
     assert (out["logprobs"] - _recompute(node, out, embeds, temperature=0.6)).abs().max() <= ATOL
-    exact = Rollout(
-        model=policy,
-        max_new_tokens=12,
-        temperature=0.6,
-        top_p=0.7,
-        top_k=30,
-        seed=1,
-        recompute_logprobs=True,
-    ).run(prompts=PROMPTS, image_embeds=embeds)
+    exact = Rollout(model=policy, recompute_logprobs=True, **sampling).run(
+        prompts=PROMPTS, image_embeds=embeds
+    )
     assert torch.equal(exact["response_ids"], out["response_ids"])
     assert (exact["logprobs"] - out["logprobs"]).abs().max() <= ATOL
     # the sampler's own logprobs travel beside the recomputed ones; without a recompute they

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from process_helpers import hanging_graph
 from zmq_graphs import default_sigint
 
 from runtime.cli import main
@@ -436,36 +437,10 @@ def test_a_checkpoint_may_resume_with_other_train_ranks_but_not_other_options():
     assert any("lr" in d for d in identity_differences(one, other))
 
 
-HANGING_GRAPH = """
-import time
-import torch
-from yatt_graph import Graph, Tensor, node
-
-CALLS = [0]
-
-@node(outputs={"x": Tensor("float32", "B")})
-def source():
-    return {"x": torch.zeros(2)}
-
-@node(outputs={"scores": Tensor("float32", "B")})
-def stuck(x: Tensor("float32", "B")):
-    CALLS[0] += 1
-    if CALLS[0] > 2:
-        print("hung", flush=True)
-        time.sleep(1000)  # step 2 never ends
-    return {"scores": x + 1}
-
-def build_graph():
-    with Graph("hang") as g:
-        g.output("scores", stuck(source()))
-    return g
-"""
-
-
 @pytest.mark.timeout(120)
 def test_a_second_sigterm_stops_an_in_process_run_hung_in_a_node_and_keeps_its_trace(tmp_path):
     graph, out = tmp_path / "hang.py", tmp_path / "run"
-    graph.write_text(HANGING_GRAPH)
+    graph.write_text(hanging_graph(returns=2))  # step 2 never ends
     cmd = [sys.executable, "-m", "runtime.cli", "run", str(graph), "--steps", "10",
            "--out", str(out), "--quiet"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
