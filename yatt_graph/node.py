@@ -151,8 +151,9 @@ class Node:
     ranks: int = 1
     """Processes that run this node together as one SPMD group (torch.distributed). Above 1, the
     executor starts the group (``runtime.ranks``) and sets :attr:`rank_group` before
-    :meth:`setup`; each other rank rebuilds the node and runs ``serve_rank(op, values, meta)``
-    for each call rank 0 tells it of."""
+    :meth:`setup`; each other rank rebuilds the node, and the executor runs every call,
+    ``state_dict``, ``load_state_dict``, ``offload`` and ``reload`` on all of them alike, so the
+    node's code is SPMD: it calls collectives and commands no process."""
     rank_timeout_s: float = 300.0
     """How long the group's start and each of its collectives may take."""
     rank_group: Any = None

@@ -40,7 +40,8 @@ very function that sampled the tokens.
 
 With ``ranks=K`` (K > 1) an update trains as one SPMD group of K processes under
 torch.distributed, and the graph still sees one node. The node that the executor builds is
-rank 0; the executor starts the other ranks and hands the node its group (``runtime.ranks``).
+rank 0; the executor starts the other ranks, hands the node its group (``runtime.ranks``) and
+runs every call and state operation on all of them alike: the node's code is SPMD.
 Each call's batch is split across the ranks by token count, and the models are sharded by
 FSDP2 (``train_backend="fsdp"``) or replicated by DDP, through that group. Loss weights
 are shares of the whole batch, so the step equals the 1-rank step up to float rounding. The

@@ -308,13 +308,7 @@ class _Update(Offload, Sharing, Node):
 
     # --- the call ----------------------------------------------------------------------------
     def forward(self, **inputs: Any) -> dict[str, Any]:
-        return self.trainer.call(inputs, self.step, self._step)
-
-    def serve_rank(self, op: str, values: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Run rank 0's call ``op`` on this rank (``python -m runtime.ranks.worker``)."""
-        if op == "step":
-            self.begin_step(int(meta["step"]))
-        self.trainer.serve(op, values, meta, self._step)
+        return self.trainer.call(inputs, self._step)
 
     def _step(self, full: View) -> dict[str, Any]:
         """Train on the batch ``full`` (:meth:`Trainer.train`) and publish: the outputs."""

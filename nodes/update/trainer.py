@@ -1,12 +1,14 @@
 """An update's training, in the order a call runs it: the inputs checked into the batch's
-:class:`View`, the batch cut into mini-batches and micro-batches, the guarded optimization loop,
-and the SPMD commands that make a rank group run the same step. The update node owns one
-:class:`Trainer`, built with its models; the losses are the node's (``nodes.rl``).
+:class:`View`, the batch cut into mini-batches and micro-batches, and the guarded optimization loop.
+The update node owns one :class:`Trainer`, built with its models; the losses are the node's
+(``nodes.rl``).
 
 A batch of B rows is cut into *units*: one row each, or one prompt's ``group`` consecutive
 rows when the image inputs come one row per prompt. As a group (``ranks > 1``, the node's
-``rank_group`` from ``runtime.ranks``), rank 0 checks the call's inputs and sends them to the
-ranks; the units are split across the K ranks by token cost (:func:`yatt_graph.partition.lpt`),
+``rank_group`` from ``runtime.ranks``), the code is SPMD: the runtime runs each call, state
+gathering and load, offload and reload on every rank with the same arguments, and the trainer
+only calls the group's collectives. The units are split across the K ranks by token cost
+(:func:`yatt_graph.partition.lpt`),
 and every rank runs as many backward passes (each ends in the group's gradient reduction): a
 rank with fewer micro-batches pads with *filler* micro-batches, a real unit whose loss is
 scaled by 0. The state is gathered onto rank 0, unsharded and in the 1-rank layout, so a
@@ -16,7 +18,6 @@ imports no torch.distributed: the group does both.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
@@ -198,35 +199,24 @@ class Trainer:
         self.shards_off = False
         """Whether this rank's shards are on the host (:meth:`switch`)."""
 
-    # --- the call: alone, or rank 0 telling its group -----------------------------------------
+    # --- the call ---------------------------------------------------------------------------
     def call(
-        self, inputs: Mapping[str, Any], step: int, run: Callable[[View], dict[str, Any]]
+        self, inputs: Mapping[str, Any], run: Callable[[View], dict[str, Any]]
     ) -> dict[str, Any]:
-        """``run`` (the node's step) on the checked inputs; rank 0 of a group first tells the
-        ranks to run it too (:meth:`serve`)."""
-        if self.group is None:
-            return run(self.view(inputs))
-        self.switch(off=False)  # (the executor reloads first; a direct call may not)
-        full = self.view(inputs)  # bad inputs are refused before the ranks see them
-        with self.group.guard(f"update {self.updates + 1}", keep=(NonFiniteError,)):
-            self.group.command("step", inputs, {"step": step})
-            return run(full)
+        """``run`` (the node's step) on the checked inputs."""
+        if self.group is not None:
+            self._on_every_rank("a call")
+            self.switch(off=False)  # (the executor reloads first; a direct call may not)
+        return run(self.view(inputs))
 
-    def serve(
-        self, op: str, values: dict[str, Any], meta: dict[str, Any], run: Callable[..., Any]
-    ) -> None:
-        """Run rank 0's call ``op`` on this rank (``python -m runtime.ranks.worker``)."""
-        if op == "step":
-            with contextlib.suppress(NonFiniteError):  # rank 0 raised it too and reports it
-                run(self.view(values))
-        elif op == "state":
-            self.state()
-        elif op == "load":
-            self._load({}, meta)
-        elif op in ("offload", "reload"):
-            self._move_shards(op == "offload", bool(meta["copy"]))
-        else:
-            raise ValueError(f"{self.where}: unknown rank operation {op!r}")
+    def _on_every_rank(self, what: str) -> None:
+        """Refuse ``what`` on rank 0 when the runtime did not start it on every rank: the
+        group's first collective would wait for ranks that never come."""
+        if not self.group.in_operation():
+            raise ValueError(
+                f"{self.where}: {what} of a node trained by {self.group.world} ranks runs on "
+                "every rank; call it through an executor or runtime.engine.calls.node_op"
+            )
 
     # --- the call's batch ---------------------------------------------------------------------
     def _check_inputs(
@@ -511,19 +501,14 @@ class Trainer:
 
     # --- the device, when roles take turns on it: a group's shards -----------------------------
     def switch(self, off: bool) -> int:
-        """Offload (``off``) or reload a group's state: rank 0 tells every rank, and each moves
-        its own shards (FSDP2 DTensors, which a move of ``.data`` would break). Idempotent. DDP
-        keeps its state where it is: its reducer holds the parameters and their gradient
-        buckets on the device."""
+        """Offload (``off``) or reload a group's state, this rank's own shards (FSDP2
+        DTensors, which a move of ``.data`` would break); every rank does it alike.
+        Idempotent. DDP keeps its state where it is: its reducer holds the parameters and
+        their gradient buckets on the device."""
         if self.group is None or self.backend != "fsdp" or self.shards_off == off:
             return 0
-        op = "offload" if off else "reload"
+        self._on_every_rank("offload" if off else "reload")
         copy = offload_module.ALWAYS_COPY
-        with self.group.guard(f"{op} of the group's state"):
-            self.group.command(op, meta={"copy": copy})
-            return self._move_shards(off, copy)
-
-    def _move_shards(self, off: bool, copy: bool) -> int:
         moved = sum(self.group.move(m.module, m.optimizer, off, copy) for m in self.trained)
         self.shards_off = off
         return moved
@@ -531,15 +516,11 @@ class Trainer:
     # --- state --------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Each model and optimizer (unsharded, in the 1-rank layout: any K loads it) and
-        ``updates``; rank 0 of a group tells the ranks to join the gathering."""
-        if self.group is not None and self.group.rank == 0:
+        ``updates``; in a group, gathered on rank 0 (the others' models and optimizers are
+        empty)."""
+        if self.group is not None:
+            self._on_every_rank("gathering the state")
             self.switch(off=False)  # gathered from the device the group formed on
-            with self.group.guard("gathering the state"):
-                self.group.command("state")
-                return self._state()
-        return self._state()
-
-    def _state(self) -> dict[str, Any]:
         state: dict[str, Any] = {}
         for m in self.trained:
             if self.group is None:
@@ -550,7 +531,8 @@ class Trainer:
         return {**state, "updates": self.updates}
 
     def load(self, state: Mapping[str, Any]) -> None:
-        """Load a :meth:`state` (written with any K) into every rank."""
+        """Load a :meth:`state` (written with any K) into every rank: given on rank 0, its
+        outline (every tensor None) on the others."""
         fresh = {  # optimizers with no step yet: their settings, which every rank applies
             m.optim_key: [
                 {k: v for k, v in g.items() if k != "params"}
@@ -559,16 +541,9 @@ class Trainer:
             for m in self.trained
             if not state[m.optim_key].get("state")
         }
-        meta = {"updates": int(state["updates"]), "fresh": fresh}
-        if self.group is not None and self.group.rank == 0:
+        if self.group is not None:
+            self._on_every_rank("loading the state")
             self.switch(off=False)
-            with self.group.guard("loading the state"):
-                self.group.command("load", meta=meta)
-                self._load(state, meta)
-        else:
-            self._load(state, meta)
-
-    def _load(self, state: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
         for m in self.trained:
             # a copy: torch's optimizer keeps the given tensors (Adam's step, and its moments
             # where dtype and device match), and its steps would then change ``state``
@@ -577,9 +552,9 @@ class Trainer:
                 m.module.load_state_dict(state[m.key])
                 m.optimizer.load_state_dict(optim)
             else:
-                weights, fresh = state.get(m.key, {}), meta["fresh"].get(m.optim_key)
-                self.group.load_full_state(m.module, m.optimizer, weights, optim, fresh)
-        self.updates = int(meta["updates"])
+                weights, settings = state.get(m.key) or {}, fresh.get(m.optim_key)
+                self.group.load_full_state(m.module, m.optimizer, weights, optim, settings)
+        self.updates = int(state["updates"])
 
 
 def snapshot(module: nn.Module) -> dict[str, Tensor]:

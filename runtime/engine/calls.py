@@ -3,7 +3,8 @@
 Every executor calls a node through :func:`run_node` (or :func:`stream_node` for a streaming
 node), so that a failure, wherever it runs, is a :class:`~yatt_graph.NodeExecutionError`
 naming the node, its class, the step, the controller and the shapes of its inputs, with the
-original traceback.
+original traceback. A call, and the state and device operations, of a node trained as a rank
+group reach every rank of it (:func:`node_op`).
 
 With ``check_finite``, a float tensor output holding NaN or inf stops the run at the node
 that produced it (naming the port, the count and the first sample), instead of a step later
@@ -36,6 +37,7 @@ __all__ = [
     "first_non_finite",
     "host_copy",
     "node_devices",
+    "node_op",
     "on_cuda",
     "run_node",
     "stream_node",
@@ -186,7 +188,10 @@ def run_node(
     """
     try:
         node.begin_step(step)
-        out = fanouts.call(node.name, inputs) if fanouts is not None else node.run(inputs)
+        if fanouts is not None and fanouts.fans_out(node.name):
+            out = fanouts.call(node.name, inputs)
+        else:
+            out = node_op(node, "run", inputs, step)
     except NodeExecutionError:
         raise
     except Exception as exc:
@@ -194,6 +199,18 @@ def run_node(
     if check_finite:
         _check_finite(node, out, step, controller)
     return out
+
+
+def node_op(node: Any, op: str, value: Any = None, step: int = 0) -> Any:
+    """``node.<op>(value)`` (no argument when ``value`` is None): a call (``run``), the
+    state's ``state_dict`` and ``load_state_dict``, the device's ``offload`` and ``reload``.
+    For a node trained as a rank group, its other ranks run the same operation
+    (:func:`runtime.ranks.group.lead`)."""
+    if node.rank_group is None:
+        return getattr(node, op)(*(() if value is None else (value,)))
+    from runtime.ranks.group import lead
+
+    return lead(node, op, value, step)
 
 
 def stream_node(

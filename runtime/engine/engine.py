@@ -38,6 +38,7 @@ from runtime.engine.calls import (
     TensorMoves,
     host_copy,
     node_devices,
+    node_op,
     run_node,
     start_nodes,
     stream_node,
@@ -413,7 +414,7 @@ class StepEngine:
         nodes = {}
         for name in self.order:
             try:
-                nodes[name] = self.nodes[name].state_dict()
+                nodes[name] = node_op(self.nodes[name], "state_dict")
             except Exception as exc:
                 raise _state_error(name, step, "state_dict", exc) from exc
         return {
@@ -429,7 +430,7 @@ class StepEngine:
             node_state = state["nodes"].get(name)
             if node_state:
                 try:
-                    self.nodes[name].load_state_dict(node_state)
+                    node_op(self.nodes[name], "load_state_dict", node_state)
                 except Exception as exc:
                     raise _state_error(name, step, "load_state_dict", exc) from exc
         self.reset(step)

@@ -27,6 +27,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from runtime.engine.calls import node_op
 from runtime.engine.config import check_offload
 from runtime.sched.devices import check_choice
 from yatt_graph import Node
@@ -70,7 +71,7 @@ class Switch:
         self.resident = set(self.nodes)
         """Nodes whose state is on the device (all of them, as built)."""
         for node in self.nodes.values():  # moves nothing; each node now holds its modules, so
-            node.reload()  # one that another node shares stays while either needs it
+            node_op(node, "reload")  # one that another node shares stays while either needs it
         self.spans: dict[int, list[tuple[str, float, float, int, int]]] = defaultdict(list)
         """Per step: (``offload``/``reload``, start ``time.time()``, seconds, bytes, controller)."""
 
@@ -82,7 +83,7 @@ class Switch:
         moved = 0
         for name in names:
             node = self.nodes[name]
-            moved += int((node.offload() if what == "offload" else node.reload()) or 0)
+            moved += int(node_op(node, what) or 0)
             if what == "offload":
                 self.resident.discard(name)
             else:

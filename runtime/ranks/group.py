@@ -2,26 +2,41 @@
 
 A node whose ``ranks`` is K > 1 (an update node's option) runs as K processes. The node in the
 executor's process is rank 0, the *leader*. Before it is built, the executor starts K-1 rank
-processes (``runtime.ranks.group.start_groups``: ``python -m runtime.ranks.worker``, plain subprocesses, never
-a fork of a process that has torch loaded) and sets the node's ``rank_group``. Each rebuilds the same node from its plan spec (builds are
-seeded from the config, so every rank starts from the same weights), and all join one process
-group (gloo on the CPU, NCCL on CUDA) through a TCPStore that rank 0 hosts on 127.0.0.1.
+processes (:func:`start_groups`: ``python -m runtime.ranks.worker``, plain subprocesses, never
+a fork of a process that has torch loaded) and sets the node's ``rank_group``, its side of the
+group's collectives (:class:`Ranks`). Each rank rebuilds the same node from its plan spec
+(builds are seeded from the config, so every rank starts from the same weights), and all join
+one process group (gloo on the CPU, NCCL on CUDA) through a TCPStore that rank 0 hosts on
+127.0.0.1.
 
-Per call, the leader encodes the call's values with the one codec (:mod:`runtime.codec`:
-plain frames, no shared memory, no CUDA IPC, nothing pickled) and writes a small command
-under ``yatt/cmd/<n>`` in the store, a tagged Struct of the child processes' style
+The node is written SPMD and commands nobody: every rank runs the same operation on the same
+arguments, and the node's code only calls collectives. The runtime calls a grouped node through
+:func:`lead`, as the fan-out layer calls a node cut over slots or replicas: for each of the
+operations in :data:`OPS` (a call, ``state_dict``, ``load_state_dict``, ``offload``,
+``reload``) the leader encodes its arguments with the one codec (:mod:`runtime.codec`: plain
+frames, no shared memory, no CUDA IPC, nothing pickled) and writes a small command under
+``yatt/cmd/<n>`` in the store, a tagged Struct of the child processes' style
 (:class:`runtime.children.ChildMessage`, decoded with :data:`TO_RANK`): a :class:`RankCall`
-(the node's operation, its meta such as the step, the codec's header and the size of each
-buffer frame), or a :class:`RankClose` at the end. The ranks poll the store while idle, so
-an idle group holds no collective that could time out. Each rank reads the command, receives
-each frame by ``broadcast`` from rank 0 (a uint8 tensor on the group's device) and decodes
-the values. Then every rank runs the same operation, and its collectives carry the group's
-``timeout_s``.
+(the operation, the step of a call, the codec's header and the size of each buffer frame), or
+a :class:`RankClose` at the end. The ranks poll the store while idle, so an idle group holds no
+collective that could time out. Each rank reads the command, receives each frame by
+``broadcast`` from rank 0 (a uint8 tensor on the group's device) and decodes the arguments.
+Then every rank runs the operation, and its collectives carry the group's ``timeout_s``. A state
+to load stays on rank 0, where the group's load broadcasts it from (as
+``torch.distributed.checkpoint``'s ``broadcast_from_rank0`` does); the other ranks get its
+outline, every tensor None, so a 7B model's state is not copied K times.
+
+An operation that raises on every rank alike (bad inputs, a step that went non-finite) leaves
+the group in step: each other rank reports its failure under ``yatt/failed/<n>/<rank>`` and
+waits for the next command, and the leader, after its own raise, finds every report and
+raises its error as it is. Any other failure breaks the group (below).
 
 Supervision:
 
 * A supervisor thread on the leader polls its children every :data:`_WATCH_S`. When one dies
-  after the group formed, it aborts the process group (``ProcessGroup.abort()``, from that
+  after the group formed, or reports a failure of the operation rank 0 is still running
+  :data:`_DEATH_GRACE_S` later (the group is out of step: rank 0 waits on a collective the
+  rank will not join), it aborts the process group (``ProcessGroup.abort()``, from that
   thread): with NCCL a collective whose peer died neither fails nor returns until the
   collective timeout, so the abort is what makes it return. The leader also polls before
   each call, and after any failed collective, giving a dying rank a moment to be reaped.
@@ -48,11 +63,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -65,35 +81,47 @@ from runtime.codec import decode_value, encode_value
 from runtime.errors import ProcessFault
 
 __all__ = [
+    "OPS",
     "TO_RANK",
     "RankCall",
     "RankClose",
     "RankError",
     "RankGroup",
     "RankLink",
+    "Ranks",
+    "lead",
     "leave_group",
     "start_groups",
 ]
 
+log = logging.getLogger(__name__)
+
 _CMD = "yatt/cmd/"
 _READY = "yatt/ready/"
 _ERROR = "yatt/error/"
+_FAILED = "yatt/failed/"
 _NODE = "yatt/node"
 _DEATH_GRACE_S = 5.0  # after a failed collective: how long a dying rank has to be reaped
 _WATCH_S = 0.1  # how often the supervisor looks at the ranks
 _CLOSE_GRACE_S = 10.0
 
 
+OPS = ("run", "state_dict", "load_state_dict", "offload", "reload")
+"""The node operations a group runs on every rank (:func:`lead`): a call (``run``, its inputs
+the argument), the state's gathering and loading, and the device switch's moves."""
+
+
 class RankCall(ChildMessage, tag="call"):
-    """What rank 0 writes to the store for call ``n``: run the node's operation ``op``
-    (``node.serve_rank``); the frames of its values follow by broadcast."""
+    """What rank 0 writes to the store for command ``n``: run the node's operation ``op`` (one
+    of :data:`OPS`); the frames of its argument follow by broadcast."""
 
     op: str
-    """The node's name for the operation (its own, as ``meta`` is)."""
-    meta: dict[str, Any]
-    """The operation's small arguments, as the node gave them to :meth:`RankGroup.command`."""
+    """The node's method, one of :data:`OPS`."""
+    step: int
+    """The step of a ``run`` (``node.begin_step`` before it); 0 for the other operations."""
     header: bytes
-    """The codec's header of the call's values (:func:`runtime.codec.encode_value`)."""
+    """The codec's header of the argument, ``{"value": ...}`` or ``{}`` for none
+    (:func:`runtime.codec.encode_value`)."""
     sizes: list[int]
     """The bytes of each buffer frame, in broadcast order (an empty one is not sent)."""
 
@@ -119,8 +147,10 @@ class RankError(ProcessFault):
     checkpoint."""
 
 
-class _Ranks:
-    """What rank 0 and the other ranks share: the store, the process group, the collectives."""
+class Ranks:
+    """A rank's side of its group as its node sees it (``node.rank_group``): its rank and
+    the world's size, the device, and the collectives every rank calls in the same order;
+    rank 0's :class:`RankGroup` and the other ranks' :class:`RankLink` are one each."""
 
     rank: int
     world: int
@@ -131,6 +161,11 @@ class _Ranks:
         self.world = int(world)
         self.set_device(device)
         self.timeout = datetime.timedelta(seconds=float(timeout_s))
+
+    def in_operation(self) -> bool:
+        """Whether every rank runs the operation this rank runs now (rank 0: one that
+        :func:`lead` started)."""
+        return True
 
     def set_device(self, device: torch.device) -> None:
         """Compute (and communicate: gloo on the CPU, NCCL on CUDA) on ``device``."""
@@ -227,7 +262,7 @@ def _close_all() -> None:
 atexit.register(_close_all)
 
 
-class RankGroup(_Ranks):
+class RankGroup(Ranks):
     """Rank 0's side: starts and supervises the other ranks, sends them each call."""
 
     rank = 0
@@ -241,8 +276,13 @@ class RankGroup(_Ranks):
         self.death = ""
         """The first rank found dead by the supervisor (as :meth:`_dead` says it), or ''."""
         self._next = 0
+        self.running: tuple[int, str] | None = None
+        """The command rank 0 runs now (its number and operation), for the supervisor."""
         self._joined = False
         self._lock = threading.Lock()  # the supervisor's abort against close()
+
+    def in_operation(self) -> bool:
+        return self.running is not None
 
     @classmethod
     def start(cls, node: Any) -> RankGroup:
@@ -280,10 +320,18 @@ class RankGroup(_Ranks):
         return self
 
     def _supervise(self) -> None:
-        """Until the group closes: find the first dead rank, and abort the process group so
-        that a collective waiting on it returns now, not at the collective timeout."""
+        """Until the group closes: find the first dead rank, or a rank that failed the
+        operation rank 0 still runs a grace period later, and abort the process group so that
+        a collective waiting on it returns now, not at the collective timeout."""
+        seen: tuple[tuple[int, str], float] | None = None  # (a failed command, when seen)
         while not self.closed:
             dead = self._dead()
+            running = self.running
+            if not dead and running is not None and (failed := self._failures(running[0])):
+                if seen is None or seen[0] != running:
+                    seen = (running, time.monotonic())
+                elif time.monotonic() - seen[1] > _DEATH_GRACE_S:
+                    dead = f"{failed[0]}, while rank 0 still ran it (the group is out of step)"
             if dead:
                 with self._lock:
                     if self.closed:  # a rank that close() ended is no fault
@@ -313,38 +361,75 @@ class RankGroup(_Ranks):
         self._joined = True
 
     # --- calls ---------------------------------------------------------------------------------
-    def command(
-        self,
-        op: str,
-        values: Mapping[str, Any] | None = None,
-        meta: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Tell every rank to run ``op`` and broadcast ``values`` to them (call it in
-        :meth:`guard`, then run the same operation here)."""
+    def lead(self, op: str, run: Callable[[], Any], value: Any = None, step: int = 0) -> Any:
+        """Tell every rank to run ``op`` (with ``value`` as its argument, when not None), then
+        ``run`` it here, in :meth:`guard`: rank 0's result."""
+        what = f"{op} of step {step}" if op == "run" else op
+        args = {} if value is None else {"value": value}  # refused here, before a rank hears
+        header, *frames = encode_value(args, where=f"{self.who} {what}", any_keys=True)
+        try:
+            with self.guard(what):
+                n = self._command(RankCall(op, int(step), header, []), frames, what)
+                self.running = (n, op)
+                result = run()
+                if failed := self._failures(n):  # a rank failed where rank 0 did not
+                    self.death = (
+                        self.death
+                        or f"{failed[0]}, where rank 0 did not (the group is out of step)"
+                    )
+                return result
+        finally:
+            self.running = None
+
+    def _command(self, command: RankCall, frames: list[Any], what: str) -> int:
+        """Write the command and broadcast its argument's frames; its number."""
         if dead := self._dead():
-            self._fail(f"{self.who}: {dead}; the group cannot run {op!r}")
-        header, *frames = encode_value(dict(values or {}), where=f"{self.who} {op} values")
-        sizes = [memoryview(f).nbytes for f in frames]
-        self._write(RankCall(op, dict(meta or {}), header, sizes))
+            self._fail(f"{self.who}: {dead}; the group cannot run {what}")
+        command.sizes = sizes = [memoryview(f).nbytes for f in frames]
+        n = self._write(command)
         for frame, size in zip(frames, sizes, strict=True):
             if size:
                 dist.broadcast(_frame_tensor(frame).to(self.device), src=0)
+        return n
 
-    def _write(self, command: RankCall | RankClose) -> None:
-        """The next command, under ``yatt/cmd/<n>``."""
+    def _write(self, command: RankCall | RankClose) -> int:
+        """The next command, under ``yatt/cmd/<n>``; its number ``n``."""
         n = self._next
         self._next += 1
         self.store.set(f"{_CMD}{n}", TO_RANK.encode(command))
         if n >= 2:  # every rank read it: op n-1 ran collectives that all ranks joined
             self.store.delete_key(f"{_CMD}{n - 2}")
+        return n
+
+    def _failures(self, n: int) -> list[str]:
+        """'rank 2 failed: ValueError: ...' for each rank that reported a failure of command
+        ``n``."""
+        found = []
+        for rank in range(1, self.world):
+            key = f"{_FAILED}{n}/{rank}"
+            with contextlib.suppress(Exception):
+                if self.store.check([key]):
+                    found.append(f"rank {rank} failed: {self.store.get(key).decode()}")
+        return found
+
+    def _failed_alike(self, n: int, exc: BaseException) -> bool:
+        """Whether every other rank reported a failure of command ``n`` of the same type as
+        rank 0's ``exc`` (waiting up to :data:`_DEATH_GRACE_S` for them, not past a death)."""
+        deadline = time.monotonic() + _DEATH_GRACE_S
+        while len(failures := self._failures(n)) < self.world - 1:
+            if self.death or self._dead() or time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        alike = f" failed: {type(exc).__name__}: "
+        return all(alike in text for text in failures)
 
     @contextlib.contextmanager
-    def guard(self, what: str, keep: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
-        """Run a group operation; a failed collective, or any end of the operation after the
-        supervisor aborted the group, becomes a :class:`RankError` naming the rank that died
-        (or saying that none did), and the group is then broken. Errors of the types in
-        ``keep`` (ones every rank raises alike) pass through and leave it intact, unless a
-        rank died."""
+    def guard(self, what: str) -> Iterator[None]:
+        """Run a group operation; an error every rank raised alike (each other rank reported
+        it for the command running) passes through and leaves the group in step. Any other
+        failure, or any end of the operation after the supervisor aborted the group, becomes
+        a :class:`RankError` naming the rank that died (or saying that none did), and the
+        group is then broken."""
         if self.broken:
             raise RankError(self.broken)
         try:
@@ -352,7 +437,8 @@ class RankGroup(_Ranks):
         except RankError:
             raise
         except Exception as exc:
-            if isinstance(exc, keep) and not self.death:
+            running = self.running
+            if running is not None and not self.death and self._failed_alike(running[0], exc):
                 raise
             dead = self.death or self._dead(wait_s=_DEATH_GRACE_S)
             if dead:
@@ -405,7 +491,7 @@ class RankGroup(_Ranks):
 # --- ranks 1..K-1 ---------------------------------------------------------------------------------
 
 
-class RankLink(_Ranks):
+class RankLink(Ranks):
     """A rank's side: the store and the calls it receives from rank 0."""
 
     def __init__(self, port: int, rank: int, world: int, timeout_s: float) -> None:
@@ -427,8 +513,13 @@ class RankLink(_Ranks):
         with contextlib.suppress(Exception):
             self.store.set(f"{_ERROR}{self.rank}", text.encode())
 
-    def commands(self) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
-        """``(op, values, meta)`` per call of rank 0, until it says ``close``."""
+    def failed(self, n: int, text: str) -> None:
+        """Report that this rank's run of command ``n`` raised (:meth:`RankGroup.guard`)."""
+        self.store.set(f"{_FAILED}{n}/{self.rank}", text.encode())
+
+    def commands(self) -> Iterator[tuple[int, RankCall, Any]]:
+        """``(n, command, argument)`` per command of rank 0 (the argument None where it gave
+        none), until it says ``close``."""
         n = 0
         while True:
             key = f"{_CMD}{n}"
@@ -444,11 +535,51 @@ class RankLink(_Ranks):
                 if size:
                     dist.broadcast(t, src=0)
                 frames.append(t.cpu().numpy())
-            values = decode_value(
-                [command.header, *frames], where=f"{self.who} {command.op} values"
-            )
-            yield command.op, values, command.meta
+            args = decode_value([command.header, *frames], where=f"{self.who} {command.op}")
+            yield n, command, args.get("value")
             n += 1
+
+
+def _outline(value: Any) -> Any:
+    """``value`` with every tensor None (in dicts, lists and tuples)."""
+    if isinstance(value, torch.Tensor):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _outline(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_outline(v) for v in value]
+    return value
+
+
+def lead(node: Any, op: str, value: Any = None, step: int = 0) -> Any:
+    """``node.<op>(value)`` (no argument when ``value`` is None; ``op`` one of :data:`OPS`):
+    the runtime's call of a node. When this process leads the node's rank group, every other
+    rank runs the same operation on the same argument (a state to load: its outline, see
+    the module doc); otherwise the node runs it alone."""
+    method = getattr(node, op)
+    args = () if value is None else (value,)
+    group = node.rank_group
+    if not isinstance(group, RankGroup) or op not in OPS:
+        return method(*args)
+    node.setup()  # the group forms in the build: the ranks build theirs before they serve
+    sent = _outline(value) if op == "load_state_dict" else value
+    return group.lead(op, lambda: method(*args), sent, step)
+
+
+def serve(node: Any, link: RankLink) -> None:
+    """A rank's side of :func:`lead`: run each of rank 0's commands on ``node`` until it says
+    close. An operation that raises is reported (:meth:`RankLink.failed`) and the rank waits
+    for the next: rank 0 raised it too, or breaks the group."""
+    for n, command, value in link.commands():
+        if command.op not in OPS:
+            raise ValueError(f"{link.who}: rank 0 sent the unknown operation {command.op!r}")
+        try:
+            if command.op == "run":
+                node.begin_step(command.step)
+            getattr(node, command.op)(*(() if value is None else (value,)))
+        except Exception as exc:
+            link.failed(n, f"{type(exc).__name__}: {exc}")
+            log.warning("%s: %s failed: %s: %s", link.who, command.op, type(exc).__name__, exc)
 
 
 def start_groups(nodes: Mapping[str, Any]) -> list[Any]:
@@ -456,6 +587,12 @@ def start_groups(nodes: Mapping[str, Any]) -> list[Any]:
     its ``rank_group``; call it before the nodes' ``setup()``, where each joins its group.
     Returns the groups started, for the caller to ``close()`` when it is done."""
     grouped = [n for n in nodes.values() if n.ranks > 1 and n.rank_group is None]
+    for node in grouped:
+        if node.streaming:
+            raise ValueError(
+                f"node {node.name!r}: ranks={node.ranks} runs a node as a group of processes, "
+                "which a streaming node cannot be; set ranks=1"
+            )
     for node in grouped:
         node.rank_group = RankGroup.start(node)
     return [node.rank_group for node in grouped]

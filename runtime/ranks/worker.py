@@ -2,9 +2,9 @@
 
 It connects to rank 0's store, rebuilds the node from the spec rank 0 left there, gives it
 its side of the group (``node.rank_group``), builds it (the node joins the group there), and
-then runs each of rank 0's calls (``node.serve_rank``) until rank 0 says close or is gone
-(:mod:`runtime.ranks.group`; :func:`runtime.children.exit_with_parent`). If it fails, it
-leaves the error in the store for rank 0 to name, and exits with code 1.
+then runs each operation rank 0 runs (:func:`runtime.ranks.group.serve`) until rank 0 says
+close or is gone (:func:`runtime.children.exit_with_parent`). If its build or the group
+fails, it leaves the error in the store for rank 0 to name, and exits with code 1.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import msgspec
     import torch
 
-    from runtime.ranks.group import RankLink, leave_group
+    from runtime.ranks.group import RankLink, leave_group, serve
     from yatt_graph.serialize import NodeSpec, build_node
 
     torch.set_num_threads(max(1, args.threads))
@@ -51,8 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         node = build_node(spec)
         node.rank_group = link
         node.setup()
-        for op, values, meta in link.commands():
-            node.serve_rank(op, values, meta)
+        serve(node, link)
     except Exception as exc:
         link.report(f"{type(exc).__name__}: {exc}")
         traceback.print_exc()

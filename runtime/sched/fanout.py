@@ -374,6 +374,10 @@ class Fanouts:
         """The nodes whose calls may be cut."""
         return sorted(self.fanouts)
 
+    def fans_out(self, name: str) -> bool:
+        """Whether calls of ``name`` are cut across workers."""
+        return name in self.fanouts
+
     def call(self, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
         fanout = self.fanouts.get(name)
         return fanout.call(inputs) if fanout is not None else self.nodes[name].run(inputs)

@@ -99,7 +99,7 @@ def test_child_messages_round_trip_with_their_tag_first():
     wire = m.TO_REPLICA.encode(call)
     assert msgspec.msgpack.decode(wire)[0] == "call"
     assert m.TO_REPLICA.decode(wire) == call
-    command = RankCall("step", {"step": 2}, b"head", [8, 0])
+    command = RankCall("run", 2, b"head", [8, 0])
     assert TO_RANK.decode(TO_RANK.encode(command)) == command
     assert isinstance(TO_RANK.decode(TO_RANK.encode(RankClose())), RankClose)
 

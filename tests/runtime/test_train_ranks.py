@@ -29,6 +29,7 @@ from nodes.rl.advantages import broadcast_to_tokens
 from nodes.rollout import Rollout
 from nodes.update import GRPOUpdate, PPOUpdate
 from nodes.update.trainer import View, plan_micro_batches
+from runtime.engine.calls import node_op
 from runtime.ranks.group import RankError, start_groups
 from yatt_graph.partition import lpt
 
@@ -73,7 +74,7 @@ def _trains_alike(one, many, inputs, calls, ports=("weights",)):
     WEIGHT_TOL and the same metrics; the group is closed after."""
     try:
         for _ in range(calls):
-            out1, out2 = one.run(inputs), many.run(inputs)
+            out1, out2 = one.run(inputs), node_op(many, "run", inputs)
         for port in ports:
             assert _max_diff(out1[port].weights, out2[port].weights) <= WEIGHT_TOL
         _assert_same_metrics(out1["metrics"], out2["metrics"])
@@ -147,9 +148,9 @@ class TestOneFSDPGroup:
 
     def test_grpo_fsdp_two_ranks_equal_one_rank(self, batch, grpo_fsdp):
         one = _fresh_grpo()
-        grpo_fsdp.load_state_dict(one.state_dict())  # start both from the built weights
+        node_op(grpo_fsdp, "load_state_dict", one.state_dict())  # start both from the built weights
         for _ in range(3):
-            out1, out2 = one.run(batch["grpo"]), grpo_fsdp.run(batch["grpo"])
+            out1, out2 = one.run(batch["grpo"]), node_op(grpo_fsdp, "run", batch["grpo"])
         assert _max_diff(out1["weights"].weights, out2["weights"].weights) <= WEIGHT_TOL
         assert out1["weights"].version == out2["weights"].version == 3
         _assert_same_metrics(out1["metrics"], out2["metrics"])
@@ -161,17 +162,17 @@ class TestOneFSDPGroup:
 
     def test_two_rank_checkpoint_resumes_with_two_or_one_rank(self, batch, grpo_fsdp):
         inputs = batch["grpo"]
-        grpo_fsdp.load_state_dict(_fresh_grpo().state_dict())
+        node_op(grpo_fsdp, "load_state_dict", _fresh_grpo().state_dict())
         for _ in range(2):
-            grpo_fsdp.run(inputs)
-        saved = grpo_fsdp.state_dict()
+            node_op(grpo_fsdp, "run", inputs)
+        saved = node_op(grpo_fsdp, "state_dict")
         assert saved["version"] == saved["updates"] == 2
         assert set(saved["optimizer"]["state"]) == set(
             range(len(list(grpo_fsdp.policy.parameters())))
         )
-        uninterrupted = grpo_fsdp.run(inputs)["weights"]
-        grpo_fsdp.load_state_dict(saved)  # K=2 again, after its weights moved on
-        again = grpo_fsdp.run(inputs)["weights"]
+        uninterrupted = node_op(grpo_fsdp, "run", inputs)["weights"]
+        node_op(grpo_fsdp, "load_state_dict", saved)  # K=2 again, after its weights moved on
+        again = node_op(grpo_fsdp, "run", inputs)["weights"]
         assert again.version == uninterrupted.version == 3
         assert _max_diff(again.weights, uninterrupted.weights) <= WEIGHT_TOL
         alone = _fresh_grpo()
@@ -192,9 +193,9 @@ def test_an_fsdp_group_offloads_every_ranks_shards_and_trains_alike_after(batch,
         many.setup()
         params = list(many.policy.parameters())
         for _ in range(3):
-            out1, out2 = one.run(inputs), many.run(inputs)
+            out1, out2 = one.run(inputs), node_op(many, "run", inputs)
             local = [p.to_local().data_ptr() for p in params]
-            moved = many.offload()
+            moved = node_op(many, "offload")
             adam = sum(
                 v.to_local().nbytes
                 for st in many.optimizer.state.values()
@@ -202,14 +203,14 @@ def test_an_fsdp_group_offloads_every_ranks_shards_and_trains_alike_after(batch,
                 if k != "step"
             )
             assert moved >= adam > 0  # the shards and their Adam state, this rank's
-            assert many.offload() == 0  # idempotent
+            assert node_op(many, "offload") == 0  # idempotent
             assert [p.to_local().data_ptr() for p in many.policy.parameters()] != local
-            assert many.reload() == moved and many.reload() == 0
+            assert node_op(many, "reload") == moved and node_op(many, "reload") == 0
             assert list(many.policy.parameters()) == params  # the optimizer still holds them
         assert _max_diff(out1["weights"].weights, out2["weights"].weights) <= WEIGHT_TOL
         _assert_same_metrics(out1["metrics"], out2["metrics"])
-        many.offload()  # a step straight after an offload brings the state back itself
-        out1, out2 = one.run(inputs), many.run(inputs)
+        node_op(many, "offload")  # a step straight after an offload brings the state back itself
+        out1, out2 = one.run(inputs), node_op(many, "run", inputs)
         assert _max_diff(out1["weights"].weights, out2["weights"].weights) <= WEIGHT_TOL
     finally:
         many.close()
@@ -259,12 +260,12 @@ def test_a_killed_rank_is_named_not_a_hang(batch):
         os.kill(proc.pid, signal.SIGKILL)  # no wait: found by the poll or by the collective
         pattern = rf"node 'grpo_update': rank 1 \(pid {proc.pid}\) was killed by SIGKILL \(9\)"
         with pytest.raises(RankError, match=pattern):
-            node.run(batch["grpo"])
+            node_op(node, "run", batch["grpo"])
         with pytest.raises(RankError, match=pattern):  # broken from then on, at once
-            node.run(batch["grpo"])
+            node_op(node, "run", batch["grpo"])
         assert _rank_processes() == []  # the group was ended with the error
         with pytest.raises(RankError, match=pattern):
-            node.state_dict()
+            node_op(node, "state_dict")
     finally:
         node.close()
 
@@ -322,14 +323,14 @@ def test_a_group_on_cuda_forms_bound_to_its_gpu(monkeypatch):
     GPU when the group forms; gloo on the CPU takes none."""
     import torch.distributed as dist
 
-    from runtime.ranks.group import _Ranks
+    from runtime.ranks.group import Ranks
 
     seen = []
     monkeypatch.setattr(
         dist, "init_process_group", lambda backend, **kw: seen.append((backend, kw))
     )
     for device in (torch.device("cuda", 1), torch.device("cpu")):
-        link = _Ranks("rank 1", 2, device, 5.0)
+        link = Ranks("rank 1", 2, device, 5.0)
         link.rank, link.store = 1, dist.HashStore()
         link._init_group()
     (nccl, on_gpu), (gloo, on_cpu) = seen
