@@ -47,6 +47,7 @@ __all__ = [
     "add_controller_arguments",
     "Launch",
     "LaunchError",
+    "NO_RAY",
     "add_launch_arguments",
     "add_run_arguments",
     "GraphArgs",
@@ -359,6 +360,12 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         "SLURM_NODELIST, and MASTER_PORT + 1)",
     )  # fmt: skip
     group.add_argument(
+        "--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+        help="launch on a Ray cluster (auto: the one this machine belongs to, or HOST:PORT of "
+        "its head): one `yatt-graph run` per node, in Ray actors of one placement group "
+        "(--nnodes of them, default the cluster's nodes); needs the ray extra",
+    )  # fmt: skip
+    group.add_argument(
         "--data-host", default=None, metavar="ADDRESS",
         help="the address this host's controllers listen on for their peers (default: the "
         "interface that routes to the master)",
@@ -426,6 +433,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         help="run R copies of an inference node (rollout, vision, reference, critic, reward), "
         "each on its own core or GPU; each step's batch is cut across them by cost "
         "(e.g. rollout=2)",
+    )
+    p.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=0,
+        metavar="M",
+        help="with --train-ranks K across hosts: M ranks on each host, the update's host the "
+        "first M, the next hosts the rest (K <= M x hosts; default 0: all K on the update's host)",
     )
     p.add_argument(
         "--max-staleness",
@@ -772,6 +787,12 @@ class LaunchSettings(msgspec.Struct, frozen=True, kw_only=True):
     """False with ``--no-spawn``: the controllers are started by hand."""
     allow_remote: bool = False
     keys: str | None = None
+    ray: str | None = None
+    """``--ray ADDRESS``: the Ray cluster that starts the run's nodes (runtime.ray_launch);
+    None outside one."""
+    ray_nodes: int = 0
+    """With :attr:`ray`: how many nodes (``--nnodes``); 0: the cluster's nodes, at most
+    ``controllers``."""
     hosts: Launch | None = None
     """The run's place in a launch (:func:`resolve_launch`: the flags ``--nnodes``,
     ``--node-rank``, ``--master`` and the launcher's environment); None outside one."""
@@ -873,7 +894,10 @@ def graph_args(args: argparse.Namespace) -> GraphArgs:
 
 def _hosts(args: argparse.Namespace, env: Mapping[str, str]) -> Launch | None:
     """The launch the flags and ``env`` describe (:func:`resolve_launch`), with the flags that
-    cannot go with a run across hosts refused."""
+    cannot go with a run across hosts refused; None with ``--ray`` (Ray places the nodes)."""
+    if args.ray is not None:
+        _check_ray(args)
+        return None
     launch = resolve_launch(args.nnodes, args.node_rank, args.master, env)  # (a UsageError)
     if launch is None or launch.nnodes < 2:
         if args.data_host:
@@ -893,6 +917,37 @@ def _hosts(args: argparse.Namespace, env: Mapping[str, str]) -> Launch | None:
     return launch
 
 
+NO_RAY = "--ray needs Ray, an optional extra: pip install 'yatt-graph[ray]'"
+
+
+def _check_ray(args: argparse.Namespace) -> None:
+    """``--ray``'s flags: Ray places the nodes and picks the master, so the flags that say
+    where a node is are refused; Ray must be importable."""
+    if not args.ray.strip():
+        raise LaunchError("--ray was given an empty address; give HOST:PORT, or no value (auto)")
+    for flag, value in (
+        ("--node-rank", args.node_rank), ("--master", args.master),
+        ("--data-host", args.data_host), ("--listen", args.listen),
+        ("--no-spawn", args.no_spawn),
+    ):  # fmt: skip
+        if value:
+            raise LaunchError(
+                f"--ray and {flag}: Ray starts every node and tells each its rank and the "
+                f"driver's address; drop {flag}"
+            )
+    if args.nnodes is not None and args.nnodes < 1:
+        raise LaunchError(f"--nnodes {args.nnodes}: the node count must be 1 or more")
+    if args.nnodes is not None:
+        controller_shares(args.controllers, args.nnodes)  # every node runs a controller
+    if args.restart == "on-failure":
+        raise LaunchError(
+            "--restart on-failure restarts controllers one process started; on Ray rerun the "
+            "job with --resume OUT, which continues from the newest good checkpoint"
+        )
+    if importlib.util.find_spec("ray") is None:
+        raise LaunchError(NO_RAY)
+
+
 def run_spec(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> RunSpec:
     """``yatt-graph run``'s flags (and the launcher's environment ``env``, default this
     process's) as one :class:`RunSpec`, every flag that cannot work refused first (before
@@ -901,6 +956,12 @@ def run_spec(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> 
     hosts = _hosts(args, os.environ if env is None else env)
     graph = graph_args(args)
     checked = check_flags(args)
+    if args.ranks_per_host and args.ray is None and (hosts is None or hosts.nnodes < 2):
+        raise UsageError(
+            f"--ranks-per-host {args.ranks_per_host} spreads the ranks of --train-ranks over "
+            "the hosts of a run across hosts (--nnodes N, torchrun, Slurm or --ray); on one host "
+            "every rank is on the update's host: drop it"
+        )
     device = graph.named.get("device") or graph.sets.get("device") or "auto"
     engine = RunConfig(
         max_staleness=args.max_staleness,
@@ -915,11 +976,13 @@ def run_spec(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> 
         placement=args.placement,
         device=str(device) if checked.distributed else "auto",
         adaptive=not args.no_adaptive,
+        ranks_per_host=args.ranks_per_host,
     ).verify("yatt-graph run")
     launch = LaunchSettings(
         controllers=args.controllers, pins=checked.pins, listen=args.listen,
         spawn=not args.no_spawn, allow_remote=args.allow_remote, keys=args.keys, hosts=hosts,
-        data_host=args.data_host,
+        data_host=args.data_host, ray=args.ray,
+        ray_nodes=(args.nnodes or 0) if args.ray is not None else 0,
     )  # fmt: skip
     train = TrainSettings(
         steps=args.steps, out=args.out, resume=args.resume, overwrite=args.overwrite,

@@ -501,6 +501,7 @@ def _check_controllers(spec: RunSpec, graph: Graph) -> None:
     from runtime.sched.devices import usable_cores, visible_gpus
 
     ranks, cores = int(spec.options.get("train_ranks") or 1), usable_cores()
+    ranks = min(ranks, spec.engine.ranks_per_host or ranks)  # this host's
     device = str(spec.options.get("device") or "auto")
     on_gpu = device.startswith("cuda") or (device == "auto" and visible_gpus() > 0)
     if ranks > _RANKS_PER_CORE * cores and not on_gpu:  # each one a process with torch
@@ -660,6 +661,10 @@ def run_command(spec: RunSpec, setup: RunSetup) -> int:
     """``yatt-graph run``: check the run folder and the paths, take the folder, build the graph
     (``setup.build()``), train on the executors of :func:`executor_factory`, export. Returns
     the exit code."""
+    if spec.launch.ray is not None:  # Ray starts a `yatt-graph run` per node; node 0's runs it
+        from runtime.ray_launch import run_on_ray
+
+        return run_on_ray(spec, sys.argv[1:])
     train = spec.train
     if train.resume and not Path(train.resume).is_dir():
         what = "is a file" if Path(train.resume).exists() else "does not exist"

@@ -157,7 +157,8 @@ def _full(norm: Tensor) -> Tensor:
 
 def join_group(where: str, group: Any, ranks: int, device: torch.device) -> torch.device:
     """This process's side of the group the executor started (``rank_group``) set to compute
-    on this rank's device, which is returned: on CUDA, one GPU per rank from ``device`` on."""
+    on this rank's device, which is returned: on CUDA, one GPU per rank of a host from
+    ``device`` on."""
     if group is None:
         raise ValueError(
             f"{where}: ranks={ranks} trains as a group of processes, which an executor starts "
@@ -165,13 +166,14 @@ def join_group(where: str, group: Any, ranks: int, device: torch.device) -> torc
             "ZmqExecutor or yatt-graph run"
         )
     if device.type == "cuda":
-        first = device.index or 0
-        if torch.cuda.device_count() < first + ranks:
+        index = (device.index or 0) + group.local_rank  # one GPU per rank of this host
+        if torch.cuda.device_count() <= index:
             raise ValueError(
-                f"{where}: ranks={ranks} on {device} needs GPUs "
-                f"{first}..{first + ranks - 1}; torch sees {torch.cuda.device_count()}"
+                f"{where}: rank {group.rank} of ranks={ranks} on {device} needs GPU {index} "
+                f"(one per rank of a host, from {device} on); torch sees "
+                f"{torch.cuda.device_count()}"
             )
-        device = torch.device("cuda", first + group.rank)
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     group.set_device(device)
     return device

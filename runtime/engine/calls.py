@@ -260,9 +260,13 @@ def start_nodes(
     config: Any,
     spawn: Callable[[Any, int, int], Any] | None = None,
     track: Callable[[str], None] | None = None,
+    placements: Mapping[str, Any] | None = None,
+    here: int = 0,
 ) -> NodeWorkers:
     """Make ``nodes`` ready to run, in-process or on a controller: start the rank groups of
-    grouped nodes (before they build: the update joins its group), build the nodes
+    grouped nodes (before they build: the update joins its group), and on controller ``here``
+    the ranks it holds of groups across hosts (``placements``: node name to
+    :class:`runtime.ranks.placement.RankPlacement`), build the nodes
     (``setup()``) in ``order``, telling ``track`` which one is being built, then the fan-outs
     for ``config.slots`` and ``config.replicas`` (``spawn`` starts replica i of a node). A
     failure ends what started; a library node that fails on what the user gave it raises a
@@ -270,10 +274,10 @@ def start_nodes(
     from runtime.sched.fanout import slot_pool, start_fanouts
 
     groups: list[Any] = []
-    if any(n.ranks > 1 and n.rank_group is None for n in nodes.values()):
+    if placements or any(n.ranks > 1 and n.rank_group is None for n in nodes.values()):
         from runtime.ranks.group import start_groups
 
-        groups = start_groups(nodes)
+        groups = start_groups(nodes, placements, here)
     workers = NodeWorkers(None, groups)
     try:
         for name in [n for n in order if n in nodes]:

@@ -115,6 +115,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     cuda_ipc: bool | None = None
     """CUDA tensors between controllers on one host travel by CUDA IPC (runtime.codec.cuda_ipc);
     None: on, unless ``$YATT_CUDA_IPC=0``."""
+    ranks_per_host: int = 0
+    """How many of a rank group's ranks each host of the run holds (runtime.ranks): the node's
+    host the first ones, the next hosts the rest; 0: every rank on the node's host."""
 
     def verify(self, who: str = "RunConfig") -> RunConfig:
         """The config, or a ValueError naming the first field that is wrong and what it takes."""
@@ -147,6 +150,11 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             )
         check_choice(who, "placement", self.placement, PLACEMENTS)
         check_choice(who, "device", self.device, DEVICES)
+        if not _count(self.ranks_per_host):
+            raise ValueError(
+                f"{who}: ranks_per_host must be an int >= 0 (0: a rank group on one host), "
+                f"got {self.ranks_per_host!r}"
+            )
         return self
 
     @property

@@ -65,6 +65,7 @@ import contextlib
 import datetime
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -79,6 +80,7 @@ import runtime.ranks.sharding as sharding
 from runtime.children import Child, ChildMessage, Messages, python_env, start_child, stop
 from runtime.codec import decode_value, encode_value
 from runtime.errors import ProcessFault
+from runtime.ranks.placement import RankPlacement, interface_of, place_ranks
 
 __all__ = [
     "OPS",
@@ -91,6 +93,7 @@ __all__ = [
     "Ranks",
     "lead",
     "leave_group",
+    "rendezvous",
     "start_groups",
 ]
 
@@ -100,6 +103,8 @@ _CMD = "yatt/cmd/"
 _READY = "yatt/ready/"
 _ERROR = "yatt/error/"
 _FAILED = "yatt/failed/"
+_DEAD = "yatt/dead/"  # a rank on another host, as its controller saw it die
+_ABORT = "yatt/abort"  # rank 0 broke the group: the ranks exit
 _NODE = "yatt/node"
 _DEATH_GRACE_S = 5.0  # after a failed collective: how long a dying rank has to be reaped
 _WATCH_S = 0.1  # how often the supervisor looks at the ranks
@@ -155,6 +160,8 @@ class Ranks:
     rank: int
     world: int
     store: Any
+    local_rank = 0
+    """This rank's index among its host's ranks of the group (its GPU, on CUDA)."""
 
     def __init__(self, who: str, world: int, device: torch.device, timeout_s: float) -> None:
         self.who = who
@@ -280,14 +287,18 @@ class RankGroup(Ranks):
         """The command rank 0 runs now (its number and operation), for the supervisor."""
         self._joined = False
         self._lock = threading.Lock()  # the supervisor's abort against close()
+        self.remote: list[int] = []
+        """Ranks that other controllers started (on other hosts), watched through the store."""
 
     def in_operation(self) -> bool:
         return self.running is not None
 
     @classmethod
-    def start(cls, node: Any) -> RankGroup:
+    def start(cls, node: Any, placement: RankPlacement | None = None, here: int = 0) -> RankGroup:
         """Host the store and start ranks 1..K-1 (K: ``node.ranks``), each building ``node``
-        from its spec; they compute on the CPU until the node sets its device."""
+        from its spec; they compute on the CPU until the node sets its device. With a
+        ``placement`` (a group across hosts, this process being controller ``here``) the store
+        is the driver's, and only the ranks ``here`` starts are started here."""
         from yatt_graph.serialize import node_spec
 
         for owner, old in list(_current):
@@ -302,19 +313,29 @@ class RankGroup(Ranks):
             )
         world, timeout_s = int(node.ranks), float(node.rank_timeout_s)
         self = cls(node, world, torch.device("cpu"), timeout_s)
-        self.store = dist.TCPStore(
-            "127.0.0.1", 0, world, is_master=True, timeout=self.timeout, wait_for_workers=False
-        )
+        if placement is None:
+            self.store = dist.TCPStore(
+                "127.0.0.1", 0, world, is_master=True, timeout=self.timeout,
+                wait_for_workers=False,
+            )  # fmt: skip
+            address, mine = f"127.0.0.1:{self.store.port}", list(range(1, world))
+            local = mine
+        else:
+            if placement.world != world:
+                raise ValueError(
+                    f"node {node.name!r}: the driver placed {placement.world} ranks for "
+                    f"ranks={world}; run the same graph on every host"
+                )
+            host, port = placement.store.rsplit(":", 1)
+            self.store = dist.TCPStore(
+                host, int(port), world, is_master=False, timeout=self.timeout
+            )
+            address, mine = placement.store, placement.ranks_of(here)
+            local = [placement.local_ranks[r] for r in mine]
+            self.remote = [r for r in range(1, world) if r not in mine]
+            set_interface(placement.hosts[0])
         self.store.set(_NODE, msgspec.json.encode(node_spec(node)))
-        threads = torch.get_num_threads()
-        env = python_env(threads)
-        for rank in range(1, world):
-            args = [
-                "--port", str(self.store.port), "--rank", str(rank), "--world", str(world),
-                "--parent-pid", str(os.getpid()), "--timeout", str(self.timeout_s),
-                "--threads", str(threads),
-            ]  # fmt: skip
-            self.procs.append(start_child("runtime.ranks.worker", args, env, f"rank {rank}"))
+        self.procs = start_ranks(address, mine, local, world, timeout_s)
         _current.append((weakref.ref(node), self))
         threading.Thread(target=self._supervise, daemon=True, name="rank-supervisor").start()
         return self
@@ -459,18 +480,28 @@ class RankGroup(Ranks):
         raise RankError(self.broken) from cause
 
     def _dead(self, wait_s: float = 0.0) -> str:
-        """'rank 1 (pid 123) was killed by SIGKILL (9)' for the first dead rank, else ''."""
+        """'rank 1 (pid 123) was killed by SIGKILL (9)' for the first dead rank, else ''; a
+        rank on another host as its controller reported it to the store."""
         deadline = time.monotonic() + wait_s
         while True:
-            for rank, proc in enumerate(self.procs, start=1):
+            for proc in self.procs:
                 if text := proc.dead():
-                    with contextlib.suppress(Exception):
-                        if self.store.check([f"{_ERROR}{rank}"]):
-                            text += f": {self.store.get(f'{_ERROR}{rank}').decode()}"
-                    return text
+                    return self._with_error(int(proc.label.split()[-1]), text)
+            for rank in self.remote:
+                with contextlib.suppress(Exception):
+                    if self.store.check([f"{_DEAD}{rank}"]):
+                        text = self.store.get(f"{_DEAD}{rank}").decode()
+                        return self._with_error(rank, text)
             if time.monotonic() >= deadline:
                 return ""
             time.sleep(0.05)
+
+    def _with_error(self, rank: int, text: str) -> str:
+        """``text`` and the error rank ``rank`` left in the store, if it left one."""
+        with contextlib.suppress(Exception):
+            if self.store.check([f"{_ERROR}{rank}"]):
+                text += f": {self.store.get(f'{_ERROR}{rank}').decode()}"
+        return text
 
     def close(self) -> None:
         """End the ranks (a close command, a join, then :func:`runtime.children.stop`) and the group."""
@@ -479,9 +510,11 @@ class RankGroup(Ranks):
                 return
             self.closed = True
         clean = self._joined and not self.broken and not self.death and not self._dead()
-        if clean:
-            with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):
+            if clean:
                 self._write(RankClose())
+            else:  # ranks on other hosts stop polling for commands that will not come
+                self.store.set(_ABORT, b"1")
         stop(self.procs, _CLOSE_GRACE_S if clean else 0.0)
         if self._joined:
             leave_group(clean)
@@ -494,12 +527,13 @@ class RankGroup(Ranks):
 class RankLink(Ranks):
     """A rank's side: the store and the calls it receives from rank 0."""
 
-    def __init__(self, port: int, rank: int, world: int, timeout_s: float) -> None:
+    def __init__(
+        self, store: str, rank: int, world: int, timeout_s: float, local_rank: int
+    ) -> None:
         super().__init__(f"rank {rank}", world, torch.device("cpu"), timeout_s)
-        self.rank = int(rank)
-        self.store = dist.TCPStore(
-            "127.0.0.1", int(port), world, is_master=False, timeout=self.timeout
-        )
+        self.rank, self.local_rank = int(rank), int(local_rank)
+        host, port = store.rsplit(":", 1)
+        self.store = dist.TCPStore(host, int(port), world, is_master=False, timeout=self.timeout)
 
     def node_spec(self) -> bytes:
         return self.store.get(_NODE)
@@ -524,7 +558,11 @@ class RankLink(Ranks):
         while True:
             key = f"{_CMD}{n}"
             idle = time.monotonic()
+            polls = 0
             while not self.store.check([key]):  # polled: an idle wait is no collective
+                polls += 1
+                if polls % 100 == 0 and self.store.check([_ABORT]):
+                    raise RuntimeError(f"{self.who}: rank 0 broke the group")
                 time.sleep(0.001 if time.monotonic() - idle < 0.2 else 0.01)
             command = TO_RANK.decode(self.store.get(key))
             if isinstance(command, RankClose):
@@ -582,10 +620,118 @@ def serve(node: Any, link: RankLink) -> None:
             log.warning("%s: %s failed: %s: %s", link.who, command.op, type(exc).__name__, exc)
 
 
-def start_groups(nodes: Mapping[str, Any]) -> list[Any]:
+def set_interface(host: str) -> None:
+    """Have gloo bind this process's collectives to the interface holding ``host``, which the
+    other hosts reach (``GLOO_SOCKET_IFNAME``; one the user set stays)."""
+    name = interface_of(host)
+    if name is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+
+
+def start_ranks(
+    store: str, ranks: Sequence[int], local_ranks: Sequence[int], world: int, timeout_s: float
+) -> list[Child]:
+    """Start ``ranks`` of a group of ``world`` (``python -m runtime.ranks.worker``) as children of
+    this process, meeting at ``store`` (``HOST:PORT``); ``local_ranks`` are their indices on
+    this host."""
+    threads = torch.get_num_threads()
+    env = python_env(threads)
+    procs = []
+    for rank, local in zip(ranks, local_ranks, strict=True):
+        args = [
+            "--store", store, "--rank", str(rank), "--world", str(world),
+            "--local-rank", str(local), "--parent-pid", str(os.getpid()),
+            "--timeout", str(timeout_s), "--threads", str(threads),
+        ]  # fmt: skip
+        procs.append(start_child("runtime.ranks.worker", args, env, f"rank {rank}"))
+    return procs
+
+
+class RemoteRanks:
+    """The ranks a controller starts for a group whose rank 0 is on another controller (on
+    another host): it watches them and tells rank 0 through the group's store when one dies;
+    :meth:`close` ends what is left (they end by themselves when rank 0 closes the group)."""
+
+    def __init__(self, name: str, placement: RankPlacement, here: int) -> None:
+        self.who = f"node {name!r}"
+        ranks = placement.ranks_of(here)
+        host = placement.hosts[ranks[0]]
+        set_interface(host)
+        store_host, port = placement.store.rsplit(":", 1)
+        self.store = dist.TCPStore(
+            store_host, int(port), placement.world, is_master=False,
+            timeout=datetime.timedelta(seconds=placement.timeout_s),
+        )  # fmt: skip
+        local = [placement.local_ranks[r] for r in ranks]
+        self.procs = start_ranks(
+            placement.store, ranks, local, placement.world, placement.timeout_s
+        )
+        self.host, self.closed = host, False
+        threading.Thread(target=self._watch, daemon=True, name="remote-ranks").start()
+
+    def _watch(self) -> None:
+        told: set[str] = set()
+        while not self.closed:
+            for proc in self.procs:
+                text = proc.dead()
+                if text and proc.label not in told and proc.returncode != 0:
+                    rank = proc.label.split()[-1]
+                    with contextlib.suppress(Exception):
+                        self.store.set(f"{_DEAD}{rank}", f"{text} on host {self.host}".encode())
+                    told.add(proc.label)
+            if len(told) == len(self.procs) or all(p.returncode is not None for p in self.procs):
+                return
+            time.sleep(_WATCH_S)
+
+    def close(self) -> None:
+        self.closed = True
+        stop(self.procs, _CLOSE_GRACE_S)
+
+
+def rendezvous(
+    nodes: Mapping[str, Any],
+    assignment: Mapping[str, int],
+    per_host: int,
+    hosts: Sequence[str],
+    driver_host: str,
+) -> tuple[dict[str, RankPlacement], list[Any]]:
+    """The driver's side of groups across hosts: for each node of ``nodes`` whose ``ranks``
+    spill past its host's ``per_host`` (``hosts``: each controller's host, by index), where
+    each rank runs (:func:`runtime.ranks.placement.place_ranks`) and a TCPStore hosted here,
+    at ``driver_host``, for the group to meet at. Returns the placements and the stores,
+    which the caller keeps as long as the run."""
+    placements: dict[str, RankPlacement] = {}
+    stores: list[Any] = []
+    if not per_host:
+        return placements, stores
+    for name, node in nodes.items():
+        if node.ranks <= per_host:
+            continue
+        owner = assignment[name]
+        controllers, where, local = place_ranks(name, node.ranks, per_host, owner, hosts)
+        timeout = datetime.timedelta(seconds=float(node.rank_timeout_s))
+        store = dist.TCPStore(
+            driver_host, 0, node.ranks, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        stores.append(store)
+        address = f"[{driver_host}]" if ":" in driver_host else driver_host
+        placements[name] = RankPlacement(
+            f"{address}:{store.port}", controllers, where, local, float(node.rank_timeout_s)
+        )
+    return placements, stores
+
+
+def start_groups(
+    nodes: Mapping[str, Any],
+    placements: Mapping[str, RankPlacement] | None = None,
+    here: int = 0,
+) -> list[Any]:
     """Start the group of each node whose ``ranks`` is above 1 and that has none yet, and set
     its ``rank_group``; call it before the nodes' ``setup()``, where each joins its group.
-    Returns the groups started, for the caller to ``close()`` when it is done."""
+    With ``placements`` (groups that span hosts; this process is controller ``here``), also
+    start the ranks ``here`` holds of groups whose node is elsewhere. Returns what it started
+    (groups and :class:`RemoteRanks`), for the caller to ``close()`` when it is done."""
+    placements = placements or {}
     grouped = [n for n in nodes.values() if n.ranks > 1 and n.rank_group is None]
     for node in grouped:
         if node.streaming:
@@ -593,6 +739,20 @@ def start_groups(nodes: Mapping[str, Any]) -> list[Any]:
                 f"node {node.name!r}: ranks={node.ranks} runs a node as a group of processes, "
                 "which a streaming node cannot be; set ranks=1"
             )
-    for node in grouped:
-        node.rank_group = RankGroup.start(node)
-    return [node.rank_group for node in grouped]
+    started: list[Any] = []
+    for name, placement in placements.items():
+        if here in placement.controllers:
+            print(f"yatt-graph controller {here}: {placement.describe(name, here)}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    try:
+        for node in grouped:
+            node.rank_group = RankGroup.start(node, placements.get(node.name), here)
+            started.append(node.rank_group)
+        for name, placement in placements.items():
+            if name not in nodes and placement.ranks_of(here):
+                started.append(RemoteRanks(name, placement, here))
+    except BaseException:
+        for group in started:
+            group.close()
+        raise
+    return started

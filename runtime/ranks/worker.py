@@ -20,9 +20,10 @@ __all__ = ["main"]
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m runtime.ranks.worker", description=__doc__)
-    p.add_argument("--port", type=int, required=True, help="rank 0's TCPStore port on 127.0.0.1")
+    p.add_argument("--store", required=True, help="HOST:PORT of the group's TCPStore")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
+    p.add_argument("--local-rank", type=int, default=0, help="its index on this host (its GPU)")
     p.add_argument("--parent-pid", type=int, required=True, help="exit when this process is gone")
     p.add_argument("--timeout", type=float, required=True, help="store and collective timeout, s")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -44,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from yatt_graph.serialize import NodeSpec, build_node
 
     torch.set_num_threads(max(1, args.threads))
-    link = RankLink(args.port, args.rank, args.world, args.timeout)
+    link = RankLink(args.store, args.rank, args.world, args.timeout, args.local_rank)
     code = 0
     try:
         spec = msgspec.json.decode(link.node_spec(), type=NodeSpec)

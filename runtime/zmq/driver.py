@@ -174,14 +174,20 @@ class ZmqExecutor:
         self.address, self.run_dir = self.group.address, self.group.run_dir
         on_host = [c.child is not None for c in self.controllers]
         ipc_gpus = setup_gpus([r.cuda for r in start], on_host, enabled_from_env(config.cuda_ipc))
-        try:
-            self.group.start(
-                lambda c: m.Setup(
-                    controller=c.index, peers=[x.data_address for x in self.controllers],
-                    run_id=self.group.res.run_id, resources=start[c.index],
-                    cuda_ipc_gpus=ipc_gpus, **setup_kw,
-                )
+        self._rank_stores: list[Any] = []
+        rank_groups: list[dict[str, Any]] = []  # made once every controller said where it is
+
+        def setup(c: Any) -> m.Setup:
+            if not rank_groups:
+                rank_groups.append(self._rendezvous(config))
+            return m.Setup(
+                controller=c.index, peers=[x.data_address for x in self.controllers],
+                run_id=self.group.res.run_id, resources=start[c.index], cuda_ipc_gpus=ipc_gpus,
+                rank_groups=rank_groups[0], **setup_kw,
             )  # fmt: skip
+
+        try:
+            self.group.start(setup)
         except BaseException:
             self._shutdown("start-up failed")
             raise
@@ -189,6 +195,21 @@ class ZmqExecutor:
         if config.adaptive and spawned and config.num_threads is None and len(self.controllers) > 1:
             now = [c.resources or r for c, r in zip(self.controllers, start, strict=True)]
             self._rebalancer = Rebalancer(Partitioner(now, start_cores()))
+
+    def _rendezvous(self, config: RunConfig) -> dict[str, Any]:
+        """The rank groups that span hosts (``config.ranks_per_host``): their placements, and
+        their stores hosted here (kept as long as the executor)."""
+        if not config.ranks_per_host:
+            return {}
+        from runtime.ranks.group import rendezvous
+        from runtime.ranks.placement import host_of
+
+        here = host_of(self.address, "127.0.0.1")
+        hosts = [host_of(c.data_address, here) for c in self.controllers]
+        placements, self._rank_stores = rendezvous(
+            self.graph.nodes, self.plan.assignment, config.ranks_per_host, hosts, here
+        )
+        return placements
 
     @property
     def resources(self) -> list[Resources | None]:

@@ -61,6 +61,7 @@ import msgspec
 from runtime.children import ChildMessage, Messages
 from runtime.engine.config import RunConfig
 from runtime.errors import ProtocolError
+from runtime.ranks.placement import RankPlacement
 from runtime.sched.devices import Resources
 
 __all__ = [
@@ -215,6 +216,9 @@ class Setup(_Msg):
     devices: dict[str, str] = {}
     """Every node's device by name: what each reader takes of a value, as it is or a host copy
     (runtime.engine.calls)."""
+    rank_groups: dict[str, RankPlacement] = {}
+    """The rank groups that span hosts, by node: where each rank runs and the store they meet
+    at (runtime.ranks.placement); the others start on their node's controller."""
 
 
 class Ready(_Msg):

@@ -170,7 +170,9 @@ def engine_from_setup(
 
     config = setup.config
     nodes, edges, outputs, assignment = nodes_from_setup(setup, track)
-    workers = start_nodes(nodes, setup.order, config, spawn_replica, track)
+    workers = start_nodes(
+        nodes, setup.order, config, spawn_replica, track, setup.rank_groups, setup.controller
+    )
     limits = {n: node.batch_policy.timeout_s or config.node_timeout_s for n, node in nodes.items()}
     try:
         engine = StepEngine(

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -267,6 +268,104 @@ def test_an_srun_launch_on_loopback_addresses_equals_the_one_host_run(loopback, 
     assert "node 0 of 2 (Slurm environment" in results[0][1]
     assert "SLURM_JOB_NODELIST=127.0.0.[1-2] (first host)" in results[1][1]
     _assert_same_results(_metrics(out / "metrics.jsonl"), _one_host_metrics(tmp_path, 3))
+
+
+# --- a training node whose ranks span the hosts --------------------------------------------------
+_RANKED = ["graphs.mm_grpo", "--set", "batch_size=4", "--quiet", "--train-ranks", "4",
+           "--threads", "1"]  # fmt: skip
+
+
+def _ranked_across_hosts(hosts, keys, tmp_path, steps: int) -> tuple[subprocess.Popen, ...]:
+    """``yatt-graph run`` on both hosts, as a user types it: 2 controllers (one a host), the
+    update trained by 4 ranks, 2 on each host; returns (node 0, node 1) and their logs."""
+    port = _free_port(hosts.driver_ip)
+    cmd = [str(Path(PYTHON).with_name("yatt-graph")), "run", *_RANKED, "--steps", str(steps)]
+    cmd += ["--controllers", "2", "--ranks-per-host", "2", "--keys", keys, "--nnodes", "2"]
+    cmd += ["--master", f"{hosts.driver_ip}:{port}"]
+    logs = (tmp_path / "node0.log", tmp_path / "node1.log")
+    remote = hosts.start([*cmd, "--node-rank", "1", *hosts.remote_flags], logs[1])
+    with open(logs[0], "wb") as f:
+        local = subprocess.Popen(
+            [*cmd, "--node-rank", "0", "--out", str(tmp_path / "run"), "--checkpoint-every", "2"],
+            stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=ENV, cwd=tmp_path,
+        )  # fmt: skip
+    hosts.procs.append(local)
+    return local, remote, *logs
+
+
+def _trained_policy(run: Path) -> dict:
+    from runtime.train.checkpoint import load_checkpoint
+
+    _, state = load_checkpoint(run / "checkpoints" / "step_000002")
+    return state["nodes"]["grpo"]["policy"]
+
+
+@pytest.mark.timeout(600)
+def test_an_update_trained_by_ranks_on_two_hosts_equals_the_one_host_group(hosts, keys, tmp_path):
+    """FSDP2 over 2 hosts x 2 ranks, the group meeting at the driver's store, equals the same
+    4 ranks on one host: the weights within float tolerance (the sums of the gradient
+    reduction may run in another order), the learning figures alike."""
+    local, remote, log0, log1 = _ranked_across_hosts(hosts, keys, tmp_path, steps=2)
+    code0, text0 = _finish(local, log0, timeout_s=400)
+    code1, text1 = _finish(remote, log1, timeout_s=60)
+    assert code0 == 0, text0
+    assert code1 == 0, text1
+    lines = [
+        line for text in (text0, text1) for line in text.splitlines() if "of 4 on this host" in line
+    ]
+    assert len(lines) == 2, (text0, text1)
+    held = sorted(line.split("ranks ")[1].split(" of")[0] for line in lines)
+    assert held == ["0, 1", "2, 3"]
+    assert {hosts.driver_ip, hosts.remote_ip} == {
+        line.split("(")[1].split(")")[0] for line in lines
+    }
+    one = tmp_path / "one_host"
+    args = ["run", *_RANKED, "--steps", "2", "--out", str(one), "--checkpoint-every", "2"]
+    assert main(args) == 0
+    spread, alone = _trained_policy(tmp_path / "run"), _trained_policy(one)
+    assert max(float((spread[k] - alone[k]).abs().max()) for k in alone) <= 1e-5
+    got, want = _metrics(tmp_path / "run" / "metrics.jsonl"), _metrics(one / "metrics.jsonl")
+    for a, b in zip(got, want, strict=True):
+        for k in ("loss", "scores/mean", "grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+
+
+def _rank_worker(store: str, rank: int) -> int | None:
+    """The pid of rank ``rank`` of the group meeting at ``store`` (any host: the namespaces
+    share pids)."""
+    want = f"--store\0{store}\0--rank\0{rank}\0".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if b"runtime.ranks.worker" in cmd and want in cmd:
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_rank_on_the_other_host_is_named(hosts, keys, tmp_path):
+    """Rank 3 runs on the host without the update: its controller sees it die and tells rank
+    0 through the group's store, and the run stops naming it (not at a collective timeout)."""
+    local, remote, log0, log1 = _ranked_across_hosts(hosts, keys, tmp_path, steps=10_000)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    _wait_until(lambda: metrics.exists() and metrics.read_text().strip(), "a first step", 400)
+    said = re.search(r"the group's store at (\S+)", log0.read_text() + log1.read_text())
+    assert said is not None, log0.read_text()
+    pid = _rank_worker(said.group(1), 3)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    try:
+        code0, text0 = _finish(local, log0, timeout_s=120)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- node 1:\n{log1.read_text()}") from None
+    assert code0 != 0
+    hosts_ = "|".join(re.escape(ip) for ip in (hosts.driver_ip, hosts.remote_ip))
+    assert re.search(
+        rf"rank 3 \(pid {pid}\) was killed by SIGKILL \(9\) on host ({hosts_})", text0
+    ), text0
+    _finish(remote, log1, timeout_s=120)
 
 
 # --- the driver in this process, controllers on both hosts --------------------------------------
