@@ -275,6 +275,7 @@ def rank_rows(row: Row, device: str) -> None:
         return
     from nodes.rollout import Rollout
     from nodes.update import GRPOUpdate
+    from runtime.engine.calls import node_op
     from runtime.ranks.group import start_groups
 
     row = _Rows(row, RANK_ROWS)
@@ -290,7 +291,7 @@ def rank_rows(row: Row, device: str) -> None:
         start_groups({group.name: group})
         group.setup()
         t0 = time.perf_counter()
-        many = group.run(inputs)["weights"].weights
+        many = node_op(group, "run", inputs)["weights"].weights  # on every rank
         step = time.perf_counter() - t0
         one = GRPOUpdate(lr=1e-3, device=device).run(inputs)["weights"].weights
         diff = max(float((one[k].float() - many[k].float().to(one[k].device)).abs().max()) for k in one)  # fmt: skip
@@ -302,7 +303,7 @@ def rank_rows(row: Row, device: str) -> None:
         os.kill(proc.pid, signal.SIGKILL)
         t0, error = time.perf_counter(), None
         try:
-            group.run(inputs)
+            node_op(group, "run", inputs)
         except Exception as err:
             error = err
         seconds = time.perf_counter() - t0

@@ -32,13 +32,18 @@ def trace(argv: list[str]) -> tuple[list[str], int]:
     files: dict[str, None] = {}
     hops = 0
 
+    known: dict[str, str | None] = {}  # a file name -> its layer file, resolved once
+
     def layer_file(code) -> str | None:
-        path = Path(code.co_filename)
-        try:
-            rel = path.resolve().relative_to(ROOT)
-        except ValueError:
-            return None
-        return str(rel) if rel.parts[0] in LAYERS else None
+        name = code.co_filename
+        if name not in known:
+            try:
+                rel = Path(name).resolve().relative_to(ROOT)
+            except ValueError:
+                known[name] = None
+            else:
+                known[name] = str(rel) if rel.parts[0] in LAYERS else None
+        return known[name]
 
     def importing(frame) -> bool:
         while frame is not None and frame.f_code is not trace.__code__:

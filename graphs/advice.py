@@ -106,7 +106,10 @@ def step_load(config: RLConfig, graph: Any) -> Load:
             raise
         raise error from exc
     images = batch.get("images")
-    images = list(images) if images is not None and "vision" in graph.nodes else None
+    # a prefix-VLM reads them as the vision tower's embeddings, an HF VLM (Qwen2-VL) itself:
+    # either way they are positions of its prompts
+    seen = any(e.dst_port in ("images", "image_embeds") for e in graph.inputs_of("rollout"))
+    images = list(images) if images is not None and seen else None
     longest = prompt_tokens(rollout.policy_spec, list(batch["prompts"]), images)
     if config.max_prompt_tokens is not None:
         longest = min(longest, config.max_prompt_tokens)

@@ -343,8 +343,10 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     The update node starts train_ranks - 1 rank processes beside its own and splits each
     batch among them by token count; the result equals one rank's up to float rounding
     (runtime/ranks/). On CUDA each rank takes its own GPU."""
-    train_backend: Literal["fsdp", "ddp"] = "fsdp"
-    """With train_ranks > 1: fsdp (FSDP2: weights, gradients, Adam state 1/K per rank) or ddp."""
+    train_backend: Literal["fsdp", "hsdp", "ddp"] = "fsdp"
+    """With train_ranks > 1: fsdp (FSDP2: weights, gradients, Adam state 1/K per rank), hsdp
+    (FSDP2 within each host, the hosts holding replicas: 1/M per rank with --ranks-per-host M,
+    and only the gradient reduction crosses hosts) or ddp."""
     teacher: str | None = None
     """A local model folder whose logprobs of the sampled responses teach the policy
     (on-policy distillation, with distill_coef > 0); none: no teacher.

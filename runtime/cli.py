@@ -261,8 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
         models.add_argument(
             "--train-backend",
-            choices=("fsdp", "ddp"),
-            help="with --train-ranks: shard with FSDP2 (fully_shard) or replicate with DDP",
+            choices=("fsdp", "hsdp", "ddp"),
+            help="with --train-ranks: shard with FSDP2 (fully_shard), shard within each host and "
+            "replicate across hosts (hsdp), or replicate with DDP",
         )
         return p
 

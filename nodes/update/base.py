@@ -219,7 +219,7 @@ class _Update(Offload, Sharing, Node):
         return held
 
     def _memory_options(self, share: str | None) -> dict[str, Any]:
-        fsdp = self.ranks > 1 and self.train_backend == "fsdp"
+        fsdp = self.ranks > 1 and self.train_backend != "ddp"  # hsdp: as if one host
         return {
             "budget": self.hp.micro_batch_tokens,
             "rows": self.hp.micro_batch_size,

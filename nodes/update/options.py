@@ -18,8 +18,9 @@ from nodes.update.schedule import schedule_problem
 
 __all__ = ["TRAIN_BACKENDS", "GRPOHyper", "PPOHyper", "UpdateHyper"]
 
-TRAIN_BACKENDS = ("fsdp", "ddp")
-"""How a rank group trains the models: FSDP2 (sharded) or DDP (replicated); runtime.ranks."""
+TRAIN_BACKENDS = ("fsdp", "hsdp", "ddp")
+"""How a rank group trains the models: FSDP2 (sharded over every rank), HSDP (FSDP2 sharded
+within each host and replicated across hosts) or DDP (replicated); runtime.ranks."""
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 """The largest learning rate an optimizer step can apply (larger ones do not convert)."""

@@ -507,7 +507,7 @@ class Trainer:
         DTensors, which a move of ``.data`` would break); every rank does it alike.
         Idempotent. DDP keeps its state where it is: its reducer holds the parameters and
         their gradient buckets on the device."""
-        if self.group is None or self.backend != "fsdp" or self.shards_off == off:
+        if self.group is None or self.backend == "ddp" or self.shards_off == off:
             return 0
         self._on_every_rank("offload" if off else "reload")
         copy = offload_module.ALWAYS_COPY

@@ -162,6 +162,8 @@ class Ranks:
     store: Any
     local_rank = 0
     """This rank's index among its host's ranks of the group (its GPU, on CUDA)."""
+    hosts: Sequence[str] = ()
+    """Each rank's host, when the group spans hosts (hybrid sharding's mesh); empty: one."""
 
     def __init__(self, who: str, world: int, device: torch.device, timeout_s: float) -> None:
         self.who = who
@@ -205,7 +207,9 @@ class Ranks:
     # --- the node's models across the group (runtime.ranks.sharding) --------------------------
     def shard(self, module: torch.nn.Module, backend: str, method: str, pick: Any) -> Any:
         """Shard (FSDP2) or replicate (DDP) ``module``; the callable to train through."""
-        return sharding.shard_module(module, backend, self.device, self.world, method, pick)
+        return sharding.shard_module(
+            module, backend, self.device, self.world, method, pick, self.hosts
+        )
 
     def full_weights(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The unsharded weights, gathered onto rank 0's CPU."""
@@ -333,9 +337,10 @@ class RankGroup(Ranks):
             address, mine = placement.store, placement.ranks_of(here)
             local = [placement.local_ranks[r] for r in mine]
             self.remote = [r for r in range(1, world) if r not in mine]
+            self.hosts = list(placement.hosts)
             set_interface(placement.hosts[0])
         self.store.set(_NODE, msgspec.json.encode(node_spec(node)))
-        self.procs = start_ranks(address, mine, local, world, timeout_s)
+        self.procs = start_ranks(address, mine, local, world, timeout_s, self.hosts)
         _current.append((weakref.ref(node), self))
         threading.Thread(target=self._supervise, daemon=True, name="rank-supervisor").start()
         return self
@@ -629,11 +634,16 @@ def set_interface(host: str) -> None:
 
 
 def start_ranks(
-    store: str, ranks: Sequence[int], local_ranks: Sequence[int], world: int, timeout_s: float
+    store: str,
+    ranks: Sequence[int],
+    local_ranks: Sequence[int],
+    world: int,
+    timeout_s: float,
+    hosts: Sequence[str] = (),
 ) -> list[Child]:
     """Start ``ranks`` of a group of ``world`` (``python -m runtime.ranks.worker``) as children of
     this process, meeting at ``store`` (``HOST:PORT``); ``local_ranks`` are their indices on
-    this host."""
+    this host, ``hosts`` every rank's host when the group spans hosts."""
     threads = torch.get_num_threads()
     env = python_env(threads)
     procs = []
@@ -641,7 +651,7 @@ def start_ranks(
         args = [
             "--store", store, "--rank", str(rank), "--world", str(world),
             "--local-rank", str(local), "--parent-pid", str(os.getpid()),
-            "--timeout", str(timeout_s), "--threads", str(threads),
+            "--timeout", str(timeout_s), "--threads", str(threads), "--hosts", ",".join(hosts),
         ]  # fmt: skip
         procs.append(start_child("runtime.ranks.worker", args, env, f"rank {rank}"))
     return procs
@@ -664,7 +674,7 @@ class RemoteRanks:
         )  # fmt: skip
         local = [placement.local_ranks[r] for r in ranks]
         self.procs = start_ranks(
-            placement.store, ranks, local, placement.world, placement.timeout_s
+            placement.store, ranks, local, placement.world, placement.timeout_s, placement.hosts
         )
         self.host, self.closed = host, False
         threading.Thread(target=self._watch, daemon=True, name="remote-ranks").start()

@@ -24,7 +24,8 @@ as ``optimizer.state_dict()`` writes it), so a checkpoint loads into a node with
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ __all__ = [
     "shard_module",
 ]
 
-BACKENDS = ("fsdp", "ddp")
+BACKENDS = ("fsdp", "hsdp", "ddp")
 
 # FSDP2 warns that a module returned a view (the policy's logits are one): harmless, because
 # nothing here writes into that view in place.
@@ -74,14 +75,23 @@ def shard_module(
     world: int,
     method: str = "forward",
     pick: Callable[[Any], Tensor] = lambda out: out,
+    hosts: Sequence[str] = (),
 ) -> Callable[..., Tensor]:
     """Shard ``module`` across the process group; return the callable to train through
-    (``pick(module.<method>(*args))``, with the backend's gradient reduction)."""
-    if backend == "fsdp":
+    (``pick(module.<method>(*args))``, with the backend's gradient reduction). ``hosts``:
+    each rank's host, for ``hsdp`` (ranks of a host in one block; none: one host)."""
+    if backend in ("fsdp", "hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-        mesh = init_device_mesh(device.type, (world,))
+        if backend == "hsdp":
+            mesh = init_device_mesh(
+                device.type,
+                hybrid_shape(hosts or ["here"] * world),
+                mesh_dim_names=("replicate", "shard"),
+            )
+        else:
+            mesh = init_device_mesh(device.type, (world,))
         blocks = _block_classes(module)
         for m in list(module.modules()):
             if m is not module and type(m).__name__ in blocks:
@@ -103,6 +113,21 @@ def shard_module(
     return DistributedDataParallel(
         _MethodModule(module, method, pick), device_ids=ids, find_unused_parameters=True
     )
+
+
+def hybrid_shape(hosts: Sequence[str]) -> tuple[int, int]:
+    """``(hosts, ranks a host)``, the device mesh of hybrid sharding for ranks whose hosts are
+    ``hosts`` (each host's ranks one block): each host's ranks shard the state, and the hosts
+    hold replicas of it; a ValueError when the hosts hold unequal counts."""
+    counts = Counter(hosts)
+    blocks = [h for i, h in enumerate(hosts) if i == 0 or hosts[i - 1] != h]
+    if len(set(counts.values())) > 1 or len(blocks) != len(counts):
+        raise ValueError(
+            "train_backend='hsdp' shards within each host and replicates across hosts, so "
+            f"every host needs as many ranks: these hold {dict(counts)}; make --train-ranks "
+            "the hosts times --ranks-per-host, or use fsdp"
+        )
+    return len(counts), len(hosts) // len(counts)
 
 
 def _options(**kw: Any) -> Any:

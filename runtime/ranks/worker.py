@@ -24,6 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--local-rank", type=int, default=0, help="its index on this host (its GPU)")
+    p.add_argument("--hosts", default="", help="every rank's host, comma-separated (hsdp's mesh)")
     p.add_argument("--parent-pid", type=int, required=True, help="exit when this process is gone")
     p.add_argument("--timeout", type=float, required=True, help="store and collective timeout, s")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -46,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(max(1, args.threads))
     link = RankLink(args.store, args.rank, args.world, args.timeout, args.local_rank)
+    link.hosts = [h for h in args.hosts.split(",") if h]
     code = 0
     try:
         spec = msgspec.json.decode(link.node_spec(), type=NodeSpec)

@@ -451,3 +451,39 @@ def test_a_run_on_controllers_with_a_rank_group_ends_cleanly(tmp_path):
     for noise in ("frame #", "Traceback", "Broken pipe", "Connection reset", "[W"):
         assert noise not in done.stderr, done.stderr
     assert _rank_processes() == []
+
+
+def test_hsdp_shards_within_each_host_and_replicates_across_them(batch, monkeypatch):
+    """Hybrid sharding on a 2 x 2 mesh: ranks 0-1 on one host and 2-3 on another (two loopback
+    addresses), each host's pair sharding the state and the hosts holding replicas; it trains
+    as one rank does, and each rank holds half of each block's parameters (not a quarter)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from runtime.ranks.placement import RankPlacement
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 4, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=120),
+    )  # fmt: skip
+    hosts = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]
+    placement = RankPlacement(f"127.0.0.1:{store.port}", [0] * 4, hosts, [0, 1, 0, 1], 120.0)
+    inputs = _rows(batch["grpo"], 2)
+    one = _fresh_grpo()
+    many = GRPOUpdate(lr=1e-3, epochs=2, ranks=4, train_backend="hsdp", rank_timeout_s=120.0)
+    start_groups({many.name: many}, {many.name: placement})
+    many.setup()
+    local = sum(p.to_local().numel() for p in many.policy.parameters())
+    total = sum(p.numel() for p in one.policy.parameters())
+    assert 0.45 * total <= local <= 0.55 * total
+    _trains_alike(one, many, inputs, calls=2)
+
+
+def test_hsdp_needs_as_many_ranks_on_every_host():
+    from runtime.ranks.sharding import hybrid_shape
+
+    assert hybrid_shape(["a", "a", "b", "b"]) == (2, 2)
+    with pytest.raises(ValueError, match="every host needs as many ranks"):
+        hybrid_shape(["a", "a", "a", "b"])
