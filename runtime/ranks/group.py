@@ -109,6 +109,7 @@ _NODE = "yatt/node"
 _DEATH_GRACE_S = 5.0  # after a failed collective: how long a dying rank has to be reaped
 _WATCH_S = 0.1  # how often the supervisor looks at the ranks
 _CLOSE_GRACE_S = 10.0
+_SETTLE_S = 0.5  # after a dead rank is found: how long the ranks it takes with it have to show
 
 
 OPS = ("run", "state_dict", "load_state_dict", "offload", "reload")
@@ -466,7 +467,7 @@ class RankGroup(Ranks):
             running = self.running
             if running is not None and not self.death and self._failed_alike(running[0], exc):
                 raise
-            dead = self.death or self._dead(wait_s=_DEATH_GRACE_S)
+            dead = self._dead(wait_s=_DEATH_GRACE_S) or self.death
             if dead:
                 self._fail(f"{self.who}: {dead} during {what}", exc)
             self._fail(
@@ -485,21 +486,32 @@ class RankGroup(Ranks):
         raise RankError(self.broken) from cause
 
     def _dead(self, wait_s: float = 0.0) -> str:
-        """'rank 1 (pid 123) was killed by SIGKILL (9)' for the first dead rank, else ''; a
-        rank on another host as its controller reported it to the store."""
+        """'rank 1 (pid 123) was killed by SIGKILL (9)' for each dead rank (a rank on another
+        host as its controller reported it to the store), those killed by a signal first:
+        the others mostly left because a collective with a dead peer broke. '' for none,
+        after waiting up to ``wait_s`` for one; once one is found after a wait, the others
+        that follow it within :data:`_SETTLE_S` are named too."""
         deadline = time.monotonic() + wait_s
         while True:
-            for proc in self.procs:
-                if text := proc.dead():
-                    return self._with_error(int(proc.label.split()[-1]), text)
-            for rank in self.remote:
-                with contextlib.suppress(Exception):
-                    if self.store.check([f"{_DEAD}{rank}"]):
-                        text = self.store.get(f"{_DEAD}{rank}").decode()
-                        return self._with_error(rank, text)
-            if time.monotonic() >= deadline:
-                return ""
+            found = self._dead_now()
+            if found and wait_s > 0:
+                time.sleep(_SETTLE_S)
+                found = self._dead_now()
+            if found or time.monotonic() >= deadline:
+                return "; ".join(sorted(found, key=lambda text: " killed by " not in text))
             time.sleep(0.05)
+
+    def _dead_now(self) -> list[str]:
+        found = []
+        for proc in self.procs:
+            if text := proc.dead():
+                found.append(self._with_error(int(proc.label.split()[-1]), text))
+        for rank in self.remote:
+            with contextlib.suppress(Exception):
+                if self.store.check([f"{_DEAD}{rank}"]):
+                    text = self.store.get(f"{_DEAD}{rank}").decode()
+                    found.append(self._with_error(rank, text))
+        return found
 
     def _with_error(self, rank: int, text: str) -> str:
         """``text`` and the error rank ``rank`` left in the store, if it left one."""
@@ -612,7 +624,8 @@ def lead(node: Any, op: str, value: Any = None, step: int = 0) -> Any:
 def serve(node: Any, link: RankLink) -> None:
     """A rank's side of :func:`lead`: run each of rank 0's commands on ``node`` until it says
     close. An operation that raises is reported (:meth:`RankLink.failed`) and the rank waits
-    for the next: rank 0 raised it too, or breaks the group."""
+    for the next: rank 0 raised it too, or breaks the group. A broken collective (a
+    ``torch.distributed`` error) ends the rank instead."""
     for n, command, value in link.commands():
         if command.op not in OPS:
             raise ValueError(f"{link.who}: rank 0 sent the unknown operation {command.op!r}")
@@ -622,6 +635,10 @@ def serve(node: Any, link: RankLink) -> None:
             getattr(node, command.op)(*(() if value is None else (value,)))
         except Exception as exc:
             link.failed(n, f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, dist.DistError):
+                # a broken collective: the group cannot go on, and leaving closes this rank's
+                # connections, so the ranks still waiting on it fail now, not at the timeout
+                raise
             log.warning("%s: %s failed: %s: %s", link.who, command.op, type(exc).__name__, exc)
 
 

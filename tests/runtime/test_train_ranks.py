@@ -136,7 +136,7 @@ def test_micro_batches_pad_with_fillers():
 def test_bad_rank_options_are_refused():
     with pytest.raises(ValueError, match=r"ranks=0; it must be an int >= 1"):
         GRPOUpdate(ranks=0)
-    with pytest.raises(ValueError, match=r"train_backend='zero'; choose one of fsdp, ddp"):
+    with pytest.raises(ValueError, match=r"train_backend='zero'; choose one of fsdp, hsdp, ddp"):
         PPOUpdate(train_backend="zero")
 
 
