@@ -902,6 +902,12 @@ def _hosts(args: argparse.Namespace, env: Mapping[str, str]) -> Launch | None:
     if launch is None or launch.nnodes < 2:
         if args.data_host:
             raise UsageError("--data-host applies to a run across hosts (--nnodes 2 or more)")
+        if args.ranks_per_host:
+            raise UsageError(
+                f"--ranks-per-host {args.ranks_per_host} spreads the ranks of --train-ranks "
+                "over the hosts of a run across hosts (--nnodes N, torchrun, Slurm or --ray); "
+                "on one host every rank is on the update's host: drop it"
+            )
         return launch
     for flag, value in (("--listen", args.listen), ("--no-spawn", args.no_spawn)):
         if value:
@@ -956,12 +962,6 @@ def run_spec(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> 
     hosts = _hosts(args, os.environ if env is None else env)
     graph = graph_args(args)
     checked = check_flags(args)
-    if args.ranks_per_host and args.ray is None and (hosts is None or hosts.nnodes < 2):
-        raise UsageError(
-            f"--ranks-per-host {args.ranks_per_host} spreads the ranks of --train-ranks over "
-            "the hosts of a run across hosts (--nnodes N, torchrun, Slurm or --ray); on one host "
-            "every rank is on the update's host: drop it"
-        )
     device = graph.named.get("device") or graph.sets.get("device") or "auto"
     engine = RunConfig(
         max_staleness=args.max_staleness,

@@ -331,10 +331,7 @@ class RankGroup(Ranks):
                     f"node {node.name!r}: the driver placed {placement.world} ranks for "
                     f"ranks={world}; run the same graph on every host"
                 )
-            host, port = placement.store.rsplit(":", 1)
-            self.store = dist.TCPStore(
-                host, int(port), world, is_master=False, timeout=self.timeout
-            )
+            self.store = _store_client(placement.store, world, self.timeout)
             address, mine = placement.store, placement.ranks_of(here)
             local = [placement.local_ranks[r] for r in mine]
             self.remote = [r for r in range(1, world) if r not in mine]
@@ -545,12 +542,17 @@ class RankLink(Ranks):
     """A rank's side: the store and the calls it receives from rank 0."""
 
     def __init__(
-        self, store: str, rank: int, world: int, timeout_s: float, local_rank: int
+        self,
+        store: str,
+        rank: int,
+        world: int,
+        timeout_s: float,
+        local_rank: int,
+        hosts: Sequence[str] = (),
     ) -> None:
         super().__init__(f"rank {rank}", world, torch.device("cpu"), timeout_s)
-        self.rank, self.local_rank = int(rank), int(local_rank)
-        host, port = store.rsplit(":", 1)
-        self.store = dist.TCPStore(host, int(port), world, is_master=False, timeout=self.timeout)
+        self.rank, self.local_rank, self.hosts = int(rank), int(local_rank), list(hosts)
+        self.store = _store_client(store, world, self.timeout)
 
     def node_spec(self) -> bytes:
         return self.store.get(_NODE)
@@ -593,6 +595,13 @@ class RankLink(Ranks):
             args = decode_value([command.header, *frames], where=f"{self.who} {command.op}")
             yield n, command, args.get("value")
             n += 1
+
+
+def _store_client(address: str, world: int, timeout: datetime.timedelta) -> Any:
+    """A client of the group's TCPStore at ``address`` (``HOST:PORT``, or ``[HOST]:PORT``
+    for an IPv6 host, as :func:`rendezvous` writes it)."""
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host.strip("[]"), int(port), world, is_master=False, timeout=timeout)
 
 
 def _outline(value: Any) -> Any:
@@ -684,11 +693,8 @@ class RemoteRanks:
         ranks = placement.ranks_of(here)
         host = placement.hosts[ranks[0]]
         set_interface(host)
-        store_host, port = placement.store.rsplit(":", 1)
-        self.store = dist.TCPStore(
-            store_host, int(port), placement.world, is_master=False,
-            timeout=datetime.timedelta(seconds=placement.timeout_s),
-        )  # fmt: skip
+        timeout = datetime.timedelta(seconds=placement.timeout_s)
+        self.store = _store_client(placement.store, placement.world, timeout)
         local = [placement.local_ranks[r] for r in ranks]
         self.procs = start_ranks(
             placement.store, ranks, local, placement.world, placement.timeout_s, placement.hosts

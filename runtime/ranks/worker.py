@@ -46,8 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from yatt_graph.serialize import NodeSpec, build_node
 
     torch.set_num_threads(max(1, args.threads))
-    link = RankLink(args.store, args.rank, args.world, args.timeout, args.local_rank)
-    link.hosts = [h for h in args.hosts.split(",") if h]
+    hosts = [h for h in args.hosts.split(",") if h]
+    link = RankLink(args.store, args.rank, args.world, args.timeout, args.local_rank, hosts)
     code = 0
     try:
         spec = msgspec.json.decode(link.node_spec(), type=NodeSpec)

@@ -363,11 +363,11 @@ class Fanout:
 
 
 class Fanouts:
-    """What an executor calls its nodes through: a node that fans out goes to its
-    :class:`Fanout`, any other runs whole."""
+    """The :class:`Fanout` of each node of a process whose calls are cut across workers (the
+    executor runs the others whole: :func:`runtime.engine.calls.run_node`)."""
 
-    def __init__(self, nodes: Mapping[str, Any], fanouts: Mapping[str, Fanout], pool: Any = None):
-        self.nodes, self.fanouts, self.pool = dict(nodes), dict(fanouts), pool
+    def __init__(self, fanouts: Mapping[str, Fanout], pool: Any = None):
+        self.fanouts, self.pool = dict(fanouts), pool
 
     @property
     def split_nodes(self) -> list[str]:
@@ -379,8 +379,8 @@ class Fanouts:
         return name in self.fanouts
 
     def call(self, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
-        fanout = self.fanouts.get(name)
-        return fanout.call(inputs) if fanout is not None else self.nodes[name].run(inputs)
+        """A call of ``name``, one that :meth:`fans_out`, cut across its workers."""
+        return self.fanouts[name].call(inputs)
 
     def last_workers(self, name: str) -> list[int]:
         """Per input row of ``name``'s last call, the worker that ran it (:class:`Fanout`)."""
@@ -432,6 +432,6 @@ def start_fanouts(
             fanouts.update({n: Fanout(nodes[n], crew, "slots") for n in split})
             pool.start()
     except BaseException:
-        Fanouts(nodes, fanouts).close()
+        Fanouts(fanouts).close()
         raise
-    return Fanouts(nodes, fanouts, pool) if fanouts else None
+    return Fanouts(fanouts, pool) if fanouts else None
