@@ -18,6 +18,7 @@ its support changes with top-p and the update could not reproduce it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import queue
@@ -90,11 +91,14 @@ class _DroppedMaskWarning(logging.Filter):
 logging.getLogger("transformers.modeling_utils").addFilter(_DroppedMaskWarning())
 
 
+@functools.cache
 def _cpu_decode_attention_in_float32() -> None:
     """Make transformers' ``sdpa`` attention take a CPU decode step (one query token) in
     bfloat16, under autocast or on bf16 weights, in float32: the bf16 kernel took 2.4x the
     float32 one's time there, a fifth of a small model's bf16 rollout. The query, keys and
-    values are cast up and the output back down; every other call is transformers' own."""
+    values are cast up and the output back down; every other call is transformers' own.
+    Registered by the first generation (:class:`_Setup`), the only caller of a decode step,
+    so that importing this module does not import transformers' models (seconds)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -109,9 +113,6 @@ def _cpu_decode_attention_in_float32() -> None:
         return out.to(query.dtype), weights
 
     AttentionInterface.register("sdpa", sdpa)
-
-
-_cpu_decode_attention_in_float32()
 
 
 class _StepLogprobRecorder:
@@ -249,6 +250,7 @@ class _Setup:
     ) -> None:
         from transformers import GenerationConfig
 
+        _cpu_decode_attention_in_float32()
         if max_new_tokens < 1:
             raise ValueError(f"generate: max_new_tokens is {max_new_tokens}; it must be >= 1")
         if why := sampling_problem(temperature, top_p, top_k):
