@@ -443,6 +443,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "first M, the next hosts the rest (K <= M x hosts; default 0: all K on the update's host)",
     )
     p.add_argument(
+        "--replicas-per-host",
+        type=int,
+        default=0,
+        metavar="M",
+        help="with --replicas across hosts: M copies of a node on each host, the node's host "
+        "the first M (the node and M-1 replicas), the next hosts the rest (R <= M x hosts; "
+        "default 0: every replica on the node's host)",
+    )
+    p.add_argument(
         "--max-staleness",
         type=int,
         default=0,
@@ -902,12 +911,16 @@ def _hosts(args: argparse.Namespace, env: Mapping[str, str]) -> Launch | None:
     if launch is None or launch.nnodes < 2:
         if args.data_host:
             raise UsageError("--data-host applies to a run across hosts (--nnodes 2 or more)")
-        if args.ranks_per_host:
-            raise UsageError(
-                f"--ranks-per-host {args.ranks_per_host} spreads the ranks of --train-ranks "
-                "over the hosts of a run across hosts (--nnodes N, torchrun, Slurm or --ray); "
-                "on one host every rank is on the update's host: drop it"
-            )
+        for flag, value, what in (
+            ("--ranks-per-host", args.ranks_per_host, "ranks of --train-ranks"),
+            ("--replicas-per-host", args.replicas_per_host, "copies of --replicas"),
+        ):
+            if value:
+                raise UsageError(
+                    f"{flag} {value} spreads the {what} over the hosts of a run across hosts "
+                    "(--nnodes N, torchrun, Slurm or --ray); on one host every copy is on its "
+                    "node's host: drop it"
+                )
         return launch
     for flag, value in (("--listen", args.listen), ("--no-spawn", args.no_spawn)):
         if value:
@@ -977,6 +990,7 @@ def run_spec(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> 
         device=str(device) if checked.distributed else "auto",
         adaptive=not args.no_adaptive,
         ranks_per_host=args.ranks_per_host,
+        replicas_per_host=args.replicas_per_host,
     ).verify("yatt-graph run")
     launch = LaunchSettings(
         controllers=args.controllers, pins=checked.pins, listen=args.listen,

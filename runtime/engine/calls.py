@@ -266,7 +266,7 @@ def start_nodes(
     """Make ``nodes`` ready to run, in-process or on a controller: start the rank groups of
     grouped nodes (before they build: the update joins its group), and on controller ``here``
     the ranks it holds of groups across hosts (``placements``: node name to
-    :class:`runtime.ranks.placement.RankPlacement`), build the nodes
+    :class:`runtime.ranks.placement.HostPlacement`), build the nodes
     (``setup()``) in ``order``, telling ``track`` which one is being built, then the fan-outs
     for ``config.slots`` and ``config.replicas`` (``spawn`` starts replica i of a node). A
     failure ends what started; a library node that fails on what the user gave it raises a

@@ -118,6 +118,10 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     ranks_per_host: int = 0
     """How many of a rank group's ranks each host of the run holds (runtime.ranks): the node's
     host the first ones, the next hosts the rest; 0: every rank on the node's host."""
+    replicas_per_host: int = 0
+    """How many copies of a node with replicas each host of the run holds (runtime.zmq.replicas):
+    the node's host the first ones (the node among them), the next hosts the rest; 0: every
+    replica on the node's host."""
 
     def verify(self, who: str = "RunConfig") -> RunConfig:
         """The config, or a ValueError naming the first field that is wrong and what it takes."""
@@ -150,11 +154,12 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             )
         check_choice(who, "placement", self.placement, PLACEMENTS)
         check_choice(who, "device", self.device, DEVICES)
-        if not _count(self.ranks_per_host):
-            raise ValueError(
-                f"{who}: ranks_per_host must be an int >= 0 (0: a rank group on one host), "
-                f"got {self.ranks_per_host!r}"
-            )
+        for name in ("ranks_per_host", "replicas_per_host"):
+            if not _count(getattr(self, name)):
+                raise ValueError(
+                    f"{who}: {name} must be an int >= 0 (0: every copy on its node's host), "
+                    f"got {getattr(self, name)!r}"
+                )
         return self
 
     @property

@@ -80,7 +80,7 @@ import runtime.ranks.sharding as sharding
 from runtime.children import Child, ChildMessage, Messages, python_env, start_child, stop
 from runtime.codec import decode_value, encode_value
 from runtime.errors import ProcessFault
-from runtime.ranks.placement import RankPlacement, interface_of, place_ranks
+from runtime.ranks.placement import HostPlacement, interface_of, place_ranks
 
 __all__ = [
     "OPS",
@@ -91,10 +91,13 @@ __all__ = [
     "RankGroup",
     "RankLink",
     "Ranks",
+    "host_store",
     "lead",
     "leave_group",
     "rendezvous",
+    "set_interface",
     "start_groups",
+    "store_client",
 ]
 
 log = logging.getLogger(__name__)
@@ -299,7 +302,7 @@ class RankGroup(Ranks):
         return self.running is not None
 
     @classmethod
-    def start(cls, node: Any, placement: RankPlacement | None = None, here: int = 0) -> RankGroup:
+    def start(cls, node: Any, placement: HostPlacement | None = None, here: int = 0) -> RankGroup:
         """Host the store and start ranks 1..K-1 (K: ``node.ranks``), each building ``node``
         from its spec; they compute on the CPU until the node sets its device. With a
         ``placement`` (a group across hosts, this process being controller ``here``) the store
@@ -331,9 +334,9 @@ class RankGroup(Ranks):
                     f"node {node.name!r}: the driver placed {placement.world} ranks for "
                     f"ranks={world}; run the same graph on every host"
                 )
-            self.store = _store_client(placement.store, world, self.timeout)
+            self.store = store_client(placement.store, world, self.timeout)
             address, mine = placement.store, placement.ranks_of(here)
-            local = [placement.local_ranks[r] for r in mine]
+            local = [placement.local[r] for r in mine]
             self.remote = [r for r in range(1, world) if r not in mine]
             self.hosts = list(placement.hosts)
             set_interface(placement.hosts[0])
@@ -552,7 +555,7 @@ class RankLink(Ranks):
     ) -> None:
         super().__init__(f"rank {rank}", world, torch.device("cpu"), timeout_s)
         self.rank, self.local_rank, self.hosts = int(rank), int(local_rank), list(hosts)
-        self.store = _store_client(store, world, self.timeout)
+        self.store = store_client(store, world, self.timeout)
 
     def node_spec(self) -> bytes:
         return self.store.get(_NODE)
@@ -597,9 +600,9 @@ class RankLink(Ranks):
             n += 1
 
 
-def _store_client(address: str, world: int, timeout: datetime.timedelta) -> Any:
-    """A client of the group's TCPStore at ``address`` (``HOST:PORT``, or ``[HOST]:PORT``
-    for an IPv6 host, as :func:`rendezvous` writes it)."""
+def store_client(address: str, world: int, timeout: datetime.timedelta) -> Any:
+    """A client of the TCPStore at ``address`` (``HOST:PORT``, or ``[HOST]:PORT`` for an
+    IPv6 host, as :func:`host_store` writes it)."""
     host, port = address.rsplit(":", 1)
     return dist.TCPStore(host.strip("[]"), int(port), world, is_master=False, timeout=timeout)
 
@@ -688,14 +691,14 @@ class RemoteRanks:
     another host): it watches them and tells rank 0 through the group's store when one dies;
     :meth:`close` ends what is left (they end by themselves when rank 0 closes the group)."""
 
-    def __init__(self, name: str, placement: RankPlacement, here: int) -> None:
+    def __init__(self, name: str, placement: HostPlacement, here: int) -> None:
         self.who = f"node {name!r}"
         ranks = placement.ranks_of(here)
         host = placement.hosts[ranks[0]]
         set_interface(host)
         timeout = datetime.timedelta(seconds=placement.timeout_s)
-        self.store = _store_client(placement.store, placement.world, timeout)
-        local = [placement.local_ranks[r] for r in ranks]
+        self.store = store_client(placement.store, placement.world, timeout)
+        local = [placement.local[r] for r in ranks]
         self.procs = start_ranks(
             placement.store, ranks, local, placement.world, placement.timeout_s, placement.hosts
         )
@@ -727,13 +730,13 @@ def rendezvous(
     per_host: int,
     hosts: Sequence[str],
     driver_host: str,
-) -> tuple[dict[str, RankPlacement], list[Any]]:
+) -> tuple[dict[str, HostPlacement], list[Any]]:
     """The driver's side of groups across hosts: for each node of ``nodes`` whose ``ranks``
     spill past its host's ``per_host`` (``hosts``: each controller's host, by index), where
     each rank runs (:func:`runtime.ranks.placement.place_ranks`) and a TCPStore hosted here,
     at ``driver_host``, for the group to meet at. Returns the placements and the stores,
     which the caller keeps as long as the run."""
-    placements: dict[str, RankPlacement] = {}
+    placements: dict[str, HostPlacement] = {}
     stores: list[Any] = []
     if not per_host:
         return placements, stores
@@ -742,21 +745,26 @@ def rendezvous(
             continue
         owner = assignment[name]
         controllers, where, local = place_ranks(name, node.ranks, per_host, owner, hosts)
-        timeout = datetime.timedelta(seconds=float(node.rank_timeout_s))
-        store = dist.TCPStore(
-            driver_host, 0, node.ranks, is_master=True, timeout=timeout, wait_for_workers=False
-        )
+        store, address = host_store(driver_host, node.ranks, float(node.rank_timeout_s))
         stores.append(store)
-        address = f"[{driver_host}]" if ":" in driver_host else driver_host
-        placements[name] = RankPlacement(
-            f"{address}:{store.port}", controllers, where, local, float(node.rank_timeout_s)
+        placements[name] = HostPlacement(
+            address, controllers, where, local, float(node.rank_timeout_s)
         )
     return placements, stores
 
 
+def host_store(host: str, world: int, timeout_s: float) -> tuple[Any, str]:
+    """A TCPStore hosted by this process at ``host`` on a free port, for ``world`` clients,
+    and the ``HOST:PORT`` (``[HOST]:PORT`` for IPv6) that :func:`store_client` reads."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+    address = f"[{host}]" if ":" in host else host
+    return store, f"{address}:{store.port}"
+
+
 def start_groups(
     nodes: Mapping[str, Any],
-    placements: Mapping[str, RankPlacement] | None = None,
+    placements: Mapping[str, HostPlacement] | None = None,
     here: int = 0,
 ) -> list[Any]:
     """Start the group of each node whose ``ranks`` is above 1 and that has none yet, and set

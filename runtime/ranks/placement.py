@@ -1,4 +1,5 @@
-"""Where the ranks of a group run when they span hosts, and how they find each other.
+"""Where the copies of a node run when they span hosts, and how they find each other: the
+ranks of a group, and a node's replicas.
 
 A run across hosts (``--nnodes N``) may give a rank group more ranks than one host holds:
 ``--ranks-per-host M`` puts M ranks on each host, the node's own host first (rank 0 is the
@@ -8,10 +9,16 @@ controller elsewhere (:func:`place_ranks`). The group then meets at a TCPStore t
 hosts at its own address, which every host reaches (torchrun's rendezvous is the same idea:
 the master address and a port handed out), instead of one rank 0 hosts on 127.0.0.1.
 
-The driver sends each controller the :class:`RankPlacement` of every such group; the
+The driver sends each controller the :class:`HostPlacement` of every such group; the
 collectives of ranks on different hosts go over the interface that holds each rank's host
 address (``GLOO_SOCKET_IFNAME``, :func:`interface_of`), so gloo binds where the other hosts
-can reach it. This module imports neither torch nor zmq.
+can reach it.
+
+A node's replicas (``--replicas NODE=R``) spread over the hosts the same way with
+``--replicas-per-host M`` (:func:`place_replicas`): the node's controller
+starts those on its host, each other host's first controller the others, which meet the node
+at the address it writes to the node's store (:mod:`runtime.zmq.replicas`). This module
+imports neither torch nor zmq.
 """
 
 from __future__ import annotations
@@ -23,39 +30,41 @@ import msgspec
 
 from yatt_graph import UsageError
 
-__all__ = ["RankPlacement", "host_of", "interface_of", "place_ranks"]
+__all__ = ["HostPlacement", "host_of", "interface_of", "place_ranks", "place_replicas"]
 
 
-class RankPlacement(msgspec.Struct, frozen=True):
-    """A rank group that spans hosts, as the driver hands it to every controller."""
+class HostPlacement(msgspec.Struct, frozen=True):
+    """The copies of a node that span hosts (a rank group's ranks, or the node and its
+    replicas), as the driver hands them to every controller; copy 0 is the node itself."""
 
     store: str
-    """``HOST:PORT`` of the group's TCPStore, which the driver hosts."""
+    """``HOST:PORT`` of the TCPStore the copies meet at, which the driver hosts."""
     controllers: list[int]
-    """Per rank, the controller that starts it (rank 0: the node's own, where it runs)."""
+    """Per copy, the controller that starts it (copy 0: the node's own, where it runs)."""
     hosts: list[str]
-    """Per rank, its host's address (the interface its collectives bind to)."""
-    local_ranks: list[int]
-    """Per rank, its index among the ranks of its host (its GPU, on CUDA)."""
+    """Per copy, its host's address (the interface its collectives or sockets bind to)."""
+    local: list[int]
+    """Per copy, its index among the copies of its host (its GPU, on CUDA)."""
     timeout_s: float
-    """The node's ``rank_timeout_s``: how long the group's start and its store calls may take."""
+    """How long the copies' start and their store calls may take (a rank group: the node's
+    ``rank_timeout_s``)."""
 
     @property
     def world(self) -> int:
         return len(self.controllers)
 
-    def describe(self, node: str, controller: int) -> str:
-        """One line: which of ``node``'s ranks ``controller`` holds, on which host, and where
-        rank 0 and the store are."""
+    def describe(self, node: str, controller: int, copies: str = "ranks") -> str:
+        """One line: which of ``node``'s ``copies`` (ranks or replicas) ``controller`` holds,
+        on which host, and where copy 0 and the store are."""
         here = [r for r, c in enumerate(self.controllers) if c == controller]
         return (
-            f"node {node!r}: ranks {', '.join(map(str, here))} of {self.world} on this host "
-            f"({self.hosts[here[0]]}), rank 0 on controller {self.controllers[0]} "
-            f"({self.hosts[0]}), the group's store at {self.store}"
+            f"node {node!r}: {copies} {', '.join(map(str, here))} of {self.world} on this host "
+            f"({self.hosts[here[0]]}), {copies[:-1]} 0 on controller {self.controllers[0]} "
+            f"({self.hosts[0]}), the store at {self.store}"
         )
 
     def ranks_of(self, controller: int) -> list[int]:
-        """The ranks ``controller`` starts (rank 0 left out: it is the node itself)."""
+        """The copies ``controller`` starts (copy 0 left out: it is the node itself)."""
         return [r for r, c in enumerate(self.controllers) if c == controller and r > 0]
 
 
@@ -75,24 +84,40 @@ def place_ranks(
     """Per rank of ``node``'s group of ``ranks``: the controller that starts it, its host and
     its index on that host. ``hosts`` holds each controller's host by index, ``owner`` is
     the node's controller. A UsageError when the hosts hold fewer than ``ranks``."""
-    order: list[str] = [hosts[owner]]
-    first: dict[str, int] = {hosts[owner]: owner}
+    given = f"--train-ranks {ranks} with --ranks-per-host {per_host}"
+    return _place(node, ranks, per_host, owner, hosts, given, "--ranks-per-host")
+
+
+def place_replicas(
+    node: str, replicas: int, per_host: int, owner: int, hosts: Sequence[str]
+) -> tuple[list[int], list[str], list[int]]:
+    """Per copy of ``node`` with ``replicas`` copies (copy 0: the node, on controller
+    ``owner``), as :func:`place_ranks` places ranks: the controller that starts it, its host
+    and its index on that host (its GPU, on CUDA)."""
+    given = f"--replicas {node}={replicas} with --replicas-per-host {per_host}"
+    return _place(node, replicas, per_host, owner, hosts, given, "--replicas-per-host")
+
+
+def _place(
+    node: str, copies: int, per_host: int, owner: int, hosts: Sequence[str], given: str, flag: str
+) -> tuple[list[int], list[str], list[int]]:
+    order: list[str] = [hosts[owner]]  # the distinct hosts, the node's first
+    first: dict[str, int] = {hosts[owner]: owner}  # each one's first controller
     for index, host in enumerate(hosts):
         if host not in first:
             first[host] = index
             order.append(host)
-    if ranks > per_host * len(order):
+    if copies > per_host * len(order):
         raise UsageError(
-            f"node {node!r}: --train-ranks {ranks} with --ranks-per-host {per_host} needs "
-            f"{-(-ranks // per_host)} hosts, and the run has {len(order)} "
-            f"({', '.join(order)}); raise --ranks-per-host or add hosts"
+            f"node {node!r}: {given} needs {-(-copies // per_host)} hosts, and the run has "
+            f"{len(order)} ({', '.join(order)}); raise {flag} or add hosts"
         )
     controllers, where, local = [], [], []
-    for rank in range(ranks):
-        host = order[rank // per_host]
+    for copy in range(copies):
+        host = order[copy // per_host]
         controllers.append(first[host])
         where.append(host)
-        local.append(rank % per_host)
+        local.append(copy % per_host)
     return controllers, where, local
 
 

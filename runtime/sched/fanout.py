@@ -52,12 +52,14 @@ greedy tokens do not, and the same piece gives the same tokens on any worker.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+from runtime.errors import ProcessFault
 from runtime.sched.batching import _is_batched, cut_pieces, join_outputs, sample_costs, take
 from runtime.sched.devices import Slot, SlotPool
 from yatt_graph.types import TensorSpec
@@ -215,14 +217,23 @@ def run_with_context(
 
 
 class Crew:
-    """Workers, a thread each (named for it), over one queue of pieces; each worker takes the next piece when it is free."""
+    """Workers, a thread each (named for it), over one queue of pieces; each worker takes the
+    next piece when it is free. A worker whose process is lost (a
+    :class:`~runtime.errors.ProcessFault`: a replica that exited or stopped answering) is
+    named on stderr and leaves the crew, and the piece it held goes back to the queue for the
+    others; the crew's pieces fail with that error only when no worker is left."""
 
     def __init__(self, workers: Sequence[Worker]):
         if not workers:
             raise ValueError("a crew needs at least one worker")
         self.workers = list(workers)
         self.stats = {w.label: {"busy_s": 0.0, "pieces": 0, "samples": 0} for w in self.workers}
+        self.lost: dict[str, str] = {}
+        """The workers that left the crew, by label: why."""
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._live = len(self.workers)
+        self._last_loss: BaseException | None = None
         self._threads = [
             threading.Thread(
                 target=self._work, args=(w,), name=f"{THREAD_PREFIX}{w.label}", daemon=True
@@ -236,22 +247,58 @@ class Crew:
         self, node: Any, inputs: dict[str, Any], context: Mapping[str, int] | None, rows: list[int]
     ) -> Future:
         job: Future = Future()
-        self._jobs.put((node, inputs, context, rows, job))
+        with self._lock:
+            if not self._live:  # every worker is lost
+                job.set_exception(self._last_loss or RuntimeError("the crew has no workers"))
+                return job
+            self._jobs.put((node, inputs, context, rows, job))
         return job
 
     def _work(self, worker: Worker) -> None:
         while (item := self._jobs.get()) is not None:
             node, inputs, context, rows, job = item
             start = time.perf_counter()
-            job.worker = worker.label  # which worker ran the piece (Fanout.rows_by_worker)
+            job.worker = worker.label  # which worker ran the piece (Fanout.last_workers)
             try:
                 job.set_result(worker.call(node, inputs, context, rows))
-            except BaseException as exc:  # the caller raises it
+            except BaseException as exc:  # the caller raises it, unless the worker is lost
+                if isinstance(exc, ProcessFault) and not isinstance(worker, NodeThread):
+                    self._leave(worker, exc, item)
+                    return
                 job.set_exception(exc)
             st = self.stats[worker.label]
             st["busy_s"] += time.perf_counter() - start
             st["pieces"] += 1
             st["samples"] += len(rows)
+
+    def _leave(self, worker: Worker, exc: BaseException, item: Any) -> None:
+        """``worker``'s process is lost: it leaves, and its piece goes to the others."""
+        with self._lock:
+            self._live -= 1
+            self.lost[worker.label] = str(exc)
+            self._last_loss = exc
+            left = self._live
+            if left:
+                self._jobs.put(item)
+            else:  # nobody is left to run this piece or the ones still queued
+                item[-1].set_exception(exc)
+                while True:
+                    try:
+                        queued = self._jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if queued is not None:
+                        queued[-1].set_exception(exc)
+                    else:
+                        self._jobs.put(None)  # (a close: the threads have left)
+                        break
+        if left:
+            print(
+                f"yatt-graph: {exc}\nyatt-graph: its pieces go to the node's {left} other "
+                f"{'copy' if left == 1 else 'copies'}; the run goes on",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         """End the threads once the pieces they run return, then the workers."""
@@ -359,6 +406,7 @@ class Fanout:
             "pieces": self.calls,
             "samples": self.samples,
             "by_worker": {k: dict(v) for k, v in self.crew.stats.items()},
+            "lost": dict(self.crew.lost),
         }
 
 

@@ -108,6 +108,7 @@ class Controller:
         self.preload = preload
         self.startup_timeout_s = startup_timeout_s
         self.keys = load_keys(keys, "controller") if keys else None
+        self.keys_dir = keys
         host = ""
         if not bind and connect.startswith("tcp://"):
             host = advertised_host(connect)
@@ -199,7 +200,9 @@ class Controller:
         self.applied = apply_resources(
             setup.resources or Resources(), pinned_threads=self.pinned_threads
         )
-        self.engine, self.workers = engine_from_setup(setup, self.peers, self._track)
+        self.engine, self.workers = engine_from_setup(
+            setup, self.peers, self._track, self.ctx, self.keys, self.keys_dir
+        )
         self.peers.connect(setup)
 
     # --- what arrives -----------------------------------------------------------------------

@@ -174,16 +174,17 @@ class ZmqExecutor:
         self.address, self.run_dir = self.group.address, self.group.run_dir
         on_host = [c.child is not None for c in self.controllers]
         ipc_gpus = setup_gpus([r.cuda for r in start], on_host, enabled_from_env(config.cuda_ipc))
-        self._rank_stores: list[Any] = []
-        rank_groups: list[dict[str, Any]] = []  # made once every controller said where it is
+        self._stores: list[Any] = []
+        spans: list[tuple[dict[str, Any], dict[str, Any]]] = []  # once all said where they are
 
         def setup(c: Any) -> m.Setup:
-            if not rank_groups:
-                rank_groups.append(self._rendezvous(config))
+            if not spans:
+                spans.append(self._rendezvous(config))
+            rank_groups, replica_hosts = spans[0]
             return m.Setup(
                 controller=c.index, peers=[x.data_address for x in self.controllers],
                 run_id=self.group.res.run_id, resources=start[c.index], cuda_ipc_gpus=ipc_gpus,
-                rank_groups=rank_groups[0], **setup_kw,
+                rank_groups=rank_groups, replica_hosts=replica_hosts, **setup_kw,
             )  # fmt: skip
 
         try:
@@ -196,20 +197,33 @@ class ZmqExecutor:
             now = [c.resources or r for c, r in zip(self.controllers, start, strict=True)]
             self._rebalancer = Rebalancer(Partitioner(now, start_cores()))
 
-    def _rendezvous(self, config: RunConfig) -> dict[str, Any]:
-        """The rank groups that span hosts (``config.ranks_per_host``): their placements, and
-        their stores hosted here (kept as long as the executor)."""
-        if not config.ranks_per_host:
-            return {}
-        from runtime.ranks.group import rendezvous
+    def _rendezvous(self, config: RunConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What spans hosts: the rank groups (``config.ranks_per_host``) and the replicas
+        (``config.replicas_per_host``); their placements, and their stores hosted here (kept
+        as long as the executor)."""
         from runtime.ranks.placement import host_of
+        from runtime.sched.fanout import replica_counts
 
         here = host_of(self.address, "127.0.0.1")
         hosts = [host_of(c.data_address, here) for c in self.controllers]
-        placements, self._rank_stores = rendezvous(
-            self.graph.nodes, self.plan.assignment, config.ranks_per_host, hosts, here
-        )
-        return placements
+        rank_groups: dict[str, Any] = {}
+        if config.ranks_per_host:
+            from runtime.ranks.group import rendezvous
+
+            rank_groups, stores = rendezvous(
+                self.graph.nodes, self.plan.assignment, config.ranks_per_host, hosts, here
+            )
+            self._stores += stores
+        replica_hosts: dict[str, Any] = {}
+        if config.replicas_per_host:
+            from runtime.zmq.replicas import replica_rendezvous
+
+            counts = replica_counts(self.graph.nodes, config.replicas)
+            replica_hosts, stores = replica_rendezvous(
+                counts, config.replicas_per_host, self.plan.assignment, hosts, here
+            )
+            self._stores += stores
+        return rank_groups, replica_hosts
 
     @property
     def resources(self) -> list[Resources | None]:

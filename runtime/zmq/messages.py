@@ -61,7 +61,7 @@ import msgspec
 from runtime.children import ChildMessage, Messages
 from runtime.engine.config import RunConfig
 from runtime.errors import ProtocolError
-from runtime.ranks.placement import RankPlacement
+from runtime.ranks.placement import HostPlacement
 from runtime.sched.devices import Resources
 
 __all__ = [
@@ -216,9 +216,12 @@ class Setup(_Msg):
     devices: dict[str, str] = {}
     """Every node's device by name: what each reader takes of a value, as it is or a host copy
     (runtime.engine.calls)."""
-    rank_groups: dict[str, RankPlacement] = {}
+    rank_groups: dict[str, HostPlacement] = {}
     """The rank groups that span hosts, by node: where each rank runs and the store they meet
     at (runtime.ranks.placement); the others start on their node's controller."""
+    replica_hosts: dict[str, HostPlacement] = {}
+    """The nodes whose replicas span hosts (a run on several hosts), by node: where each
+    replica runs and the store where it finds its node (runtime.zmq.replicas)."""
 
 
 class Ready(_Msg):
@@ -462,6 +465,11 @@ class ReplicaStop(ChildMessage, tag="stop"):
 
 class ReplicaReady(ChildMessage, tag="ready"):
     """Replica -> parent: the node is built."""
+
+    pid: int = 0
+    """The replica's process id (on its host)."""
+    host: str = ""
+    """The host it runs on, when that is not its parent's."""
 
 
 class ReplicaDone(ChildMessage, tag="done"):

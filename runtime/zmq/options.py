@@ -159,20 +159,39 @@ def nodes_from_setup(
 
 
 def engine_from_setup(
-    setup: m.Setup, outbox: Any, track: Callable[[str], None]
+    setup: m.Setup,
+    outbox: Any,
+    track: Callable[[str], None],
+    ctx: Any = None,
+    keys: Any = None,
+    keys_dir: str | None = None,
 ) -> tuple[Any, NodeWorkers]:
     """In a controller: its nodes rebuilt and made ready (:func:`runtime.engine.calls.start_nodes`:
     ``track`` is told each node first), and the step engine over them, sending to ``outbox``.
-    The caller ends the returned workers (ranks, replicas, device slots) when it is done."""
+    ``ctx``, ``keys`` and ``keys_dir`` (the controller's zmq context, CURVE keys and their
+    folder) reach the replicas on other hosts. The caller ends the returned workers (ranks,
+    replicas, device slots) when it is done."""
     from runtime.engine.calls import start_nodes
     from runtime.engine.engine import StepEngine
-    from runtime.zmq.replicas import spawn_replica
+    from runtime.zmq.replicas import replica_spawner, start_remote_replicas
 
     config = setup.config
     nodes, edges, outputs, assignment = nodes_from_setup(setup, track)
-    workers = start_nodes(
-        nodes, setup.order, config, spawn_replica, track, setup.rank_groups, setup.controller
+    # First the replicas this host holds of other hosts' nodes: they wait at the node's store
+    # for its address, and the node's controller waits for them while it starts its own.
+    remote = start_remote_replicas(
+        nodes, setup.replica_hosts, setup.controller, keys_dir, setup.devices
     )
+    try:
+        spawn = replica_spawner(setup.replica_hosts, ctx, keys)
+        workers = start_nodes(
+            nodes, setup.order, config, spawn, track, setup.rank_groups, setup.controller
+        )
+    except BaseException:
+        for r in remote:
+            r.close()
+        raise
+    workers.groups += remote
     limits = {n: node.batch_policy.timeout_s or config.node_timeout_s for n, node in nodes.items()}
     try:
         engine = StepEngine(

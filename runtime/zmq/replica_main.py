@@ -1,7 +1,9 @@
 """A replica process's entry point: ``python -m runtime.zmq.replica_main`` (started by
 :class:`runtime.zmq.replicas.ReplicaProcess`, never by hand).
 
-It pins itself to its cores, sets its torch threads, rebuilds the node from the NodeSpec it
+It pins itself to its cores, sets its torch threads, connects to its node (at ``--connect``,
+or, on another host than its node's, at the address it reads from the node's store:
+``--store``, ``--key``, with the run's CURVE keys), rebuilds the node from the NodeSpec it
 is sent first, and answers each piece with the node's outputs (or the error, as text), until
 it is told to stop or its parent is gone (:func:`runtime.children.exit_with_parent`).
 """
@@ -27,7 +29,12 @@ FAULT_ENV = "YATT_REPLICA_EXIT"
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m runtime.zmq.replica_main")
-    p.add_argument("--connect", required=True)
+    p.add_argument("--connect", default="", help="the node's socket (on this host)")
+    p.add_argument("--store", default="", help="HOST:PORT of the node's store (another host)")
+    p.add_argument("--key", default="", help="where the store holds the node's address")
+    p.add_argument("--host", default="", help="this host's address, when it is another host")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the address")
+    p.add_argument("--keys", default="", help="the run's CURVE keys folder")
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cores", default="", help="comma-separated CPU ids (default: all)")
@@ -61,8 +68,34 @@ def _fault(calls: int) -> None:
             os._exit(17)
 
 
+def _connect(args: argparse.Namespace) -> zmq.Socket:
+    """The PAIR socket to the node: at ``--connect``, or at the address the node's store
+    holds (a CURVE client of the node's controller with ``--keys``)."""
+    from runtime.zmq.transport import make_socket
+
+    address, keys = args.connect, None
+    if args.store:
+        import datetime
+
+        from runtime.ranks.group import store_client
+
+        timeout = datetime.timedelta(seconds=args.timeout)
+        address = store_client(args.store, 1, timeout).get(args.key).decode()
+    if args.keys:
+        from runtime.zmq.keys import load_keys
+
+        keys = load_keys(args.keys, "controller")
+    server = keys.controller_public if keys is not None else None
+    return make_socket(
+        zmq.Context.instance(), zmq.PAIR, address, curve=keys, curve_server_key=server
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if bool(args.connect) == bool(args.store):
+        parser.error("give the node's socket (--connect) or its store (--store and --key)")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
     exit_with_parent(args.parent_pid, f"yatt-graph replica (pid {os.getpid()})")
     _pin(args.cores, args.threads)
@@ -70,9 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from runtime.sched.fanout import run_with_context
     from yatt_graph.serialize import NodeSpec, build_node
 
-    sock = zmq.Context.instance().socket(zmq.PAIR)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(args.connect)
+    sock = _connect(args)
     try:
         build = m.TO_REPLICA.decode(sock.recv())
         if not isinstance(build, m.ReplicaBuild):
@@ -82,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as exc:
         sock.send(_error(exc))
         return 1
-    sock.send(m.FROM_REPLICA.encode(m.ReplicaReady()))
+    sock.send(m.FROM_REPLICA.encode(m.ReplicaReady(os.getpid(), args.host)))
     done = m.FROM_REPLICA.encode(m.ReplicaDone())
     calls = 0
     while True:

@@ -281,7 +281,7 @@ def test_a_dead_child_is_told_the_same_way_whatever_its_kind(tmp_path):
     assert child.dead() == f"replica 2 of node 'x' (pid {child.pid}) exited with code 2"
     tail = child.log_tail()
     assert f"--- last lines of replica 2 of node 'x' (pid {child.pid})'s output ---" in tail
-    assert "the following arguments are required: --connect" in tail
+    assert "the following arguments are required: --parent-pid" in tail
     waits = ["--connect", f"ipc://{tmp_path}/none", "--parent-pid", str(os.getpid())]
     running = start_child("runtime.zmq.replica_main", waits, python_env(), "rank 1")
     try:  # it waits for a peer that never comes

@@ -330,16 +330,16 @@ def test_an_update_trained_by_ranks_on_two_hosts_equals_the_one_host_group(hosts
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
 
 
-def _rank_worker(store: str, rank: int) -> int | None:
-    """The pid of rank ``rank`` of the group meeting at ``store`` (any host: the namespaces
-    share pids)."""
-    want = f"--store\0{store}\0--rank\0{rank}\0".encode()
+def _process(module: str, *args: str) -> int | None:
+    """The pid of the process running ``module`` with ``args`` in its command line (any host:
+    the namespaces share pids)."""
+    want = "".join(f"{a}\0" for a in args).encode()
     for entry in Path("/proc").iterdir():
         try:
             cmd = (entry / "cmdline").read_bytes()
         except (OSError, ValueError):
             continue
-        if b"runtime.ranks.worker" in cmd and want in cmd:
+        if module.encode() in cmd and want in cmd:
             return int(entry.name)
     return None
 
@@ -351,9 +351,9 @@ def test_a_killed_rank_on_the_other_host_is_named(hosts, keys, tmp_path):
     local, remote, log0, log1 = _ranked_across_hosts(hosts, keys, tmp_path, steps=10_000)
     metrics = tmp_path / "run" / "metrics.jsonl"
     _wait_until(lambda: metrics.exists() and metrics.read_text().strip(), "a first step", 400)
-    said = re.search(r"the group's store at (\S+)", log0.read_text() + log1.read_text())
+    said = re.search(r"the store at (\S+)", log0.read_text() + log1.read_text())
     assert said is not None, log0.read_text()
-    pid = _rank_worker(said.group(1), 3)
+    pid = _process("runtime.ranks.worker", "--store", said.group(1), "--rank", "3")
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
     try:
@@ -366,6 +366,60 @@ def test_a_killed_rank_on_the_other_host_is_named(hosts, keys, tmp_path):
         rf"rank 3 \(pid {pid}\) was killed by SIGKILL \(9\) on host ({hosts_})", text0
     ), text0
     _finish(remote, log1, timeout_s=120)
+
+
+# --- rollout replicas on both hosts ---------------------------------------------------------------
+_REPLICATED = ["graphs.mm_grpo", "--set", "batch_size=4", "--quiet", "--threads", "1",
+               "--no-adaptive", "--replicas", "rollout=2", "--samples-every", "1"]  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+def test_a_replica_on_the_other_host_serves_its_share_and_a_lost_one_is_named(
+    hosts, keys, tmp_path
+):
+    """``--replicas rollout=2 --replicas-per-host 1`` over two hosts: the second copy runs on
+    the host without the rollout's controller and samples its pieces; killed after two steps,
+    it is named with its host, its pieces go to the node's own copy, and the run ends as the
+    one-host run does."""
+    port = _free_port(hosts.driver_ip)
+    cmd = [str(Path(PYTHON).with_name("yatt-graph")), "run", *_REPLICATED, "--steps", "4"]
+    cmd += ["--controllers", "2", "--keys", keys, "--nnodes", "2", "--replicas-per-host", "1"]
+    cmd += ["--master", f"{hosts.driver_ip}:{port}"]
+    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
+    remote = hosts.start([*cmd, "--node-rank", "1", *hosts.remote_flags], log1)
+    out = tmp_path / "run"
+    with open(log0, "wb") as f:
+        local = subprocess.Popen(
+            [*cmd, "--node-rank", "0", "--out", str(out)],
+            stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=ENV, cwd=tmp_path,
+        )  # fmt: skip
+    hosts.procs.append(local)
+    metrics = out / "metrics.jsonl"
+    _wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2,
+                "two steps", 400)  # fmt: skip
+    pattern = r"replicas 1 of 2 on this host \((\S+)\), replica 0 on controller \d+ \((\S+)\)"
+    said = re.search(pattern + r", the store at (\S+)", log0.read_text() + log1.read_text())
+    assert said is not None, (log0.read_text(), log1.read_text())
+    assert {said.group(1), said.group(2)} == {hosts.driver_ip, hosts.remote_ip}  # hosts apart
+    pid = _process("runtime.zmq.replica_main", "--store", said.group(3))
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    code0, text0 = _finish(local, log0, timeout_s=300)
+    code1, text1 = _finish(remote, log1, timeout_s=60)
+    assert code0 == 0, text0
+    assert code1 == 0, text1
+    killed = rf"replica 1 of node 'rollout' \(pid {pid}\) was killed by SIGKILL \(9\) on host "
+    assert re.search(killed + re.escape(said.group(1)), text0 + text1), text0 + text1
+    assert "its pieces go to the node's 1 other copy" in text0 + text1
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(out / "samples").to_pylist()
+    assert {r["replica"] for r in rows if r["step"] == 0} == {0, 1}  # the other host sampled
+    assert {r["replica"] for r in rows if r["step"] == 3} == {0}  # its share, on the node
+    one = tmp_path / "one_host"
+    flags = ["--steps", "4", "--controllers", "2", "--out", str(one)]
+    assert main(["run", *_REPLICATED, *flags]) == 0
+    _assert_same_results(_metrics(metrics), _metrics(one / "metrics.jsonl"))
 
 
 # --- the driver in this process, controllers on both hosts --------------------------------------

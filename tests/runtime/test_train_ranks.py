@@ -461,7 +461,7 @@ def test_hsdp_shards_within_each_host_and_replicates_across_them(batch, monkeypa
 
     import torch.distributed as dist
 
-    from runtime.ranks.placement import RankPlacement
+    from runtime.ranks.placement import HostPlacement
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     store = dist.TCPStore(
@@ -469,7 +469,7 @@ def test_hsdp_shards_within_each_host_and_replicates_across_them(batch, monkeypa
         timeout=datetime.timedelta(seconds=120),
     )  # fmt: skip
     hosts = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]
-    placement = RankPlacement(f"127.0.0.1:{store.port}", [0] * 4, hosts, [0, 1, 0, 1], 120.0)
+    placement = HostPlacement(f"127.0.0.1:{store.port}", [0] * 4, hosts, [0, 1, 0, 1], 120.0)
     inputs = _rows(batch["grpo"], 2)
     one = _fresh_grpo()
     many = GRPOUpdate(lr=1e-3, epochs=2, ranks=4, train_backend="hsdp", rank_timeout_s=120.0)
