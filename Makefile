@@ -64,7 +64,7 @@ format: $(STAMP)
 # Two workers, each taking whole test files: most tests wait on processes they start. The
 # slowest tests are listed at the end, to keep the suite within its 20 minutes on 2 cores.
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.dispatch --steps 500

