@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_helpers import yatt
+from cli_helpers import yatt, yatt_here
 
 from nodes.data import task_vocabulary
 from nodes.models.policy import build_policy
@@ -66,7 +66,7 @@ def test_a_teacher_teaches_and_each_step_reports_the_reverse_kl(tmp_path, teache
 )  # fmt: skip
 def test_a_wrong_teacher_or_coef_is_one_line_before_any_step(tmp_path, teachers, argv, message):
     argv = [a.format(root=teachers) for a in argv]
-    run = yatt(tmp_path, "run", "text_grpo", *argv, "--steps", "2", "--out", "run")
+    run = yatt_here(tmp_path, "run", "text_grpo", *argv, "--steps", "2", "--out", "run")
     assert run.returncode != 0
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("yatt-graph run: error: "), run.stderr[-2000:]

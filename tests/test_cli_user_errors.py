@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_helpers import yatt
+from cli_helpers import yatt, yatt_here
 
 from graphs.config import PPOConfig, TextGRPOConfig
 from runtime.cli import main
@@ -112,7 +112,7 @@ def test_each_way_to_give_an_unknown_option_says_the_same_line(here, capsys, arg
     ],
 )
 def test_an_option_of_other_graphs_names_them_in_the_same_line(tmp_path, given, said):
-    done = yatt(tmp_path, "run", "text_ppo", "--steps", "1", *given)
+    done = yatt_here(tmp_path, "run", "text_ppo", "--steps", "1", *given)
     assert done.returncode == 2
     assert one_line(done.stderr) == (
         f"yatt-graph run: {said}; `yatt-graph show text_ppo --options` lists the options of "
@@ -357,7 +357,7 @@ def test_a_resumed_runs_summary_and_report_cover_every_step(here, capsys):
 def test_a_data_file_without_rows_is_one_line_naming_it_not_a_bug(tmp_path, name, text):
     """Found while the run plans its memory (the first read of the data), before any step."""
     (tmp_path / name).write_text(text)
-    run = yatt(tmp_path, "run", "text_grpo", "--data", name, "--steps", "1", timeout=180)
+    run = yatt_here(tmp_path, "run", "text_grpo", "--data", name, "--steps", "1")
     assert run.returncode == 2, run.stderr
     lines = [line for line in run.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and name in lines[0], run.stderr
