@@ -834,12 +834,17 @@ def resume_point(train: TrainSettings, graph: Graph, here: Path | None) -> Path 
 
 
 def _interrupted(exc: KeyboardInterrupt, out: Path | None) -> int:
-    """One line for Ctrl-C or SIGTERM, saying where the run stopped and what was kept."""
-    step = getattr(exc, "step", None)
+    """One line for Ctrl-C or SIGTERM, saying where the run stopped and what was kept (a
+    second signal that came while the loop closed after the first still says the step: the
+    first is its context)."""
+    first = exc
+    while getattr(first, "step", None) is None and isinstance(first.__context__, KeyboardInterrupt):
+        first = first.__context__
+    step = getattr(first, "step", None)
     what, code = stopped_by(exc)
     where = f" after step {step}" if step is not None else ""
     kept = f"; metrics and trace are in {out}" if out is not None else ""
-    checkpoint = getattr(exc, "checkpoint", None)
+    checkpoint = getattr(first, "checkpoint", None)
     if checkpoint is not None:
         kept += f"; checkpoint {checkpoint} (continue with --resume {out})"
     print(f"yatt-graph run: stopped by {what}{where}{kept}", file=sys.stderr)

@@ -457,3 +457,24 @@ def test_a_second_sigterm_stops_an_in_process_run_hung_in_a_node_and_keeps_its_t
     assert "stopped by SIGTERM after step 2" in err
     spans = json.loads((out / "trace.json").read_text())["traceEvents"]
     assert max(e["args"]["step"] for e in spans if e["ph"] == "X") == 1
+
+
+def test_a_second_sigterm_while_the_loop_closes_still_says_the_step(tmp_path, capsys):
+    """The loop gives the first SIGTERM its step; one that comes while the loop closes (its
+    trace and writers) replaces it, and the line still says where the run stopped."""
+    from runtime.run import _interrupted
+    from runtime.train.loop import Terminated
+
+    first = Terminated(signal.SIGTERM)
+    first.step, first.checkpoint = 7, tmp_path / "checkpoints" / "step_000007"
+    try:
+        try:
+            raise first
+        except Terminated:
+            raise Terminated(signal.SIGTERM)  # noqa: B904  # (a second signal, not a cause)
+    except Terminated as second:
+        assert second.__context__ is first
+        assert _interrupted(second, tmp_path) == 143
+    err = capsys.readouterr().err
+    assert f"stopped by SIGTERM after step 7; metrics and trace are in {tmp_path}" in err
+    assert "checkpoint" in err and "step_000007" in err
