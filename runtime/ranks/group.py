@@ -95,6 +95,7 @@ __all__ = [
     "lead",
     "leave_group",
     "rendezvous",
+    "report_deaths",
     "set_interface",
     "start_groups",
     "store_client",
@@ -607,6 +608,31 @@ def store_client(address: str, world: int, timeout: datetime.timedelta) -> Any:
     return dist.TCPStore(host.strip("[]"), int(port), world, is_master=False, timeout=timeout)
 
 
+def report_deaths(
+    children: Mapping[str, Child], store: Any, host: str, closed: Callable[[], bool]
+) -> None:
+    """Watch ``children`` (started here for a node on another host) from a thread: each that
+    ends with a non-zero code is written, ``... on host HOST`` and its log's tail, under its
+    key of ``children`` in ``store``, where the node's process reads it. The thread ends
+    once every child has ended, or ``closed()``."""
+
+    def watch() -> None:
+        told: set[str] = set()
+        while not closed():
+            for key, child in children.items():
+                if key not in told and child.returncode is not None:
+                    told.add(key)
+                    if child.returncode != 0:
+                        said = f"{child.dead()} on host {host}{child.log_tail()}"
+                        with contextlib.suppress(Exception):
+                            store.set(key, said.encode())
+            if len(told) == len(children):
+                return
+            time.sleep(_WATCH_S)
+
+    threading.Thread(target=watch, daemon=True, name="remote-children").start()
+
+
 def _outline(value: Any) -> Any:
     """``value`` with every tensor None (in dicts, lists and tuples)."""
     if isinstance(value, torch.Tensor):
@@ -702,22 +728,9 @@ class RemoteRanks:
         self.procs = start_ranks(
             placement.store, ranks, local, placement.world, placement.timeout_s, placement.hosts
         )
-        self.host, self.closed = host, False
-        threading.Thread(target=self._watch, daemon=True, name="remote-ranks").start()
-
-    def _watch(self) -> None:
-        told: set[str] = set()
-        while not self.closed:
-            for proc in self.procs:
-                text = proc.dead()
-                if text and proc.label not in told and proc.returncode != 0:
-                    rank = proc.label.split()[-1]
-                    with contextlib.suppress(Exception):
-                        self.store.set(f"{_DEAD}{rank}", f"{text} on host {self.host}".encode())
-                    told.add(proc.label)
-            if len(told) == len(self.procs) or all(p.returncode is not None for p in self.procs):
-                return
-            time.sleep(_WATCH_S)
+        self.closed = False
+        watched = {f"{_DEAD}{r}": proc for r, proc in zip(ranks, self.procs, strict=True)}
+        report_deaths(watched, self.store, host, lambda: self.closed)
 
     def close(self) -> None:
         self.closed = True

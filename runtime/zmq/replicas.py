@@ -34,7 +34,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -67,7 +66,6 @@ __all__ = [
 _POLL_MS = 200
 _START_TIMEOUT_S = 300.0
 """How long a replica may take to start and build its node (a model load)."""
-_WATCH_S = 0.2
 _ADDRESS, _DEAD = "address", "dead"
 """A remote replica's keys in its node's store, under ``yatt/replica/<index>/``."""
 
@@ -234,9 +232,15 @@ def spawn_replica(node: Any, index: int, count: int) -> ReplicaProcess:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = visible.split(",") if visible else [str(i) for i in range(n)]
         return ReplicaProcess(node, index, LocalStart(gpu=gpus[index]))
+    core = _core(index)
+    return ReplicaProcess(node, index, LocalStart(cores=None if core is None else [core]))
+
+
+def _core(index: int) -> int | None:
+    """The core of replica ``index`` of a host: its index among this process's cores
+    (wrapping), None where the cores are unknown."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    core = [cores[index % len(cores)]] if cores else None
-    return ReplicaProcess(node, index, LocalStart(cores=core))
+    return cores[index % len(cores)] if cores else None
 
 
 class RemoteEnd(msgspec.Struct, frozen=True):
@@ -312,12 +316,11 @@ class RemoteReplicas:
     def __init__(
         self, name: str, placement: HostPlacement, here: int, keys_dir: str | None, cuda: bool
     ) -> None:
-        from runtime.ranks.group import store_client
+        from runtime.ranks.group import report_deaths, store_client
 
         self.host, self.closed = placement.hosts[placement.ranks_of(here)[0]], False
         timeout = datetime.timedelta(seconds=placement.timeout_s)
         self.store = store_client(placement.store, placement.world, timeout)
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self.dir = tempfile.mkdtemp(prefix="yatt-replica-")
         self.procs: dict[int, Child] = {}
         env = passive_env(python_env(1))
@@ -331,7 +334,7 @@ class RemoteReplicas:
                     "--host", self.host, "--timeout", str(placement.timeout_s),
                     "--parent-pid", str(os.getpid()), "--threads", "1",
                     *(["--keys", keys_dir] if keys_dir else []),
-                    *(["--cores", str(cores[local % len(cores)])] if cores and not cuda else []),
+                    *(["--cores", str(core)] if (core := _core(local)) is not None and not cuda else []),
                 ]  # fmt: skip
                 log = os.path.join(self.dir, f"replica{index}.log")
                 who = f"replica {index} of node {name!r}"
@@ -341,18 +344,8 @@ class RemoteReplicas:
             raise
         print(f"yatt-graph controller {here}: {placement.describe(name, here, 'replicas')}",
               file=sys.stderr, flush=True)  # fmt: skip
-        threading.Thread(target=self._watch, daemon=True, name="remote-replicas").start()
-
-    def _watch(self) -> None:
-        told: set[int] = set()
-        while not self.closed and len(told) < len(self.procs):
-            for index, proc in self.procs.items():
-                if index not in told and (text := proc.dead()):
-                    with contextlib.suppress(Exception):
-                        said = f"{text} on host {self.host}{proc.log_tail()}"
-                        self.store.set(_key(index, _DEAD), said.encode())
-                    told.add(index)
-            time.sleep(_WATCH_S)
+        watched = {_key(index, _DEAD): proc for index, proc in self.procs.items()}
+        report_deaths(watched, self.store, self.host, lambda: self.closed)
 
     def close(self) -> None:
         self.closed = True
