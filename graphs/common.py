@@ -40,6 +40,7 @@ __all__ = [
     "resolve_device",
     "rollout_options",
     "sampling_options",
+    "shard_beside",
     "teacher_spec",
     "train_group",
     "update_options",
@@ -180,6 +181,16 @@ def train_group(config: RLConfig, share: str, **more_shares: str) -> dict[str, A
     if config.train_ranks > 1:
         shares = dict.fromkeys(shares)
     return {"ranks": config.train_ranks, "train_backend": config.train_backend, **shares}
+
+
+def shard_beside(reference: Any, config: RLConfig, update: str) -> None:
+    """With ``shard_reference`` (and ``train_ranks`` > 1): the reference (a node, or None for
+    a graph without one) joins the rank group of the node named ``update``, its own copy
+    sharded over those ranks (hsdp where the update's is, else fsdp)."""
+    if reference is None or not config.shard_reference or config.train_ranks < 2:
+        return
+    backend = "hsdp" if config.train_backend == "hsdp" else "fsdp"
+    reference.configure(ranks=config.train_ranks, rank_with=update, train_backend=backend)
 
 
 def is_prefix_policy(spec: dict[str, Any]) -> bool:

@@ -347,6 +347,11 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """With train_ranks > 1: fsdp (FSDP2: weights, gradients, Adam state 1/K per rank), hsdp
     (FSDP2 within each host, the hosts holding replicas: 1/M per rank with --ranks-per-host M,
     and only the gradient reduction crosses hosts) or ddp."""
+    shard_reference: bool = False
+    """With train_ranks > 1: shard the reference over the update's ranks (FSDP2 forward
+    without an optimizer; within each host under hsdp), so no device holds a whole frozen
+    copy; each rank scores a share of the batch, and the reference runs on the update's
+    controller. Its logprobs equal the unsharded reference's up to float rounding."""
     teacher: str | None = None
     """A local model folder whose logprobs of the sampled responses teach the policy
     (on-policy distillation, with distill_coef > 0); none: no teacher.
@@ -487,6 +492,11 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """Prompts the data node draws a step (more than batch_size with dynamic sampling)."""
         return self.batch_size
 
+    @property
+    def has_reference(self) -> bool:
+        """Whether the graph scores a reference (PPO's always does)."""
+        return True
+
     def idle_options(self) -> dict[str, str]:
         """The options that do nothing with these settings, each with what would make it
         matter: what ``yatt-graph show GRAPH --options`` leaves out."""
@@ -505,6 +515,10 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             **dict.fromkeys(("lora_alpha", "lora_targets"), ("lora_r > 0", self.lora_r > 0)),
             "chat_template": ("a model of your own", users_model(self.policy)),
             "train_backend": ("train_ranks > 1", self.train_ranks > 1),
+            "shard_reference": (
+                "train_ranks > 1 and a reference (kl_coef > 0)",
+                self.train_ranks > 1 and self.has_reference,
+            ),
             "distill_mode": ("distill_coef > 0", self.distill_coef > 0),
             "distill_estimator": (
                 "distill_coef > 0 and distill_mode=loss",
@@ -582,6 +596,11 @@ class TextGRPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
                 "dynamic_sampling and stream=true cannot go together: a group is kept or "
                 "dropped once all its rewards are in; set dynamic_sampling=0 or set stream=false"
             )
+
+    @property
+    def has_reference(self) -> bool:
+        """Only the KL term reads a reference: with kl_coef=0 the graph has none."""
+        return self.kl_coef != 0
 
     @property
     def prompts_drawn(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from graphs.advice import memory_plan, run_notes
-from graphs.common import group_advantage, train_group, update_options
+from graphs.common import group_advantage, shard_beside, train_group, update_options
 from graphs.config import GRPOConfig, TextGRPOConfig
 from graphs.front import connect_weights, sample_and_score, sample_columns, update_inputs
 from nodes.shared_models import set_share
@@ -46,6 +46,7 @@ def build_grpo(name: str, config: TextGRPOConfig, *, vision: str | None) -> Grap
         set_share(s.rollout, "policy")  # one policy module on an on-policy executor
         if s.ref_logprobs is not None:
             set_share(g.nodes["reference"], "policy")  # its frozen base, for a LoRA policy
+            shard_beside(g.nodes["reference"], config, "grpo")
         ref = {"ref_logprobs": s.ref_logprobs} if s.ref_logprobs is not None else {}
         adv = group_advantage(config, s.scores, s.sample.group_ids, s.sample.response_mask)
         update = GRPOUpdate(

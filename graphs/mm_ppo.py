@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from graphs.advice import memory_plan, run_notes
-from graphs.common import train_group, update_options
+from graphs.common import shard_beside, train_group, update_options
 from graphs.config import MultimodalPPOConfig, PPOConfig
 from graphs.front import connect_weights, sample_and_score, sample_columns, update_inputs
 from nodes.advantage import GAEAdvantage
@@ -46,6 +46,7 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
         # one policy and one value model where the executor allows it (nodes/shared_models.py)
         set_share(s.rollout, "policy")
         set_share(g.nodes["reference"], "policy")  # its frozen base, for a LoRA policy
+        shard_beside(g.nodes["reference"], config, "ppo")
         critic_spec = {**s.spec, "seed": seed + 1} if "seed" in s.spec else s.spec
         critic = Critic(
             critic=critic_spec, head_seed=seed, share="critic", device=s.device, name="critic",

@@ -23,6 +23,7 @@ from graphs.common import (
     policy_spec,
     resolve_device,
     rollout_options,
+    shard_beside,
     train_group,
     update_options,
 )
@@ -149,6 +150,7 @@ def build_agent(name: str, config: AgentConfig, spec: dict[str, Any], *, images:
                 micro_batch_tokens=config.micro_batch_tokens, precision=config.mixed_precision,
             )  # fmt: skip
             set_share(reference, "policy")
+            shard_beside(reference, config, "grpo")
             ref["ref_logprobs"] = reference(**tensors, **seen)
         taught = {}
         if config.teacher is not None:

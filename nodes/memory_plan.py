@@ -178,6 +178,7 @@ def plan_memory(
             # rank 0's parts (an upper bound: only rank 0 gathers the published weights)
             there = device if device == "cpu" else f"{device.partition(':')[0]}:{rank}"
             plan.rows.append((f"{name} rank {rank}", f"{process}/{rank}", there, dict(parts)))
-            plan.processes += 1
+            if getattr(node, "rank_with", None) is None:  # (one that joins a group adds none)
+                plan.processes += 1
     plan.room = _room({d for _, _, d, _ in plan.rows}, plan.runtime)
     return plan

@@ -23,12 +23,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import nodes.models.offload as offload_module
 from nodes.batches import View, read_mask, token_budget_parts
 from nodes.models.offload import Offload
 from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
 from nodes.models.precision import autocast, check_precision
+from nodes.models.ranked import join_group, score_over_ranks
 from nodes.models.sampling import temperature_problem
 from nodes.models.value import ValueModel, build_value_model
+from nodes.rl.logits import logprobs_from_logits
 from nodes.shared_models import Sharing, check_share_key, fingerprint, same_storage
 from nodes.sync import WeightInput, apply_weights
 from yatt_graph import ANY, BatchPolicy, Node, Port
@@ -120,6 +123,22 @@ def _in_parts(
     return out if out is not None else torch.zeros(B, R)
 
 
+def _over_ranks(
+    node: Any, fn: Any, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+    reads: Tensor, image_embeds: Tensor | None, images: Sequence[Any] | None,
+) -> Tensor:  # fmt: skip
+    """:func:`_in_parts`'s result, each rank of ``node``'s group scoring its share."""
+    B, R = response_ids.shape
+    for port, value in (("image_embeds", image_embeds), ("images", images)):
+        if value is not None:
+            _responses_per_row(f"node {node.name!r}", port, value, B)
+    image_rows = next((len(v) for v in (image_embeds, images) if v is not None), B)
+    tensors = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
+    tensors |= {"response_ids": response_ids, "response_mask": reads}
+    view = View(tensors, reads > 0, image_embeds, images, B // image_rows if image_rows else 1)
+    return score_over_ranks(fn, node.rank_group, node.micro_batch_tokens, view, B, R)
+
+
 def _init_scorer(
     node: Node, /, *, device: str = "cpu", name: str | None = None, share: str | None = None,
     micro_batch_tokens: int = 0, precision: str = "no", placement: str | int | None = None,
@@ -148,7 +167,8 @@ def _scores(
     responses, in parts of at most ``node.micro_batch_tokens`` padded tokens, gives the node's
     one output, float32[B, R] (0 off the policy's turns). ``scoring`` gives, for the call, the
     policy that prepares the batches and ``score(batch, response_ids, response_mask) ->
-    float[b, R']``."""
+    float[b, R']``. In a rank group (``node.ranks > 1``) each rank scores its share of the
+    batch (:func:`nodes.models.ranked.score_over_ranks`)."""
     reads = read_mask(f"node {node.name!r}", response_mask, context_mask)
     with scoring as (policy, score), autocast(node.device, node.precision):
 
@@ -156,10 +176,11 @@ def _scores(
             batch = _prompt_batch(node, policy, prompt_ids, prompt_mask, embeds, imgs)
             return score(batch, response_ids, response_mask)  # (b, R')
 
-        out = _in_parts(
-            part, node.micro_batch_tokens, prompt_ids, prompt_mask, response_ids, reads,
-            image_embeds, images,
-        )  # fmt: skip
+        args = (prompt_ids, prompt_mask, response_ids, reads, image_embeds, images)
+        if node.ranks > 1:
+            out = _over_ranks(node, part, *args)
+        else:
+            out = _in_parts(part, node.micro_batch_tokens, *args)
     (port,) = node.outputs
     return {port: torch.where(response_mask.to(out.device) > 0, out, 0.0)}  # 0 off the turns
 
@@ -176,6 +197,12 @@ class ReferenceLogprobs(Offload, Sharing, Node):
             on-policy executor (:mod:`nodes.shared_models`) has LoRA adapters
             (``policy.has_lora`` and ``policy.adapter_disabled()``), the reference reads its
             frozen base instead of holding a copy; otherwise it keeps a frozen copy of its own.
+        ranks, rank_with, train_backend: score as an SPMD group of ``ranks`` processes
+            (``runtime.ranks``), the model sharded over them by FSDP2 (``"hsdp"``: within each
+            host) so that no device holds a whole copy, each rank scoring a share of the batch;
+            ``rank_with`` names the node whose group it joins (an update with as many ranks:
+            its ranks then hold one shard of each model). A group builds its own copy, so
+            ``share`` and ``model`` are not read then.
         options: ``device``, ``share``, ``micro_batch_tokens``, ... (:func:`_init_scorer`).
     """
 
@@ -183,6 +210,7 @@ class ReferenceLogprobs(Offload, Sharing, Node):
     inputs = _INPUTS
     outputs = {"ref_logprobs": TensorPort("float32", "B", "R")}  # noqa: RUF012
     batch_policy = BatchPolicy(max_batch_size=64)
+    execution_options = ("ranks", "rank_with", "train_backend")
     policy = Built("the frozen reference policy, built by setup()")
 
     def __init__(
@@ -191,9 +219,28 @@ class ReferenceLogprobs(Offload, Sharing, Node):
         temperature: float = 1.0,
         *,
         model: Policy | None = None,
+        ranks: int = 1,
+        rank_with: str | None = None,
+        train_backend: str = "fsdp",
         **options: Any,
     ) -> None:
         _init_scorer(self, **options)
+        if not (isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 1):
+            raise ValueError(
+                f"node {self.name!r}: ranks={ranks!r}; give an int >= 1 (the processes that "
+                "score together)"
+            )
+        if train_backend not in ("fsdp", "hsdp"):
+            raise ValueError(
+                f"node {self.name!r}: train_backend={train_backend!r}; a reference is sharded "
+                "by fsdp or hsdp (ddp would hold a whole copy on every rank)"
+            )
+        if rank_with is not None and ranks == 1:
+            raise ValueError(
+                f"node {self.name!r}: rank_with={rank_with!r} joins that node's rank group, "
+                "which needs ranks > 1 (as many as it has)"
+            )
+        self.ranks, self.rank_with, self.train_backend = ranks, rank_with, train_backend
         self.base_shared = False
         self._base_lock = threading.Lock()
         if why := temperature_problem(temperature, greedy=False):
@@ -206,6 +253,9 @@ class ReferenceLogprobs(Offload, Sharing, Node):
         self._model = copy.deepcopy(model) if model is not None else None
 
     def build(self) -> None:
+        if self.ranks > 1:
+            self._build_sharded()
+            return
         if self._model is None and self.share is not None and self._share_scope is not None:
             live = self._shared_policy(self.share, self.policy_spec)
             # the base is the initial policy only when nothing but the adapters trains (a
@@ -224,9 +274,40 @@ class ReferenceLogprobs(Offload, Sharing, Node):
         reference = self._model if self._model is not None else build_policy(self.policy_spec)
         self.policy = reference.to(self.device).eval().requires_grad_(False)
 
+    def _build_sharded(self) -> None:
+        """Its own copy, sharded over the rank group (every rank builds the same one)."""
+        group = self.rank_group
+        self.device = join_group(f"node {self.name!r}", group, self.ranks, self.device)
+        built = self._model if self._model is not None else build_policy(self.policy_spec)
+        reference = built.to(self.device).eval().requires_grad_(False)
+        group.join()
+        self.policy = reference
+        self._sharded_logits = group.shard(
+            reference, self.train_backend, "forward_response", lambda out: out.logits
+        )
+
     @torch.no_grad()
     def forward(self, **inputs: Any) -> dict[str, Tensor]:
         return _scores(self, self._scoring(), **inputs)
+
+    def offload(self) -> int:
+        """Off the device; a rank group moves each rank's own shards (FSDP2 DTensors, which
+        a move of ``.data`` would break)."""
+        return super().offload() if self.ranks == 1 else self._move_shards(off=True)
+
+    def reload(self) -> int:
+        return super().reload() if self.ranks == 1 else self._move_shards(off=False)
+
+    def _move_shards(self, off: bool) -> int:
+        if not self.is_set_up or self.__dict__.get("_shards_off", False) == off:
+            return 0  # (idempotent, as the update's switch)
+        moved = self.rank_group.move(self.policy, None, off, offload_module.ALWAYS_COPY)
+        self._shards_off = off
+        return moved
+
+    def claim(self) -> None:
+        if self.ranks == 1:
+            super().claim()
 
     @contextlib.contextmanager
     def _scoring(self) -> Iterator[tuple[Policy, Callable[..., Tensor]]]:
@@ -238,6 +319,15 @@ class ReferenceLogprobs(Offload, Sharing, Node):
                 batch, response_ids, response_mask, temperature=self.temperature
             )  # (b, R')
 
+        def sharded(batch: PromptBatch, response_ids: Tensor, response_mask: Tensor) -> Tensor:
+            logits = self._sharded_logits(batch, response_ids, response_mask)  # (b, R', V)
+            if self.temperature != 1.0:
+                logits = logits / self.temperature
+            return logprobs_from_logits(logits, response_ids, response_mask).float()  # (b, R')
+
+        if self.ranks > 1:
+            yield self.policy, sharded
+            return
         if not self.base_shared:
             yield self.policy, logprobs
             return
@@ -247,12 +337,14 @@ class ReferenceLogprobs(Offload, Sharing, Node):
     def memory(self, load: Any) -> dict[str, int]:
         """A frozen copy of the policy (none when it reads a shared LoRA policy's base) and
         its largest forward within ``micro_batch_tokens``."""
-        if self._model is not None:
+        if self._model is not None and self.ranks == 1:
             return {}
         from nodes.memory import _lora, scoring_memory
 
         held = scoring_memory(self.policy_spec, load, self.micro_batch_tokens)
         weights = held.pop("weights")
+        if self.ranks > 1:  # its own copy, 1/ranks of it on each rank
+            return {**held, "weights@": -(-weights // self.ranks)}
         shared_base = self.share is not None and _lora(self.policy_spec)
         return {**held, f"weights@{self.share if shared_base else ''}": weights}
 

@@ -91,10 +91,7 @@ def same_storage(module: nn.Module, weights: Mapping[str, torch.Tensor]) -> bool
 def set_share(node: Any, key: str | None, arg: str = "share") -> Any:
     """Set a node's share key after construction, recorded in its config (rebuilds keep it)."""
     check_share_key(key, f"node {node.name!r}")
-    setattr(node, arg, key)
-    args, kwargs = node._init_args
-    node._init_args = (args, {**kwargs, arg: key})
-    return node
+    return node.configure(**{arg: key})
 
 
 class Sharing:

@@ -29,3 +29,17 @@ def _perturb_adapters(policy, seed=1):
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def sampled_batch(prompts, n=4):
+    """The tiny prefix-VLM's rollout of ``n`` responses to each of ``prompts`` (8 tokens at
+    most, seeded), image embeddings one row per prompt, and advantages of +1 / -1 by row:
+    ``(rollout outputs, the four token ports, embeddings, advantages)``."""
+    from nodes.rl.advantages import broadcast_to_tokens
+    from nodes.rollout import Rollout
+
+    embeds = torch.randn(len(prompts), 32, generator=torch.Generator().manual_seed(0))
+    out = Rollout(n=n, max_new_tokens=8, seed=0).run(prompts=prompts, image_embeds=embeds)
+    ports = {k: out[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+    scores = torch.tensor([1.0, -1.0] * (out["response_ids"].shape[0] // 2))  # (B,)
+    return out, ports, embeds, broadcast_to_tokens(scores, out["response_mask"])  # (B, R)

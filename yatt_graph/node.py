@@ -156,6 +156,10 @@ class Node:
     node's code is SPMD: it calls collectives and commands no process."""
     rank_timeout_s: float = 300.0
     """How long the group's start and each of its collectives may take."""
+    rank_with: str | None = None
+    """The node whose rank group this one joins (its ``ranks`` the same): the plan puts it
+    on that node's controller, and each rank holds a model of both (a reference sharded
+    over the update's ranks)."""
     rank_group: Any = None
     """This process's side of the group (rank, world, collectives, sharding), or None."""
     execution_options: tuple[str, ...] = ()
@@ -407,6 +411,14 @@ class Node:
         other.name = name
         other._init_args = (self._init_args[0], {**self._init_args[1], "name": name})
         return other
+
+    def configure(self, **options: Any) -> Node:
+        """Set constructor options after construction, as attributes of the same names, and
+        record them in :meth:`config` (the node's rebuilds keep them); the node itself."""
+        for key, value in options.items():
+            setattr(self, key, value)
+        self._init_args = (self._init_args[0], {**self._init_args[1], **options})
+        return self
 
     def config(self) -> dict[str, Any]:
         """The constructor arguments, by name, that rebuild this node."""

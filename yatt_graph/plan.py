@@ -104,6 +104,7 @@ class Plan(_Shown):
                 assignment[name] = i * controllers // len(order)
         else:
             _follow_neighbours(graph, order, assignment)
+        _pin_rank_groups(graph, assignment)
         return cls(graph, controllers, assignment, groups)
 
     # --- views ------------------------------------------------------------------------------
@@ -143,6 +144,21 @@ class Plan(_Shown):
 
     def __repr__(self) -> str:
         return f"<Plan {self.graph.name!r}: {self.controllers} controllers, {len(self.channels)} channels>"
+
+
+def _pin_rank_groups(graph: Graph, assignment: dict[str, int]) -> None:
+    """Put each node that joins another's rank group (:attr:`Node.rank_with`) on that node's
+    controller, where the group's processes are, whatever its own hint said."""
+    for name, node in graph.nodes.items():
+        leader = node.rank_with
+        if leader is None:
+            continue
+        if leader not in graph.nodes:
+            raise ValueError(
+                f"plan: node {name!r} joins the rank group of {leader!r}, which graph "
+                f"{graph.name!r} does not hold; nodes are {sorted(graph.nodes)}"
+            )
+        assignment[name] = assignment[leader]
 
 
 def _follow_neighbours(graph: Graph, order: list[str], assignment: dict[str, int]) -> None:

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from nodes.models.offload import Offload
 from nodes.models.policy import Policy, PromptBatch, build_policy, check_policy_spec
 from nodes.models.precision import autocast
+from nodes.models.ranked import join_group
 from nodes.reference import _prompt_batch
 from nodes.rl.losses import logprobs_from_logits, token_entropy_from_logits
 from nodes.shared_models import Sharing, check_share_key, live_weights
@@ -26,7 +27,6 @@ from nodes.update.trainer import (
     Trainer,
     View,
     _NonFinite,
-    join_group,
     snapshot,
 )
 from yatt_graph import ANY, BatchPolicy, Node, Port, WeightUpdate

@@ -155,30 +155,6 @@ def _full(norm: Tensor) -> Tensor:
     return full() if full is not None else norm
 
 
-def join_group(where: str, group: Any, ranks: int, device: torch.device) -> torch.device:
-    """This process's side of the group the executor started (``rank_group``) set to compute
-    on this rank's device, which is returned: on CUDA, one GPU per rank of a host from
-    ``device`` on."""
-    if group is None:
-        raise ValueError(
-            f"{where}: ranks={ranks} trains as a group of processes, which an executor starts "
-            "(runtime.ranks.start_groups, before setup()): run the node in LocalExecutor, "
-            "ZmqExecutor or yatt-graph run"
-        )
-    if device.type == "cuda":
-        index = (device.index or 0) + group.local_rank  # one GPU per rank of this host
-        if torch.cuda.device_count() <= index:
-            raise ValueError(
-                f"{where}: rank {group.rank} of ranks={ranks} on {device} needs GPU {index} "
-                f"(one per rank of a host, from {device} on); torch sees "
-                f"{torch.cuda.device_count()}"
-            )
-        device = torch.device("cuda", index)
-        torch.cuda.set_device(device)
-    group.set_device(device)
-    return device
-
-
 class Trainer:
     """An update's training (see the module docstring): the node's models in ``trained``, its
     hyper-parameters, its rank group (None alone) and its count of calls."""

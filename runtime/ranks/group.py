@@ -134,6 +134,8 @@ class RankCall(ChildMessage, tag="call"):
     (:func:`runtime.codec.encode_value`)."""
     sizes: list[int]
     """The bytes of each buffer frame, in broadcast order (an empty one is not sent)."""
+    node: str = ""
+    """The node of the group that runs it ('': the group's first)."""
 
 
 class RankClose(ChildMessage, tag="close"):
@@ -202,6 +204,11 @@ class Ranks:
         x = torch.tensor(list(numbers), dtype=torch.float64, device=self.device)  # (n,)
         dist.all_reduce(x)
         return x.tolist()
+
+    def sum_into(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (on the group's device) summed over the ranks, in place; returned."""
+        dist.all_reduce(tensor)
+        return tensor
 
     def any_flag(self, flag: bool) -> bool:
         """Whether any rank passed True."""
@@ -283,8 +290,12 @@ class RankGroup(Ranks):
 
     rank = 0
 
-    def __init__(self, node: Any, world: int, device: torch.device, timeout_s: float) -> None:
-        super().__init__(f"node {node.name!r}", world, device, timeout_s)
+    def __init__(
+        self, names: Sequence[str], world: int, device: torch.device, timeout_s: float
+    ) -> None:
+        who = f"node {names[0]!r}" if len(names) == 1 else f"the group of nodes {list(names)}"
+        super().__init__(who, world, device, timeout_s)
+        self.names = list(names)
         self.timeout_s = float(timeout_s)
         self.procs: list[Child] = []
         self.broken: str | None = None
@@ -296,6 +307,7 @@ class RankGroup(Ranks):
         """The command rank 0 runs now (its number and operation), for the supervisor."""
         self._joined = False
         self._lock = threading.Lock()  # the supervisor's abort against close()
+        self._turn = threading.Lock()  # one operation at a time: two nodes' collectives
         self.remote: list[int] = []
         """Ranks that other controllers started (on other hosts), watched through the store."""
 
@@ -303,13 +315,18 @@ class RankGroup(Ranks):
         return self.running is not None
 
     @classmethod
-    def start(cls, node: Any, placement: HostPlacement | None = None, here: int = 0) -> RankGroup:
-        """Host the store and start ranks 1..K-1 (K: ``node.ranks``), each building ``node``
-        from its spec; they compute on the CPU until the node sets its device. With a
-        ``placement`` (a group across hosts, this process being controller ``here``) the store
-        is the driver's, and only the ranks ``here`` starts are started here."""
+    def start(
+        cls, nodes: Sequence[Any], placement: HostPlacement | None = None, here: int = 0
+    ) -> RankGroup:
+        """Host the store and start ranks 1..K-1 (K: the nodes' ``ranks``), each building
+        every node of ``nodes`` from its spec; they compute on the CPU until a node sets its
+        device. With a ``placement`` (a group across hosts, this process being controller
+        ``here``) the store is the driver's, and only the ranks ``here`` starts are started
+        here. Nodes of one group share its ranks: each rank holds one model of each (a
+        reference sharded beside its update)."""
         from yatt_graph.serialize import node_spec
 
+        node = nodes[0]
         for owner, old in list(_current):
             if owner() is None:  # its node is gone: nothing will use it again
                 old.close()
@@ -320,8 +337,9 @@ class RankGroup(Ranks):
                 "a process runs one rank group at a time: close() that node first, or place "
                 "this one on another controller"
             )
-        world, timeout_s = int(node.ranks), float(node.rank_timeout_s)
-        self = cls(node, world, torch.device("cpu"), timeout_s)
+        world = int(node.ranks)
+        timeout_s = max(float(n.rank_timeout_s) for n in nodes)
+        self = cls([n.name for n in nodes], world, torch.device("cpu"), timeout_s)
         if placement is None:
             self.store = dist.TCPStore(
                 "127.0.0.1", 0, world, is_master=True, timeout=self.timeout,
@@ -341,7 +359,7 @@ class RankGroup(Ranks):
             self.remote = [r for r in range(1, world) if r not in mine]
             self.hosts = list(placement.hosts)
             set_interface(placement.hosts[0])
-        self.store.set(_NODE, msgspec.json.encode(node_spec(node)))
+        self.store.set(_NODE, msgspec.json.encode([node_spec(n) for n in nodes]))
         self.procs = start_ranks(address, mine, local, world, timeout_s, self.hosts)
         _current.append((weakref.ref(node), self))
         threading.Thread(target=self._supervise, daemon=True, name="rank-supervisor").start()
@@ -372,7 +390,10 @@ class RankGroup(Ranks):
             time.sleep(_WATCH_S)
 
     def join(self) -> None:
-        """Wait until every rank has built its node, then form the process group."""
+        """Wait until every rank has built its first node, then form the process group (once:
+        a later node of the group finds it formed)."""
+        if self._joined:
+            return
         deadline = time.monotonic() + self.timeout_s
         keys = [f"{_READY}{r}" for r in range(1, self.world)]
         while not self.store.check(keys):
@@ -389,16 +410,26 @@ class RankGroup(Ranks):
         self._joined = True
 
     # --- calls ---------------------------------------------------------------------------------
-    def lead(self, op: str, run: Callable[[], Any], value: Any = None, step: int = 0) -> Any:
-        """Tell every rank to run ``op`` (with ``value`` as its argument, when not None), then
-        ``run`` it here, in :meth:`guard`: rank 0's result."""
+    def lead(
+        self, op: str, run: Callable[[], Any], value: Any = None, step: int = 0, node: str = ""
+    ) -> Any:
+        """Tell every rank to run ``op`` of ``node`` (with ``value`` as its argument, when not
+        None), then ``run`` it here, in :meth:`guard`: rank 0's result. One operation at a
+        time: the group's nodes may be called from several threads, and their collectives
+        must reach every rank in one order."""
         what = f"{op} of step {step}" if op == "run" else op
+        if len(self.names) > 1:
+            what = f"{node!r} {what}"
         args = {} if value is None else {"value": value}  # refused here, before a rank hears
         header, *frames = encode_value(args, where=f"{self.who} {what}", any_keys=True)
+        with self._turn:
+            return self._lead(RankCall(op, int(step), header, [], node), frames, run, what)
+
+    def _lead(self, call: RankCall, frames: list[Any], run: Callable[[], Any], what: str) -> Any:
         try:
             with self.guard(what):
-                n = self._command(RankCall(op, int(step), header, []), frames, what)
-                self.running = (n, op)
+                n = self._command(call, frames, what)
+                self.running = (n, call.op)
                 result = run()
                 if failed := self._failures(n):  # a rank failed where rank 0 did not
                     self.death = (
@@ -558,10 +589,15 @@ class RankLink(Ranks):
         self.rank, self.local_rank, self.hosts = int(rank), int(local_rank), list(hosts)
         self.store = store_client(store, world, self.timeout)
 
-    def node_spec(self) -> bytes:
+    def node_specs(self) -> bytes:
+        """The JSON list of the group's node specs, as rank 0 left it."""
         return self.store.get(_NODE)
 
     def join(self) -> None:
+        """Say this rank is ready and form the process group (once: the group's later nodes
+        find it formed)."""
+        if dist.is_initialized():
+            return
         self.store.set(f"{_READY}{self.rank}", b"1")
         self._init_group()
 
@@ -656,17 +692,22 @@ def lead(node: Any, op: str, value: Any = None, step: int = 0) -> Any:
         return method(*args)
     node.setup()  # the group forms in the build: the ranks build theirs before they serve
     sent = _outline(value) if op == "load_state_dict" else value
-    return group.lead(op, lambda: method(*args), sent, step)
+    return group.lead(op, lambda: method(*args), sent, step, node.name)
 
 
-def serve(node: Any, link: RankLink) -> None:
-    """A rank's side of :func:`lead`: run each of rank 0's commands on ``node`` until it says
-    close. An operation that raises is reported (:meth:`RankLink.failed`) and the rank waits
-    for the next: rank 0 raised it too, or breaks the group. A broken collective (a
-    ``torch.distributed`` error) ends the rank instead."""
+def serve(nodes: Sequence[Any], link: RankLink) -> None:
+    """A rank's side of :func:`lead`: run each of rank 0's commands on the node of ``nodes``
+    it names until it says close. An operation that raises is reported
+    (:meth:`RankLink.failed`) and the rank waits for the next: rank 0 raised it too, or breaks
+    the group. A broken collective (a ``torch.distributed`` error) ends the rank instead."""
+    by_name = {node.name: node for node in nodes}
     for n, command, value in link.commands():
         if command.op not in OPS:
             raise ValueError(f"{link.who}: rank 0 sent the unknown operation {command.op!r}")
+        if command.node and command.node not in by_name:
+            raise ValueError(f"{link.who}: rank 0 sent {command.op} of the unknown node "
+                             f"{command.node!r}; this rank holds {sorted(by_name)}")  # fmt: skip
+        node = by_name[command.node] if command.node else nodes[0]
         try:
             if command.op == "run":
                 node.begin_step(command.step)
@@ -717,8 +758,8 @@ class RemoteRanks:
     another host): it watches them and tells rank 0 through the group's store when one dies;
     :meth:`close` ends what is left (they end by themselves when rank 0 closes the group)."""
 
-    def __init__(self, name: str, placement: HostPlacement, here: int) -> None:
-        self.who = f"node {name!r}"
+    def __init__(self, names: Sequence[str], placement: HostPlacement, here: int) -> None:
+        self.who = "node" + ("s " if len(names) > 1 else " ") + ", ".join(map(repr, names))
         ranks = placement.ranks_of(here)
         host = placement.hosts[ranks[0]]
         set_interface(host)
@@ -753,14 +794,18 @@ def rendezvous(
     stores: list[Any] = []
     if not per_host:
         return placements, stores
+    by_owner: dict[int, HostPlacement] = {}  # a controller's nodes share its one group
     for name, node in nodes.items():
         if node.ranks <= per_host:
             continue
         owner = assignment[name]
+        if owner in by_owner and by_owner[owner].world == node.ranks:
+            placements[name] = by_owner[owner]
+            continue
         controllers, where, local = place_ranks(name, node.ranks, per_host, owner, hosts)
         store, address = host_store(driver_host, node.ranks, float(node.rank_timeout_s))
         stores.append(store)
-        placements[name] = HostPlacement(
+        placements[name] = by_owner[owner] = HostPlacement(
             address, controllers, where, local, float(node.rank_timeout_s)
         )
     return placements, stores
@@ -787,24 +832,38 @@ def start_groups(
     (groups and :class:`RemoteRanks`), for the caller to ``close()`` when it is done."""
     placements = placements or {}
     grouped = [n for n in nodes.values() if n.ranks > 1 and n.rank_group is None]
+    grouped.sort(key=lambda n: n.rank_with is not None)  # the group's own node first
     for node in grouped:
         if node.streaming:
             raise ValueError(
                 f"node {node.name!r}: ranks={node.ranks} runs a node as a group of processes, "
                 "which a streaming node cannot be; set ranks=1"
             )
+        if node.ranks != grouped[0].ranks:
+            raise ValueError(
+                f"nodes {grouped[0].name!r} (ranks={grouped[0].ranks}) and {node.name!r} "
+                f"(ranks={node.ranks}) run in one process, which holds one rank group: give "
+                "them the same ranks, or place them on different controllers"
+            )
     started: list[Any] = []
-    for name, placement in placements.items():
+    shared: dict[str, list[str]] = {}  # a group's store: the names of its nodes
+    for name, placement in sorted(placements.items()):
+        shared.setdefault(placement.store, []).append(name)
+    for names in shared.values():
+        placement = placements[names[0]]
         if here in placement.controllers:
-            print(f"yatt-graph controller {here}: {placement.describe(name, here)}",
+            print(f"yatt-graph controller {here}: {placement.describe(names, here)}",
                   file=sys.stderr, flush=True)  # fmt: skip
     try:
-        for node in grouped:
-            node.rank_group = RankGroup.start(node, placements.get(node.name), here)
-            started.append(node.rank_group)
-        for name, placement in placements.items():
-            if name not in nodes and placement.ranks_of(here):
-                started.append(RemoteRanks(name, placement, here))
+        if grouped:
+            group = RankGroup.start(grouped, placements.get(grouped[0].name), here)
+            started.append(group)
+            for node in grouped:
+                node.rank_group = group
+        for names in shared.values():
+            placement = placements[names[0]]
+            if not set(names) & set(nodes) and placement.ranks_of(here):
+                started.append(RemoteRanks(names, placement, here))
     except BaseException:
         for group in started:
             group.close()

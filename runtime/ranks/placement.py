@@ -53,12 +53,14 @@ class HostPlacement(msgspec.Struct, frozen=True):
     def world(self) -> int:
         return len(self.controllers)
 
-    def describe(self, node: str, controller: int, copies: str = "ranks") -> str:
+    def describe(self, node: str | Sequence[str], controller: int, copies: str = "ranks") -> str:
         """One line: which of ``node``'s ``copies`` (ranks or replicas) ``controller`` holds,
-        on which host, and where copy 0 and the store are."""
+        on which host, and where copy 0 and the store are (``node``: a node's name, or the
+        names of the nodes that share a rank group)."""
         here = [r for r, c in enumerate(self.controllers) if c == controller]
+        who = f"node {node!r}" if isinstance(node, str) else "nodes " + ", ".join(map(repr, node))
         return (
-            f"node {node!r}: {copies} {', '.join(map(str, here))} of {self.world} on this host "
+            f"{who}: {copies} {', '.join(map(str, here))} of {self.world} on this host "
             f"({self.hosts[here[0]]}), {copies[:-1]} 0 on controller {self.controllers[0]} "
             f"({self.hosts[0]}), the store at {self.store}"
         )

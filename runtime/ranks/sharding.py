@@ -237,7 +237,7 @@ def load_full_state(
 
 def move_shards(model: nn.Module, optimizer: Any, device: torch.device, copy: bool = False) -> int:
     """This rank's shards of an FSDP2 ``model`` (parameters, gradients, buffers) and its
-    ``optimizer``'s state moved to ``device``, as verl offloads FSDP2: ``model._apply`` (what
+    ``optimizer``'s state (none: a model without one) moved to ``device``, as verl offloads FSDP2: ``model._apply`` (what
     ``model.to`` runs; FSDP2 reshards first and registers the moved shards as its parameters
     again, and each ``Parameter`` keeps its identity, so the optimizer still holds it), then
     the optimizer's state entry by entry (Adam's CPU ``step`` stays). ``copy``: what is on
@@ -253,7 +253,7 @@ def move_shards(model: nn.Module, optimizer: Any, device: torch.device, copy: bo
         return t.clone() if t.device == device else t.to(device)
 
     model._apply(convert)
-    for state in optimizer.state.values():
+    for state in optimizer.state.values() if optimizer is not None else ():
         for key, value in state.items():
             if isinstance(value, Tensor) and not (key == "step" and value.dim() == 0):
                 state[key] = convert(value)

@@ -1,9 +1,10 @@
 """A rank of a node's group: ``python -m runtime.ranks.worker`` (started for rank 0).
 
-It connects to rank 0's store, rebuilds the node from the spec rank 0 left there, gives it
-its side of the group (``node.rank_group``), builds it (the node joins the group there), and
-then runs each operation rank 0 runs (:func:`runtime.ranks.group.serve`) until rank 0 says
-close or is gone (:func:`runtime.children.exit_with_parent`). If its build or the group
+It connects to rank 0's store, rebuilds the group's nodes from the specs rank 0 left there
+(one node, or several that share the group: a reference sharded beside its update), gives
+each its side of the group (``node.rank_group``), builds them in that order (the first joins
+the group there), and then runs each operation rank 0 runs
+(:func:`runtime.ranks.group.serve`) until rank 0 says close or is gone (:func:`runtime.children.exit_with_parent`). If its build or the group
 fails, it leaves the error in the store for rank 0 to name, and exits with code 1.
 """
 
@@ -50,11 +51,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     link = RankLink(args.store, args.rank, args.world, args.timeout, args.local_rank, hosts)
     code = 0
     try:
-        spec = msgspec.json.decode(link.node_spec(), type=NodeSpec)
-        node = build_node(spec)
-        node.rank_group = link
-        node.setup()
-        serve(node, link)
+        specs = msgspec.json.decode(link.node_specs(), type=list[NodeSpec])
+        nodes = [build_node(spec) for spec in specs]
+        for node in nodes:
+            node.rank_group = link
+            node.setup()
+        serve(nodes, link)
     except Exception as exc:
         link.report(f"{type(exc).__name__}: {exc}")
         traceback.print_exc()

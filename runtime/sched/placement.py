@@ -99,14 +99,15 @@ class PartialCut:
 
     def replan(self, rows: Sequence[Mapping[str, Any]]) -> str | None:
         """From the first steps' metric rows (``time/<node>``): move inference nodes to the
-        less busy side when that makes the busier one ``min_gain`` faster; what moved, or
-        None."""
+        less busy side when that makes the busier one ``min_gain`` faster (not one that joins
+        another's rank group: it stays with it); what moved, or None."""
         measured = rows[2:] or rows  # the first steps are slower (warm-up)
         busy = {
             name: statistics.median(r.get(f"time/{name}", 0.0) for r in measured)
             for name in self.graph.nodes
         }
-        new = balance_sides(self.graph, self.sides, busy, pins=set(self.pins))
+        grouped = {n for n, node in self.graph.nodes.items() if node.rank_with is not None}
+        new = balance_sides(self.graph, self.sides, busy, pins=set(self.pins) | grouped)
         before, after = side_loads(self.sides, busy), side_loads(new, busy)
         if max(after.values()) > (1 - self.min_gain) * max(before.values()):
             return None

@@ -84,6 +84,7 @@ SOURCE_DEFAULTS = {
     "device": "auto",
     "train_ranks": 1,
     "train_backend": "fsdp",
+    "shard_reference": False,
     # on-policy distillation: off (no teacher)
     "teacher": None,
     "distill_coef": 0.0,

@@ -165,7 +165,7 @@ def scenarios(graph: str, f: Files) -> dict[str, Scenario]:
         "lr_schedule": "cosine", "lr_warmup_steps": 4, "lr_decay_steps": 40, "top_p": 0.9,
         "top_k": 5, "stop": ["</answer>"], "dtype": "bfloat16", "gradient_checkpointing": True,
         "lora_r": 4, "lora_alpha": 8.0, "lora_targets": "q_proj,v_proj", "chat_template": False,
-        "train_ranks": 2, "train_backend": "ddp", "on_bad_sample": "skip",
+        "train_ranks": 2, "train_backend": "ddp", "shard_reference": True, "on_bad_sample": "skip",
         "policy": f.vlm if graph == "mm_agent" else f.lm,
     }  # fmt: skip
     if ppo:
@@ -199,7 +199,8 @@ def scenarios(graph: str, f: Files) -> dict[str, Scenario]:
     # the shapes task, streamed, on the CPU although CUDA is there, all by --set
     shapes = common | {"task": "shape", "stream": True, "device": "cpu"}
     if not ppo:
-        shapes["kl_coef"] = 0.0  # GRPO without its KL term: no reference
+        shapes["kl_coef"] = 0.0  # GRPO without its KL term: no reference (none to shard)
+        del shapes["shard_reference"]
     if agent:  # the tiny policy, whose vocabulary takes the environment's words (an agent
         # graph reads on_bad_sample for the rows of --data, chat_template for a model's own)
         for name in ("on_bad_sample", "policy", "chat_template"):
@@ -517,6 +518,14 @@ def check_train_ranks(b: Built, v: int) -> None:
         assert getattr(trainer, "critic_share", None) is None
 
 
+def check_shard_reference(b: Built, v: bool) -> None:
+    """The reference joins the update's rank group: as many ranks, its own copy sharded."""
+    reference = b.nodes["reference"]
+    assert v and (reference.ranks, reference.rank_with) == (b.values["train_ranks"], update(b).name)
+    assert reference.config()["ranks"] == reference.ranks  # each rank rebuilds it so
+    assert reference.train_backend == "fsdp"  # (the update's ddp would hold whole copies)
+
+
 def check_vision(b: Built, v: str) -> None:
     _, name, weights = v.split(":", 2)
     vision = b.nodes["vision"]
@@ -663,6 +672,7 @@ CHECKS: dict[str, Callable[[Built, Any], None]] = {
     "device": check_device,
     "train_ranks": check_train_ranks,
     "train_backend": update_attribute("train_backend"),
+    "shard_reference": check_shard_reference,
     "teacher": check_teacher,
     "distill_coef": update_attribute("distill_coef"),
     "distill_mode": update_attribute("distill_mode"),

@@ -272,7 +272,7 @@ def test_an_srun_launch_on_loopback_addresses_equals_the_one_host_run(loopback, 
 
 # --- a training node whose ranks span the hosts --------------------------------------------------
 _RANKED = ["graphs.mm_grpo", "--set", "batch_size=4", "--quiet", "--train-ranks", "4",
-           "--threads", "1"]  # fmt: skip
+           "--set", "shard_reference=true", "--threads", "1"]  # fmt: skip
 
 
 def _ranked_across_hosts(hosts, keys, tmp_path, steps: int) -> tuple[subprocess.Popen, ...]:
@@ -302,9 +302,10 @@ def _trained_policy(run: Path) -> dict:
 
 @pytest.mark.timeout(600)
 def test_an_update_trained_by_ranks_on_two_hosts_equals_the_one_host_group(hosts, keys, tmp_path):
-    """FSDP2 over 2 hosts x 2 ranks, the group meeting at the driver's store, equals the same
-    4 ranks on one host: the weights within float tolerance (the sums of the gradient
-    reduction may run in another order), the learning figures alike."""
+    """FSDP2 over 2 hosts x 2 ranks, the group meeting at the driver's store, the reference
+    sharded over the same ranks, equals the same 4 ranks on one host: the weights within
+    float tolerance (the sums of the gradient reduction may run in another order), the
+    learning figures alike."""
     local, remote, log0, log1 = _ranked_across_hosts(hosts, keys, tmp_path, steps=2)
     code0, text0 = _finish(local, log0, timeout_s=400)
     code1, text1 = _finish(remote, log1, timeout_s=60)
@@ -314,6 +315,7 @@ def test_an_update_trained_by_ranks_on_two_hosts_equals_the_one_host_group(hosts
         line for text in (text0, text1) for line in text.splitlines() if "of 4 on this host" in line
     ]
     assert len(lines) == 2, (text0, text1)
+    assert all(line.split(": ")[1] == "nodes 'grpo', 'reference'" for line in lines), lines
     held = sorted(line.split("ranks ")[1].split(" of")[0] for line in lines)
     assert held == ["0, 1", "2, 3"]
     assert {hosts.driver_ip, hosts.remote_ip} == {
@@ -326,7 +328,7 @@ def test_an_update_trained_by_ranks_on_two_hosts_equals_the_one_host_group(hosts
     assert max(float((spread[k] - alone[k]).abs().max()) for k in alone) <= 1e-5
     got, want = _metrics(tmp_path / "run" / "metrics.jsonl"), _metrics(one / "metrics.jsonl")
     for a, b in zip(got, want, strict=True):
-        for k in ("loss", "scores/mean", "grad_norm"):
+        for k in ("loss", "scores/mean", "grad_norm", "kl_ref"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from policy_helpers import sampled_batch
 
 from nodes.reference import Critic
 from nodes.rl.advantages import broadcast_to_tokens
@@ -42,11 +43,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def batch():
     """16 responses (4 prompts x 4), +1 / -1 scores, image embeddings one row per prompt."""
-    embeds = torch.randn(len(PROMPTS), 32, generator=torch.Generator().manual_seed(0))
-    out = Rollout(n=4, max_new_tokens=8, seed=0).run(prompts=PROMPTS, image_embeds=embeds)
-    ports = {k: out[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
-    scores = torch.tensor([1.0, -1.0] * (out["response_ids"].shape[0] // 2))  # (B,)
-    adv = broadcast_to_tokens(scores, out["response_mask"])  # (B, R)
+    out, ports, embeds, adv = sampled_batch(PROMPTS)
     values = Critic().run(ports, image_embeds=embeds)["values"]
     grpo = {**ports, "logprobs": out["logprobs"], "advantages": adv, "image_embeds": embeds}
     return {"grpo": grpo, "ppo": {**grpo, "returns": adv, "values": values}}
