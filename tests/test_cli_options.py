@@ -228,16 +228,18 @@ def test_a_graph_named_after_set_says_where_the_graph_goes(capsys):
 def test_weights_dtype_and_include_shrink_what_the_rollout_loads_across_controllers(tmp_path):
     """``--set weights_dtype=bfloat16`` halves the bytes the rollout loads from the update on
     another controller (``weight_sync/bytes``), and ``weights_include`` sends only the names
-    it matches; in one process the shared policy is loaded from nothing either way."""
-    from cli_helpers import yatt
+    it matches; in one process the shared policy is loaded from nothing either way. The
+    first run is a process of its own, the others run the same command's ``main`` here (a
+    driver of its own each; the controllers are processes either way)."""
+    from cli_helpers import yatt, yatt_here
 
     def loaded(name: str, *sets: str) -> float:
         out = tmp_path / name
-        argv = ["run", "text_grpo", "--steps", "3", "--controllers", "2", "--quiet",
-                "--out", str(out)]  # fmt: skip
+        argv = ["run", "text_grpo", "--steps", "2", "--controllers", "2", "--quiet",
+                "--set", "batch_size=4", "--out", str(out)]  # fmt: skip
         for pair in sets:
             argv += ["--set", pair]
-        done = yatt(tmp_path, *argv, timeout=540)
+        done = yatt(tmp_path, *argv, timeout=540) if name == "whole" else yatt_here(tmp_path, *argv)
         assert done.returncode == 0, done.stderr[-2000:]
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return rows[-1]["weight_sync/bytes"]

@@ -83,8 +83,9 @@ def trl_number(prompts, completions, answer, **columns):
 
 def test_chat_message_prompts_a_trl_reward_validation_and_export(real_model, tmp_path):
     """The README's own-model command on chat-message prompts (JSONL), with a TRL-style reward,
-    greedy validation on a Parquet of chat prompts, and --export: the exported folder loads
-    with transformers' Auto classes and its greedy answer is the project's policy's."""
+    greedy validation on a Parquet of chat prompts, trained by 2 ranks with the reference
+    sharded over them, and --export: the exported folder (gathered from the ranks) loads with
+    transformers' Auto classes and its greedy answer is the project's policy's."""
     (tmp_path / "rewards.py").write_text(REWARDS)
     write_math(tmp_path / "math.jsonl", chat=True)
     write_math(tmp_path / "val.parquet", chat=True, rows=4)
@@ -93,6 +94,7 @@ def test_chat_message_prompts_a_trl_reward_validation_and_export(real_model, tmp
         "--reward", "rewards.py:trl_number", "--val-data", "val.parquet", "--set", "val_every=1",
         "--set", "val_rows=2", "--steps", "2", "--out", "run", "--export", "run/policy",
         "--samples-every", "1", "--glance-every", "1", "--checkpoint-every", "2", *SMALL,
+        "--train-ranks", "2", "--set", "shard_reference=true",
     )  # fmt: skip
     assert "prompts are formatted with the model's chat template" in done.stderr
     rows = metrics(tmp_path / "run")
@@ -100,6 +102,9 @@ def test_chat_message_prompts_a_trl_reward_validation_and_export(real_model, tmp
     assert all(r["samples"] == 4 and -1 <= r["scores/mean"] <= 1 for r in rows)
     assert all(r["val/samples"] == 2 for r in rows)
     assert rows[-1]["grad_norm"] > 0  # the update trained on real tokens
+    # the sharded reference scores as the policy it started as: no KL at step 0 (0.0 measured;
+    # rows of another response would give about a nat), and a KL once the policy has moved
+    assert rows[0]["kl_ref"] <= 1e-4 < rows[-1]["kl_ref"], [r["kl_ref"] for r in rows]
     import pandas as pd
 
     samples = pd.read_parquet(tmp_path / "run" / "samples")
