@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from graphs.config import AUTO, RLConfig, fitted_new_tokens, users_model
 from nodes.memory import HELD, Load, budget_tokens, prompt_tokens
-from nodes.memory_plan import MemoryPlan, plan_memory
+from nodes.memory_plan import Copy, MemoryPlan, plan_memory
 from nodes.models.families import has_chat_template
 from yatt_graph import UsageError
 from yatt_graph.errors import build_error
@@ -81,12 +81,17 @@ def run_notes(config: RLConfig, steps: int, given: Collection[str] = ()) -> list
 
 
 def memory_plan(
-    config: RLConfig, graph: Any, processes: dict[str, str] | None = None
+    config: RLConfig,
+    graph: Any,
+    processes: dict[str, str] | None = None,
+    copies: Mapping[str, Sequence[Copy]] | None = None,
+    hosts: Mapping[str, str] | None = None,
 ) -> MemoryPlan:
     """The memory plan of ``graph`` (built from ``config``) for one step (:func:`step_load`);
-    where a device does not fit, it says what to change (:func:`memory_fixes`)."""
+    where a device does not fit, it says what to change (:func:`memory_fixes`). ``copies``
+    and ``hosts``: where a run puts the copies of its nodes (:func:`nodes.memory_plan.plan_memory`)."""
     advice = functools.partial(memory_fixes, config)
-    return plan_memory(graph, step_load(config, graph), processes, advice)
+    return plan_memory(graph, step_load(config, graph), processes, advice, copies, hosts)
 
 
 def step_load(config: RLConfig, graph: Any) -> Load:

@@ -27,6 +27,7 @@ from runtime.flags import (
     add_launch_arguments,
     add_run_arguments,
     graph_args,
+    parse_replicas,
     run_spec,
 )
 from runtime.run import (
@@ -92,9 +93,26 @@ def cmd_show(args: argparse.Namespace) -> int:
             hidden = {} if args.all else resolved.idle_options()
         print(option_table(*module_options(module), here=here, hidden=hidden))
         return 0
+    layout = {"--replicas": args.replicas, "--nnodes": args.nnodes != 1,
+              "--ranks-per-host": args.ranks_per_host, "--replicas-per-host": args.replicas_per_host}  # fmt: skip
+    given = [flag for flag, value in layout.items() if value]
+    if given and not args.memory:
+        raise UsageError(
+            f"show: {', '.join(given)} place the copies of the memory plan; add --memory"
+        )
+    if args.nnodes < 1 or min(args.ranks_per_host, args.replicas_per_host) < 0:
+        raise UsageError(
+            "show: --nnodes is 1 or more, --ranks-per-host and --replicas-per-host 0 or more"
+        )
+    if (args.ranks_per_host or args.replicas_per_host) and args.nnodes < 2:
+        per = "--ranks-per-host" if args.ranks_per_host else "--replicas-per-host"
+        raise UsageError(f"show: {per} spreads copies over hosts; give --nnodes N (N > 1) too")
     config, graph = _loaded(args)
     if args.memory:
-        plan = run_memory_plan(args.graph, config, graph, args.controllers)
+        plan = run_memory_plan(
+            args.graph, config, graph, args.controllers, parse_replicas(args.replicas),
+            args.nnodes, args.ranks_per_host, args.replicas_per_host,
+        )  # fmt: skip
         if plan is None:
             raise UsageError(
                 f"show --memory: {args.graph} does not plan its memory (a module function "
@@ -286,6 +304,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the memory plan instead: what each model node holds per device, and "
         "whether each device has room (estimates; ready graphs)",
     )
+    p.add_argument(
+        "--replicas", metavar="NODE=R,...", help="with --memory: copies of nodes, as run takes them"
+    )
+    p.add_argument("--nnodes", type=int, default=1, metavar="N",
+                   help="with --memory: the hosts the controllers are shared by, as run's --nnodes")  # fmt: skip
+    for flag in ("--ranks-per-host", "--replicas-per-host"):
+        p.add_argument(
+            flag,
+            type=int,
+            default=0,
+            metavar="M",
+            help=f"with --memory and --nnodes: as run's {flag}",
+        )
 
     p = command("run", cmd_run, "run a graph for some steps in this process", graph=True)
     add_run_arguments(p)

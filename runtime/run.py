@@ -23,7 +23,7 @@ import re
 import shlex
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -404,7 +404,7 @@ class RunSetup:
         if spec.launch.distributed:
             return [f"`yatt-graph show {ref} --memory --controllers {spec.launch.controllers}` "
                     "with this run's options prints it"]  # fmt: skip
-        plan = run_memory_plan(ref, config, graph)
+        plan = run_memory_plan(ref, config, graph, replicas=spec.engine.replicas)
         lines = plan.device_lines() if plan is not None else []
         return [typed_words(line, ref) for line in lines]
 
@@ -448,17 +448,72 @@ def planned(graph: Graph, controllers: int) -> Any:
     return graph.plan(controllers, placement=controller_assignment(graph, controllers))
 
 
-def run_memory_plan(target: str, config: Any, graph: Graph, controllers: int = 1) -> Any:
+def run_memory_plan(
+    target: str,
+    config: Any,
+    graph: Graph,
+    controllers: int = 1,
+    replicas: Mapping[str, int] | None = None,
+    nnodes: int = 1,
+    ranks_per_host: int = 0,
+    replicas_per_host: int = 0,
+) -> Any:
     """The memory plan (``nodes.memory_plan.MemoryPlan``) of a graph whose module plans
     (``memory_plan(config, graph, processes)``, as the ready graphs have) for its typed
-    ``config``, its nodes placed on ``controllers`` (checked) as a run places them; None for a
-    graph without one."""
+    ``config``, its nodes placed on ``controllers`` (checked) as a run places them, with
+    ``replicas`` copies of nodes (``--replicas``), the controllers shared by ``nnodes`` hosts
+    and the copies over them as ``--ranks-per-host`` and ``--replicas-per-host`` place them;
+    None for a graph without one."""
     plan = planned(graph, controllers)
     planner = getattr(load_graph_module(target), "memory_plan", None)
     if planner is None or config is None:
         return None
     processes = {n: str(plan.controller_of(n)) for n in graph.nodes} if controllers > 1 else None
-    return planner(config, graph, processes)
+    layout = _copies_layout(graph, plan, replicas or {}, nnodes, ranks_per_host,
+                            replicas_per_host)  # fmt: skip
+    if layout is None:
+        return planner(config, graph, processes)
+    copies, hosts = layout
+    return planner(config, graph, processes, copies=copies, hosts=hosts)
+
+
+def _copies_layout(
+    graph: Graph, plan: Any, replicas: Mapping[str, int], nnodes: int, ranks_per_host: int,
+    replicas_per_host: int,
+) -> tuple[dict[str, list[Any]], dict[str, str]] | None:  # fmt: skip
+    """Where each copy of a node with replicas or ranks runs, as a run places them
+    (``runtime.ranks.placement``), and each controller's host: None for a plan of one host
+    without replicas (what a graph's ``memory_plan`` plans by itself)."""
+    from nodes.memory_plan import Copy
+    from runtime.flags import controller_shares
+    from runtime.ranks.placement import place_ranks, place_replicas
+    from runtime.sched.fanout import replica_counts
+
+    try:
+        counts = replica_counts(graph.nodes, replicas)
+    except ValueError as exc:
+        raise UsageError(f"--replicas: {exc}") from None
+    if nnodes < 2 and not counts:
+        return None
+    controllers = plan.controllers if graph is not plan else 1
+    shares = controller_shares(controllers, nnodes)  # (a LaunchError: the user's to fix)
+    host_of = {c: f"host {h}" if nnodes > 1 else "" for h, cs in enumerate(shares) for c in cs}
+    hosts = [host_of[c] for c in range(controllers)]
+    copies: dict[str, list[Any]] = {}
+    for name, node in graph.nodes.items():
+        owner = plan.controller_of(name) if graph is not plan else 0
+        count, per_host, place = counts.get(name, 1), replicas_per_host, place_replicas
+        if node.ranks > 1:
+            count, per_host, place = node.ranks, ranks_per_host, place_ranks
+        if count < 2:
+            continue
+        if nnodes > 1 and per_host:
+            _, where, local = place(name, count, per_host, owner, hosts)
+        else:
+            where, local = [hosts[owner]] * count, list(range(count))
+        copies[name] = [Copy(h, i) for h, i in zip(where, local, strict=True)]
+    by_process = {str(c): h for c, h in enumerate(hosts)} if nnodes > 1 else {}
+    return copies, by_process
 
 
 def check_controller_count(count: int, graph: Graph, name: str) -> None:

@@ -1,6 +1,8 @@
 """docs/SCALE_OUT.md's worked plan (a 7B VLM on 2 hosts x 8 GPUs) is what the code prints: its
 ``yatt-graph show --memory`` command, run as a user types it on a folder of that model's
-shape, prints the table the doc gives, row for row.
+shape, prints the table the doc gives, row for row, and its GPU lines. The command runs
+in this process (``main``, in that folder) with torch told that CUDA is there: the graph
+refuses ``--device cuda`` otherwise, and planning touches no GPU.
 
 The model folder is a stand-in built without weights: Qwen2-VL-7B-Instruct's published
 ``config.json`` (``tests/data/qwen2_vl_7b_config.json``), a ``model.safetensors`` holding the
@@ -18,7 +20,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from cli_helpers import yatt
+from cli_helpers import yatt_here
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "SCALE_OUT.md"
@@ -55,18 +57,19 @@ def _expand(cell: str) -> list[str]:
     return [cell.strip("`")]
 
 
-def _doc_rows(section: str) -> dict[str, tuple[str, list[str]]]:
-    """The doc's plan table: node -> (process, the parts' figures)."""
+def _doc_rows(section: str) -> dict[str, tuple[str, str, list[str]]]:
+    """The doc's plan table: node -> (process, device, the parts' figures)."""
     lines = section.splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.startswith("| node | process |"))
-    assert [c.strip() for c in lines[start].strip("|").split("|")][2:] == PARTS
-    rows: dict[str, tuple[str, list[str]]] = {}
+    assert [c.strip() for c in lines[start].strip("|").split("|")][3:] == PARTS
+    rows: dict[str, tuple[str, str, list[str]]] = {}
     for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        for node, process in zip(_expand(cells[0]), _expand(cells[1]), strict=True):
-            rows[node] = (process, cells[2:])
+        cut = zip(_expand(cells[0]), _expand(cells[1]), _expand(cells[2]), strict=True)
+        for node, process, device in cut:
+            rows[node] = (process, device, cells[3:])
     return rows
 
 
@@ -160,7 +163,7 @@ def user_folder(tmp_path_factory):
     return root
 
 
-def test_the_docs_memory_plan_is_what_show_memory_prints(user_folder):
+def test_the_docs_memory_plan_is_what_show_memory_prints(user_folder, monkeypatch):
     section = _section()
     (show,) = _commands(section, "yatt-graph show")
     (run,) = _commands(section, "yatt-graph run")
@@ -169,21 +172,27 @@ def test_the_docs_memory_plan_is_what_show_memory_prints(user_folder):
         return argv[argv.index("--set") + 1 :]
 
     assert sets(show) == sets(run), "the doc's run and show commands set other options"
-    for flag in ("--policy", "--data", "--controllers", "--device", "--train-ranks"):
+    for flag in ("--policy", "--data", "--controllers", "--device", "--train-ranks",
+                 "--ranks-per-host", "--replicas", "--nnodes"):  # fmt: skip
         assert show[show.index(flag) + 1] == run[run.index(flag) + 1], flag
-    # the graph refuses --device cuda where torch sees no GPU; the figures do not depend on it
-    at = show.index("--device")
-    assert show[at + 1] == "cuda"
-    argv = [*show[1:at], "--device", "cpu", *show[at + 2 :]]
-    done = yatt(user_folder, *argv)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    done = yatt_here(user_folder, *show[1:])
     assert done.returncode == 0, done.stderr
     first, printed = _printed(done.stdout)
     doc = _doc_rows(section)
     assert f"`{first}`" in section, f"the doc does not give the plan's first line {first!r}"
     assert list(printed) == list(doc), "the doc's rows are not the printed plan's nodes"
-    for node, (process, device, figures) in printed.items():
-        assert device == "cpu"
-        assert (process, figures) == doc[node], f"{node}: printed {process} {figures}"
+    for node, row in printed.items():
+        assert row == doc[node], f"{node}: printed {row}"
+    gpus = re.findall(r"^(host \d) cuda:\d: ([\d.]+ GB) at the peak", done.stdout, re.M)
+    assert len(gpus) == 16, done.stdout
+    for host, peak in gpus:  # every GPU of a host as its first, which the doc gives
+        said = re.search(
+            rf"^{host} cuda:0: {re.escape(peak)} at the peak; largest call: ", section, re.M
+        )
+        assert said, f"{host}: printed {peak} at the peak"
 
 
 def test_an_hf_vlms_plan_counts_its_image_positions_in_the_prompt(user_folder, monkeypatch):

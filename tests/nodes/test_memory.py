@@ -5,6 +5,7 @@ How close the formulas come to measured peaks is a benchmark (bench/memory_plan.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -135,3 +136,51 @@ def test_a_rank_group_is_planned_as_its_processes_each_with_a_shard(saved_lm):
 
     plan = plan_memory(Graph(), LOAD)
     assert [row[0] for row in plan.rows] == ["grpo", "grpo rank 1"] and plan.processes == 2
+
+
+def test_replicas_and_copies_on_other_hosts_are_planned_where_they_run():
+    """Each replica holds the node's weights and its share of the step; a copy on another
+    host counts on that host's device, and each host's processes on its own memory."""
+    from nodes.memory_plan import Copy
+
+    graph = load_graph("graphs.text_grpo", batch_size=4, train_ranks=2)
+    processes = {"data": "0", "rollout": "0", "reward": "0", "reference": "1",
+                 "group_advantage": "1", "grpo": "1", "sample_stats": "1"}  # fmt: skip
+    copies = {"rollout": [Copy("host 0", 0), Copy("host 1", 0)],
+              "grpo": [Copy("host 1", 0), Copy("host 0", 0)]}  # fmt: skip
+    hosts = {"0": "host 0", "1": "host 1"}
+    plan = plan_memory(graph, LOAD, processes, copies=copies, hosts=hosts)
+    rows = {name: (process, device, parts) for name, process, device, parts in plan.rows}
+    whole = plan_memory(graph, LOAD, processes)
+    alone = {name: parts for name, _, _, parts in whole.rows}["rollout"]
+    assert rows["rollout"][:2] == ("0", "host 0 cpu")
+    assert rows["rollout replica 1"][:2] == ("0/r1", "host 1 cpu")
+    assert rows["rollout replica 1"][2]["weights"] == alone["weights"]  # a whole copy each
+    assert 0 < rows["rollout"][2]["kv_cache"] < alone["kv_cache"]  # of half the step
+    assert rows["grpo rank 1"][:2] == ("1/1", "host 0 cpu")
+    # host 0: controller 0, the driver and rank 1; host 1: controller 1 and the replica
+    assert plan.per_host == {"host 0": 3, "host 1": 2} and plan.processes == 5
+    totals = plan.device_totals()
+    assert set(totals) == {"host 0 cpu", "host 1 cpu"}
+    lines = "\n".join(plan.device_lines())
+    assert "host 0 cpu: " in lines and " each of 3 processes" in lines
+
+
+def test_show_memory_takes_the_runs_layout_flags_and_refuses_them_alone(tmp_path):
+    from cli_helpers import yatt_here
+
+    argv = ["show", "text_grpo", "--set", "batch_size=4"]
+    shown = yatt_here(tmp_path, *argv, "--memory", "--controllers", "2", "--nnodes", "2",
+                      "--replicas", "rollout=2", "--replicas-per-host", "1")  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    # the rollout on controller 1, on host 1; its other copy on the next host
+    assert re.search(r"\n  rollout +1 +host 1 cpu", shown.stdout), shown.stdout
+    assert re.search(r"\n  rollout replica 1 +1/r1 +host 0 cpu", shown.stdout), shown.stdout
+    for flags, said in [
+        (["--replicas", "rollout=2"], "--replicas place the copies of the memory plan; add --memory"),
+        (["--memory", "--ranks-per-host", "2"], "--ranks-per-host spreads copies over hosts; give --nnodes"),
+        (["--memory", "--replicas", "nothing=2"], "--replicas: no node 'nothing' in the graph"),
+        (["--memory", "--nnodes", "3"], "--controllers 1 on 3 nodes leaves node(s) [1, 2]"),
+    ]:  # fmt: skip
+        done = yatt_here(tmp_path, *argv, *flags)
+        assert done.returncode == 2 and said in done.stderr, (flags, done.stderr)
