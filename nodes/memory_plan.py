@@ -19,17 +19,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from nodes.memory import HELD, PARTS, Load
 
 __all__ = ["Copy", "MemoryPlan", "plan_memory"]
 
 
-@dataclass(frozen=True)
-class Copy:
+class Copy(NamedTuple):
     """Where one copy of a node runs: its host's name ('' on a run of one host) and its index
-    among its node's copies on that host (its GPU, counted from the node's own, on CUDA)."""
+    among its node's copies on that host (its GPU, counted from the node's own, on CUDA); a
+    plain ``(host, local)`` pair reads the same."""
 
     host: str
     local: int
@@ -196,9 +196,13 @@ def plan_memory(
         device = device if device == "cpu" or ":" in device else f"{device}:0"
         ranks = getattr(node, "ranks", 1)
         ranks = ranks if isinstance(ranks, int) else 1
-        spots = list(
-            (copies or {}).get(name) or [Copy(hosts.get(process, ""), r) for r in range(ranks)]
+        given = (copies or {}).get(name)
+        spots = (
+            [Copy(*c) for c in given]
+            if given
+            else [Copy(hosts.get(process, ""), r) for r in range(ranks)]
         )
+
         replicas = len(spots) if ranks == 1 else 1  # each replica scores its share of the step
         parts: dict[str, int] = {}
         for key, value in node.memory(_share(load, replicas)).items():

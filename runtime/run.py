@@ -481,10 +481,10 @@ def _copies_layout(
     graph: Graph, plan: Any, replicas: Mapping[str, int], nnodes: int, ranks_per_host: int,
     replicas_per_host: int,
 ) -> tuple[dict[str, list[Any]], dict[str, str]] | None:  # fmt: skip
-    """Where each copy of a node with replicas or ranks runs, as a run places them
+    """Where each copy of a node with replicas or ranks runs (its host and its index there,
+    ``nodes.memory_plan.Copy``), as a run places them
     (``runtime.ranks.placement``), and each controller's host: None for a plan of one host
     without replicas (what a graph's ``memory_plan`` plans by itself)."""
-    from nodes.memory_plan import Copy
     from runtime.flags import controller_shares
     from runtime.ranks.placement import place_ranks, place_replicas
     from runtime.sched.fanout import replica_counts
@@ -511,7 +511,7 @@ def _copies_layout(
             _, where, local = place(name, count, per_host, owner, hosts)
         else:
             where, local = [hosts[owner]] * count, list(range(count))
-        copies[name] = [Copy(h, i) for h, i in zip(where, local, strict=True)]
+        copies[name] = list(zip(where, local, strict=True))  # (host, index there) a copy
     by_process = {str(c): h for c, h in enumerate(hosts)} if nnodes > 1 else {}
     return copies, by_process
 
