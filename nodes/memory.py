@@ -69,6 +69,9 @@ class Load:
     """The longest response (max_new_tokens)."""
     image_pixels: int = 0
     """Pixels of the largest image (0: no images)."""
+    hosts: int = 1
+    """The hosts a node's rank group spans (hybrid sharding shards within each, so a rank
+    holds 1/(ranks per host) of the state); the plan sets it per node."""
 
     @property
     def tokens(self) -> int:

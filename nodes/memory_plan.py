@@ -205,7 +205,8 @@ def plan_memory(
 
         replicas = len(spots) if ranks == 1 else 1  # each replica scores its share of the step
         parts: dict[str, int] = {}
-        for key, value in node.memory(_share(load, replicas)).items():
+        spread = len({spot.host for spot in spots}) if ranks > 1 else 1  # hosts of its group
+        for key, value in node.memory(replace(_share(load, replicas), hosts=spread)).items():
             if key.startswith("weights"):
                 share = key.partition("@")[2] if "@" in key else getattr(node, "share", None)
                 if share:

@@ -343,8 +343,9 @@ class ReferenceLogprobs(Offload, Sharing, Node):
 
         held = scoring_memory(self.policy_spec, load, self.micro_batch_tokens)
         weights = held.pop("weights")
-        if self.ranks > 1:  # its own copy, 1/ranks of it on each rank
-            return {**held, "weights@": -(-weights // self.ranks)}
+        if self.ranks > 1:  # its own copy, 1/ranks of it on each rank (hsdp: of a host's)
+            hosts = load.hosts if self.train_backend == "hsdp" else 1
+            return {**held, "weights@": -(-weights // max(self.ranks // max(hosts, 1), 1))}
         shared_base = self.share is not None and _lora(self.policy_spec)
         return {**held, f"weights@{self.share if shared_base else ''}": weights}
 

@@ -213,20 +213,23 @@ class _Update(Offload, Sharing, Node):
         activations of the largest micro-batch (see :func:`nodes.memory.training_memory`)."""
         from nodes.memory import training_memory
 
-        held = training_memory(self.policy_spec, load, **self._memory_options(self.share))
+        held = training_memory(self.policy_spec, load, **self._memory_options(self.share, load))
         if self.ranks > 1:  # the ranks' own sharded copy, not the rollout's module
             held["weights@"] = held.pop("weights")
         return held
 
-    def _memory_options(self, share: str | None) -> dict[str, Any]:
-        fsdp = self.ranks > 1 and self.train_backend != "ddp"  # hsdp: as if one host
+    def _memory_options(self, share: str | None, load: Any) -> dict[str, Any]:
+        shards = 1  # ddp: a whole copy a rank; hsdp: shards within each host of the group
+        if self.ranks > 1 and self.train_backend != "ddp":
+            hosts = load.hosts if self.train_backend == "hsdp" else 1
+            shards = max(self.ranks // max(hosts, 1), 1)
         return {
             "budget": self.hp.micro_batch_tokens,
             "rows": self.hp.micro_batch_size,
             "mini_batches": self.hp.mini_batches,
             "mixed": self.hp.mixed_precision != "no",
             "live": share is not None and self.ranks == 1,  # a group gathers a snapshot
-            "shards": self.ranks if fsdp else 1,
+            "shards": shards,
         }
 
     # --- the device, when roles take turns on it (nodes/models/offload.py) -------------------

@@ -138,7 +138,7 @@ class PPOUpdate(_Update):
 
         held = super().memory(load)
         critic = training_memory(
-            self.critic_spec, load, logits=False, **self._memory_options(self.critic_share)
+            self.critic_spec, load, logits=False, **self._memory_options(self.critic_share, load)
         )
         key = self.critic_share if self.critic_share and self.ranks == 1 else ""
         held[f"weights@{key}"] = critic.pop("weights")

@@ -184,3 +184,27 @@ def test_show_memory_takes_the_runs_layout_flags_and_refuses_them_alone(tmp_path
     ]:  # fmt: skip
         done = yatt_here(tmp_path, *argv, *flags)
         assert done.returncode == 2 and said in done.stderr, (flags, done.stderr)
+
+
+def test_hybrid_sharding_over_hosts_holds_a_hosts_share_a_rank():
+    """hsdp shards within each host: 2 hosts x 2 ranks hold 1/2 of the state a rank, fsdp
+    1/4; on one host the two are alike."""
+    group = [("host 0", 0), ("host 0", 1), ("host 1", 0), ("host 1", 1)]
+    spots = {"grpo": group, "reference": group}  # the reference on the update's ranks
+    hosts = {"0": "host 0", "1": "host 1"}
+    processes = dict.fromkeys(("data", "rollout", "reward", "reference", "group_advantage"), "0")
+    processes |= {"grpo": "1", "sample_stats": "1"}
+
+    def rank_parts(backend, copies=spots):
+        graph = load_graph("graphs.text_grpo", batch_size=4, train_ranks=4,
+                           train_backend=backend, shard_reference=True)  # fmt: skip
+        plan = plan_memory(graph, LOAD, processes, copies=copies, hosts=hosts)
+        rows = {name: parts for name, _, _, parts in plan.rows}
+        return rows["grpo rank 3"], rows["reference rank 3"]
+
+    (fsdp, ref_fsdp), (hsdp, ref_hsdp) = rank_parts("fsdp"), rank_parts("hsdp")
+    for part in ("weights", "optimizer", "gradients"):
+        assert hsdp[part] == pytest.approx(2 * fsdp[part], rel=0.01), part
+    assert ref_hsdp["weights"] == pytest.approx(2 * ref_fsdp["weights"], rel=0.01)
+    here = dict.fromkeys(("grpo", "reference"), [("host 0", r) for r in range(4)])
+    assert rank_parts("hsdp", here) == rank_parts("fsdp", here)
