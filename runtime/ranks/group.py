@@ -55,7 +55,11 @@ Supervision:
   registered with ``atexit``.
 
 One process holds at most one group, because torch.distributed has one default process
-group. A group whose node was garbage collected is closed when the next one starts.
+group; the grouped nodes of one process share it (:func:`start_groups`: a reference sharded
+beside its update, ``Node.rank_with``). Each rank then builds every one of them, each
+command names its node (:attr:`RankCall.node`), and rank 0 runs one operation at a time, so
+the nodes' collectives reach every rank in one order. A group whose node was garbage
+collected is closed when the next one starts.
 """
 
 from __future__ import annotations
