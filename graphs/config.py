@@ -547,12 +547,22 @@ class PPOConfig(RLConfig, kw_only=True, forbid_unknown_fields=True):
     """GAE discount per token, in [0, 1]; 1 because the only reward comes at the end."""
     lam: float = 0.95
     """GAE lambda, in [0, 1]: 0 trusts the critic's next value, 1 the whole return."""
+    shard_critic: bool = False
+    """With train_ranks > 1: the critic scores on the update's ranks with the value model the
+    update trains there (FSDP2), so no device holds a whole copy of it and no weights are
+    sent to it; each rank scores a share of the batch, on the update's controller."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         positive("critic_lr", self.critic_lr)
         within("gamma", self.gamma, 0.0, 1.0)
         within("lam", self.lam, 0.0, 1.0)
+
+    def idle_options(self) -> dict[str, str]:
+        idle = super().idle_options()
+        if self.train_ranks < 2:
+            idle["shard_critic"] = "train_ranks > 1"
+        return idle
 
 
 class MultimodalPPOConfig(PPOConfig, kw_only=True, forbid_unknown_fields=True):

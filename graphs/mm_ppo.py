@@ -52,6 +52,8 @@ def build_ppo(name: str, config: PPOConfig, *, vision: str | None) -> Graph:
             critic=critic_spec, head_seed=seed, share="critic", device=s.device, name="critic",
             micro_batch_tokens=config.micro_batch_tokens, precision=config.mixed_precision,
         )  # fmt: skip
+        if config.shard_critic and config.train_ranks > 1:  # on the update's ranks, its model
+            critic.configure(ranks=config.train_ranks, rank_with="ppo")
         values = critic(**s.tensors, **s.image_port)
         adv = GAEAdvantage(gamma=config.gamma, lam=config.lam, kl_coef=config.kl_coef, name="gae")(
             scores=s.scores,

@@ -385,6 +385,10 @@ class Critic(Offload, Sharing, Node):
         share: a share key (e.g. ``"critic"``, as ``PPOUpdate(critic_share=...)``): on an
             on-policy executor the nodes of that key use one value model
             (:mod:`nodes.shared_models`); ignored with ``model``.
+        ranks, rank_with: score beside the update named ``rank_with``, in its rank group of
+            ``ranks`` processes (``runtime.ranks``): each rank reads the update's own sharded
+            value model, the one it trains, so the critic holds no copy, and scores a share
+            of the batch. Its ``weights`` input then carries only versions.
         options: ``device``, ``share``, ``micro_batch_tokens``, ... (:func:`_init_scorer`).
 
     The node's ``forward`` runs without grad (values for advantage estimation); an update
@@ -404,6 +408,7 @@ class Critic(Offload, Sharing, Node):
     }
     outputs = {"values": TensorPort("float32", "B", "R")}  # noqa: RUF012
     batch_policy = BatchPolicy(max_batch_size=64)
+    execution_options = ("ranks", "rank_with")
     value_model = Built("the ValueModel (trunk and head), built by setup()")
 
     def __init__(
@@ -412,9 +417,21 @@ class Critic(Offload, Sharing, Node):
         model: Policy | None = None,
         detach_trunk: bool = False,
         head_seed: int = 0,
+        *,
+        ranks: int = 1,
+        rank_with: str | None = None,
         **options: Any,
     ) -> None:
         _init_scorer(self, **options)
+        if not (isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 1):
+            raise ValueError(f"node {self.name!r}: ranks={ranks!r}; give an int >= 1")
+        if (ranks > 1) != (rank_with is not None):
+            raise ValueError(
+                f"node {self.name!r}: ranks={ranks}, rank_with={rank_with!r}: a critic runs "
+                "as ranks only beside the update that trains its value model; give both (the "
+                "update's name and its ranks) or neither"
+            )
+        self.ranks, self.rank_with = ranks, rank_with
         if model is None:
             check_policy_spec(critic)
         self.shared = model is not None
@@ -434,16 +451,36 @@ class Critic(Offload, Sharing, Node):
         return other
 
     def build(self) -> None:
+        if self.ranks > 1:  # the update's value model, found at the first call
+            self.device = join_group(
+                f"node {self.name!r}", self.rank_group, self.ranks, self.device
+            )
+            self.rank_group.join()
+            return
         key = self.share if self._model is None else None  # a live trunk is this node's own
         self.value_model = _value_model(
             self, key, self.critic_spec, self.detach_trunk, self.head_seed, self._model
         )
 
+    def _trainer(self) -> Any:
+        """Beside its update (``rank_with``): that node, set up in this process."""
+        leader = self.rank_group.members.get(self.rank_with)
+        if leader is None or not hasattr(leader, "critic_spec"):
+            raise ValueError(
+                f"node {self.name!r}: rank_with={self.rank_with!r} names no PPO update of this "
+                f"rank group (it holds {sorted(self.rank_group.members)})"
+            )
+        return leader
+
     def _load(self, weights: Any) -> None:
         """Load a weight-sync payload into the value model (``PPOUpdate``'s ``critic_weights``),
-        as the rollout loads its ``weights`` (:class:`nodes.sync.WeightInput`)."""
+        as the rollout loads its ``weights`` (:class:`nodes.sync.WeightInput`); beside the
+        update, only its version (the model is the update's own)."""
         update = self.weights_in.newer(weights, self.name)
         if update is None:
+            return
+        if self.ranks > 1:
+            self.weights_in.loaded(weights, update)
             return
         if not (self.share is not None and same_storage(self.value_model, update.weights)):
             try:  # (a shared model's own tensors: nothing to copy)
@@ -453,12 +490,14 @@ class Critic(Offload, Sharing, Node):
         self.weights_in.loaded(weights, update)
 
     def memory(self, load: Any) -> dict[str, int]:
-        """The value model's trunk and its largest forward within ``micro_batch_tokens``."""
+        """The value model's trunk and its largest forward within ``micro_batch_tokens``
+        (beside its update: the forward only, the model being the update's)."""
         if self._model is not None:
             return {}
         from nodes.memory import scoring_memory
 
-        return scoring_memory(self.critic_spec, load, self.micro_batch_tokens, logits=False)
+        held = scoring_memory(self.critic_spec, load, self.micro_batch_tokens, logits=False)
+        return {"activations": held["activations"]} if self.ranks > 1 else held
 
     @torch.no_grad()
     def forward(self, weights=None, **inputs: Any) -> dict[str, Tensor]:
@@ -466,13 +505,32 @@ class Critic(Offload, Sharing, Node):
         return _scores(self, self._scoring(), **inputs)
 
     def offload(self) -> int:
-        """The value model off the device; the last unversioned weights payload let go."""
+        """The value model off the device; the last unversioned weights payload let go.
+        Beside its update nothing moves: the model is the update's, which moves it."""
         self.weights_in.release()
-        return super().offload()
+        return super().offload() if self.ranks == 1 else 0
+
+    def reload(self) -> int:
+        return super().reload() if self.ranks == 1 else 0
+
+    def claim(self) -> None:
+        if self.ranks == 1:
+            super().claim()
 
     @contextlib.contextmanager
     def _scoring(self) -> Iterator[tuple[Policy, Callable[..., Tensor]]]:
-        """The value model, its trunk in eval mode for the call (an update may train it)."""
+        """The value model, its trunk in eval mode for the call (an update may train it);
+        beside its update, the update's sharded one."""
+        if self.ranks > 1:
+            leader = self._trainer()
+            model = leader.value_model
+            was_training = model.training
+            model.eval()
+            try:
+                yield model.trunk, leader.sharded_values
+            finally:
+                model.train(was_training)
+            return
         trunk = self.value_model.trunk
         was_training = trunk.training
         trunk.eval()
@@ -482,7 +540,10 @@ class Critic(Offload, Sharing, Node):
             trunk.train(was_training)
 
     def state_dict(self) -> dict[str, Any]:
-        """The value head, plus the trunk when it is this node's own (not shared)."""
+        """The value head, plus the trunk when it is this node's own (not shared); beside
+        its update, none: the update's checkpoint holds the value model."""
+        if self.ranks > 1:
+            return {}
         state: dict[str, Any] = {
             "head": {k: v.detach().cpu() for k, v in self.value_model.head.state_dict().items()}
         }
@@ -493,6 +554,9 @@ class Critic(Offload, Sharing, Node):
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.ranks > 1:  # the update restores the value model it trains
+            self.weights_in.forget()
+            return
         expected = {"head"} if self.shared else {"head", "trunk"}
         if set(state) != expected:
             raise ValueError(

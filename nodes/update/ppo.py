@@ -17,7 +17,7 @@ from nodes.shared_models import check_share_key
 from nodes.update.base import _INPUTS, _TOKENS, MicroLoss, _item, _require_finite, _Update
 from nodes.update.options import PPOHyper
 from nodes.update.trainer import Trained, View
-from yatt_graph import ANY, Port
+from yatt_graph import ANY, Port, WeightUpdate
 from yatt_graph.node import Built
 
 __all__ = ["PPOUpdate"]
@@ -117,10 +117,10 @@ class PPOUpdate(_Update):
         self.value_model = _value_model(
             self, key, self.critic_spec, self.detach_trunk, self.head_seed
         ).eval()
-        self._values = self.value_model
+        self.sharded_values = self.value_model
         group = self.trainer.group  # formed by super().build()
         if group is not None:
-            self._values = group.shard(
+            self.sharded_values = group.shard(
                 self.value_model, self.train_backend, "forward", lambda out: out
             )
         model = self.value_model
@@ -148,8 +148,19 @@ class PPOUpdate(_Update):
         metrics = self.trainer.train(full, self._loss_over)
         metrics["critic_lr"] = self.trainer.lr(1)
         weights = self._publish(self.policy, self.share, metrics, filtered=True)
-        critic = self._publish(self.value_model, self.critic_share, metrics, filtered=False)
+        if self._critic_beside():  # it reads this very model on every rank: only the version
+            critic = WeightUpdate({}, self.trainer.updates, complete=False)
+        else:
+            critic = self._publish(self.value_model, self.critic_share, metrics, filtered=False)
         return {"weights": weights, "critic_weights": critic, "metrics": metrics}
+
+    def _critic_beside(self) -> bool:
+        """Whether a critic of this node's rank group scores with its value model (a
+        ``Critic(rank_with=...)`` naming this node)."""
+        group = self.trainer.group
+        members = getattr(group, "members", {}) if group is not None else {}
+        return any(getattr(m, "rank_with", None) == self.name and m.kind == "critic"
+                   for m in members.values())  # fmt: skip
 
     def _loss_over(self, full: View) -> MicroLoss:
         """The loss of a micro-batch as its share of the mini-batch ``full``'s."""
@@ -171,7 +182,7 @@ class PPOUpdate(_Update):
             entropy = _aggregate("entropy", policy.entropy, r, "token-mean")  # ()
             critic_batch = self._prompt_batch(self.value_model.trunk, view, rows)
             with autocast(self.device, hp.mixed_precision):
-                new_values = self._values(critic_batch, policy.ids, policy.reads)  # (b, R)
+                new_values = self.sharded_values(critic_batch, policy.ids, policy.reads)  # (b, R)
             new_values = new_values.float()
             _require_finite("values of the value model", new_values, r)
             vf_loss, vf_stats = _value_loss(

@@ -111,6 +111,7 @@ _CMD = "yatt/cmd/"
 _READY = "yatt/ready/"
 _ERROR = "yatt/error/"
 _FAILED = "yatt/failed/"
+_READ = "yatt/read/"  # how many ranks have read command n
 _DEAD = "yatt/dead/"  # a rank on another host, as its controller saw it die
 _ABORT = "yatt/abort"  # rank 0 broke the group: the ranks exit
 _NODE = "yatt/node"
@@ -175,6 +176,9 @@ class Ranks:
     """This rank's index among its host's ranks of the group (its GPU, on CUDA)."""
     hosts: Sequence[str] = ()
     """Each rank's host, when the group spans hosts (hybrid sharding's mesh); empty: one."""
+    members: Mapping[str, Any] = {}
+    """The group's nodes in this process, by name (a critic beside its update reads the
+    update's value model through it)."""
 
     def __init__(self, who: str, world: int, device: torch.device, timeout_s: float) -> None:
         self.who = who
@@ -344,6 +348,7 @@ class RankGroup(Ranks):
         world = int(node.ranks)
         timeout_s = max(float(n.rank_timeout_s) for n in nodes)
         self = cls([n.name for n in nodes], world, torch.device("cpu"), timeout_s)
+        self.members = weakref.WeakValueDictionary({n.name: n for n in nodes})  # (no cycle)
         if placement is None:
             self.store = dist.TCPStore(
                 "127.0.0.1", 0, world, is_master=True, timeout=self.timeout,
@@ -456,12 +461,11 @@ class RankGroup(Ranks):
         return n
 
     def _write(self, command: RankCall | RankClose) -> int:
-        """The next command, under ``yatt/cmd/<n>``; its number ``n``."""
+        """The next command, under ``yatt/cmd/<n>`` (the last rank to read it deletes it:
+        :meth:`RankLink.commands`); its number ``n``."""
         n = self._next
         self._next += 1
         self.store.set(f"{_CMD}{n}", TO_RANK.encode(command))
-        if n >= 2:  # every rank read it: op n-1 ran collectives that all ranks joined
-            self.store.delete_key(f"{_CMD}{n - 2}")
         return n
 
     def _failures(self, n: int) -> list[str]:
@@ -628,6 +632,9 @@ class RankLink(Ranks):
                     raise RuntimeError(f"{self.who}: rank 0 broke the group")
                 time.sleep(0.001 if time.monotonic() - idle < 0.2 else 0.01)
             command = TO_RANK.decode(self.store.get(key))
+            if self.store.add(f"{_READ}{n}", 1) == self.world - 1:  # the last to read it
+                self.store.delete_key(key)  # (an operation may run no collective, so rank
+                self.store.delete_key(f"{_READ}{n}")  # 0 cannot tell who has read it)
             if isinstance(command, RankClose):
                 return
             frames = []

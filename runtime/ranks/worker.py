@@ -53,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         specs = msgspec.json.decode(link.node_specs(), type=list[NodeSpec])
         nodes = [build_node(spec) for spec in specs]
+        link.members = {node.name: node for node in nodes}
         for node in nodes:
             node.rank_group = link
             node.setup()

@@ -30,6 +30,7 @@ PPO_DEFAULTS = {
     "epochs": 2,
     "gamma": 1.0,
     "lam": 0.95,
+    "shard_critic": False,
     "stream": False,
     # how the update steps: off or as the nodes' own defaults
     "mini_batches": 1,
@@ -102,7 +103,8 @@ def as_dict(config) -> dict:
 def test_defaults_are_the_measured_ones():
     assert as_dict(PPOConfig()) == PPO_DEFAULTS
     assert as_dict(MultimodalPPOConfig()) == {**PPO_DEFAULTS, "vision": "tiny"}
-    grpo = {k: v for k, v in PPO_DEFAULTS.items() if k not in ("critic_lr", "gamma", "lam")}
+    ppo_only = ("critic_lr", "gamma", "lam", "shard_critic")
+    grpo = {k: v for k, v in PPO_DEFAULTS.items() if k not in ppo_only}
     grpo |= {
         "batch_size": 16,
         "group_size": 4,

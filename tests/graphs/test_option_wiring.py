@@ -169,7 +169,7 @@ def scenarios(graph: str, f: Files) -> dict[str, Scenario]:
         "policy": f.vlm if graph == "mm_agent" else f.lm,
     }  # fmt: skip
     if ppo:
-        common |= {"critic_lr": 0.003, "gamma": 0.9, "lam": 0.8}
+        common |= {"critic_lr": 0.003, "gamma": 0.9, "lam": 0.8, "shard_critic": True}
     else:
         common |= {"group_size": 3, "estimator": "rloo", "overlong_buffer": 3,
                    "overlong_penalty": 0.5, "kl_estimator": "k2", "aggregation": "token-mean"}  # fmt: skip
@@ -526,6 +526,13 @@ def check_shard_reference(b: Built, v: bool) -> None:
     assert reference.train_backend == "fsdp"  # (the update's ddp would hold whole copies)
 
 
+def check_shard_critic(b: Built, v: bool) -> None:
+    """The critic scores on the update's ranks, with the value model the update trains."""
+    critic = b.nodes["critic"]
+    assert v and (critic.ranks, critic.rank_with) == (b.values["train_ranks"], update(b).name)
+    assert critic.config()["rank_with"] == update(b).name  # each rank rebuilds it so
+
+
 def check_vision(b: Built, v: str) -> None:
     _, name, weights = v.split(":", 2)
     vision = b.nodes["vision"]
@@ -673,6 +680,7 @@ CHECKS: dict[str, Callable[[Built, Any], None]] = {
     "train_ranks": check_train_ranks,
     "train_backend": update_attribute("train_backend"),
     "shard_reference": check_shard_reference,
+    "shard_critic": check_shard_critic,
     "teacher": check_teacher,
     "distill_coef": update_attribute("distill_coef"),
     "distill_mode": update_attribute("distill_mode"),

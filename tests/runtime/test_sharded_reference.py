@@ -1,6 +1,8 @@
 """A reference sharded over a rank group (nodes/models/ranked.py, runtime/ranks/): alone or
-beside the update whose ranks it joins, it scores as one whole copy does; the plan puts it on
-the update's controller, and the memory plan counts 1/K of its weights a rank. A run that sets
+beside the update whose ranks it joins, it scores as one whole copy does; a critic beside its
+PPO update scores with the value model the update trains on those ranks; the plan puts them on
+the update's controller, and the memory plan counts 1/K of the reference a rank and none of
+the critic's weights. A run that sets
 ``shard_reference`` on the real model is in tests/test_real_model.py.
 
 Tolerances: a part scored by one rank is the same forward as in one process (same rows, same
@@ -11,9 +13,12 @@ logprobs were observed within 5e-7 of the whole batch's. The tests allow 1e-5.
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
-from cli_helpers import yatt_here
+from cli_helpers import yatt, yatt_here
 from policy_helpers import sampled_batch
 
 from nodes.memory import Load
@@ -94,6 +99,37 @@ def test_a_reference_beside_its_update_shares_the_updates_ranks(batch, monkeypat
     assert [p.returncode for p in update.rank_group.procs] == [0]  # both closed cleanly
 
 
+def test_a_critic_beside_its_update_scores_with_the_value_model_it_trains(batch):
+    """A PPO update's rank group holds the critic too: it reads the value model the update
+    trains on every rank (no copy, no weights sent: the update publishes only a version), and
+    after a step scores as a whole critic loaded with the 1-rank update's weights."""
+    from nodes.reference import Critic
+    from nodes.update import PPOUpdate
+
+    ports = {k: v for k, v in batch["ref"].items()}
+    values0 = Critic().run(ports)["values"]
+    train = {**batch["train"], "returns": batch["train"]["advantages"], "values": values0}
+    update = PPOUpdate(lr=1e-3, epochs=1, ranks=2)
+    critic = Critic(ranks=2, rank_with=update.name, micro_batch_tokens=40)
+    lone, whole = PPOUpdate(lr=1e-3, epochs=1), Critic()
+    start_groups({critic.name: critic, update.name: update})
+    try:
+        critic.setup()
+        update.setup()
+        assert _diff(node_op(critic, "run", ports)["values"], values0) <= TOL
+        published = node_op(update, "run", train)["critic_weights"]
+        assert (published.weights, published.complete) == ({}, False)  # a version only
+        whole.run({**ports, "weights": lone.run(train)["critic_weights"]})
+        want = whole.run(ports)["values"]
+        got = node_op(critic, "run", {**ports, "weights": published})["values"]
+        assert _diff(got, want) <= TOL < _diff(want, values0)  # it moved, as the update's did
+        assert critic.weights_version == 1
+        assert node_op(critic, "state_dict") == {} and node_op(critic, "offload") == 0
+    finally:
+        update.close()
+    assert [p.returncode for p in update.rank_group.procs] == [0]  # both closed cleanly
+
+
 def test_bad_rank_options_of_a_reference_are_refused():
     with pytest.raises(ValueError, match=r"ranks=0; give an int >= 1"):
         ReferenceLogprobs(ranks=0)
@@ -101,6 +137,10 @@ def test_bad_rank_options_of_a_reference_are_refused():
         ReferenceLogprobs(ranks=2, train_backend="ddp")
     with pytest.raises(ValueError, match=r"rank_with='grpo' .* needs ranks > 1"):
         ReferenceLogprobs(rank_with="grpo")
+    from nodes.reference import Critic
+
+    with pytest.raises(ValueError, match=r"a critic runs as ranks only beside the update"):
+        Critic(ranks=2)
     a, b = GRPOUpdate(ranks=2), ReferenceLogprobs(ranks=3, rank_with="grpo")
     with pytest.raises(ValueError, match=r"run in one process, which holds one rank group"):
         start_groups({a.name: a, b.name: b})
@@ -118,6 +158,10 @@ def test_the_plan_puts_the_reference_on_its_updates_controller():
     assert pinned.assignment["reference"] == 2
     plain = load_graph("graphs.text_grpo", train_ranks=2, device="cpu").nodes["reference"]
     assert (plain.ranks, plain.rank_with) == (1, None)
+    ppo = load_graph("graphs.text_ppo", train_ranks=2, shard_critic=True, device="cpu")
+    assert (ppo.nodes["critic"].ranks, ppo.nodes["critic"].rank_with) == (2, "ppo")
+    plan = ppo.plan(4)
+    assert plan.assignment["critic"] == plan.assignment["ppo"], plan.assignment
 
 
 def test_the_memory_plan_counts_a_shard_of_the_reference_a_rank():
@@ -129,6 +173,33 @@ def test_the_memory_plan_counts_a_shard_of_the_reference_a_rank():
     one = {name: parts for name, _, _, parts in whole.rows}["reference"]["weights"]
     assert rows["reference"]["weights"] == rows["reference rank 1"]["weights"] == -(-one // 2)
     assert sharded.processes == whole.processes  # rank 1 of both is the update's process
+    ppo = {"policy": "tiny-gpt2", "device": "cpu", "train_ranks": 2}
+    beside = plan_memory(load_graph("graphs.text_ppo", shard_critic=True, **ppo), load)
+    rows = {name: parts for name, _, _, parts in beside.rows}
+    assert set(rows["critic rank 1"]) == {"activations"}  # the update's model: no weights
+
+
+def _metrics(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(300)
+def test_a_ppo_run_scoring_on_the_updates_ranks_trains_as_the_unsharded_run(tmp_path):
+    """``--set shard_critic=true shard_reference=true`` as a user types it, from a folder
+    outside the repository, against the same run without them (run here): the critic's
+    values and the reference's logprobs reach the losses alike (2 steps: the second critic
+    reads the value model one update trained). Observed equal within 1e-6; allowed 1e-4."""
+    argv = ["run", "text_ppo", "--steps", "2", "--train-ranks", "2", "--set", "batch_size=4",
+            "--quiet", "--threads", "1"]  # fmt: skip
+    sharded = [*argv, "--set", "shard_critic=true", "--set", "shard_reference=true"]
+    done = yatt(tmp_path, *sharded, "--out", "sharded", timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert yatt_here(tmp_path, *argv, "--out", "whole").returncode == 0
+    got, want = _metrics(tmp_path / "sharded"), _metrics(tmp_path / "whole")
+    assert len(got) == len(want) == 2
+    for a, b in zip(got, want, strict=True):
+        for key in ("loss", "vf_loss", "advantage/kl", "advantage/return_mean", "critic_grad_norm"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), (key, a, b)
 
 
 def test_show_memory_lists_the_references_rank(tmp_path):
