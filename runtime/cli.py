@@ -28,6 +28,7 @@ from runtime.flags import (
     add_run_arguments,
     graph_args,
     parse_replicas,
+    refuse_per_host,
     run_spec,
 )
 from runtime.run import (
@@ -104,9 +105,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         raise UsageError(
             "show: --nnodes is 1 or more, --ranks-per-host and --replicas-per-host 0 or more"
         )
-    if (args.ranks_per_host or args.replicas_per_host) and args.nnodes < 2:
-        per = "--ranks-per-host" if args.ranks_per_host else "--replicas-per-host"
-        raise UsageError(f"show: {per} spreads copies over hosts; give --nnodes N (N > 1) too")
+    if args.nnodes < 2:
+        refuse_per_host(args.ranks_per_host, args.replicas_per_host)
     config, graph = _loaded(args)
     if args.memory:
         plan = run_memory_plan(

@@ -63,6 +63,7 @@ __all__ = [
     "expand_nodelist",
     "parse_slots",
     "parse_pins",
+    "refuse_per_host",
     "resolve_launch",
     "same_folder",
     "split_host_port",
@@ -901,6 +902,21 @@ def graph_args(args: argparse.Namespace) -> GraphArgs:
     )  # fmt: skip
 
 
+def refuse_per_host(ranks_per_host: int, replicas_per_host: int) -> None:
+    """A UsageError for ``--ranks-per-host`` or ``--replicas-per-host`` given to a run (or a
+    plan) of one host, where every copy is on its node's host."""
+    for flag, value, what in (
+        ("--ranks-per-host", ranks_per_host, "ranks of --train-ranks"),
+        ("--replicas-per-host", replicas_per_host, "copies of --replicas"),
+    ):
+        if value:
+            raise UsageError(
+                f"{flag} {value} spreads the {what} over the hosts of a run across hosts "
+                "(--nnodes N, torchrun, Slurm or --ray); on one host every copy is on its "
+                "node's host: drop it"
+            )
+
+
 def _hosts(args: argparse.Namespace, env: Mapping[str, str]) -> Launch | None:
     """The launch the flags and ``env`` describe (:func:`resolve_launch`), with the flags that
     cannot go with a run across hosts refused; None with ``--ray`` (Ray places the nodes)."""
@@ -911,16 +927,7 @@ def _hosts(args: argparse.Namespace, env: Mapping[str, str]) -> Launch | None:
     if launch is None or launch.nnodes < 2:
         if args.data_host:
             raise UsageError("--data-host applies to a run across hosts (--nnodes 2 or more)")
-        for flag, value, what in (
-            ("--ranks-per-host", args.ranks_per_host, "ranks of --train-ranks"),
-            ("--replicas-per-host", args.replicas_per_host, "copies of --replicas"),
-        ):
-            if value:
-                raise UsageError(
-                    f"{flag} {value} spreads the {what} over the hosts of a run across hosts "
-                    "(--nnodes N, torchrun, Slurm or --ray); on one host every copy is on its "
-                    "node's host: drop it"
-                )
+        refuse_per_host(args.ranks_per_host, args.replicas_per_host)
         return launch
     for flag, value in (("--listen", args.listen), ("--no-spawn", args.no_spawn)):
         if value:

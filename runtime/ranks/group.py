@@ -84,7 +84,7 @@ import runtime.ranks.sharding as sharding
 from runtime.children import Child, ChildMessage, Messages, python_env, start_child, stop
 from runtime.codec import decode_value, encode_value
 from runtime.errors import ProcessFault
-from runtime.ranks.placement import HostPlacement, interface_of, place_ranks
+from runtime.ranks.placement import HostPlacement, interface_of, nodes_label, place_ranks
 
 __all__ = [
     "OPS",
@@ -301,8 +301,7 @@ class RankGroup(Ranks):
     def __init__(
         self, names: Sequence[str], world: int, device: torch.device, timeout_s: float
     ) -> None:
-        who = f"node {names[0]!r}" if len(names) == 1 else f"the group of nodes {list(names)}"
-        super().__init__(who, world, device, timeout_s)
+        super().__init__(nodes_label(names), world, device, timeout_s)
         self.names = list(names)
         self.timeout_s = float(timeout_s)
         self.procs: list[Child] = []
@@ -706,19 +705,21 @@ def lead(node: Any, op: str, value: Any = None, step: int = 0) -> Any:
     return group.lead(op, lambda: method(*args), sent, step, node.name)
 
 
-def serve(nodes: Sequence[Any], link: RankLink) -> None:
-    """A rank's side of :func:`lead`: run each of rank 0's commands on the node of ``nodes``
-    it names until it says close. An operation that raises is reported
-    (:meth:`RankLink.failed`) and the rank waits for the next: rank 0 raised it too, or breaks
-    the group. A broken collective (a ``torch.distributed`` error) ends the rank instead."""
-    by_name = {node.name: node for node in nodes}
+def serve(link: RankLink) -> None:
+    """A rank's side of :func:`lead`: run each of rank 0's commands on the node of the group
+    it names (``link.members``, the first when it names none) until it says close. An
+    operation that raises is reported (:meth:`RankLink.failed`) and the rank waits for the
+    next: rank 0 raised it too, or breaks the group. A broken collective (a
+    ``torch.distributed`` error) ends the rank instead."""
+    by_name = link.members
+    first = next(iter(by_name.values()))
     for n, command, value in link.commands():
         if command.op not in OPS:
             raise ValueError(f"{link.who}: rank 0 sent the unknown operation {command.op!r}")
         if command.node and command.node not in by_name:
             raise ValueError(f"{link.who}: rank 0 sent {command.op} of the unknown node "
                              f"{command.node!r}; this rank holds {sorted(by_name)}")  # fmt: skip
-        node = by_name[command.node] if command.node else nodes[0]
+        node = by_name[command.node] if command.node else first
         try:
             if command.op == "run":
                 node.begin_step(command.step)
@@ -770,7 +771,7 @@ class RemoteRanks:
     :meth:`close` ends what is left (they end by themselves when rank 0 closes the group)."""
 
     def __init__(self, names: Sequence[str], placement: HostPlacement, here: int) -> None:
-        self.who = "node" + ("s " if len(names) > 1 else " ") + ", ".join(map(repr, names))
+        self.who = nodes_label(names)
         ranks = placement.ranks_of(here)
         host = placement.hosts[ranks[0]]
         set_interface(host)

@@ -58,9 +58,8 @@ class HostPlacement(msgspec.Struct, frozen=True):
         on which host, and where copy 0 and the store are (``node``: a node's name, or the
         names of the nodes that share a rank group)."""
         here = [r for r, c in enumerate(self.controllers) if c == controller]
-        who = f"node {node!r}" if isinstance(node, str) else "nodes " + ", ".join(map(repr, node))
         return (
-            f"{who}: {copies} {', '.join(map(str, here))} of {self.world} on this host "
+            f"{nodes_label([node] if isinstance(node, str) else node)}: {copies} {', '.join(map(str, here))} of {self.world} on this host "
             f"({self.hosts[here[0]]}), {copies[:-1]} 0 on controller {self.controllers[0]} "
             f"({self.hosts[0]}), the store at {self.store}"
         )
@@ -68,6 +67,11 @@ class HostPlacement(msgspec.Struct, frozen=True):
     def ranks_of(self, controller: int) -> list[int]:
         """The copies ``controller`` starts (copy 0 left out: it is the node itself)."""
         return [r for r, c in enumerate(self.controllers) if c == controller and r > 0]
+
+
+def nodes_label(names: Sequence[str]) -> str:
+    """``node 'grpo'``, or ``nodes 'grpo', 'reference'`` for the nodes that share a group."""
+    return ("node " if len(names) == 1 else "nodes ") + ", ".join(map(repr, names))
 
 
 def host_of(address: str, default: str) -> str:

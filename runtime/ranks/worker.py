@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for node in nodes:
             node.rank_group = link
             node.setup()
-        serve(nodes, link)
+        serve(link)
     except Exception as exc:
         link.report(f"{type(exc).__name__}: {exc}")
         traceback.print_exc()

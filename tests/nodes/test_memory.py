@@ -178,7 +178,7 @@ def test_show_memory_takes_the_runs_layout_flags_and_refuses_them_alone(tmp_path
     assert re.search(r"\n  rollout replica 1 +1/r1 +host 0 cpu", shown.stdout), shown.stdout
     for flags, said in [
         (["--replicas", "rollout=2"], "--replicas place the copies of the memory plan; add --memory"),
-        (["--memory", "--ranks-per-host", "2"], "--ranks-per-host spreads copies over hosts; give --nnodes"),
+        (["--memory", "--ranks-per-host", "2"], "--ranks-per-host 2 spreads the ranks of --train-ranks over the hosts of a run across hosts"),
         (["--memory", "--replicas", "nothing=2"], "--replicas: no node 'nothing' in the graph"),
         (["--memory", "--nnodes", "3"], "--controllers 1 on 3 nodes leaves node(s) [1, 2]"),
     ]:  # fmt: skip
