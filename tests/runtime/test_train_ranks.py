@@ -3,10 +3,12 @@ a 2-rank group trains as the 1-rank node does, its checkpoints resume with K=2 o
 dead rank is named, and the ranks end with their parent.
 
 Tolerances: after 3 calls of 2 AdamW steps each at lr 1e-3, the 2-rank weights were observed
-within 2.3e-6 (max abs) of the 1-rank ones for GRPO and 4.5e-6 for PPO: the gradients agree
-to float rounding (the group sums them in another order), and Adam's normalization turns that
-into weight differences of about lr * 1e-3. The tests allow 1e-5. Metrics are sums of the
-same terms in another order: relative 1e-5.
+within 1.2e-5 (max abs) of the 1-rank ones over 5 batches on an Intel Xeon (the PPO critic the
+widest; GRPO within 7.2e-6), 4.5e-6 on an AMD EPYC: the gradients agree to float rounding (the
+group sums them in another order), and Adam's normalization turns that into weight differences
+that depend on the CPU. A rank whose share was lost (the 1-rank node trained on half the batch)
+is 1e-2 away. The tests allow 1e-4. Metrics are sums of the same terms in another order:
+relative 1e-5.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from runtime.ranks.group import RankError, start_groups
 from yatt_graph.partition import lpt
 
 PROMPTS = ["hi", "what colour is it?", "x", "name the shape"]
-WEIGHT_TOL = 1e-5
+WEIGHT_TOL = 1e-4
 METRIC_RTOL = 1e-5
 pytestmark = pytest.mark.timeout(300)
 
