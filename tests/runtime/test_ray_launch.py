@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from test_multihost import _assert_same_results, _metrics, _one_host_metrics
+from zmq_graphs import default_sigint
 
 from runtime import ray_launch
 from runtime.cli import main, parse_run
@@ -60,7 +61,8 @@ def _yatt(args: list[str], cwd: Path, **popen) -> subprocess.Popen:
     cwd.mkdir(exist_ok=True)
     return subprocess.Popen(
         [YATT, *args], cwd=cwd, env=popen.pop("env", ENV), stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint,
+        **popen,
     )  # fmt: skip
 
 
