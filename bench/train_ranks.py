@@ -84,6 +84,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
 
     from nodes.update import GRPOUpdate
     from nodes.update.trainer import snapshot
+    from runtime.engine.calls import node_op
     from runtime.ranks.group import start_groups
 
     torch.set_num_threads(args.threads)
@@ -105,11 +106,11 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     hook = torch.nn.utils.get_total_norm
     torch.nn.utils.get_total_norm = lambda g, *a, **k: (at_backward_end(), hook(g, *a, **k))[1]
     inputs = _batch(args)
-    node.run(inputs)  # warm-up: first all-gathers, Adam's state appears
+    node_op(node, "run", inputs)  # warm-up: first all-gathers, Adam's state appears
     times, gathers, snapshots = [], [], []
     for _ in range(args.calls):
         t0 = time.perf_counter()
-        out = node.run(inputs)
+        out = node_op(node, "run", inputs)  # every rank runs it
         times.append(time.perf_counter() - t0)
         if args.ranks > 1:
             gathers.append(out["metrics"]["time/weight_gather"])

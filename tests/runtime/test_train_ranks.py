@@ -13,6 +13,7 @@ relative 1e-5.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -486,3 +487,21 @@ def test_hsdp_needs_as_many_ranks_on_every_host():
     assert hybrid_shape(["a", "a", "b", "b"]) == (2, 2)
     with pytest.raises(ValueError, match="every host needs as many ranks"):
         hybrid_shape(["a", "a", "a", "b"])
+
+
+@pytest.mark.timeout(180)
+def test_the_sharding_bench_measures_half_of_the_state_on_each_of_two_ranks():
+    """``bench.train_ranks``' measuring process for one configuration (2 FSDP2 ranks, a
+    1-block policy): it drives the group as the runtime does, and rank 0's parameters,
+    gradients and Adam moments are each about half of the whole model's."""
+    cmd = [sys.executable, "-m", "bench.train_ranks", "--child", "--layers", "1", "--calls", "1"]
+    cmd += ["--batch", "8", "--ranks", "2", "--backend", "fsdp"]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    whole = got["params"] * 4  # float32
+    assert 0.45 * whole <= got["param_bytes"] <= 0.55 * whole, got
+    assert got["grad_bytes"] == got["param_bytes"] and got["adam_bytes"] == 2 * got["param_bytes"]
+    assert got["publish_s"] > 0 and math.isfinite(got["loss"])
