@@ -523,21 +523,17 @@ class Critic(Offload, Sharing, Node):
         beside its update, the update's sharded one."""
         if self.ranks > 1:
             leader = self._trainer()
-            model = leader.value_model
-            was_training = model.training
-            model.eval()
-            try:
-                yield model.trunk, leader.sharded_values
-            finally:
-                model.train(was_training)
-            return
-        trunk = self.value_model.trunk
-        was_training = trunk.training
-        trunk.eval()
+            moded, score = leader.value_model, leader.sharded_values
+            trunk = moded.trunk
+        else:
+            moded = trunk = self.value_model.trunk
+            score = self.value_model
+        was_training = moded.training
+        moded.eval()
         try:
-            yield trunk, self.value_model
+            yield trunk, score
         finally:
-            trunk.train(was_training)
+            moded.train(was_training)
 
     def state_dict(self) -> dict[str, Any]:
         """The value head, plus the trunk when it is this node's own (not shared); beside

@@ -256,9 +256,9 @@ def test_the_memory_plan_is_within_25_percent_of_the_measured_peak(real_model, t
     argv = ["text_grpo", "--policy", str(real_model), "--data", "math.jsonl", "--reward",
             "rewards.py:number", "--set", "batch_size=4", "--set", "group_size=4",
             "--set", "max_new_tokens=16"]  # fmt: skip
-    shown = yatt_here(tmp_path, "show", *argv, "--memory")  # no run: in this process
-    assert shown.returncode == 0, shown.stderr
-    shown = shown.stdout
+    done = yatt_here(tmp_path, "show", *argv, "--memory")  # no run: in this process
+    assert done.returncode == 0, done.stderr
+    shown = done.stdout
     match = re.search(r"cpu: ([\d.]+) (GB|MB) at the peak", shown)
     assert match, shown
     plan = float(match[1]) * (1e9 if match[2] == "GB" else 1e6)

@@ -158,9 +158,8 @@ class PPOUpdate(_Update):
         """Whether a critic of this node's rank group scores with its value model (a
         ``Critic(rank_with=...)`` naming this node)."""
         group = self.trainer.group
-        members = getattr(group, "members", {}) if group is not None else {}
-        return any(getattr(m, "rank_with", None) == self.name and m.kind == "critic"
-                   for m in members.values())  # fmt: skip
+        members = group.members.values() if group is not None else ()
+        return any(m.rank_with == self.name and m.kind == "critic" for m in members)
 
     def _loss_over(self, full: View) -> MicroLoss:
         """The loss of a micro-batch as its share of the mini-batch ``full``'s."""

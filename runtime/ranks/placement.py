@@ -58,8 +58,9 @@ class HostPlacement(msgspec.Struct, frozen=True):
         on which host, and where copy 0 and the store are (``node``: a node's name, or the
         names of the nodes that share a rank group)."""
         here = [r for r, c in enumerate(self.controllers) if c == controller]
+        who = nodes_label([node] if isinstance(node, str) else node)
         return (
-            f"{nodes_label([node] if isinstance(node, str) else node)}: {copies} {', '.join(map(str, here))} of {self.world} on this host "
+            f"{who}: {copies} {', '.join(map(str, here))} of {self.world} on this host "
             f"({self.hosts[here[0]]}), {copies[:-1]} 0 on controller {self.controllers[0]} "
             f"({self.hosts[0]}), the store at {self.store}"
         )

@@ -13,7 +13,6 @@ logprobs were observed within 5e-7 of the whole batch's. The tests allow 1e-5.
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -27,6 +26,7 @@ from nodes.reference import ReferenceLogprobs
 from nodes.update import GRPOUpdate
 from runtime.engine.calls import node_op
 from runtime.ranks.group import start_groups
+from runtime.train.metrics import read_metrics
 from yatt_graph.refs import load_graph
 
 PROMPTS = ["hi", "what colour is it?", "x", "name the shape", "a b c"]
@@ -106,7 +106,7 @@ def test_a_critic_beside_its_update_scores_with_the_value_model_it_trains(batch)
     from nodes.reference import Critic
     from nodes.update import PPOUpdate
 
-    ports = {k: v for k, v in batch["ref"].items()}
+    ports = dict(batch["ref"])
     values0 = Critic().run(ports)["values"]
     train = {**batch["train"], "returns": batch["train"]["advantages"], "values": values0}
     update = PPOUpdate(lr=1e-3, epochs=1, ranks=2)
@@ -179,10 +179,6 @@ def test_the_memory_plan_counts_a_shard_of_the_reference_a_rank():
     assert set(rows["critic rank 1"]) == {"activations"}  # the update's model: no weights
 
 
-def _metrics(folder) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.timeout(300)
 def test_a_ppo_run_scoring_on_the_updates_ranks_trains_as_the_unsharded_run(tmp_path):
     """``--set shard_critic=true shard_reference=true`` as a user types it, from a folder
@@ -195,7 +191,7 @@ def test_a_ppo_run_scoring_on_the_updates_ranks_trains_as_the_unsharded_run(tmp_
     done = yatt(tmp_path, *sharded, "--out", "sharded", timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert yatt_here(tmp_path, *argv, "--out", "whole").returncode == 0
-    got, want = _metrics(tmp_path / "sharded"), _metrics(tmp_path / "whole")
+    got, want = read_metrics(tmp_path / "sharded"), read_metrics(tmp_path / "whole")
     assert len(got) == len(want) == 2
     for a, b in zip(got, want, strict=True):
         for key in ("loss", "vf_loss", "advantage/kl", "advantage/return_mean", "critic_grad_norm"):
