@@ -36,4 +36,13 @@ def test_the_demo_trains_and_writes_its_run_folder(tmp_path):
     for name in ("curves.png", "trace.json", "settings.json", "graph.json"):
         assert (out / name).stat().st_size > 0, name
     assert (out / "policy" / "prefix_vlm.json").is_file()  # a saved prefix-VLM
+    # With TensorBoard installed (the test extra has it), every step's scalars are there too.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    rewards = [json.loads(row)["scores/mean"] for row in rows]
+    scalars = events.Scalars("scores/mean")
+    assert [e.step for e in scalars] == list(range(150))
+    assert [e.value for e in scalars] == pytest.approx(rewards, rel=1e-6)  # float32 there
     assert f"curves: {Path('runs/demo/curves.png')}" in done.stdout

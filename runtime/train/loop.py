@@ -232,7 +232,8 @@ def train(
                 kept.flush()  # the table is the file's rows (a wait only with --wandb)
                 if path.is_file():  # (not written once the folder is full)
                     board.samples(result.step, path)
-        bar.set_postfix(_progress_fields(row, row["samples_per_s"]), refresh=False)
+        if progress:
+            bar.set_postfix(_progress_fields(row, row["samples_per_s"]), refresh=False)
         bar.update(1)
         if progress and glance_every > 0 and (result.step + 1) % glance_every == 0:
             lines = glance(result.step, result.outputs)
