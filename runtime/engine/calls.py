@@ -98,7 +98,8 @@ class Executor(Protocol):
     def step(self) -> StepResult: ...
 
     def run(self, steps: int = 1, on_step: OnStep = None, stop: Stop = None) -> list[StepResult]:
-        """Run ``steps`` steps; results in step order."""
+        """Run ``steps`` steps; their results in step order, each to ``on_step`` where given
+        (then none is kept: a long run holds no step's outputs), else returned."""
         ...
 
     def state_dict(self) -> dict[str, Any]: ...

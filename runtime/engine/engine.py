@@ -589,13 +589,13 @@ class LocalExecutor:
         self.next_step = step
 
     def run(self, steps: int = 1, on_step: OnStep = None, stop: Stop = None) -> list[StepResult]:
-        """Run ``steps`` steps; ``stop()``, asked after each, ends the run early (a SIGTERM)."""
-        results = []
+        """Run ``steps`` steps, each result to ``on_step`` or, without one, into the list returned
+        (so a training loop of many steps holds none of them); ``stop()``, asked after each,
+        ends the run early (a SIGTERM)."""
+        results: list[StepResult] = []
         for _ in range(steps):
             result = self.step()
-            if on_step:
-                on_step(result)
-            results.append(result)
+            (on_step or results.append)(result)
             if stop is not None and stop():
                 break
         return results

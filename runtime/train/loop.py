@@ -308,13 +308,14 @@ class Accounting:
 
     def run(self, steps: int = 1, on_step: OnStep = None, stop: Stop = None) -> list[StepResult]:
         """The executor's ``run`` (pipelined where it is), each result counted as it arrives."""
+        kept: list[StepResult] = []
 
         def counted(result: Any) -> None:
             self._account(result)
-            if on_step is not None:
-                on_step(result)
+            (on_step or kept.append)(result)
 
-        return self.executor.run(steps, on_step=counted, stop=stop)
+        self.executor.run(steps, on_step=counted, stop=stop)
+        return kept
 
     def _account(self, result: Any) -> Any:
         outputs = result.outputs

@@ -266,20 +266,22 @@ class ZmqExecutor:
         return self.run(1)[0]
 
     def run(self, steps: int = 1, on_step: OnStep = None, stop: Stop = None) -> list[StepResult]:
-        """Run ``steps`` steps, up to ``pipeline_depth`` of them in flight; results in step order.
+        """Run ``steps`` steps, up to ``pipeline_depth`` of them in flight; results in step order,
+        each to ``on_step`` or, without one, into the list returned (as ``LocalExecutor.run``).
 
         ``stop()``, asked after each step, ends the run early: no step is started after it
         says so, the ones in flight are finished, and the executor stays usable (between
         steps, so ``state_dict()`` works): how a SIGTERM still gets its checkpoint.
         """
         self._check_open()
-        last = self.next_step + steps
-        results = []
+        first = self.next_step
+        last = first + steps
+        results: list[StepResult] = []
         if self._rebalancer is not None:
             self._rebalancer.start()
         try:
             while self.next_step < last:
-                if results and stop is not None and stop():
+                if self.next_step > first and stop is not None and stop():
                     last = min(last, self._until)  # finish the steps in flight, start no more
                 want = min(last, self.next_step + self.pipeline_depth)
                 if want > self._until:
@@ -289,9 +291,7 @@ class ZmqExecutor:
                 result = self._collect(self.next_step)
                 self.next_step += 1
                 self._rebalance(result)
-                results.append(result)
-                if on_step is not None:
-                    on_step(result)
+                (on_step or results.append)(result)
         except BaseException as exc:
             self._shutdown(f"{type(exc).__name__} in the driver")
             raise
