@@ -167,11 +167,9 @@ def train(
         executor.load_state_dict(state)
         print(f"resumed from {path} at step {executor.next_step}", file=sys.stderr)
     out = Path(out_dir) if out_dir is not None else None
-    tracer = Tracer()
     if out is not None:
         truncate_metrics(out, executor.next_step)
-        if executor.next_step > 0:
-            tracer.keep_earlier(out / "trace.json", executor.next_step)
+    tracer = Tracer(out / "trace.json" if out is not None else None, executor.next_step)
     writer = MetricsWriter(out) if out is not None else None
     kept = SampleWriter(out, samples_every) if out is not None else None
     board = None
@@ -218,6 +216,7 @@ def train(
         if result.outputs.get("trajectories"):  # a multi-turn rollout's turns
             controller = result.node_controller.get(ROLLOUT, 0)
             tracer.turns(result.outputs["trajectories"], controller, result.step)
+        tracer.flush()
         if writer is not None:
             writer.write(row)
         if board is not None:
@@ -278,8 +277,7 @@ def train(
             kept.close()
         if board is not None:
             board.close()
-        if out is not None:
-            tracer.save(out / "trace.json")
+        tracer.close()
     if (
         out is not None
         and remaining

@@ -23,6 +23,7 @@ from typing import Any
 
 from runtime.train.metrics import CURVES, curve_key, json_number, read_metrics
 from runtime.train.report_samples import sample_browser
+from runtime.train.trace import read_trace
 from yatt_graph import UsageError
 
 __all__ = ["REPORT_CURVES", "report_data", "write_report"]
@@ -111,33 +112,20 @@ def _trace_events(run: Path, notes: list[str]) -> list[dict[str, Any]] | None:
     path = run / "trace.json"
     if not path.is_file():
         notes.append(
-            "no trace.json: the run is in progress or was killed (it is written when a run "
-            "ends); node times come from metrics.jsonl, utilization from its util/* rows"
+            "no trace.json: the run has not written a step's spans yet (or was killed before "
+            "it did); node times come from metrics.jsonl, utilization from its util/* rows"
         )
         return None
-    text = path.read_text(encoding="utf-8", errors="replace")
     try:
-        data = json.loads(text)
-        events = data["traceEvents"] if isinstance(data, dict) else data
-        if isinstance(events, list):
-            return [e for e in events if isinstance(e, dict)]
-        raise ValueError("no traceEvents list")
-    except (ValueError, KeyError, TypeError):
-        pass
-    start = text.find("[")
-    decoder, events, at = json.JSONDecoder(), [], start + 1
-    while start >= 0:
-        while at < len(text) and text[at] in " \n\r\t,":
-            at += 1
-        try:
-            event, at = decoder.raw_decode(text, at)
-        except ValueError:
-            break
-        if isinstance(event, dict):
-            events.append(event)
-    notes.append(
-        f"trace.json is cut short (the run is writing it?); read its first {len(events)} events"
-    )
+        events, _, whole = read_trace(path)
+    except (OSError, ValueError) as exc:
+        notes.append(f"{exc}; node times come from metrics.jsonl, utilization from its util/* rows")
+        return None
+    if not whole:
+        notes.append(
+            f"trace.json is cut short (the run is writing it, or was killed); read its first "
+            f"{len(events)} events"
+        )
     return events
 
 

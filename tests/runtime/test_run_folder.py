@@ -22,6 +22,7 @@ from runtime.train.checkpoint import checkpoints
 from runtime.train.loop import train, train_with_restarts
 from runtime.train.metrics import read_metrics
 from runtime.train.run_folder import RunLock
+from runtime.train.trace import read_trace
 from yatt_graph.refs import load_graph
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -350,6 +351,19 @@ def test_sigterm_with_two_controllers_shuts_them_down_and_exits_143(tmp_path):
     assert json.loads((out / "trace.json").read_text())["traceEvents"]
     assert run("--steps", str(n + 2), "--resume", str(out)) == 0
     assert raw_steps(out) == list(range(n + 2))
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_runs_trace_holds_every_recorded_step_and_reports(tmp_path):
+    out = tmp_path / "run"
+    done, steps = _sigterm_run(out, sig=signal.SIGKILL)
+    assert done.returncode == -signal.SIGKILL
+    events, origin, whole = read_trace(out / "trace.json")
+    assert not whole and origin is not None  # cut short, not lost
+    traced = {e["args"]["step"] for e in events if e["ph"] == "X"}
+    assert set(steps) <= traced, (steps, sorted(traced))
+    assert main(["report", str(out)]) == 0
+    assert "trace.json is cut short" in (out / "report.html").read_text()
 
 
 @pytest.mark.timeout(120)
