@@ -1,12 +1,15 @@
-"""Soak: many small steps through 3 controllers, with every result checked and memory measured.
+"""Soak: many small steps through 3 controllers and the training loop, every result checked
+and memory measured.
 
     .venv/bin/python -m bench.soak [--steps 10000] [--controllers 3] [--warmup 500] [--json]
 
 The graph: a source on controller 0 (8 floats per step, seeded by the step), an accumulator
 on controller 1 that adds them to the running total it gets back from a mirror on controller
 2 over a delayed edge, and the total returned to the driver: every step crosses all three
-controllers and a delayed edge. Each step's total is compared (bitwise) with the sum
-computed here. RSS (resident memory) of the driver and of each controller is read after
+controllers and a delayed edge. The steps run as ``yatt-graph run`` runs them: the training
+loop (``runtime.train.loop.train``) drives the executor and writes its metric rows, trace and
+TensorBoard events to a temporary folder. Each step's total is compared (bitwise) with the
+sum computed here. RSS (resident memory) of the driver and of each controller is read after
 ``--warmup`` steps and then every ``--every`` steps; the growth after warm-up is the figure
 (target: under 10 %). ``--json`` prints one JSON object (tests/runtime/test_soak.py reads it).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -23,6 +27,7 @@ import psutil
 import torch
 
 from bench._util import load_average, machine, table
+from runtime.train.loop import Accounting, train
 from runtime.zmq.driver import ZmqExecutor
 from yatt_graph import ANY, Graph, Node, Port, Tensor
 
@@ -71,6 +76,24 @@ def build_graph(controllers: int = 3) -> Graph:
     return g
 
 
+class Checked:
+    """An executor whose every result goes to ``check`` before the training loop gets it."""
+
+    def __init__(self, executor: Any, check: Any) -> None:
+        self.executor, self.check = executor, check
+
+    def __getattr__(self, name: str) -> Any:  # graph, next_step, state_dict, ...
+        return getattr(self.executor, name)
+
+    def run(self, steps: int = 1, on_step: Any = None, stop: Any = None) -> list[Any]:
+        def both(result: Any) -> None:
+            self.check(result)
+            if on_step is not None:
+                on_step(result)
+
+        return self.executor.run(steps, on_step=both, stop=stop)
+
+
 def _rss_mb(pids: list[int]) -> list[float]:
     return [psutil.Process(p).memory_info().rss / 2**20 for p in pids]
 
@@ -81,31 +104,31 @@ def soak(
     """Run the soak; a dict of figures (see the module docstring)."""
     import os
 
+    if steps < 1 or warmup < 1 or every < 1:
+        raise ValueError("--steps, --warmup and --every must each be at least 1")
+
     expected = torch.zeros(SIZE)
     wrong: list[int] = []
     samples: list[dict[str, Any]] = []
     t0 = time.perf_counter()
+    started: list[float] = []
     with ZmqExecutor(build_graph(controllers).plan(controllers)) as ex:
         pids = [os.getpid(), *ex.pids]
-        done = 0
 
         def check(result: Any) -> None:
             nonlocal expected
             expected = expected + _x(result.step)
             if not torch.equal(result.outputs["total"], expected):
                 wrong.append(result.step)
+            done = result.step + 1
+            if done == warmup:
+                started.append(time.perf_counter())
+            if done >= warmup and ((done - warmup) % every == 0 or done == warmup + steps):
+                samples.append({"step": done, "rss_mb": _rss_mb(pids)})
 
-        ex.run(warmup, on_step=check)
-        done = warmup
-        base = _rss_mb(pids)
-        t_run = time.perf_counter()
-        samples.append({"step": done, "rss_mb": base})
-        while done < warmup + steps:
-            chunk = min(every, warmup + steps - done)
-            ex.run(chunk, on_step=check)
-            done += chunk
-            samples.append({"step": done, "rss_mb": _rss_mb(pids)})
-        seconds = time.perf_counter() - t_run
+        with tempfile.TemporaryDirectory(prefix="yatt-soak-") as out:
+            train(Accounting(Checked(ex, check)), warmup + steps, out, progress=False)
+        seconds = time.perf_counter() - started[0]
         dropped = ex.dropped_messages
         # What the driver keeps between steps must not grow with the steps run.
         held = {
@@ -113,6 +136,7 @@ def soak(
             "events": len(ex.link.events),
             "peers": len(ex.link.last_seen),
         }
+    base = samples[0]["rss_mb"]
     final = samples[-1]["rss_mb"]
     peak = [max(s["rss_mb"][i] for s in samples) for i in range(len(pids))]
     names = ["driver", *[f"controller {i}" for i in range(controllers)]]

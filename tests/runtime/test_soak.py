@@ -1,4 +1,5 @@
-"""A short soak: 1,000 small steps through 3 controllers, every result checked, memory flat.
+"""A short soak: 1,000 small steps through 3 controllers and the training loop, every result
+checked, memory flat.
 
 The full 10,000-step soak is ``python -m bench.soak`` (figures in docs/RELIABILITY.md); this
 runs the same script for 1,000 steps after 300 warm-up steps, in a process of its own so that
