@@ -132,9 +132,9 @@ class EventFile:
     every scalar of the row, each framed as a TFRecord (its length and the Event, each with
     its masked CRC-32C).
 
-    TensorBoard's own writer checksums in pure Python on a thread of its own, about 0.2 ms of
-    CPU a step for a row of 40 metrics, which the step's computing threads lose on a small
-    machine; ``google_crc32c`` (the ``tensorboard`` extra) does it in microseconds. Without it,
+    TensorBoard's own writer checksums in pure Python on a thread of its own, about 0.4 ms of
+    CPU a step for the demo's row of 45 metrics, which the step's computing threads lose on a
+    small machine; ``google_crc32c`` (the ``tensorboard`` extra) does it in microseconds. Without it,
     TensorBoard's pure-Python checksum serves."""
 
     def __init__(self, folder: Path, crc32c: Any, protos: tuple[Any, Any]):

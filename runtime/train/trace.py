@@ -32,7 +32,8 @@ def read_trace(path: str | Path) -> tuple[list[dict[str, Any]], float | None, bo
         events = data.get("traceEvents") if isinstance(data, dict) else data
         if not isinstance(events, list):
             raise ValueError(f"{path}: no traceEvents list")
-        origin = data.get("otherData", {}).get("origin_s") if isinstance(data, dict) else None
+        other = data.get("otherData") if isinstance(data, dict) else None
+        origin = other.get("origin_s") if isinstance(other, dict) else None
         origin = float(origin) if isinstance(origin, int | float) else None
         return [e for e in events if isinstance(e, dict)], origin, True
     start = text.find("[")
