@@ -157,12 +157,15 @@ def test_text_prompts_from_parquet_with_a_plain_reward_and_ppo_from_a_saved_data
 
     samples = pd.read_parquet(tmp_path / "grpo" / "samples")
     assert samples["prompt"].str.fullmatch(r"What is \d+ \+ \d+\? Answer .*").all()
-    run(
+    done = run(
         tmp_path, "run", "text_ppo", "--policy", str(real_model), "--data", "chat_ds",
-        "--reward", "rewards.py:number", "--steps", "1", "--out", "ppo",
+        "--reward", "rewards.py:number", "--steps", "1", "--out", "ppo", "--quiet",
         "--set", "batch_size=2", "--set", "max_new_tokens=8", "--train-ranks", "2",
         "--set", "shard_critic=true", "--set", "shard_reference=true",
     )  # fmt: skip
+    # quiet: no progress bar at all, transformers' "Loading weights" (policy, reference and
+    # critic, in the driver and the rank process) included
+    assert "it/s]" not in done.stderr + done.stdout, done.stderr[-3000:]
     (row,) = metrics(tmp_path / "ppo")
     assert row["samples"] == 2 and row["critic_grad_norm"] > 0, sorted(row)
     # the sampler's logprobs against the sharded reference's: only their float gap (0.011
