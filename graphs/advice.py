@@ -115,7 +115,13 @@ def step_load(config: RLConfig, graph: Any) -> Load:
     # either way they are positions of its prompts
     seen = any(e.dst_port in ("images", "image_embeds") for e in graph.inputs_of("rollout"))
     images = list(images) if images is not None and seen else None
-    longest = prompt_tokens(rollout.policy_spec, list(batch["prompts"]), images)
+    try:
+        longest = prompt_tokens(rollout.policy_spec, list(batch["prompts"]), images)
+    except UsageError as exc:  # prompts the policy cannot read: name the data they came from
+        where = getattr(data, "file_label", None)
+        if where is None:
+            raise
+        raise UsageError(f"{where}: {exc}") from exc
     if config.max_prompt_tokens is not None:
         longest = min(longest, config.max_prompt_tokens)
     pixels = max((im.width * im.height for im in images or []), default=0)

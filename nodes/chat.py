@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["chat_messages"]
+from yatt_graph import UsageError
+
+__all__ = ["chat_messages", "needs_template"]
 
 
 def chat_messages(prompt: Any) -> list[dict[str, Any]] | None:
@@ -26,4 +28,13 @@ def chat_messages(prompt: Any) -> list[dict[str, Any]] | None:
     raise ValueError(
         f"a prompt is text or a list of chat messages ({{'role': ..., 'content': ...}}), "
         f"got {prompt!r:.80}"
+    )
+
+
+def needs_template(why: str) -> UsageError:
+    """The error for chat-message prompts given to a policy that cannot format them; ``why``
+    says why it cannot (``"its tokenizer has none"``)."""
+    return UsageError(
+        f"a prompt of chat messages needs the policy's chat template, and {why}; give the "
+        "prompt column as text, or --policy a model with a chat template"
     )

@@ -254,7 +254,7 @@ def _dir_prompt_tokens(root: Path, family: str, spec: Mapping[str, Any], prompts
                        images: list[Any] | None) -> int:  # fmt: skip
     from transformers import AutoProcessor
 
-    from nodes.chat import chat_messages
+    from nodes.chat import chat_messages, needs_template
     from nodes.models.families import check_model_dir
     from nodes.models.files import _load_tokenizer, _loading
 
@@ -263,6 +263,10 @@ def _dir_prompt_tokens(root: Path, family: str, spec: Mapping[str, Any], prompts
     if family == "vlm":
         with _loading("memory plan", root):
             processor = AutoProcessor.from_pretrained(root, local_files_only=True)
+        if not (template and getattr(processor, "chat_template", None)) and any(
+            chat_messages(p) is not None for p in prompts
+        ):
+            raise needs_template("its processor has none" if template else "chat_template=false")
         lengths = []
         for i, prompt in enumerate(prompts):
             image = images[i] if images else None
@@ -287,6 +291,9 @@ def _dir_prompt_tokens(root: Path, family: str, spec: Mapping[str, Any], prompts
             messages = messages or [{"role": "user", "content": str(prompt)}]
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             ids = ids["input_ids"] if isinstance(ids, Mapping) else ids
+        elif messages is not None:
+            why = "its tokenizer has none" if template else "chat_template=false"
+            raise needs_template("a prefix-VLM has none" if family == "prefix-vlm" else why)
         else:
             ids = tokenizer(str(prompt))["input_ids"]
         lengths.append(len(ids))

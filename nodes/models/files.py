@@ -224,15 +224,11 @@ def _check_processor_files(fn: str, path: Path) -> None:
 @contextlib.contextmanager
 def _loading(fn: str, path: Path, what: str = "") -> Iterator[None]:
     """Turn a loader's error (transformers, safetensors, torch) into one UsageError line
-    naming ``path`` (and ``what`` it was to be loaded as). transformers' own progress bars
-    ("Loading weights") are off meanwhile: the run's progress bar is the one to read, and
-    ``--quiet`` means quiet; they come back after, for a notebook's other loads."""
-    from transformers.utils import logging as hf_logging
-
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    naming ``path`` (and ``what`` it was to be loaded as); no progress bar meanwhile
+    (:func:`_no_bars`)."""
     try:
-        yield
+        with _no_bars():
+            yield
     except UsageError:
         raise
     except Exception as exc:
@@ -241,6 +237,19 @@ def _loading(fn: str, path: Path, what: str = "") -> Iterator[None]:
             f"{fn}: the model in {str(path)!r} could not be loaded{' as ' + what if what else ''}"
             f" ({type(exc).__name__}: {why})"
         ) from exc
+
+
+@contextlib.contextmanager
+def _no_bars() -> Iterator[None]:
+    """transformers' own progress bars ("Loading weights", "Writing model shards") off while
+    a model loads or saves: the run's progress bar is the one to read, and ``--quiet`` means
+    quiet; the caller's setting is back after, for a notebook's other loads."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
     finally:
         if shown:
             hf_logging.enable_progress_bar()

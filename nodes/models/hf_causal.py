@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nodes.chat import chat_messages
-from nodes.models.files import _load_pretrained, _load_tokenizer, save_tokenizer
+from nodes.chat import chat_messages, needs_template
+from nodes.models.files import _load_pretrained, _load_tokenizer, _no_bars, save_tokenizer
 from nodes.models.policy_base import (
     TINY_MARK,
     Policy,
@@ -68,11 +68,8 @@ class HFCausalPolicy(Policy):
         messages = chat_messages(prompt)
         if not self._templated:
             if messages is not None:
-                raise ValueError(
-                    "HFCausalPolicy: a prompt of chat messages needs a chat template, and "
-                    f"{'this tokenizer has none' if self.use_chat_template else 'chat_template is off'}"
-                    "; give text prompts, or a model whose tokenizer has a template"
-                )
+                why = "its tokenizer has none" if self.use_chat_template else "chat_template=false"
+                raise needs_template(why)
             return prompt
         return self.tokenizer.apply_chat_template(
             messages or [{"role": "user", "content": prompt}], tokenize=False,
@@ -143,7 +140,8 @@ class HFCausalPolicy(Policy):
         ``AutoModelForCausalLM`` and ``AutoTokenizer`` load and :func:`load_policy` reads back
         (a LoRA policy is saved merged; a tiny policy's tokenizer, built in code, loads as it
         is: :func:`nodes.models.files.save_tokenizer`)."""
-        self._export_model().save_pretrained(path)
+        with _no_bars():
+            self._export_model().save_pretrained(path)
         tiny = bool(getattr(self.model.config, TINY_MARK, False))
         save_tokenizer(self.tokenizer, path, built_in_code=tiny)
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nodes.chat import chat_messages
-from nodes.models.files import _load_pretrained, _pin_tokenizer_json
+from nodes.chat import chat_messages, needs_template
+from nodes.models.files import _load_pretrained, _no_bars, _pin_tokenizer_json
 from nodes.models.policy_base import (
     _QWEN_VISION_TOKENS,
     _TINY_CHAT_TEMPLATE,
@@ -86,10 +86,8 @@ class HFVisionLanguagePolicy(Policy):
                 messages, tokenize=False, add_generation_prompt=True
             )
         if messages is not None:
-            raise ValueError(
-                "HFVisionLanguagePolicy: a prompt of chat messages needs the processor's chat "
-                "template (it has none, or chat_template is off); give text prompts"
-            )
+            why = "chat_template=false" if template else "its processor has none"
+            raise needs_template(why)
         return (self.image_token or "") + prompt if with_image else prompt
 
     def _check_images(self, fn: str, images: Sequence[Any] | None, n: int) -> None:
@@ -212,7 +210,8 @@ class HFVisionLanguagePolicy(Policy):
         """``model.save_pretrained`` + ``processor.save_pretrained`` into one directory (a LoRA
         policy is saved merged, so ``AutoModelForImageTextToText`` loads it; a tiny policy's
         tokenizer, built in code, loads as it is: :func:`nodes.models.files.save_tokenizer`)."""
-        self._export_model().save_pretrained(path)
+        with _no_bars():
+            self._export_model().save_pretrained(path)
         self.processor.save_pretrained(path)
         if getattr(self.model.config, TINY_MARK, False):  # a tokenizer built in code
             _pin_tokenizer_json(Path(path))

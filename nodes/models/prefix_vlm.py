@@ -13,12 +13,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nodes.chat import chat_messages
+from nodes.chat import chat_messages, needs_template
 from nodes.models.files import (
     _check_safetensors,
     _load_pretrained,
     _load_tokenizer,
     _loading,
+    _no_bars,
     _read_json,
     save_tokenizer,
 )
@@ -83,10 +84,7 @@ class PrefixVLM(Policy):
             )
         self._check_embeds("PrefixVLM.encode_prompts", image_embeds, len(prompts))
         if any(chat_messages(p) is not None for p in prompts):
-            raise ValueError(
-                "PrefixVLM.encode_prompts: a prefix-VLM reads text prompts, not chat messages; "
-                "give the prompt column as text, or use an image-text-to-text model"
-            )
+            raise needs_template("a prefix-VLM has none")
         enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True)
         return self.prepare(enc["input_ids"], enc["attention_mask"], image_embeds=image_embeds)
 
@@ -161,7 +159,8 @@ class PrefixVLM(Policy):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self._export_model().save_pretrained(path / "lm")
+        with _no_bars():
+            self._export_model().save_pretrained(path / "lm")
         tiny = bool(getattr(self.lm.config, TINY_MARK, False))
         save_tokenizer(self.tokenizer, path / "lm", built_in_code=tiny)
         save_tokenizer(self.tokenizer, path, built_in_code=tiny)

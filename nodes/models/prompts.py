@@ -5,7 +5,9 @@ a prompt that leaves no room for the response is one error naming it, or, with
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+from nodes.chat import chat_messages
 from nodes.models.policy_base import Policy, PromptBatch
 from yatt_graph import UsageError
 
@@ -15,7 +17,7 @@ __all__ = ["fit_prompts"]
 def fit_prompts(
     policy: Policy,
     batch: PromptBatch,
-    prompts: Sequence[str],
+    prompts: Sequence[str | list[dict[str, Any]]],
     *,
     max_new_tokens: int,
     max_prompt_tokens: int | None,
@@ -27,7 +29,7 @@ def fit_prompts(
     tokens (the question and the chat template's assistant turn are at its end), as TRL
     truncates; a prompt whose image tokens would be cut is refused. Without it, a prompt
     that does not fit is one error naming it, its length, the context and the fixes.
-    ``prompts`` are the texts of the rows (for the message).
+    ``prompts`` are the rows' prompts, text or chat messages (for the message).
     """
     if max_prompt_tokens is not None:
         batch = _cut_prompts(policy, batch, prompts, max_prompt_tokens, who)
@@ -56,7 +58,11 @@ def fit_prompts(
 
 
 def _cut_prompts(
-    policy: Policy, batch: PromptBatch, prompts: Sequence[str], keep: int, who: str
+    policy: Policy,
+    batch: PromptBatch,
+    prompts: Sequence[str | list[dict[str, Any]]],
+    keep: int,
+    who: str,
 ) -> PromptBatch:
     """Left-padded rows cut to their last ``keep`` tokens (the prompt's end)."""
     if batch.prompt_ids.shape[1] <= keep:
@@ -83,6 +89,9 @@ def _cut_prompts(
     )
 
 
-def _preview(text: str, n: int = 40) -> str:
-    """The start of a prompt, for messages: ``'What colour is the sh...'``."""
+def _preview(prompt: str | list[dict[str, Any]], n: int = 40) -> str:
+    """The start of a prompt, for messages: ``'What colour is the sh...'``; chat messages as
+    their last one's ``role: content``, the turn that asks."""
+    messages = chat_messages(prompt)
+    text = prompt if messages is None else f"{messages[-1]['role']}: {messages[-1]['content']}"
     return repr(text[:n] + ("..." if len(text) > n else ""))

@@ -14,6 +14,7 @@ from nodes.models.policy import (
     check_policy_spec,
     load_policy,
 )
+from yatt_graph import UsageError
 
 ATOL = 1e-5  # cached generation vs teacher-forced forward, float32 on CPU (seen: ~5e-7)
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"}
@@ -226,5 +227,5 @@ def test_a_prompt_of_chat_messages_is_formatted_by_the_template():
     assert ids == want
     plain = tiny_causal_lm("llama")
     plain.use_chat_template = False
-    with pytest.raises(ValueError, match="chat messages needs a chat template"):
+    with pytest.raises(UsageError, match="chat messages needs the policy's chat template"):
         plain.encode_prompts([chat])

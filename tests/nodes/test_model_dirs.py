@@ -46,22 +46,25 @@ def test_causal_dirs_load_generate_and_agree(arch, tmp_path):
     assert torch.allclose(tf, gen.logprobs, atol=1e-5)
 
 
-def test_loading_shows_no_progress_bar_and_leaves_the_setting_as_it_was(tmp_path, capsys):
-    """transformers' "Loading weights" bar stays off while a model loads (the run's own bar is
-    the one to read), and a caller's setting, on or off, is as it was afterwards."""
+def test_loading_and_saving_show_no_progress_bar_and_leave_the_setting_as_it_was(tmp_path, capsys):
+    """transformers' "Loading weights" and "Writing model shards" bars stay off while a
+    model loads or saves (the run's own bar is the one to read), and a caller's setting, on
+    or off, is as it was afterwards."""
     from transformers.utils import logging as hf_logging
 
-    tiny_causal_lm("llama", seed=0).save_pretrained(tmp_path / "lm")
-    capsys.readouterr()
     for shown in (True, False):
         (hf_logging.enable_progress_bar if shown else hf_logging.disable_progress_bar)()
         try:
-            build_policy(str(tmp_path / "lm"))
+            tiny_causal_lm("llama", seed=0).save_pretrained(tmp_path / "lm")
+            assert hf_logging.is_progress_bar_enabled() is shown
+            build_policy(str(tmp_path / "lm")).save_pretrained(tmp_path / "again")
+            tiny_prefix_vlm().save_pretrained(tmp_path / "prefix")
+            build_policy(str(tmp_path / "prefix"))
             assert hf_logging.is_progress_bar_enabled() is shown
         finally:
             hf_logging.enable_progress_bar()
         out = capsys.readouterr()
-        assert "Loading weights" not in out.err + out.out, out.err
+        assert "it/s]" not in out.err + out.out, out.err
 
 
 def test_saved_word_tokenizer_loads_back_exactly(tmp_path):
