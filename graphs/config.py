@@ -29,7 +29,7 @@ from typing import Any, Literal, Self
 import msgspec
 
 from nodes.data import TASKS
-from nodes.models.families import is_tiny_dir, model_positions
+from nodes.models.families import has_chat_template, is_tiny_dir, model_positions
 from nodes.models.precision import PRECISIONS, native_bf16
 from nodes.models.sampling import MIN_TEMPERATURE, temperature_problem
 from nodes.rl.advantages import GROUP_ESTIMATORS, KLEstimator
@@ -122,6 +122,12 @@ def _positions(policy: str | dict[str, Any]) -> int | None:
     """The context of a policy given as a folder (:func:`model_positions`), else None."""
     path = policy.get("path") if isinstance(policy, dict) else policy
     return model_positions(path) if isinstance(path, str) else None
+
+
+def _templated(policy: str | dict[str, Any]) -> bool:
+    """Whether a policy given as a folder has a chat template (:func:`has_chat_template`)."""
+    path = policy.get("path") if isinstance(policy, dict) else policy
+    return isinstance(path, str) and has_chat_template(path)
 
 
 def fitted_new_tokens(policy: str | dict[str, Any], default: int) -> tuple[int, str]:
@@ -386,6 +392,13 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         at_least("batch_size", self.batch_size, 1)
         at_least("seed", self.seed, 0)
         at_least("max_new_tokens", self.max_new_tokens, 1)
+        positions = _positions(self.policy)
+        if positions is not None and self.max_new_tokens >= positions:
+            refuse(
+                "max_new_tokens",
+                self.max_new_tokens,
+                f"below the model's context, {positions} positions, which the prompt shares",
+            )
         if self.max_prompt_tokens is not None:
             at_least("max_prompt_tokens", self.max_prompt_tokens, 1)
         at_least("epochs", self.epochs, 1)
@@ -513,7 +526,7 @@ class RLConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 ),
             ),
             **dict.fromkeys(("lora_alpha", "lora_targets"), ("lora_r > 0", self.lora_r > 0)),
-            "chat_template": ("a model of your own", users_model(self.policy)),
+            "chat_template": ("a policy with a chat template", _templated(self.policy)),
             "train_backend": ("train_ranks > 1", self.train_ranks > 1),
             "shard_reference": (
                 "train_ranks > 1 and a reference (kl_coef > 0)",

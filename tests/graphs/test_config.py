@@ -349,3 +349,16 @@ def test_grpo_without_its_kl_term_runs_no_reference():
     graph = load_graph("graphs.mm_grpo", batch_size=2, kl_coef=0.0)
     assert "reference" not in graph.nodes
     assert "ref_logprobs" not in {e.dst_port for e in graph.edges if e.dst == "grpo"}
+
+
+def test_chat_template_is_idle_only_for_a_policy_without_one(tmp_path):
+    """``chat_template`` matters for a policy folder whose tokenizer has a template (a saved
+    tiny model's too), and is listed idle for the built-in tiny policies and a folder without."""
+    from nodes.models.hf_causal import tiny_causal_lm
+
+    template = "{% for m in messages %}U:{{ m['content'] }};{% endfor %}A:"
+    tiny_causal_lm("llama", chat_template=template).save_pretrained(tmp_path / "chat")
+    tiny_causal_lm("llama").save_pretrained(tmp_path / "plain")
+    assert "chat_template" not in TextGRPOConfig(policy=str(tmp_path / "chat")).idle_options()
+    for policy in ("tiny-llama", str(tmp_path / "plain")):
+        assert "chat_template" in TextGRPOConfig(policy=policy).idle_options(), policy

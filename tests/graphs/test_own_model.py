@@ -140,6 +140,45 @@ def test_a_prompt_longer_than_the_context_is_one_line_and_max_prompt_tokens_cuts
     out = tmp_path / "run"
     flags = ["--set", "batch_size=4", "max_prompt_tokens=32", "--out", str(out)]
     assert main([*args, *flags]) == 0
+    # chat messages (to a causal LM with a chat template) are named by their last turn
+    from nodes.models.hf_causal import tiny_causal_lm
+
+    template = "{% for m in messages %}U:{{ m['content'] }};{% endfor %}A:"
+    tiny_causal_lm("llama", chat_template=template).save_pretrained(tmp_path / "lm")
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "say " * 300}]
+    data.write_text(json.dumps({"prompt": chat, "answer": "red"}) + "\n")
+    assert main([*args, "--set", "batch_size=1", "--policy", str(tmp_path / "lm")]) == 2
+    err = capsys.readouterr().err
+    assert "the prompt 'user: say say say say say say say say sa...' takes 1217" in err, err
+    assert "Traceback" not in err
+    # and to a policy without a chat template, refused at start naming the file
+    assert main([*args, "--set", "batch_size=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(
+        "error: long.jsonl: a prompt of chat messages needs the policy's chat template, and a "
+        "prefix-VLM has none; give the prompt column as text, or --policy a model with a chat "
+        "template\n"
+    ), err
+
+
+def test_max_new_tokens_that_leave_a_prompt_no_room_are_refused_before_the_run(tmp_path, capsys):
+    """The model's context (its config.json's positions) bounds max_new_tokens, when set and
+    when fitted, for ``run`` and ``show`` alike, before a model loads."""
+    from nodes.models.hf_causal import tiny_causal_lm
+
+    tiny_causal_lm().save_pretrained(tmp_path / "lm")
+    config = json.loads((tmp_path / "lm" / "config.json").read_text())
+    (tmp_path / "lm" / "config.json").write_text(json.dumps({**config, "n_positions": 64}))
+    argv = ["text_grpo", "--policy", str(tmp_path / "lm"), "--set", "max_new_tokens=64"]
+    assert main(["run", *argv, "--steps", "1", "--quiet"]) == 2
+    assert main(["show", *argv, "--memory"]) == 2
+    for err in capsys.readouterr().err.strip().splitlines():
+        assert err.endswith(
+            "option max_new_tokens=64: must be below the model's context, 64 positions, which "
+            "the prompt shares"
+        ), err
+    argv[-1] = "max_new_tokens=63"
+    assert main(["show", *argv, "--memory"]) == 0
 
 
 @pytest.mark.timeout(300)
