@@ -99,8 +99,7 @@ def test_a_wrong_key_or_value_is_refused_in_one_line_with_exit_code_2(pair, expe
     assert main(["show", "graphs/mm_ppo.py", "--set", pair]) == 2
     err = capsys.readouterr().err
     assert expected in err and err.count("\n") == 1
-    if "valid:" in expected:
-        assert "stream (bool)" in err and "on_bad_sample (raise|skip)" in err
+    assert "valid:" not in err and len(err) < 240, err  # the option at fault, not all of them
 
 
 def test_a_named_model_flag_the_graph_lacks_is_refused(capsys):
@@ -124,13 +123,14 @@ def test_a_user_graph_gets_types_from_its_signature(user_graph, capsys):
     assert got["anything"] == [1, 2]  # no annotation, no typed default: JSON ...
     assert received(user_graph, "anything=plain words")["anything"] == "plain words"  # ... or text
     for pair, expected in [
-        ("count=2.5", "option 'count' of"),
-        ("inferred=x", "option 'inferred' of"),  # typed by its default 3
+        ("count=2.5", "'2.5' is not int"),
+        ("inferred=x", "'x' is not int"),  # typed by its default 3
         ("flag=maybe", "'maybe' is not bool"),
     ]:
         assert main(["show", str(user_graph), "--set", pair]) == 2
         err = capsys.readouterr().err
-        assert expected in err and "my_graph.py" in err and "valid: flag (bool), count (int)" in err
+        name = pair.split("=")[0]
+        assert f"error: option {name!r} of {user_graph}: {expected}\n" in err, err
     assert main(["show", str(user_graph), "--set", "colour=red"]) == 2
     err = capsys.readouterr().err
     assert f"unknown option 'colour' for {user_graph}; `yatt-graph show {user_graph} " in err

@@ -316,7 +316,8 @@ def _convert_all(
     convert: Callable[[Option, Any], Any],
 ) -> dict[str, Any]:
     """Each value through ``convert(option, value)``; an unknown key (unless ``more``: the
-    graph takes ``**options``) or a value ``convert`` refuses is a TypeError listing the options."""
+    graph takes ``**options``) is a TypeError listing the options, a value ``convert`` refuses
+    one naming the option's type."""
     by_name = {o.name: o for o in options}
     converted: dict[str, Any] = {}
     for key, value in values.items():
@@ -327,8 +328,7 @@ def _convert_all(
             converted[key] = convert(option, value)
         except (ValueError, msgspec.ValidationError):
             raise TypeError(
-                f"option {option.name!r} of {where}: {value!r} is not {option.label}; "
-                f"valid: {format_options(options)}"
+                f"option {option.name!r} of {where}: {value!r} is not {option.label}"
             ) from None
     return converted
 
