@@ -191,8 +191,11 @@ def typed_words(text: str, target: str) -> str:
     its flag (``on_bad_sample='skip'``: ``--on-bad-sample skip``, ``rollout=hf``: ``--rollout
     hf``), another with ``--set`` where it is spelled as Python (``stream=True``: ``--set
     stream=true``) or follows "set" (``set tis_cap=0``: ``use --set tis_cap=0``). Other mentions
-    (``max_new_tokens=2 more``) are left as they are, and so is ``text`` if the graph does
-    not load."""
+    (``max_new_tokens=2 more``) are left as they are, as are a quoted echo of what the user
+    typed (``got 'rollout=abc'``), a message about a flag (``--replicas takes NODE=R pairs
+    (rollout=2)``: its words are that flag's) and ``text`` if the graph does not load."""
+    if text.startswith("--"):
+        return text
     try:
         options, _ = module_options(load_graph_module(target))
     except Exception:  # the message is about that: say it as it is
@@ -201,7 +204,7 @@ def typed_words(text: str, target: str) -> str:
     if not keys:
         return text
     pattern = re.compile(
-        r"(?<![\w.=-])(?P<verb>set )?(?P<key>" + "|".join(map(re.escape, keys)) + r")="
+        r"(?<![\w.='\"-])(?P<verb>set )?(?P<key>" + "|".join(map(re.escape, keys)) + r")="
         r"(?P<value>'[^']*'|\"[^\"]*\"|[^\s,;)]+)"
     )
 

@@ -172,6 +172,13 @@ def test_a_checkpoint_recording_an_option_the_graph_no_longer_takes_is_one_line(
         "'vocabb'=8 for graphs.toy, which takes no such option today (did you mean 'vocab'?)"
     )
     assert not (here / "policy").exists()
+    # a folder that is not there is said to be not there, not to hold no checkpoints
+    capsys.readouterr()
+    assert main(["export", "rnu", "policy"]) == 2
+    assert one_line(capsys.readouterr().err) == (
+        "yatt-graph export: error: rnu does not exist; give a run folder (the --out of a run) "
+        "or one of its checkpoints/step_N folders"
+    )
 
 
 # --- 3. node keywords in messages, as the user types them --------------------------------------
@@ -226,9 +233,22 @@ def test_keywords_become_what_the_user_types_and_other_text_stays():
         "option lr=-1.0: must be > 0",
         "pass --set answer_key=<column>",
         "vf_coef=0.5 and value_clip_eps=None",
+        "got 'rollout=abc'",  # the user's words, echoed
+        "--replicas takes NODE=R pairs with R >= 1 (rollout=2), got 'rollout=abc'",  # a flag's
     ):
         assert said(text) == text
     assert said("pass on_bad_sample='skip'", "graphs.toy") == "pass on_bad_sample='skip'"
+
+
+def test_a_flags_message_keeps_its_own_words(tmp_path, monkeypatch, capsys):
+    """A flag's error echoes what was typed: ``rollout=abc`` is --replicas' value, not the
+    --rollout flag's, in a graph that has that flag."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "mm_ppo", "--replicas", "rollout=abc", "--quiet"]) == 2
+    assert one_line(capsys.readouterr().err).endswith(
+        "error: --replicas takes NODE=R pairs with R >= 1, separated by commas (rollout=2), "
+        "got 'rollout=abc'"
+    )
 
 
 # --- 4. a learning rate that reaches 0 before the run's end -------------------------------
