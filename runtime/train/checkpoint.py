@@ -125,6 +125,11 @@ def find_checkpoint(
     meta, without loading ``state.pt``. With ``identity`` (:func:`graph_identity`), a
     checkpoint recorded for another graph is refused, naming what differs."""
     source = Path(source)
+    if not source.exists():
+        raise CheckpointError(
+            f"{source} does not exist; give a run folder (the --out of a run) or one of its "
+            "checkpoints/step_N folders"
+        )
     if source.is_file():
         raise CheckpointError(
             f"{source} is a file; a checkpoint is read from a run folder or one of its "

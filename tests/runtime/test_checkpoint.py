@@ -53,6 +53,9 @@ def test_only_the_newest_checkpoints_are_kept_and_none_is_a_clear_error(tmp_path
     for step in range(5):
         save_checkpoint(tmp_path, step, {"step": step}, keep=2)
     assert [p.name for p in checkpoints(tmp_path)] == ["step_000003", "step_000004"]
+    with pytest.raises(CheckpointError, match="empty does not exist; give a run folder"):
+        load_checkpoint(tmp_path / "empty")
+    (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="no checkpoints in"):
         load_checkpoint(tmp_path / "empty")
 
