@@ -16,8 +16,9 @@ Rows are numbered from 1 in messages (``data.jsonl row 17``): the 17th data row 
 from __future__ import annotations
 
 import io
+import logging
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,20 @@ def _open_image(cell: Any, base: Path) -> Any:
         raise TypeError(f"expected a path, bytes or an image, got {type(cell).__name__}")
     image.load()
     return image.convert("RGB")
+
+
+def _quietly(load: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``load(*args, **kwargs)`` with the ``datasets`` loggers' errors held back: a file its
+    reader refuses is logged there ("Failed to load JSON ...") before it raises, and the
+    caller says it once, naming the line (the level is back after)."""
+    from datasets.utils import logging as ds_logging
+
+    level = ds_logging.get_verbosity()
+    ds_logging.set_verbosity(logging.CRITICAL)
+    try:
+        return load(*args, **kwargs)
+    finally:
+        ds_logging.set_verbosity(level)
 
 
 def _root(exc: BaseException) -> str:
@@ -190,7 +205,9 @@ class DatasetSource(Node):
             elif _parquet_rows(self.data_path) == 0:
                 raise ValueError(f"{self.file_label}: the dataset has no rows")
             try:
-                ds = datasets.load_dataset(self.format, data_files=path, split="train", **extra)
+                ds = _quietly(
+                    datasets.load_dataset, self.format, data_files=path, split="train", **extra
+                )
             except Exception as exc:  # say which line, as a reader of the file would count
                 if self.format == "json" and (why := _first_bad_json_line(Path(path))):
                     raise ValueError(why) from exc

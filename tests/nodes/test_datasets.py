@@ -423,9 +423,10 @@ def test_a_pipe_and_one_column_for_prompt_and_image_are_refused(tmp_path):
         DatasetSource(str(path), image_key="prompt")
 
 
-def test_files_a_reader_would_misread_are_named_with_the_line(tmp_path):
+def test_files_a_reader_would_misread_are_named_with_the_line(tmp_path, capfd):
     """Lines that are not one JSON object, a key twice, a column named twice, a mistyped
-    column option and a Parquet file with no rows: each one line naming file and line."""
+    column option and a Parquet file with no rows: each one line naming file and line, and
+    nothing else printed (the ``datasets`` reader's own log of the failure is held back)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -443,6 +444,7 @@ def test_files_a_reader_would_misread_are_named_with_the_line(tmp_path):
         (tmp_path / name).write_text(text)
         with pytest.raises(ValueError, match=message):
             DatasetSource(str(tmp_path / name)).setup()
+    assert "Failed to load" not in capfd.readouterr().err
     good = _jsonl(tmp_path / "good.jsonl", _text_rows(2))
     for option in ("answer_key", "image_key"):
         with pytest.raises(ValueError, match=rf"no column 'colr' \({option}\).*--set {option}="):
