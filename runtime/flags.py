@@ -721,7 +721,8 @@ def parse_replicas(value: str | None) -> dict[str, int]:
             r = 0
         if not sep or not name.strip() or r < 1:
             raise UsageError(
-                f"--replicas takes NODE=R pairs with R >= 1, separated by commas (rollout=2), "
+                f"--replicas takes NODE=R pairs with R >= 1, separated by commas "
+                "(--replicas rollout=2), "
                 f"got {item!r}"
             )
         out[name.strip()] = r

@@ -192,10 +192,8 @@ def typed_words(text: str, target: str) -> str:
     hf``), another with ``--set`` where it is spelled as Python (``stream=True``: ``--set
     stream=true``) or follows "set" (``set tis_cap=0``: ``use --set tis_cap=0``). Other mentions
     (``max_new_tokens=2 more``) are left as they are, as are a quoted echo of what the user
-    typed (``got 'rollout=abc'``), a message about a flag (``--replicas takes NODE=R pairs
-    (rollout=2)``: its words are that flag's) and ``text`` if the graph does not load."""
-    if text.startswith("--"):
-        return text
+    typed (``got 'rollout=abc'``), a flag's value (``--replicas rollout=2``: typed already)
+    and ``text`` if the graph does not load."""
     try:
         options, _ = module_options(load_graph_module(target))
     except Exception:  # the message is about that: say it as it is
@@ -210,8 +208,8 @@ def typed_words(text: str, target: str) -> str:
 
     def typed(match: re.Match[str]) -> str:
         key, raw = match["key"], match["value"]
-        if text[: match.start()].endswith("--set "):
-            return match[0]  # typed already
+        if re.search(r"--[\w-]+ $", text[: match.start()]):
+            return match[0]  # typed already: a flag's value (--set KEY=VALUE, --replicas ...)
         python = raw[0] in "'\"" or raw in ("True", "False", "None")
         if raw[0] in "'\"":
             value, tail = raw[1:-1], ""
@@ -297,8 +295,10 @@ def load(graph: GraphArgs, options: dict[str, Any]) -> tuple[Any, Graph]:
             return config, from_config(config)
         return config, load_graph(ref, **options)
     except Exception as exc:
-        if _ready_graph(ref) and type(exc) in (ValueError, TypeError, UsageError):
-            # a ready graph refusing what the user gave it: the message is the whole line
+        user = (ValueError, TypeError, UsageError, FileNotFoundError, NotADirectoryError)
+        if _ready_graph(ref) and type(exc) in user:
+            # a ready graph refusing what the user gave it (a value, a path that is not
+            # there): the message is the whole line
             raise UsageError(f"{ref}: {exc}") from exc
         where = located(ref, exc)
         if where is None:

@@ -234,7 +234,7 @@ def test_keywords_become_what_the_user_types_and_other_text_stays():
         "pass --set answer_key=<column>",
         "vf_coef=0.5 and value_clip_eps=None",
         "got 'rollout=abc'",  # the user's words, echoed
-        "--replicas takes NODE=R pairs with R >= 1 (rollout=2), got 'rollout=abc'",  # a flag's
+        "--replicas takes NODE=R pairs (--replicas rollout=2), got 'x'",  # a flag's value
     ):
         assert said(text) == text
     assert said("pass on_bad_sample='skip'", "graphs.toy") == "pass on_bad_sample='skip'"
@@ -246,9 +246,52 @@ def test_a_flags_message_keeps_its_own_words(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["run", "mm_ppo", "--replicas", "rollout=abc", "--quiet"]) == 2
     assert one_line(capsys.readouterr().err).endswith(
-        "error: --replicas takes NODE=R pairs with R >= 1, separated by commas (rollout=2), "
-        "got 'rollout=abc'"
+        "error: --replicas takes NODE=R pairs with R >= 1, separated by commas (--replicas "
+        "rollout=2), got 'rollout=abc'"
     )
+
+
+USER_FILES = {
+    "broken.py": "def f(:\n",
+    "boom.py": "import os\n\nraise RuntimeError('boom at import')\n",
+    "fine.py": "def score(text, meta):\n    return 1.0\n\n\nclass Env:\n    pass\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--reward", "broken.py:f"], "reward 'broken.py:f': broken.py:1: SyntaxError: "),
+        (
+            ["--reward", "boom.py:f"],
+            "reward 'boom.py:f': boom.py:3 (raise RuntimeError('boom at import')): RuntimeError: "
+            "boom at import",
+        ),
+        (["--reward", "fine.py:scor"], "reward 'fine.py:scor': fine.py has no 'scor'; what it "
+         "defines to call: Env, score"),
+        (["--reward", "gone.py:f"], "reward 'gone.py:f': Python file 'gone.py' does not exist "
+         "(relative paths are from the folder the run starts in, "),
+        (["--judge", "gone"], "node 'reward': judge model 'gone' is not a directory"),
+        (["--reward-model", "fine.py"], "node 'reward': reward model path 'fine.py' is not a "
+         "directory"),
+        (["--env", "broken.py:Env"], "env 'broken.py:Env' cannot be loaded: broken.py:1: "),
+        (["--env", "fine.py:Envv"], "env 'fine.py:Envv' cannot be loaded: fine.py has no 'Envv'"),
+    ],
+)  # fmt: skip
+def test_a_users_file_or_folder_that_does_not_load_is_one_line_saying_where(
+    flags, said, tmp_path, monkeypatch, capsys
+):
+    """A reward, environment or model the user names that is not there, does not import, or
+    lacks the name: one line naming the place in the user's file, or what it defines, never
+    the graph's own code (``building graphs... failed at graphs/text_grpo.py``)."""
+    monkeypatch.chdir(tmp_path)
+    for name, text in USER_FILES.items():
+        (tmp_path / name).write_text(text)
+    graph = "text_agent" if flags[0] == "--env" else "text_grpo"
+    assert main(["run", graph, *flags, "--steps", "1", "--quiet"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"yatt-graph run: error: graphs.{graph}: ") and said in line, line
+    assert "/graphs/" not in line and "The spellings are" not in line
 
 
 # --- 4. a learning rate that reaches 0 before the run's end -------------------------------

@@ -365,6 +365,36 @@ def located(target: str, exc: BaseException) -> str | None:
     return None
 
 
+def reference_problem(ref: str, exc: BaseException) -> str | None:
+    """What is wrong with a user's reference (``file.py:name``, ``module:name``) that gave
+    ``exc`` when it was resolved: its file is not there (from which folder), its file failed
+    to import (where in it: :func:`located`), or it has no such name (what it defines);
+    None where none of these is the case (no such module: the caller says what it takes)."""
+    module_ref, _, name = ref.rpartition(":")
+    if not module_ref:
+        return None
+    try:
+        module = load_module(module_ref)
+    except FileNotFoundError as missing:
+        return f"{missing} (relative paths are from the folder the run starts in, {Path.cwd()})"
+    except ImportError as failed:
+        return located(module_ref, failed)
+    except Exception:
+        return None
+    first = name.split(".")[0]
+    if hasattr(module, first):
+        return None
+    defined = sorted(
+        key
+        for key, obj in vars(module).items()
+        if callable(obj) and not key.startswith("_")
+        and getattr(obj, "__module__", None) == module.__name__
+    )  # fmt: skip
+    return (
+        f"{module_ref} has no {first!r}; what it defines to call: {', '.join(defined) or 'nothing'}"
+    )
+
+
 def load_graph_module(target: str) -> Any:
     """:func:`yatt_graph.refs.load_module`, with an import error located in the graph's file."""
     try:

@@ -37,7 +37,7 @@ from nodes.rollout import Rollout
 from nodes.seeding import step_seed
 from yatt_graph import ANY, BatchPolicy, Node, Port, UsageError
 from yatt_graph import Tensor as TensorPort
-from yatt_graph.options import unknown_keywords
+from yatt_graph.options import reference_problem, unknown_keywords
 from yatt_graph.refs import import_ref, ref_of
 
 __all__ = ["AgentRollout", "AgentStats", "load_env"]
@@ -56,7 +56,8 @@ def load_env(env: str | type, who: str) -> type:
     try:
         cls = import_ref(env) if isinstance(env, str) else env
     except (ImportError, ValueError, FileNotFoundError) as exc:
-        raise UsageError(f"{who}: env {env!r} cannot be loaded: {exc}") from exc
+        problem = reference_problem(env, exc) if isinstance(env, str) else None
+        raise UsageError(f"{who}: env {env!r} cannot be loaded: {problem or exc}") from exc
     if not isinstance(cls, type) or not all(
         callable(getattr(cls, m, None)) for m in ("reset", "step")
     ):

@@ -36,6 +36,7 @@ from nodes.rewards.judge import JudgeReward
 from nodes.rewards.models import RewardModel
 from nodes.rewards.remote import HttpReward
 from nodes.rewards.rules import RuleReward
+from yatt_graph.options import reference_problem
 
 __all__ = ["REWARD_KINDS", "reward_from_option", "spellings"]
 
@@ -176,5 +177,14 @@ def reward_from_option(
         raise _bad(value, "is not a known spelling")
     try:
         return RuleReward(value, **options)
-    except (ImportError, ValueError) as exc:
-        raise _bad(value, f"the rule reference does not import ({exc})") from exc
+    except (ImportError, ValueError, FileNotFoundError) as exc:
+        raise _unimported(value, exc) from exc
+
+
+def _unimported(value: str, exc: Exception) -> ValueError:
+    """The error for a rule reference (``file.py:fn``, ``module:fn``) that did not give a
+    function: what is wrong with it (:func:`reference_problem`), else the spellings."""
+    problem = reference_problem(value, exc)
+    if problem:
+        return ValueError(f"reward {value!r}: {problem}")
+    return _bad(value, f"the rule reference does not import ({exc})")
