@@ -13,6 +13,7 @@ optimizer states and carried values, not just tensors. Load only checkpoints you
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -30,8 +31,10 @@ __all__ = [
     "CheckpointError",
     "checkpoint_step",
     "checkpoints",
+    "distinct",
     "find_checkpoint",
     "load_checkpoint",
+    "one_copy",
     "save_checkpoint",
 ]
 
@@ -86,7 +89,7 @@ def save_checkpoint(
     tmp.mkdir()
     import torch  # here, not at import: the CLI starts controllers before it loads torch
 
-    torch.save(state, tmp / "state.pt")
+    torch.save(one_copy(state), tmp / "state.pt")
     record = {**(meta or {}), "format": FORMAT, "step": step, "sha256": _sha256(tmp / "state.pt")}
     (tmp / "meta.json").write_text(json.dumps(record))
     if final.exists():
@@ -96,6 +99,91 @@ def save_checkpoint(
     for old in others[: max(0, len(others) - (keep - 1))] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+SHARED_BYTES = 1 << 20
+"""Tensors this large or larger are written once where the state holds them several times."""
+
+
+def one_copy(state: Any) -> Any:
+    """``state`` with each set of equal CPU tensors (of ``SHARED_BYTES`` or more) given as one
+    tensor, so that ``torch.save`` writes it once. A run's state holds many: the update's
+    weights, the newest weight update still on its way to the rollout (a delayed edge, with
+    ``max_staleness``), the critic's copy of the value model on another controller. Only the
+    containers are new (dicts, lists, tuples, weight updates); no tensor is copied or changed.
+    Candidates are grouped by dtype, shape and a strided sample of their values, and merged
+    only when ``torch.equal``. :func:`distinct` undoes the sharing on load."""
+    import msgspec
+    import torch
+
+    from yatt_graph.types import WeightUpdate
+
+    kept: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+
+    def canonical(t: torch.Tensor) -> torch.Tensor:
+        n = t.numel()
+        if t.device.type != "cpu" or n * t.element_size() < SHARED_BYTES or t.is_sparse:
+            return t
+        sample = t.detach().reshape(-1)[:: max(1, n // 256)]
+        values = sample.contiguous().view(torch.uint8).numpy().tobytes()
+        key = (t.dtype, tuple(t.shape), hashlib.blake2b(values).digest())
+        for other in kept.setdefault(key, []):
+            if other is t or torch.equal(other, t):
+                return other
+        kept[key].append(t)
+        return t
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return canonical(x)
+        if isinstance(x, dict | list):
+            out = copy.copy(x)  # (an OrderedDict stays one)
+            for k in x.keys() if isinstance(x, dict) else range(len(x)):
+                out[k] = walk(x[k])
+            return out
+        if type(x) is tuple:
+            return tuple(walk(v) for v in x)
+        if isinstance(x, WeightUpdate):
+            return msgspec.structs.replace(x, weights=walk(x.weights))
+        return x
+
+    return walk(state)
+
+
+def distinct(state: Any) -> Any:
+    """A loaded state with every tensor its own again (:func:`one_copy` wrote some once): a
+    later in-place change to one (an optimizer's moments) must not reach another (the weights
+    a delayed edge still carries). Changes the loaded containers in place; returns ``state``."""
+    import torch
+
+    from yatt_graph.types import WeightUpdate
+
+    seen: set[int] = set()
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cpu" or t.numel() == 0:
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            return t.clone()
+        seen.add(ptr)
+        return t
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return own(x)
+        if isinstance(x, dict):
+            for k in x:
+                x[k] = walk(x[k])
+        elif isinstance(x, list):
+            x[:] = [walk(v) for v in x]
+        elif type(x) is tuple:
+            return tuple(walk(v) for v in x)
+        elif isinstance(x, WeightUpdate):
+            walk(x.weights)
+        return x
+
+    return walk(state)
 
 
 def _read_meta(path: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -177,7 +265,7 @@ def load_checkpoint(
 
     path, _ = find_checkpoint(source, identity)
     try:
-        return path, torch.load(path / "state.pt", weights_only=False)
+        return path, distinct(torch.load(path / "state.pt", weights_only=False))
     except Exception as exc:  # it matched its checksum: written damaged or by another torch
         raise CheckpointError(
             f"{path / 'state.pt'} does not load ({type(exc).__name__}: {exc})"

@@ -87,3 +87,42 @@ def test_a_step_folder_without_meta_json_is_named(tmp_path):
         CheckpointError, match=r"step_000002 has no meta.json: not a whole checkpoint"
     ):
         load_checkpoint(step)
+
+
+def test_equal_tensors_are_written_once_and_loaded_as_their_own(tmp_path):
+    """The update's weights, the same weights still on a delayed edge, and a copy of them
+    elsewhere: one copy in state.pt. Loaded back, each is its own tensor again, so an
+    in-place step on one (an optimizer's moment) leaves the others as they were; the state
+    handed to the save is not changed."""
+    import torch
+
+    from yatt_graph.types import WeightUpdate
+
+    weights = {"w": torch.randn(512, 1024), "b": torch.zeros(1024)}  # 2 MiB and 4 KiB
+    update = WeightUpdate({k: v.clone() for k, v in weights.items()}, version=3)
+    older = WeightUpdate({"w": weights["w"] + 1, "b": weights["b"]}, version=2)
+    moment = torch.zeros(512, 1024)
+    state = {
+        "nodes": {"ppo": {"policy": weights, "moment": moment}, "critic": {"w": weights["w"].clone()}},
+        "delayed": [["ppo", "weights", 1, older], ["ppo", "weights", 2, update]],
+    }  # fmt: skip
+    save_checkpoint(tmp_path, 3, state)
+    size = (tmp_path / "checkpoints" / "step_000003" / "state.pt").stat().st_size
+    mib = 1 << 20
+    # w, the older w + 1 and the moment (and small ones); not w three times over: 5 x 2 MiB
+    assert 3 * 2 * mib <= size < 3 * 2 * mib + mib // 2, size
+    assert state["delayed"][1][3] is update and update.weights["w"] is not weights["w"]
+    _, loaded = load_checkpoint(tmp_path)
+    got = loaded["nodes"]["ppo"]["policy"]["w"]
+    assert torch.equal(got, weights["w"]) and torch.equal(loaded["nodes"]["critic"]["w"], got)
+    sent = loaded["delayed"][1][3]
+    assert isinstance(sent, WeightUpdate) and sent.version == 3
+    assert torch.equal(sent.weights["w"], got) and torch.equal(
+        loaded["delayed"][0][3].weights["w"], weights["w"] + 1
+    )
+    loaded["nodes"]["ppo"]["moment"].add_(1.0)  # an optimizer step on the loaded moment
+    got.mul_(2)
+    assert torch.equal(sent.weights["w"], weights["w"]) and torch.equal(
+        loaded["nodes"]["critic"]["w"], weights["w"]
+    )
+    assert not loaded["delayed"][0][3].weights["b"].any()
