@@ -65,4 +65,8 @@ def test_a_max_new_tokens_the_user_set_is_kept_and_refused_where_it_cannot_fit(
     )  # fmt: skip
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
-    assert "max_new_tokens=40" in done.stderr and "takes 32" in done.stderr, done.stderr
+    assert done.stderr.endswith(
+        "error: graphs.text_grpo: option max_new_tokens=40: must be below the model's context, "
+        "32 positions, which the prompt shares\n"
+    ), done.stderr  # refused when the options are read, before any model loads
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
