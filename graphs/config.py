@@ -118,16 +118,22 @@ def users_model(policy: str | dict[str, Any]) -> bool:
     return path is not None and not is_tiny_dir(path)
 
 
+def _folder(policy: str | dict[str, Any]) -> str | None:
+    """The folder a policy option names (the string, or a spec's ``path``), if it is text."""
+    path = policy.get("path") if isinstance(policy, dict) else policy
+    return path if isinstance(path, str) else None
+
+
 def _positions(policy: str | dict[str, Any]) -> int | None:
     """The context of a policy given as a folder (:func:`model_positions`), else None."""
-    path = policy.get("path") if isinstance(policy, dict) else policy
-    return model_positions(path) if isinstance(path, str) else None
+    path = _folder(policy)
+    return model_positions(path) if path is not None else None
 
 
 def _templated(policy: str | dict[str, Any]) -> bool:
     """Whether a policy given as a folder has a chat template (:func:`has_chat_template`)."""
-    path = policy.get("path") if isinstance(policy, dict) else policy
-    return isinstance(path, str) and has_chat_template(path)
+    path = _folder(policy)
+    return path is not None and has_chat_template(path)
 
 
 def fitted_new_tokens(policy: str | dict[str, Any], default: int) -> tuple[int, str]:

@@ -316,11 +316,7 @@ def graph_input(graph: str) -> Iterator[None]:
         raise
     except (ValueError, TypeError) as exc:
         text = str(exc)  # a message that names the graph already is the whole line
-        if text.startswith(f"{graph}: ") or f" of {graph}: " in text:
-            pass
-        elif text.startswith("option "):  # an option's value refused: the line says which
-            text = f"{graph}: {text}"
-        else:
+        if not (text.startswith(f"{graph}: ") or f" of {graph}: " in text):
             text = f"{graph}: {type(exc).__name__}: {text}"
         raise UsageError(text) from exc
 

@@ -365,11 +365,11 @@ def located(target: str, exc: BaseException) -> str | None:
     return None
 
 
-def reference_problem(ref: str, exc: BaseException) -> str | None:
-    """What is wrong with a user's reference (``file.py:name``, ``module:name``) that gave
-    ``exc`` when it was resolved: its file is not there (from which folder), its file failed
-    to import (where in it: :func:`located`), or it has no such name (what it defines);
-    None where none of these is the case (no such module: the caller says what it takes)."""
+def reference_problem(ref: str) -> str | None:
+    """What is wrong with a user's reference (``file.py:name``, ``module:name``) that failed
+    to resolve: its file is not there (from which folder), its file failed to import (where
+    in it: :func:`located`), or it has no such name (what it defines); None where none of
+    these is the case (no such module: the caller says what it takes)."""
     module_ref, _, name = ref.rpartition(":")
     if not module_ref:
         return None

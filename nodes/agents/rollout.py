@@ -56,7 +56,7 @@ def load_env(env: str | type, who: str) -> type:
     try:
         cls = import_ref(env) if isinstance(env, str) else env
     except (ImportError, ValueError, FileNotFoundError) as exc:
-        problem = reference_problem(env, exc) if isinstance(env, str) else None
+        problem = reference_problem(env) if isinstance(env, str) else None
         raise UsageError(f"{who}: env {env!r} cannot be loaded: {problem or exc}") from exc
     if not isinstance(cls, type) or not all(
         callable(getattr(cls, m, None)) for m in ("reset", "step")

@@ -184,7 +184,7 @@ def reward_from_option(
 def _unimported(value: str, exc: Exception) -> ValueError:
     """The error for a rule reference (``file.py:fn``, ``module:fn``) that did not give a
     function: what is wrong with it (:func:`reference_problem`), else the spellings."""
-    problem = reference_problem(value, exc)
+    problem = reference_problem(value)
     if problem:
         return ValueError(f"reward {value!r}: {problem}")
     return _bad(value, f"the rule reference does not import ({exc})")

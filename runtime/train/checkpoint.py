@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,31 @@ SHARED_BYTES = 1 << 20
 """Tensors this large or larger are written once where the state holds them several times."""
 
 
+def _map_tensors(state: Any, fn: Callable[[Any], Any]) -> Any:
+    """``state`` with ``fn(t)`` in place of each tensor ``t`` in its dicts, lists, plain tuples
+    and weight updates; those containers are new, everything else is as it was."""
+    import msgspec
+    import torch
+
+    from yatt_graph.types import WeightUpdate
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x)
+        if isinstance(x, dict | list):
+            out = copy.copy(x)  # (an OrderedDict stays one)
+            for k in x.keys() if isinstance(x, dict) else range(len(x)):
+                out[k] = walk(x[k])
+            return out
+        if type(x) is tuple:
+            return tuple(walk(v) for v in x)
+        if isinstance(x, WeightUpdate):
+            return msgspec.structs.replace(x, weights=walk(x.weights))
+        return x
+
+    return walk(state)
+
+
 def one_copy(state: Any) -> Any:
     """``state`` with each set of equal CPU tensors (of ``SHARED_BYTES`` or more) given as one
     tensor, so that ``torch.save`` writes it once. A run's state holds many: the update's
@@ -113,10 +139,7 @@ def one_copy(state: Any) -> Any:
     containers are new (dicts, lists, tuples, weight updates); no tensor is copied or changed.
     Candidates are grouped by dtype, shape and a strided sample of their values, and merged
     only when ``torch.equal``. :func:`distinct` undoes the sharing on load."""
-    import msgspec
     import torch
-
-    from yatt_graph.types import WeightUpdate
 
     kept: dict[tuple[Any, ...], list[torch.Tensor]] = {}
 
@@ -133,34 +156,16 @@ def one_copy(state: Any) -> Any:
         kept[key].append(t)
         return t
 
-    def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return canonical(x)
-        if isinstance(x, dict | list):
-            out = copy.copy(x)  # (an OrderedDict stays one)
-            for k in x.keys() if isinstance(x, dict) else range(len(x)):
-                out[k] = walk(x[k])
-            return out
-        if type(x) is tuple:
-            return tuple(walk(v) for v in x)
-        if isinstance(x, WeightUpdate):
-            return msgspec.structs.replace(x, weights=walk(x.weights))
-        return x
-
-    return walk(state)
+    return _map_tensors(state, canonical)
 
 
 def distinct(state: Any) -> Any:
     """A loaded state with every tensor its own again (:func:`one_copy` wrote some once): a
     later in-place change to one (an optimizer's moments) must not reach another (the weights
-    a delayed edge still carries). Changes the loaded containers in place; returns ``state``."""
-    import torch
-
-    from yatt_graph.types import WeightUpdate
-
+    a delayed edge still carries)."""
     seen: set[int] = set()
 
-    def own(t: torch.Tensor) -> torch.Tensor:
+    def own(t: Any) -> Any:
         if t.device.type != "cpu" or t.numel() == 0:
             return t
         ptr = t.untyped_storage().data_ptr()
@@ -169,21 +174,7 @@ def distinct(state: Any) -> Any:
         seen.add(ptr)
         return t
 
-    def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return own(x)
-        if isinstance(x, dict):
-            for k in x:
-                x[k] = walk(x[k])
-        elif isinstance(x, list):
-            x[:] = [walk(v) for v in x]
-        elif type(x) is tuple:
-            return tuple(walk(v) for v in x)
-        elif isinstance(x, WeightUpdate):
-            walk(x.weights)
-        return x
-
-    return walk(state)
+    return _map_tensors(state, own)
 
 
 def _read_meta(path: Path) -> tuple[dict[str, Any] | None, str | None]:
